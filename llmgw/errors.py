@@ -1,0 +1,63 @@
+"""The one exception tree of llmgw.
+
+Library errors (paramiko, git, jsonschema, aiohttp) are wrapped at the boundary with
+``raise ... from exc`` so nothing above the boundary knows which library failed, and
+callers retry by type, never by message::
+
+    LlmgwError
+    ├── CatalogError          a catalog cannot be read or is invalid (carries problems)
+    ├── GitError              fetching, reading or pushing the catalog repository failed
+    │   └── PushRejected      the remote refused a push (someone pushed first, or read-only)
+    ├── DispatchError         talking to a node failed
+    │   ├── NodeUnreachable   connect / transport failure: worth retrying later (temporary)
+    │   ├── HostKeyRejected   unknown or changed host key: an operator must act (permanent)
+    │   └── AgentError        the agent answered with an error for this request
+    ├── PlacementError        no placement is possible (carries the rejections)
+    └── ConfigError           the controller's own configuration is unusable
+"""
+
+from __future__ import annotations
+
+
+class LlmgwError(Exception):
+    """Base of every error llmgw raises on purpose."""
+
+
+class CatalogError(LlmgwError):
+    """A catalog could not be loaded; ``problems`` lists every reason with its location."""
+
+    def __init__(self, message: str, problems: tuple = ()) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
+class GitError(LlmgwError):
+    """A git operation on the catalog repository failed."""
+
+
+class PushRejected(GitError):
+    """The remote refused a push."""
+
+
+class DispatchError(LlmgwError):
+    """A call to a node's agent failed."""
+
+
+class NodeUnreachable(DispatchError):
+    """The node could not be reached or the connection broke; temporary."""
+
+
+class HostKeyRejected(DispatchError):
+    """The node's host key is unknown or changed; permanent until an operator trusts it."""
+
+
+class AgentError(DispatchError):
+    """The agent ran and answered with an error for this request."""
+
+
+class PlacementError(LlmgwError):
+    """No placement is possible."""
+
+
+class ConfigError(LlmgwError):
+    """The controller's own configuration is unusable."""
