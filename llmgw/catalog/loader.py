@@ -1,0 +1,185 @@
+"""Read a catalog from a directory or a git commit, and validate it in both layers.
+
+The readers only gather bytes (I/O at the edge); `validate_files` is pure and is what
+the CLI, the controller and `llmgw diff` all call, so they can never disagree about
+whether a commit is valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmgw.catalog.build import build_model, build_node, build_settings
+from llmgw.catalog.model import Catalog, Model, Settings
+from llmgw.catalog.problems import Problem
+from llmgw.catalog.schema import check_schema
+from llmgw.catalog.semantic import ModelEntry, NodeEntry, check_catalog
+from llmgw.catalog.yamlpos import Document, parse_yaml
+from llmgw.errors import CatalogError
+
+# A model file is a few dozen lines; a file this large is a mistake (a weights file
+# committed by hand, a generated dump) and parsing it would only hide that.
+MAX_FILE_BYTES = 1024 * 1024
+
+SETTINGS_FILE = "llmgw.yaml"
+NODES_FILE = "nodes.yaml"
+MODELS_DIR = "models"
+
+
+@dataclass(frozen=True)
+class RawFile:
+    """A catalog file's bytes; ``size`` is the real size even when ``data`` was cut short."""
+
+    path: str
+    data: bytes
+    size: int
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    catalog: Catalog | None
+    problems: tuple[Problem, ...]
+    files: int
+
+    @property
+    def ok(self) -> bool:
+        return self.catalog is not None and not self.problems
+
+
+def is_catalog_file(rel: str) -> bool:
+    """The files a catalog is made of, as paths relative to the catalog root."""
+    if rel in (SETTINGS_FILE, NODES_FILE, "llmgw.yml", "nodes.yml"):
+        return True
+    parts = rel.split("/")
+    return len(parts) == 2 and parts[0] == MODELS_DIR and parts[1].endswith((".yaml", ".yml"))
+
+
+def read_directory(root: str | Path) -> dict[str, RawFile]:
+    """The catalog files under ``root``, read at most MAX_FILE_BYTES + 1 each."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CatalogError(f"{root}: not a directory")
+    candidates = [root / n for n in (SETTINGS_FILE, "llmgw.yml", NODES_FILE, "nodes.yml")]
+    models = root / MODELS_DIR
+    if models.is_dir():
+        candidates += sorted(p for p in models.iterdir() if p.suffix in (".yaml", ".yml"))
+    out = {}
+    for p in candidates:
+        if not p.is_file():
+            continue
+        rel = p.relative_to(root).as_posix()
+        with p.open("rb") as fh:
+            data = fh.read(MAX_FILE_BYTES + 1)
+        out[rel] = RawFile(rel, data, p.stat().st_size)
+    return out
+
+
+def _decode(raw: RawFile) -> tuple[str | None, Problem | None]:
+    if raw.size > MAX_FILE_BYTES:
+        mb = raw.size / (1024 * 1024)
+        return None, Problem(raw.path, 1, 1, f"file is {mb:.1f} MiB; a catalog file may be at most 1 MiB")
+    try:
+        text = raw.data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.data[: exc.start].count(b"\n") + 1
+        return None, Problem(
+            raw.path, line, 1, f"not UTF-8 text: byte 0x{raw.data[exc.start]:02x} at offset {exc.start}"
+        )
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    if not text.strip() or all(
+        not ln.strip() or ln.lstrip().startswith("#") for ln in text.splitlines()
+    ):
+        return None, Problem(raw.path, 1, 1, "file is empty; expected a mapping")
+    return text, None
+
+
+def _parse(raw: RawFile, kind: str, problems: list[Problem]) -> Document | None:
+    """Decode, parse, and schema-check one file; None unless it is fit for the next layer."""
+    text, problem = _decode(raw)
+    if problem:
+        problems.append(problem)
+        return None
+    assert text is not None
+    doc, found = parse_yaml(raw.path, text)
+    problems.extend(found)
+    if doc is None:
+        return None
+    if not isinstance(doc.data, dict):
+        kind_name = "a list" if isinstance(doc.data, list) else "a single value"
+        problems.append(Problem(raw.path, 1, 1, f"expected a mapping at the top level, found {kind_name}"))
+        return None
+    schema_problems = check_schema(kind, doc)
+    problems.extend(schema_problems)
+    return None if schema_problems or found else doc
+
+
+def validate_files(files: Mapping[str, RawFile], *, revision: str | None = None) -> ValidationResult:
+    """Validate a whole catalog; every problem at once, the Catalog only when there are none."""
+    problems: list[Problem] = []
+    names = set(files)
+
+    settings_name = next((n for n in (SETTINGS_FILE, "llmgw.yml") if n in names), None)
+    settings_doc = _parse(files[settings_name], "settings", problems) if settings_name else None
+    settings = build_settings(settings_doc, problems) if settings_doc else Settings()
+
+    nodes_name = next((n for n in (NODES_FILE, "nodes.yml") if n in names), None)
+    node_entries: list[NodeEntry] = []
+    if nodes_name is None:
+        problems.append(Problem(NODES_FILE, 1, 1, "nodes.yaml is missing; a catalog must declare its nodes"))
+    else:
+        nodes_doc = _parse(files[nodes_name], "nodes", problems)
+        if nodes_doc is not None:
+            node_entries = [
+                NodeEntry(build_node(raw), nodes_doc, i) for i, raw in enumerate(nodes_doc.data["nodes"])
+            ]
+
+    entries: list[ModelEntry] = []
+    unusable_names: set[str] = set()
+    for name in sorted(n for n in names if n.startswith(MODELS_DIR + "/")):
+        doc = _parse(files[name], "model", problems)
+        if doc is None:
+            unusable_names.update(_names_in_broken_file(files[name]))
+            continue
+        entries.append(ModelEntry(build_model(doc, settings, problems), doc))
+
+    problems += check_catalog(entries, node_entries, settings, other_model_names=unusable_names)
+    problems = sorted(set(problems))
+    if problems:
+        return ValidationResult(None, tuple(problems), len(files))
+    models: tuple[Model, ...] = tuple(e.model for e in entries)
+    catalog = Catalog(
+        models=models, nodes=tuple(n.node for n in node_entries), settings=settings, revision=revision
+    )
+    return ValidationResult(catalog, (), len(files))
+
+
+def _names_in_broken_file(raw: RawFile) -> set[str]:
+    """Best-effort names of a model file that failed validation.
+
+    A fallback pointing at a model whose file is broken is not a second mistake; the
+    file's stem counts too, since model files are named after their model and a file
+    that does not even parse has no readable name.
+    """
+    out = {raw.path.rsplit("/", 1)[-1].rsplit(".", 1)[0]}
+    if raw.size > MAX_FILE_BYTES:
+        return out
+    doc, _ = parse_yaml(raw.path, raw.data.decode("utf-8", errors="replace"))
+    if doc is None or not isinstance(doc.data, dict):
+        return out
+    if isinstance(doc.data.get("name"), str):
+        out.add(doc.data["name"])
+    aliases = doc.data.get("aliases")
+    if isinstance(aliases, list):
+        out.update(a for a in aliases if isinstance(a, str))
+    return out
+
+
+def load_directory(root: str | Path) -> Catalog:
+    """The valid catalog under ``root``; CatalogError carrying every problem otherwise."""
+    result = validate_files(read_directory(root))
+    if result.catalog is None:
+        raise CatalogError(f"{root}: catalog has {len(result.problems)} problem(s)", result.problems)
+    return result.catalog

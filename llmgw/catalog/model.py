@@ -1,0 +1,164 @@
+"""The validated catalog as frozen data: what every other part of llmgw reads.
+
+Nothing here does I/O. A `Catalog` only exists once validation passed, so code that
+holds one may rely on unique names, existing fallbacks and parsed durations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Literal, NewType
+
+ModelName = NewType("ModelName", str)
+NodeId = NewType("NodeId", str)
+
+Engine = Literal["vllm", "sglang", "llama.cpp", "sim"]
+Task = Literal["chat", "completion", "embedding"]
+Transport = Literal["ssh", "local"]
+
+CACHE_PREFIX = "llmgw-"
+
+
+def cache_name(source: str) -> str:
+    """The cache entry name of ``source`` on every node: ``llmgw-`` + sha256 hex of the text.
+
+    The one definition every part uses: because the name is a function of the source,
+    the set of wanted entries is computed from the catalog exactly, and an entry whose
+    name matches no source is an orphan, never a guess.
+    """
+    return CACHE_PREFIX + hashlib.sha256(source.encode("utf-8")).hexdigest()
+
+
+def is_operator_path(source: str) -> bool:
+    """A plain absolute path is an operator's copy on the nodes: never fetched or deleted."""
+    return source.startswith("/")
+
+
+@dataclass(frozen=True)
+class Scaling:
+    min: int = 1
+    max: int = 1
+    idle_after: float | None = None  # seconds; None = never stopped for idleness
+    target_inflight: int = 16
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    priority: int
+    engine: Engine
+    gpus: int
+    nodes: int = 1
+    gpu_class: tuple[str, ...] = ()
+    gpu_memory_gb: float | None = None
+    memory_gb: float | None = None
+    pool: str | None = None
+    fabric: str | None = None
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def sharded(self) -> bool:
+        return self.nodes > 1
+
+
+@dataclass(frozen=True)
+class Model:
+    name: ModelName
+    source: str
+    size_gb: float
+    profiles: tuple[Profile, ...]
+    aliases: tuple[str, ...] = ()
+    task: Task = "chat"
+    scaling: Scaling = field(default_factory=Scaling)
+    fallbacks: tuple[ModelName, ...] = ()
+    file: str = ""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name a client may use for this model, canonical name first."""
+        return (self.name, *self.aliases)
+
+    @property
+    def cache_name(self) -> str | None:
+        """Cache entry on a node, or None for an operator's own copy (never fetched)."""
+        return None if is_operator_path(self.source) else cache_name(self.source)
+
+    def profiles_by_priority(self) -> tuple[Profile, ...]:
+        return tuple(sorted(self.profiles, key=lambda p: p.priority))
+
+    def profile(self, name: str) -> Profile | None:
+        return next((p for p in self.profiles if p.name == name), None)
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    count: int
+    gpu_class: str
+    memory_gb: float
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    id: NodeId
+    address: str
+    port: int = 22
+    user: str = "llmgw"
+    transport: Transport = "ssh"
+    pool: str = "default"
+    fabric: str | None = None
+    labels: tuple[tuple[str, str], ...] = ()
+    gpus: GpuSpec | None = None
+    memory_gb: float | None = None
+    disk_gb: float | None = None
+
+
+@dataclass(frozen=True)
+class PruneGuard:
+    max_model_share: float = 0.5
+    max_replica_share: float = 0.5
+
+
+@dataclass(frozen=True)
+class Settings:
+    pools: tuple[str, ...] = ()
+    default_scaling: Scaling = field(default_factory=Scaling)
+    prune_guard: PruneGuard = field(default_factory=PruneGuard)
+
+
+@dataclass(frozen=True)
+class Catalog:
+    models: tuple[Model, ...] = ()
+    nodes: tuple[NodeSpec, ...] = ()
+    settings: Settings = field(default_factory=Settings)
+    revision: str | None = None
+    _index: dict[str, Model] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Validation guarantees names and aliases are unique, so one flat index serves
+        # every lookup a request makes.
+        index: dict[str, Model] = {}
+        for m in self.models:
+            for n in m.names:
+                index.setdefault(n, m)
+        object.__setattr__(self, "_index", index)
+
+    def resolve(self, name_or_alias: str) -> Model | None:
+        """The model a client means by ``name_or_alias``, or None."""
+        return self._index.get(name_or_alias)
+
+    def model(self, name: str) -> Model | None:
+        m = self._index.get(name)
+        return m if m is not None and m.name == name else None
+
+    def node(self, node_id: str) -> NodeSpec | None:
+        return next((n for n in self.nodes if n.id == node_id), None)
+
+    @property
+    def model_names(self) -> tuple[ModelName, ...]:
+        return tuple(m.name for m in self.models)
+
+    def wanted_cache_names(self) -> frozenset[str]:
+        """Cache entries this catalog wants kept on nodes; anything else cache-named is an orphan."""
+        return frozenset(n for n in (m.cache_name for m in self.models) if n is not None)

@@ -1,0 +1,314 @@
+"""Second layer of validation: the rules a JSON Schema cannot express.
+
+Each rule takes built objects plus the documents they came from (for `file:line`) and
+returns Problems; none of them stops at the first finding, so an operator fixes a
+catalog in one pass instead of one error per push.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from llmgw.catalog.model import Model, NodeSpec, Profile, Settings
+from llmgw.catalog.problems import Problem
+from llmgw.catalog.yamlpos import Document
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    model: Model
+    doc: Document
+
+
+@dataclass(frozen=True)
+class NodeEntry:
+    node: NodeSpec
+    doc: Document
+    index: int
+
+
+# What a shell would give meaning to. Sources end up in argv lists, never a shell, but a
+# source carrying these is a mistake or an attack either way, and refusing it here means
+# no later part has to be careful twice.
+_SHELL_CHARS = set(";&|`$<>'\"\\(){}*?!#~\n\r\t ")
+_HF = re.compile(r"^hf://[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._/-]+)?$")
+
+
+def source_problem(source: str) -> str | None:
+    """Why ``source`` is unusable, or None. Known schemes: hf, http(s), file, absolute path."""
+    bad = sorted({c for c in source if c in _SHELL_CHARS or not c.isprintable()})
+    if bad:
+        shown = ", ".join(repr(c) for c in bad)
+        return f"source contains whitespace or shell metacharacters ({shown})"
+    if source.startswith("hf://"):
+        if not _HF.match(source):
+            return "source hf:// must be hf://org/repo or hf://org/repo@revision"
+        return None
+    if source.startswith(("http://", "https://")):
+        if not urlsplit(source).hostname:
+            return "source URL has no host"
+        return None
+    if source.startswith("file://"):
+        path = source[len("file://"):]
+        if not path.startswith("/"):
+            return "source file:// must name an absolute path (file:///path)"
+    elif source.startswith("/"):
+        path = source
+    else:
+        scheme = source.split("://", 1)[0] if "://" in source else ""
+        known = "hf://, https://, http://, file:// or an absolute path"
+        return f'source scheme "{scheme}" is not supported; use {known}' if scheme else (
+            f"source must be {known}")
+    # A path with ".." or "//" names the same file two ways, and the cache name is a hash
+    # of the text: two spellings would fetch the same weights twice.
+    if ".." in path.split("/") or posixpath.normpath(path) != path.rstrip("/") or "//" in path:
+        return "source path must be normalised (no '..', '.' or '//')"
+    return None
+
+
+def check_sources(entries: Iterable[ModelEntry]) -> list[Problem]:
+    out = []
+    for e in entries:
+        why = source_problem(e.model.source)
+        if why:
+            out.append(e.doc.problem(("source",), why))
+    return out
+
+
+def check_unique_names(entries: list[ModelEntry]) -> list[Problem]:
+    """Names and aliases share one namespace: a client's model string must mean one model."""
+    owner: dict[str, tuple[ModelEntry, str]] = {}
+    out = []
+    # Canonical names first: when an alias collides with another model's name, the alias
+    # is the mistake, whichever file sorts first.
+    claims = [(e, 0, e.model.name) for e in entries]
+    claims += [(e, i + 1, a) for e in entries for i, a in enumerate(e.model.aliases)]
+    for e, i, name in claims:
+        path = ("name",) if i == 0 else ("aliases", i - 1)
+        kind = "name" if i == 0 else "alias"
+        if name not in owner:
+            owner[name] = (e, kind)
+            continue
+        first, first_kind = owner[name]
+        if first is e:
+            out.append(e.doc.problem(path, f'alias "{name}" repeats the model\'s own name'))
+            continue
+        line, _ = first.doc.at(("name",))
+        out.append(e.doc.problem(
+            path,
+            f'{kind} "{name}" is already the {first_kind} of model "{first.model.name}" '
+            f"({first.doc.file}:{line})",
+        ))
+    return out
+
+
+def check_fallbacks(entries: list[ModelEntry], known_names: set[str]) -> list[Problem]:
+    """Fallbacks exist, are not the model itself, and never lead back to it."""
+    by_name = {e.model.name: e for e in entries}
+    for e in entries:
+        for a in e.model.aliases:
+            by_name.setdefault(a, e)
+    out = []
+    for e in entries:
+        for i, fb in enumerate(e.model.fallbacks):
+            if by_name.get(fb) is e:
+                out.append(e.doc.problem(("fallbacks", i), f'model "{e.model.name}" lists itself as a fallback'))
+            elif fb not in by_name and fb not in known_names:
+                out.append(e.doc.problem(("fallbacks", i), f'fallback "{fb}" is not in the catalog'))
+    # Cycle detection over canonical names, each cycle reported once, at the model the
+    # walk entered it by. Iterative: a fallback chain may be as long as the catalog.
+    graph = {
+        e.model.name: [by_name[f].model.name for f in e.model.fallbacks if f in by_name and by_name[f] is not e]
+        for e in entries
+    }
+    entry_of = {e.model.name: e for e in entries}
+    for cycle in find_cycles(graph):
+        chain = " → ".join([*cycle, cycle[0]])
+        out.append(entry_of[cycle[0]].doc.problem(("fallbacks",), f"fallbacks form a cycle: {chain}"))
+    return out
+
+
+def find_cycles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """One cycle per back edge met in a depth-first walk, in the graph's insertion order."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = finished
+    cycles = []
+    for root in graph:
+        if root in state:
+            continue
+        path = [root]
+        state[root] = 1
+        stack = [iter(graph.get(root, ()))]
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                stack.pop()
+                state[path.pop()] = 2
+                continue
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):])
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(graph.get(nxt, ())))
+    return cycles
+
+
+def check_scaling(entries: Iterable[ModelEntry]) -> list[Problem]:
+    out = []
+    for e in entries:
+        s = e.model.scaling
+        if s.min > s.max:
+            out.append(e.doc.problem(
+                ("scaling", "min"), f"scaling.min ({s.min}) is greater than scaling.max ({s.max})"
+            ))
+    return out
+
+
+def check_profiles(entries: Iterable[ModelEntry]) -> list[Problem]:
+    out = []
+    for e in entries:
+        seen: set[str] = set()
+        for i, p in enumerate(e.model.profiles):
+            if p.name in seen:
+                out.append(e.doc.problem(("profiles", i, "name"), f'profile name "{p.name}" is used twice'))
+            seen.add(p.name)
+            if p.sharded and not p.fabric:
+                out.append(e.doc.problem(
+                    ("profiles", i, "nodes"),
+                    f'profile "{p.name}" spans {p.nodes} nodes but names no fabric; '
+                    "a sharded replica needs an interconnect such as infiniband",
+                ))
+            if p.gpus == 0 and p.gpu_class:
+                out.append(e.doc.problem(
+                    ("profiles", i, "gpu_class"), f'profile "{p.name}" asks for 0 GPUs but names a gpu_class'
+                ))
+    return out
+
+
+def check_pools(
+    entries: Iterable[ModelEntry], nodes: Iterable[NodeEntry], settings: Settings
+) -> list[Problem]:
+    """Pools must be declared in llmgw.yaml, when it declares any: a typo strands a model."""
+    if not settings.pools:
+        return []
+    declared = ", ".join(settings.pools)
+    out = []
+    for n in nodes:
+        if n.node.pool not in settings.pools:
+            out.append(n.doc.problem(("nodes", n.index, "pool"),
+                                     f'pool "{n.node.pool}" is not declared in llmgw.yaml (declared: {declared})'))
+    for e in entries:
+        for i, p in enumerate(e.model.profiles):
+            if p.pool and p.pool not in settings.pools:
+                out.append(e.doc.problem(("profiles", i, "pool"),
+                                         f'pool "{p.pool}" is not declared in llmgw.yaml (declared: {declared})'))
+    return out
+
+
+def check_nodes(nodes: list[NodeEntry]) -> list[Problem]:
+    out = []
+    ids: dict[str, NodeEntry] = {}
+    addrs: dict[tuple[str, int], NodeEntry] = {}
+    for n in nodes:
+        if n.node.id in ids:
+            out.append(n.doc.problem(("nodes", n.index, "id"), f'node id "{n.node.id}" is used twice'))
+        ids.setdefault(n.node.id, n)
+        if n.node.transport == "ssh":
+            key = (n.node.address, n.node.port)
+            if key in addrs:
+                out.append(n.doc.problem(
+                    ("nodes", n.index, "address"),
+                    f'node "{n.node.id}" has the same address and port as node "{addrs[key].node.id}"',
+                ))
+            addrs.setdefault(key, n)
+    return out
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+def node_lacks(profile: Profile, node: NodeSpec, size_gb: float) -> list[str]:
+    """What ``node`` lacks to hold one shard of ``profile``, judged on its declared spec."""
+    lacks = []
+    if profile.pool and node.pool != profile.pool:
+        lacks.append(f'pool "{profile.pool}" (is in "{node.pool}")')
+    if profile.gpus > 0:
+        g = node.gpus
+        have = g.count if g else 0
+        if have < profile.gpus:
+            lacks.append(f"{profile.gpus} GPUs (has {have})")
+        if g and profile.gpu_class and g.gpu_class not in profile.gpu_class:
+            lacks.append(f"a GPU of class {' or '.join(profile.gpu_class)} (has {g.gpu_class})")
+        if g and profile.gpu_memory_gb and g.memory_gb < profile.gpu_memory_gb:
+            lacks.append(f"{_fmt(profile.gpu_memory_gb)} GB per GPU (has {_fmt(g.memory_gb)})")
+    if profile.memory_gb and node.memory_gb is not None and node.memory_gb < profile.memory_gb:
+        lacks.append(f"{_fmt(profile.memory_gb)} GB of RAM (has {_fmt(node.memory_gb)})")
+    if node.disk_gb is not None and node.disk_gb < size_gb:
+        lacks.append(f"{_fmt(size_gb)} GB of disk (has {_fmt(node.disk_gb)})")
+    if profile.sharded and profile.fabric and node.fabric != profile.fabric:
+        lacks.append(f"fabric {profile.fabric} (has {node.fabric or 'none'})")
+    return lacks
+
+
+def check_fit(entries: Iterable[ModelEntry], nodes: list[NodeEntry], settings: Settings) -> list[Problem]:
+    """Each profile could run on the declared fleet; otherwise name the closest node and its lacks.
+
+    Judged on the declared fleet, not the live one: this says a profile can never run
+    here, which is a mistake in the commit. Whether there is room right now is placement's
+    question, answered at run time.
+    """
+    if not nodes:
+        return []
+    out = []
+    for e in entries:
+        for i, p in enumerate(e.model.profiles):
+            if p.pool and settings.pools and p.pool not in settings.pools:
+                continue  # the undeclared pool is reported; "fits no node" would repeat it
+            judged = [(node_lacks(p, n.node, e.model.size_gb), n.node) for n in nodes]
+            fitting = [n for lacks, n in judged if not lacks]
+            if len(fitting) >= p.nodes:
+                continue
+            if fitting:  # sharded: some fit, not enough of them
+                names = ", ".join(n.id for n in fitting)
+                out.append(e.doc.problem(
+                    ("profiles", i),
+                    f'profile "{p.name}" needs {p.nodes} nodes on fabric {p.fabric} that can each hold a '
+                    f"shard; only {len(fitting)} can ({names})",
+                ))
+                continue
+            lacks, closest = min(judged, key=lambda x: len(x[0]))
+            out.append(e.doc.problem(
+                ("profiles", i),
+                f'profile "{p.name}" fits no node in nodes.yaml; the closest, "{closest.id}", '
+                f"lacks {', '.join(lacks)}",
+            ))
+    return out
+
+
+def check_catalog(
+    entries: list[ModelEntry],
+    nodes: list[NodeEntry],
+    settings: Settings,
+    *,
+    other_model_names: set[str],
+) -> list[Problem]:
+    """Every semantic rule over the models and nodes that passed the schema layer.
+
+    ``other_model_names`` are names read from files that failed the schema: a fallback to
+    a model whose file has a typo is that file's problem, not a second one here.
+    """
+    return [
+        *check_sources(entries),
+        *check_unique_names(entries),
+        *check_fallbacks(entries, other_model_names),
+        *check_scaling(entries),
+        *check_profiles(entries),
+        *check_pools(entries, nodes, settings),
+        *check_nodes(nodes),
+        *check_fit(entries, nodes, settings),
+    ]

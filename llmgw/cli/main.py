@@ -1,0 +1,36 @@
+"""The `llmgw` command: one entry point, one subcommand module per verb."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from llmgw import __version__
+from llmgw.cli import validate
+from llmgw.cli.output import make_console
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmgw", description="GitOps control plane for self-hosted LLM inference"
+    )
+    parser.add_argument("--version", action="version", version=f"llmgw {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    validate.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, *, console: Console | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args, console or make_console()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
