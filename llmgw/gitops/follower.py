@@ -1,0 +1,275 @@
+"""The controller's git loop: every new valid commit becomes the desired state.
+
+Fetches on an interval, at once when triggered (webhook, file-system watch), judges the
+branch head, and either applies it, rejects it (the last good state stays in force and
+nothing running is touched), or holds it for confirmation under the prune guard. What
+it decided survives a restart through the Store, so a restarted controller comes back
+on the same applied revision without applying it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from llmgw.catalog import Catalog, validate_files
+from llmgw.errors import GitError, LlmgwError
+from llmgw.gitops.desired import DesiredState
+from llmgw.gitops.prune import allows_prune, judge_prune
+from llmgw.gitops.repo import CommitInfo, GitMirror
+from llmgw.gitops.status import PendingPrune, Rejection, SyncState, SyncStatus
+from llmgw.gitops.store import Store
+
+log = logging.getLogger(__name__)
+
+ReadyCounts = Callable[[], Mapping[str, int]]
+
+
+class GitOpsMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.applied_time = Gauge(
+            "llmgw_catalog_applied_timestamp_seconds", "When the applied catalog revision was applied",
+            registry=registry)
+        self.applied = Counter("llmgw_catalog_applied", "Catalog commits applied", registry=registry)
+        self.rejected = Counter("llmgw_catalog_rejected", "Catalog commits rejected as invalid", registry=registry)
+        self.held = Counter("llmgw_catalog_held", "Catalog commits held by the prune guard", registry=registry)
+        self.fetch_failures = Counter("llmgw_git_fetch_failures", "Failed fetches of the catalog repository",
+                                      registry=registry)
+        self.state = Gauge("llmgw_catalog_sync_state", "1 for the current sync state", ["state"], registry=registry)
+
+
+class GitOpsFollower:
+    """Follows ``mirror``'s branch into ``desired``; ``start()`` begins, ``close()`` ends."""
+
+    def __init__(
+        self,
+        mirror: GitMirror,
+        desired: DesiredState,
+        store: Store,
+        *,
+        interval: float = 15.0,
+        ready_replicas: ReadyCounts = dict,
+        watch_path: Path | None = None,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.mirror = mirror
+        self.desired = desired
+        self.store = store
+        self.interval = interval
+        self.ready_replicas = ready_replicas
+        self.watch_path = watch_path
+        self.clock = clock
+        self.metrics = GitOpsMetrics(registry or CollectorRegistry())
+        self._status = SyncStatus(branch=mirror.branch, url=mirror.url)
+        self._judged: str | None = None  # the head last judged, so a bad commit is judged once
+        self._lock = asyncio.Lock()
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop: asyncio.Event | None = None
+
+    # --- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        await asyncio.to_thread(self.restore)
+        self._tasks.append(asyncio.create_task(self._run(), name="gitops-follow"))
+        if self.watch_path is not None:
+            self._tasks.append(asyncio.create_task(self._watch(self.watch_path), name="gitops-watch"))
+
+    async def close(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._tasks.clear()
+
+    def trigger(self) -> None:
+        """Fetch now. Safe from any thread; many triggers before the fetch coalesce into one."""
+        if self._loop is None or self._wake is None:
+            return
+        self._loop.call_soon_threadsafe(self._wake.set)
+
+    @property
+    def status(self) -> SyncStatus:
+        return self._status
+
+    # --- the loop -------------------------------------------------------------------
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            self._wake.clear()
+            try:
+                await self.sync_once()
+            except LlmgwError:
+                log.exception("sync failed")
+            except Exception:  # noqa: BLE001 - a bug must not end the loop; logged with traceback
+                log.exception("unexpected error in the git loop")
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.interval)
+            except TimeoutError:
+                pass
+
+    async def _watch(self, path: Path) -> None:
+        """Trigger a fetch when a local repository changes on disk (a commit, a push into it)."""
+        import watchfiles
+
+        assert self._stop is not None
+        try:
+            async for _ in watchfiles.awatch(path, stop_event=self._stop, debounce=200, step=50,
+                                             recursive=True, rust_timeout=1000):
+                self.trigger()
+        except (OSError, RuntimeError) as exc:
+            log.warning("not watching %s for changes (%s); polling every %ss", path, exc, self.interval)
+
+    async def sync_once(self) -> SyncStatus:
+        """Fetch and judge the branch head once; the resulting status."""
+        async with self._lock:
+            try:
+                head = await asyncio.to_thread(self.mirror.fetch)
+            except GitError as exc:
+                self._fetch_failed(str(exc))
+                return self._status
+            self._set(head_sha=head, fetched_at=self.clock(), last_error=None)
+            if head == self._status.applied_sha:
+                # Back on the applied commit (e.g. a bad commit force-pushed away): whatever
+                # was rejected or held since is no longer the head and no longer matters.
+                self._clear_judgement()
+            elif head != self._judged:
+                await asyncio.to_thread(self._judge, head)
+            self._set(state=self._state())
+            return self._status
+
+    async def confirm(self) -> SyncStatus:
+        """Apply the commit held by the prune guard (an operator said yes)."""
+        async with self._lock:
+            pending = self._status.pending
+            if pending is None:
+                raise LlmgwError("no commit is waiting for confirmation")
+            await asyncio.to_thread(self._apply_sha, pending.sha, confirmed=True)
+            return self._status
+
+    # --- decisions --------------------------------------------------------------------
+    def _state(self) -> SyncState:
+        s = self._status
+        if s.pending is not None:
+            return SyncState.NEEDS_CONFIRMATION
+        if s.rejected is not None:
+            return SyncState.REJECTED
+        return SyncState.SYNCED if s.applied_sha else SyncState.PENDING
+
+    def _clear_judgement(self) -> None:
+        self.store.put("pending", None)
+        self.store.put("rejected", None)
+        self._set(pending=None, rejected=None)
+
+    def _judge(self, sha: str) -> None:
+        """Judge a new head: apply it, reject it, or hold it. Whatever came before is superseded."""
+        info = self.mirror.info(sha)
+        result = validate_files(self.mirror.read(sha), revision=sha)
+        self._judged = sha
+        self.store.put("judged", sha)
+        self._clear_judgement()
+        if result.catalog is None:
+            self._reject(info, result.problems)
+            return
+        verdict = judge_prune(self.desired.catalog, result.catalog, self.ready_replicas())
+        if verdict.held and not allows_prune(info.message):
+            pending = PendingPrune(sha, info.author, info.subject, verdict.reasons)
+            self.store.put("pending", pending.to_json())
+            self._set(pending=pending, state=SyncState.NEEDS_CONFIRMATION)
+            self.metrics.held.inc()
+            self.store.add_event("needs-confirmation", sha[:12],
+                                 f"{info.subject} ({info.author}): {'; '.join(verdict.reasons)}; "
+                                 "confirm with `llmgw sync --allow-prune` or the trailer Llmgw-Allow-Prune: yes")
+            return
+        self._apply(info, result.catalog, note="prune allowed by trailer" if verdict.held else "")
+
+    def _reject(self, info: CommitInfo, problems: tuple) -> None:
+        rejection = Rejection(info.sha, info.author, info.subject, self.clock(), tuple(problems))
+        self.store.put("rejected", rejection.to_json())
+        self._set(rejected=rejection, state=SyncState.REJECTED)
+        self.metrics.rejected.inc()
+        shown = "; ".join(str(p) for p in problems[:5]) + (" …" if len(problems) > 5 else "")
+        self.store.add_event("rejected", info.sha[:12],
+                             f"{info.subject} ({info.author}): {len(problems)} problem(s): {shown}")
+        log.warning("rejected %s: %s", info.sha[:12], shown)
+
+    def _apply_sha(self, sha: str, *, confirmed: bool) -> None:
+        info = self.mirror.info(sha)
+        result = validate_files(self.mirror.read(sha), revision=sha)
+        if result.catalog is None:  # cannot happen for a held commit, but never apply blind
+            self._reject(info, result.problems)
+            return
+        self._apply(info, result.catalog, note="confirmed by an operator" if confirmed else "")
+
+    def _apply(self, info: CommitInfo, catalog: Catalog, *, note: str = "") -> None:
+        now = self.clock()
+        # Stored before subscribers hear of it: a crash in between restarts on this revision.
+        self.store.put("applied", {"sha": info.sha, "time": now})
+        self._clear_judgement()
+        self._set(applied_sha=info.sha, applied_at=now, state=SyncState.SYNCED)
+        self.desired.set(catalog)
+        self.metrics.applied.inc()
+        self.metrics.applied_time.set(now)
+        suffix = f"; {note}" if note else ""
+        self.store.add_event("applied", info.sha[:12],
+                             f"{info.subject} ({info.author}): {len(catalog.models)} models{suffix}")
+        log.info("applied %s: %s", info.sha[:12], info.subject)
+
+    def _fetch_failed(self, error: str) -> None:
+        was = self._status.state
+        self._set(state=SyncState.FETCH_FAILED, last_error=error)
+        self.metrics.fetch_failures.inc()
+        if was != SyncState.FETCH_FAILED:  # one event per outage, not one per poll
+            self.store.add_event("fetch-failed", self.mirror.url, f"{error}; the last good state stays in force")
+        log.warning("fetch failed: %s", error)
+
+    def _set(self, **changes: object) -> None:
+        self._status = dataclasses.replace(self._status, **changes)  # type: ignore[arg-type]
+        for state in SyncState:
+            self.metrics.state.labels(state.value).set(1 if state == self._status.state else 0)
+
+    # --- restart ----------------------------------------------------------------------
+    def restore(self) -> None:
+        """Come back on the stored applied revision, without applying it again.
+
+        The catalog is put in force for the subscribers (the router must know the models
+        at once) but no "applied" event is written and no prune judgement runs.
+        """
+        applied = self.store.get("applied")
+        pending = self.store.get("pending")
+        rejected = self.store.get("rejected")
+        self._judged = self.store.get("judged")
+        changes: dict[str, object] = {}
+        if pending:
+            changes["pending"] = PendingPrune.from_json(pending)
+        if rejected:
+            changes["rejected"] = Rejection.from_json(rejected)
+        if applied:
+            sha = applied["sha"]
+            try:
+                self.mirror.ensure()
+                result = validate_files(self.mirror.read(sha), revision=sha)
+            except GitError as exc:
+                log.warning("cannot restore applied revision %s: %s", sha[:12], exc)
+                result = None
+            if result is not None and result.catalog is not None:
+                changes.update(applied_sha=sha, applied_at=applied["time"])
+                self.desired.set(result.catalog)
+                self.metrics.applied_time.set(applied["time"])
+        self._set(**changes)
+        self._set(state=self._state())

@@ -1,0 +1,108 @@
+"""A local mirror of the one branch the controller follows.
+
+Git is driven as a subprocess with an argv list and a timeout on every call (a hung
+remote must not hang the controller); reading a commit's catalog goes through
+`llmgw.catalog.gitread`, so the tree is read from the commit, never a working tree.
+The mirror is a bare repository under the controller's data dir: nothing can edit files
+in it by accident, and a force-push upstream is followed by a forced ref update.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmgw.catalog.gitread import read_git_tree
+from llmgw.catalog.loader import RawFile
+from llmgw.errors import GitError
+
+GIT_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    sha: str
+    author: str
+    email: str
+    subject: str
+    message: str
+    time: float
+
+
+def run_git(
+    args: list[str], *, cwd: Path | None = None, timeout: float = GIT_TIMEOUT, env: dict[str, str] | None = None
+) -> str:
+    """Run git; stdout on success, GitError carrying git's own words otherwise."""
+    full_env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", **(env or {})}
+    try:
+        proc = subprocess.run(
+            ["git", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise GitError(f"git {args[0]} timed out after {timeout:g}s") from exc
+    except OSError as exc:
+        raise GitError(f"cannot run git: {exc}") from exc
+    if proc.returncode != 0:
+        lines = [ln.strip() for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
+        # git's reason is on its fatal:/error: lines; the rest is advice.
+        reason = [ln for ln in lines if ln.startswith(("fatal:", "error:", "remote:", "! ["))] or lines[-3:]
+        raise GitError(f"git {args[0]} failed: {' '.join(reason) or f'exit {proc.returncode}'}")
+    return proc.stdout
+
+
+def normalise_url(url: str) -> str:
+    """A local path becomes absolute; URLs (file://, ssh, https, scp-like) pass unchanged."""
+    if "://" in url or (":" in url and not url.startswith("/") and not Path(url).exists()):
+        return url
+    return str(Path(url).resolve())
+
+
+class GitMirror:
+    """Bare mirror of ``branch`` of ``url`` at ``path``; constructing it touches nothing."""
+
+    def __init__(self, url: str, branch: str, path: Path, *, subdir: str = "", env: dict[str, str] | None = None):
+        self.url = normalise_url(url)
+        self.branch = branch
+        self.path = Path(path)
+        self.subdir = subdir.strip("/")
+        self.env = env or {}
+        self.ref = f"refs/remotes/origin/{branch}"
+
+    def ensure(self) -> None:
+        """Create the bare mirror on first use, or point an existing one at the configured URL."""
+        if not (self.path / "HEAD").exists():
+            self.path.mkdir(parents=True, exist_ok=True)
+            run_git(["init", "-q", "--bare", str(self.path)])
+            run_git(["remote", "add", "origin", self.url], cwd=self.path)
+        else:
+            run_git(["remote", "set-url", "origin", self.url], cwd=self.path)
+
+    def fetch(self, *, timeout: float = GIT_TIMEOUT) -> str:
+        """Fetch the branch (forced: a rewritten history is simply the new desired state); its sha."""
+        self.ensure()
+        refspec = f"+refs/heads/{self.branch}:{self.ref}"
+        run_git(["fetch", "-q", "--no-tags", "origin", refspec], cwd=self.path, timeout=timeout, env=self.env)
+        return self.head()
+
+    def head(self) -> str:
+        return run_git(["rev-parse", "--verify", "-q", self.ref + "^{commit}"], cwd=self.path).strip()
+
+    def has(self, sha: str) -> bool:
+        try:
+            run_git(["cat-file", "-e", sha + "^{commit}"], cwd=self.path)
+        except GitError:
+            return False
+        return True
+
+    def read(self, sha: str) -> dict[str, RawFile]:
+        return read_git_tree(self.path, sha, subdir=self.subdir)
+
+    def info(self, sha: str) -> CommitInfo:
+        out = run_git(["show", "-s", "--format=%H%x00%an%x00%ae%x00%ct%x00%s%x00%B", sha], cwd=self.path)
+        full, author, email, ctime, subject, body = out.split("\x00", 5)
+        return CommitInfo(full, author, email, subject, body.strip(), float(ctime))
+
+    def changed_files(self, old: str, new: str) -> list[str]:
+        return run_git(["diff", "--name-only", old, new], cwd=self.path).split()

@@ -1,0 +1,83 @@
+"""What the controller says about its sync with git: status, rejections, pending prunes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from llmgw.catalog import Problem
+
+
+class SyncState(str, Enum):
+    PENDING = "pending"  # nothing applied yet (first fetch not done or not valid)
+    SYNCED = "synced"
+    REJECTED = "rejected"
+    NEEDS_CONFIRMATION = "needs-confirmation"
+    FETCH_FAILED = "fetch-failed"
+
+
+@dataclass(frozen=True)
+class Rejection:
+    sha: str
+    author: str
+    subject: str
+    time: float
+    problems: tuple[Problem, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sha": self.sha,
+            "author": self.author,
+            "subject": self.subject,
+            "time": self.time,
+            "problems": [p.to_json() for p in self.problems],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Rejection:
+        return cls(d["sha"], d["author"], d["subject"], d["time"], tuple(Problem(**p) for p in d["problems"]))
+
+
+@dataclass(frozen=True)
+class PendingPrune:
+    sha: str
+    author: str
+    subject: str
+    reasons: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sha": self.sha, "author": self.author, "subject": self.subject, "reasons": list(self.reasons)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PendingPrune:
+        return cls(d["sha"], d["author"], d["subject"], tuple(d["reasons"]))
+
+
+@dataclass(frozen=True)
+class SyncStatus:
+    state: SyncState = SyncState.PENDING
+    applied_sha: str | None = None
+    applied_at: float | None = None
+    head_sha: str | None = None
+    fetched_at: float | None = None
+    last_error: str | None = None
+    rejected: Rejection | None = None
+    pending: PendingPrune | None = None
+    branch: str = ""
+    url: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "url": self.url,
+            "branch": self.branch,
+            "applied_sha": self.applied_sha,
+            "applied_at": self.applied_at,
+            "head_sha": self.head_sha,
+            "fetched_at": self.fetched_at,
+            "last_error": self.last_error,
+            "rejected": self.rejected.to_json() if self.rejected else None,
+            "pending_confirmation": self.pending.to_json() if self.pending else None,
+        }

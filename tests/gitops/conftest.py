@@ -1,0 +1,58 @@
+"""A real git remote (bare repository) and a person's clone that pushes to it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from llmgw.gitops import DesiredState, GitMirror, GitOpsFollower, Store
+from tests.catalog.corpus import write_catalog
+from tests.conftest import git
+
+
+@dataclass
+class Remote:
+    bare: Path
+    clone: Path
+
+    def commit(self, files: dict[str, str | None], message: str, *, author: str | None = None) -> str:
+        """Write (None: delete) files in the clone, commit, push; the new sha."""
+        for rel, content in files.items():
+            path = self.clone / rel
+            if content is None:
+                path.unlink()
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(content)
+        git(self.clone, "add", "-A")
+        extra = ["--author", author] if author else []
+        git(self.clone, "commit", "-q", *extra, "-m", message)
+        git(self.clone, "push", "-q", "origin", "HEAD:main")
+        return git(self.clone, "rev-parse", "HEAD")
+
+    def force_push(self, sha: str) -> None:
+        git(self.clone, "reset", "-q", "--hard", sha)
+        git(self.clone, "push", "-q", "--force", "origin", "HEAD:main")
+
+
+@pytest.fixture
+def remote(tmp_path: Path) -> Remote:
+    bare = tmp_path / "remote.git"
+    git(tmp_path, "init", "-q", "--bare", "-b", "main", str(bare))
+    clone = tmp_path / "person"
+    clone.mkdir()
+    git(clone, "init", "-q", "-b", "main")
+    git(clone, "remote", "add", "origin", str(bare))
+    write_catalog(clone)
+    git(clone, "add", "-A")
+    git(clone, "commit", "-q", "-m", "Initial catalog")
+    git(clone, "push", "-q", "origin", "HEAD:main")
+    return Remote(bare, clone)
+
+
+def make_follower(remote: Remote, data: Path, desired: DesiredState | None = None, **kw) -> GitOpsFollower:
+    store = Store(data / "state.db").open()
+    mirror = GitMirror(str(remote.bare), "main", data / "mirror.git")
+    return GitOpsFollower(mirror, desired or DesiredState(), store, **{"interval": 60.0, **kw})

@@ -1,0 +1,244 @@
+"""The controller's git loop against a real bare remote, pushed to as a person would."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from llmgw.gitops import DesiredState, SyncState
+from llmgw.gitops.webhook import webhook_handler
+from tests.catalog.corpus import BIG, SMALL
+from tests.gitops.conftest import Remote, make_follower
+
+SECRET = "hook-secret"
+
+NEW_MODEL = SMALL.replace("name: small", "name: extra").replace("[tiny]", "[extra-alias]")
+
+
+async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def serve_webhook(trigger: Callable[[], None]) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/api/v1/hooks/git", webhook_handler(SECRET, trigger))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}/api/v1/hooks/git"
+
+
+async def post_hook(url: str, body: bytes, signature: str | None) -> int:
+    headers = {"X-Hub-Signature-256": signature} if signature else {}
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.post(url, data=body, headers=headers) as r:
+        return r.status
+
+
+def sign(body: bytes) -> str:
+    return "sha256=" + hmac.new(SECRET.encode(), body, hashlib.sha256).hexdigest()
+
+
+def run(coro: Awaitable[None]) -> None:
+    asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def test_commits_flow_through_webhook_reject_fix_and_force_push(remote: Remote, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        desired = DesiredState()
+        seen: list[str | None] = []
+        desired.subscribe(lambda c: seen.append(c.revision))
+        follower = make_follower(remote, tmp_path / "data", desired)
+        await follower.start()
+        runner, url = await serve_webhook(follower.trigger)
+        try:
+            await until(lambda: follower.status.applied_sha is not None)
+            first = follower.status.applied_sha
+            assert desired.catalog is not None and desired.catalog.revision == first
+
+            # A valid commit, applied within one fetch after the webhook.
+            good = remote.commit({"models/extra.yaml": NEW_MODEL}, "Add extra")
+            body = b'{"ref": "refs/heads/main"}'
+            assert await post_hook(url, body, sign(body)) == 202
+            await until(lambda: follower.status.applied_sha == good)
+            assert follower.status.state == SyncState.SYNCED
+            assert desired.catalog.resolve("extra-alias").name == "extra"
+
+            # An invalid commit: rejected with its errors, the previous catalog in force.
+            bad = remote.commit({"models/big.yaml": BIG.replace("[small]", "[ghost]")}, "Point big at a ghost",
+                                author="Mallory <mallory@example.com>")
+            follower.trigger()
+            await until(lambda: follower.status.state == SyncState.REJECTED)
+            rejected = follower.status.rejected
+            assert rejected is not None and rejected.sha == bad
+            assert rejected.author == "Mallory" and rejected.subject == "Point big at a ghost"
+            assert [str(p) for p in rejected.problems] == [
+                'models/big.yaml:4:13: fallback "ghost" is not in the catalog'
+            ]
+            assert follower.status.applied_sha == good
+            assert desired.catalog.revision == good
+
+            # A fix: applied, and the rejection no longer shows.
+            fixed = remote.commit({"models/big.yaml": BIG}, "Fix big's fallback")
+            follower.trigger()
+            await until(lambda: follower.status.applied_sha == fixed)
+            assert follower.status.rejected is None
+
+            # History rewritten: the older commit is simply the new desired state.
+            remote.force_push(first)
+            follower.trigger()
+            await until(lambda: follower.status.applied_sha == first)
+            assert desired.catalog.resolve("extra") is None
+            assert seen == [first, good, fixed, first]  # the bad commit never reached a subscriber
+
+            kinds = [e.kind for e in follower.store.events()]
+            assert kinds == ["applied", "applied", "rejected", "applied", "applied"]
+        finally:
+            await runner.cleanup()
+            await follower.close()
+
+    run(scenario())
+
+
+def test_bad_signature_is_401_and_fetches_nothing(remote: Remote, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        follower = make_follower(remote, tmp_path / "data")
+        await follower.start()
+        runner, url = await serve_webhook(follower.trigger)
+        try:
+            await until(lambda: follower.status.applied_sha is not None)
+            fetched_at = follower.status.fetched_at
+            new = remote.commit({"models/extra.yaml": NEW_MODEL}, "Add extra")
+            body = b'{"ref": "refs/heads/main"}'
+            assert await post_hook(url, body, "sha256=" + "0" * 64) == 401
+            assert await post_hook(url, body, None) == 401
+            assert await post_hook(url, body + b"tampered", sign(body)) == 401
+            await asyncio.sleep(0.5)
+            assert follower.status.fetched_at == fetched_at
+            assert follower.status.applied_sha != new
+        finally:
+            await runner.cleanup()
+            await follower.close()
+
+    run(scenario())
+
+
+def test_prune_guard_holds_until_confirmed_or_trailer(remote: Remote, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        follower = make_follower(remote, tmp_path / "data")
+        await follower.start()
+        try:
+            await until(lambda: follower.status.applied_sha is not None)
+            before = follower.status.applied_sha
+            wipe = remote.commit({"models/big.yaml": None, "models/small.yaml": None}, "Remove every model")
+            await follower.sync_once()
+            status = follower.status
+            assert status.state == SyncState.NEEDS_CONFIRMATION
+            assert status.pending is not None and status.pending.sha == wipe
+            assert status.pending.reasons == ("removes 2 of 2 models (more than 50%): big, small",)
+            assert status.applied_sha == before
+            assert follower.desired.catalog.resolve("big") is not None
+
+            await follower.confirm()
+            assert follower.status.applied_sha == wipe
+            assert follower.status.state == SyncState.SYNCED
+            assert follower.desired.catalog.models == ()
+
+            # Back to two models, then a wipe that carries the trailer: applied at once.
+            restore = remote.commit({"models/big.yaml": BIG, "models/small.yaml": SMALL}, "Restore models")
+            await follower.sync_once()
+            assert follower.status.applied_sha == restore
+            trailer = remote.commit({"models/big.yaml": None, "models/small.yaml": None},
+                                    "Retire the fleet\n\nLlmgw-Allow-Prune: yes")
+            await follower.sync_once()
+            assert follower.status.applied_sha == trailer
+            assert "prune allowed by trailer" in follower.store.events()[-1].message
+        finally:
+            await follower.close()
+
+    run(scenario())
+
+
+def test_unreachable_remote_keeps_last_good_state_and_recovers(remote: Remote, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        follower = make_follower(remote, tmp_path / "data")
+        await follower.start()
+        try:
+            await until(lambda: follower.status.applied_sha is not None)
+            good = follower.status.applied_sha
+            away = remote.bare.with_name("moved.git")
+            remote.bare.rename(away)
+            await follower.sync_once()
+            status = follower.status
+            assert status.state == SyncState.FETCH_FAILED
+            assert "git fetch failed" in status.last_error and "does not appear to be a git repository" in \
+                status.last_error
+            assert status.applied_sha == good and follower.desired.catalog.revision == good
+            await follower.sync_once()  # a second failed poll: still one event for the outage
+            assert [e.kind for e in follower.store.events()].count("fetch-failed") == 1
+
+            away.rename(remote.bare)
+            new = remote.commit({"models/extra.yaml": NEW_MODEL}, "Add extra")
+            await follower.sync_once()
+            assert follower.status.state == SyncState.SYNCED
+            assert follower.status.applied_sha == new
+            assert follower.status.last_error is None
+        finally:
+            await follower.close()
+
+    run(scenario())
+
+
+def test_restart_comes_back_on_the_applied_revision_without_reapplying(remote: Remote, tmp_path: Path) -> None:
+    async def first_life() -> str:
+        follower = make_follower(remote, tmp_path / "data")
+        await follower.start()
+        await until(lambda: follower.status.applied_sha is not None)
+        sha = follower.status.applied_sha
+        await follower.close()
+        follower.store.close()
+        return sha
+
+    async def second_life(applied: str) -> None:
+        desired = DesiredState()
+        follower = make_follower(remote, tmp_path / "data", desired)
+        await follower.start()
+        try:
+            # In force at once, before any fetch, from the stored revision.
+            assert follower.status.applied_sha == applied
+            assert desired.catalog is not None and desired.catalog.revision == applied
+            await follower.sync_once()
+            assert [e.kind for e in follower.store.events()] == ["applied"]  # from the first life only
+        finally:
+            await follower.close()
+
+    applied = asyncio.run(first_life())
+    run(second_life(applied))
+
+
+def test_commit_in_a_local_repository_is_seen_by_the_watcher(remote: Remote, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        follower = make_follower(remote, tmp_path / "data", watch_path=remote.bare)
+        await follower.start()
+        try:
+            await until(lambda: follower.status.applied_sha is not None)
+            await asyncio.sleep(0.3)  # let the watcher settle on the tree
+            new = remote.commit({"models/extra.yaml": NEW_MODEL}, "Add extra")
+            await until(lambda: follower.status.applied_sha == new, timeout=10)
+        finally:
+            await follower.close()
+
+    run(scenario())
