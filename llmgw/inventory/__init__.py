@@ -1,1 +1,27 @@
+"""The fleet as it is: typed agent inventories and node state."""
 
+from llmgw.inventory.model import (
+    EngineRecord,
+    Filesystem,
+    Gpu,
+    Inventory,
+    Node,
+    NodeReport,
+    NodeState,
+    WeightEntry,
+    parse_engine,
+    parse_report,
+)
+
+__all__ = [
+    "EngineRecord",
+    "Filesystem",
+    "Gpu",
+    "Inventory",
+    "Node",
+    "NodeReport",
+    "NodeState",
+    "WeightEntry",
+    "parse_engine",
+    "parse_report",
+]

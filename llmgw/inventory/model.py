@@ -1,0 +1,243 @@
+"""What the fleet actually is: node records built from agent inventories plus node state.
+
+Pure data. The dispatcher fetches agent answers; `parse_report` turns one into a
+`NodeReport`; the store (llmgw.inventory.store) keeps the latest per node with its state.
+A snapshot (`Inventory`) is what placement, `llmgw diff` and the admin API read, and it
+round-trips through JSON so CI without access to the fleet can plan against an export.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+from llmgw.catalog import NodeId, NodeSpec
+from llmgw.catalog.model import GpuSpec
+
+GB = 1024**3
+
+
+class NodeState(str, Enum):
+    READY = "ready"
+    CORDONED = "cordoned"  # no new placements; what runs stays
+    DRAINING = "draining"  # replicas move elsewhere, then stop
+    UNREACHABLE = "unreachable"
+    UNKNOWN = "unknown"  # never reported
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    gpu_class: str
+    memory_gb: float
+    healthy: bool = True
+    problems: tuple[str, ...] = ()
+    declared: bool = False
+
+
+@dataclass(frozen=True)
+class Filesystem:
+    path: str
+    mount_point: str
+    fstype: str
+    total_bytes: int
+    free_bytes: int
+    shared: bool
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    path: str
+    name: str | None
+    source: str | None
+    bytes: int
+    last_used: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    replica_id: str
+    pid: int | None
+    port: int | None
+    endpoint: str | None
+    engine: str
+    alive: bool
+    exit_code: int | None = None
+    labels: tuple[tuple[str, str], ...] = ()
+    weights: str | None = None
+    started_at: float | None = None
+    log_tail: tuple[str, ...] = ()
+
+    def label(self, key: str) -> str | None:
+        return dict(self.labels).get(key)
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """One agent inventory answer, typed."""
+
+    hostname: str
+    agent_version: str
+    gpus: tuple[Gpu, ...] = ()
+    memory_total_mb: int = 0
+    memory_available_mb: int = 0
+    filesystems: tuple[Filesystem, ...] = ()
+    weights: tuple[WeightEntry, ...] = ()
+    foreign: tuple[str, ...] = ()
+    engines: tuple[EngineRecord, ...] = ()
+
+    @property
+    def cache_fs(self) -> Filesystem | None:
+        """The filesystem of the cache dir (the agent reports it first)."""
+        return self.filesystems[0] if self.filesystems else None
+
+    @property
+    def local_free_gb(self) -> float:
+        """Free disk for new weights; a shared filesystem is not this node's to count."""
+        fs = self.cache_fs
+        return 0.0 if fs is None or fs.shared else fs.free_bytes / GB
+
+    @property
+    def held(self) -> frozenset[str]:
+        return frozenset(w.name for w in self.weights if w.name)
+
+
+@dataclass(frozen=True)
+class Node:
+    spec: NodeSpec
+    state: NodeState = NodeState.UNKNOWN
+    report: NodeReport | None = None
+    last_seen: float | None = None
+    unreachable_since: float | None = None
+    error: str | None = None
+    locked: bool = False
+
+    @property
+    def id(self) -> NodeId:
+        return self.spec.id
+
+    @property
+    def schedulable(self) -> bool:
+        return self.state == NodeState.READY and self.report is not None
+
+
+@dataclass(frozen=True)
+class Inventory:
+    nodes: Mapping[str, Node] = field(default_factory=dict)
+    taken_at: float | None = None
+
+    def node(self, node_id: str) -> Node | None:
+        return self.nodes.get(node_id)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"taken_at": self.taken_at, "nodes": [_node_json(n) for n in self.nodes.values()]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Inventory:
+        nodes = {}
+        for raw in data.get("nodes", []):
+            node = _node_from_json(raw)
+            nodes[node.id] = node
+        return cls(nodes, data.get("taken_at"))
+
+
+def _node_json(n: Node) -> dict[str, Any]:
+    out = asdict(n)
+    out["state"] = n.state.value
+    return out
+
+
+def _node_from_json(raw: Mapping[str, Any]) -> Node:
+    s = dict(raw["spec"])
+    gpus = s.get("gpus")
+    spec = NodeSpec(**{
+        **s,
+        "labels": tuple(tuple(x) for x in s.get("labels", ())),
+        "gpus": GpuSpec(**gpus) if gpus else None,
+    })
+    r = raw.get("report")
+    report = None
+    if r:
+        report = NodeReport(
+            hostname=r["hostname"],
+            agent_version=r["agent_version"],
+            gpus=tuple(Gpu(**{**g, "problems": tuple(g.get("problems", ()))}) for g in r.get("gpus", ())),
+            memory_total_mb=r.get("memory_total_mb", 0),
+            memory_available_mb=r.get("memory_available_mb", 0),
+            filesystems=tuple(Filesystem(**f) for f in r.get("filesystems", ())),
+            weights=tuple(WeightEntry(**w) for w in r.get("weights", ())),
+            foreign=tuple(r.get("foreign", ())),
+            engines=tuple(_engine_from_json(e) for e in r.get("engines", ())),
+        )
+    return Node(
+        spec=spec, state=NodeState(raw.get("state", "unknown")), report=report,
+        last_seen=raw.get("last_seen"), unreachable_since=raw.get("unreachable_since"),
+        error=raw.get("error"), locked=raw.get("locked", False),
+    )
+
+
+def _engine_from_json(e: Mapping[str, Any]) -> EngineRecord:
+    return EngineRecord(**{
+        **e,
+        "labels": tuple(tuple(x) for x in e.get("labels", ())),
+        "log_tail": tuple(e.get("log_tail", ())),
+    })
+
+
+def parse_engine(raw: Mapping[str, Any]) -> EngineRecord:
+    """An engine record as the agent's status/inventory reports it."""
+    labels = raw.get("labels") or {}
+    return EngineRecord(
+        replica_id=str(raw.get("replica_id", "")),
+        pid=raw.get("pid"),
+        port=raw.get("port"),
+        endpoint=raw.get("endpoint"),
+        engine=str(raw.get("engine", "")),
+        alive=bool(raw.get("alive")),
+        exit_code=raw.get("exit_code"),
+        labels=tuple(sorted((str(k), str(v)) for k, v in labels.items())),
+        weights=raw.get("weights"),
+        started_at=raw.get("started_at"),
+        log_tail=tuple(raw.get("log_tail") or ()),
+    )
+
+
+def parse_report(raw: Mapping[str, Any]) -> NodeReport:
+    """Type an agent `inventory` answer (DESIGN §4); unknown fields are ignored."""
+    mem = raw.get("memory_mb") or {}
+    if isinstance(mem, int | float):
+        mem = {"total": mem, "available": mem}
+    return NodeReport(
+        hostname=str(raw.get("hostname", "")),
+        agent_version=str(raw.get("agent_version", "")),
+        gpus=tuple(
+            Gpu(
+                index=int(g["index"]),
+                gpu_class=str(g.get("class", "")),
+                memory_gb=float(g.get("memory_gb", 0)),
+                healthy=bool(g.get("healthy", True)),
+                problems=tuple(g.get("problems") or ()),
+                declared=bool(g.get("declared", False)),
+            )
+            for g in raw.get("gpus") or ()
+        ),
+        memory_total_mb=int(mem.get("total") or 0),
+        memory_available_mb=int(mem.get("available") or 0),
+        filesystems=tuple(
+            Filesystem(
+                path=f["path"], mount_point=f.get("mount_point", ""), fstype=f.get("fstype", ""),
+                total_bytes=int(f.get("total_bytes", 0)), free_bytes=int(f.get("free_bytes", 0)),
+                shared=bool(f.get("shared", False)),
+            )
+            for f in raw.get("filesystems") or ()
+        ),
+        weights=tuple(
+            WeightEntry(path=w["path"], name=w.get("name"), source=w.get("source"),
+                        bytes=int(w.get("bytes", 0)), last_used=w.get("last_used"))
+            for w in raw.get("weights") or ()
+        ),
+        foreign=tuple(raw.get("foreign") or ()),
+        engines=tuple(parse_engine(e) for e in raw.get("engines") or ()),
+    )

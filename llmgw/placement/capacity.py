@@ -1,0 +1,141 @@
+"""What each node has free, and why a node cannot hold one shard of a profile.
+
+`node_reasons` is the one judgement of a (profile, node) pair: the fast path in
+`place` and the full scan in `explain` both call it, so an explanation can never
+disagree with a decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from llmgw.catalog import Model, NodeId, Profile
+from llmgw.inventory import Gpu, Inventory, Node, NodeState
+from llmgw.placement.types import Placement
+
+
+@dataclass
+class NodeFree:
+    """Mutable during one placement pass: it shrinks as shards are placed."""
+
+    node: Node
+    free: dict[int, Gpu]  # healthy GPUs no replica uses, by index
+    unhealthy: tuple[Gpu, ...]
+    in_use: int
+    ram_gb: float
+    disk_gb: float
+    held: set[str] = field(default_factory=set)
+
+    @property
+    def id(self) -> NodeId:
+        return self.node.id
+
+
+def _ram_gb(node: Node) -> float:
+    # The operator's declaration wins over what the machine reports: it is how much of
+    # the box llmgw may use.
+    if node.spec.memory_gb is not None:
+        return float(node.spec.memory_gb)
+    return node.report.memory_total_mb / 1024 if node.report else 0.0
+
+
+def free_capacity(inventory: Inventory, placements: Iterable[Placement]) -> dict[NodeId, NodeFree]:
+    """Free resources per node after the given replicas take theirs."""
+    out: dict[NodeId, NodeFree] = {}
+    for node in inventory.nodes.values():
+        report = node.report
+        gpus = report.gpus if report else ()
+        out[node.id] = NodeFree(
+            node=node,
+            free={g.index: g for g in gpus if g.healthy},
+            unhealthy=tuple(g for g in gpus if not g.healthy),
+            in_use=0,
+            ram_gb=_ram_gb(node),
+            disk_gb=report.local_free_gb if report else 0.0,
+            held=set(report.held) if report else set(),
+        )
+    for p in placements:
+        for shard in p.shards:
+            nf = out.get(shard.node)
+            if nf is None:
+                continue
+            for i in shard.gpus:
+                if nf.free.pop(i, None) is not None:
+                    nf.in_use += 1
+            nf.ram_gb -= p.memory_gb
+            if p.weights and p.weights not in nf.held:
+                # Being fetched: the download will take this room even if it has not yet.
+                nf.disk_gb -= p.size_gb
+                nf.held.add(p.weights)
+    return out
+
+
+def matching_gpus(profile: Profile, nf: NodeFree) -> list[int]:
+    """Free GPU indices on the node of an allowed class with the memory asked, lowest first."""
+    return sorted(
+        i for i, g in nf.free.items()
+        if (not profile.gpu_class or g.gpu_class in profile.gpu_class)
+        and (profile.gpu_memory_gb is None or g.memory_gb >= profile.gpu_memory_gb)
+    )
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.0f}" if abs(x - round(x)) < 0.05 else f"{x:.1f}"
+
+
+def _state_reason(node: Node) -> str | None:
+    if node.state == NodeState.READY:
+        return None if node.report is not None else "has not reported an inventory"
+    if node.state == NodeState.UNREACHABLE:
+        return f"is unreachable ({node.error})" if node.error else "is unreachable"
+    if node.state == NodeState.UNKNOWN:
+        return "has not reported an inventory"
+    return f"is {node.state.value}"
+
+
+def node_reasons(model: Model, profile: Profile, nf: NodeFree) -> list[str]:
+    """Why ``nf`` cannot hold one shard of ``profile``; empty when it can."""
+    node = nf.node
+    state = _state_reason(node)
+    if state:
+        return [f"node {state}"]
+    reasons = []
+    if profile.pool and node.spec.pool != profile.pool:
+        reasons.append(f'pool "{profile.pool}" wanted, node is in "{node.spec.pool}"')
+    if profile.sharded and node.spec.fabric != profile.fabric:
+        reasons.append(f"fabric {profile.fabric} wanted, node has {node.spec.fabric or 'none'}")
+    if profile.gpus > 0:
+        usable = matching_gpus(profile, nf)
+        if len(usable) < profile.gpus:
+            reasons.append(_gpu_reason(profile, nf, len(usable)))
+    if profile.memory_gb and nf.ram_gb < profile.memory_gb:
+        reasons.append(f"needs {_fmt(profile.memory_gb)} GB RAM free, has {_fmt(max(nf.ram_gb, 0))}")
+    weights = model.cache_name
+    # A node holding the file needs no room for it; an operator's own copy is never fetched.
+    if weights is not None and weights not in nf.held and nf.disk_gb < model.size_gb:
+        fs = node.report.cache_fs if node.report else None
+        shared = " (its cache is on a shared filesystem, not counted)" if fs is not None and fs.shared else ""
+        reasons.append(
+            f"needs {_fmt(model.size_gb)} GB free local disk for the weights, has {_fmt(max(nf.disk_gb, 0))}{shared}"
+        )
+    return reasons
+
+
+def _gpu_reason(profile: Profile, nf: NodeFree, usable: int) -> str:
+    want = f"{profile.gpus} free GPU{'s' if profile.gpus != 1 else ''}"
+    if profile.gpu_class:
+        want += f" of class {'|'.join(profile.gpu_class)}"
+    if profile.gpu_memory_gb:
+        want += f" with {_fmt(profile.gpu_memory_gb)} GB"
+    total = len(nf.free) + nf.in_use + len(nf.unhealthy)
+    detail = [f"{nf.in_use} in use"] if nf.in_use else []
+    if nf.unhealthy:
+        why = "; ".join(f"gpu{g.index}: {', '.join(g.problems) or 'unhealthy'}" for g in nf.unhealthy)
+        detail.append(f"{len(nf.unhealthy)} unhealthy ({why})")
+    other = len(nf.free) - usable
+    if other:
+        classes = sorted({g.gpu_class for g in nf.free.values()})
+        detail.append(f"{other} free but of class {'/'.join(classes)} or too small")
+    tail = f" (of {total}: {', '.join(detail)})" if detail else f" (of {total})"
+    return f"needs {want}, has {usable}{tail}"

@@ -1,0 +1,53 @@
+"""`explain-placement`: why a model runs where it runs, or why it cannot run anywhere."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from llmgw.catalog import Catalog
+from llmgw.inventory import Inventory
+from llmgw.placement.capacity import free_capacity, node_reasons
+from llmgw.placement.types import Placement
+
+
+@dataclass(frozen=True)
+class Candidate:
+    profile: str
+    node: str
+    fits: bool
+    reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    model: str
+    running: tuple[Placement, ...]
+    candidates: tuple[Candidate, ...]
+
+    def lines(self) -> list[str]:
+        """The explanation as text, one line per fact, for the CLI and the dashboard."""
+        out = [f"model {self.model}: {len(self.running)} replica(s) placed"]
+        for p in self.running:
+            where = ", ".join(f"{s.node} gpus {list(s.gpus)}" for s in p.shards)
+            out.append(f"  running: profile {p.profile} on {where}")
+        for c in self.candidates:
+            verdict = "fits" if c.fits else "rejected: " + "; ".join(c.reasons)
+            out.append(f"  {c.profile} on {c.node}: {verdict}")
+        return out
+
+
+def explain(catalog: Catalog, inventory: Inventory, replicas: Iterable[Placement], model_name: str) -> Explanation:
+    """Judge every (profile, node) pair of the model against the fleet as it is now."""
+    model = catalog.resolve(model_name)
+    if model is None:
+        raise KeyError(model_name)
+    placements = list(replicas)
+    free = free_capacity(inventory, placements)
+    candidates = []
+    for profile in model.profiles_by_priority():
+        for node_id in sorted(free):
+            reasons = node_reasons(model, profile, free[node_id])
+            candidates.append(Candidate(profile.name, node_id, not reasons, tuple(reasons)))
+    running = tuple(p for p in placements if p.model == model.name)
+    return Explanation(model.name, running, tuple(candidates))
