@@ -1,0 +1,109 @@
+"""The live inventory: latest agent reports, reachability, and operator node states.
+
+Polls every node's agent through the dispatcher (concurrently, each call with the
+dispatcher's timeout) and keeps one record per node. Cordon and drain are operator
+decisions, so they are stored and survive a controller restart; reachability is observed
+and is not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+
+from llmgw.catalog import NodeSpec
+from llmgw.dispatch.base import Dispatcher
+from llmgw.errors import DispatchError
+from llmgw.gitops.store import Store
+from llmgw.inventory.model import Inventory, Node, NodeState, parse_report
+
+log = logging.getLogger(__name__)
+
+OPERATOR_STATES = (NodeState.READY, NodeState.CORDONED, NodeState.DRAINING)
+
+
+class LiveInventory:
+    def __init__(self, dispatcher: Dispatcher, store: Store, *, clock: Callable[[], float] = time.time) -> None:
+        self.dispatcher = dispatcher
+        self.store = store
+        self.clock = clock
+        self._nodes: dict[str, Node] = {}
+        self._taken_at: float | None = None
+
+    # --- the fleet's shape ----------------------------------------------------------
+    def set_nodes(self, specs: Iterable[NodeSpec]) -> None:
+        """Follow nodes.yaml: keep what is known of nodes that stay, forget nodes that left."""
+        fresh: dict[str, Node] = {}
+        for spec in specs:
+            old = self._nodes.get(spec.id)
+            fresh[spec.id] = replace(old, spec=spec) if old else Node(spec=spec)
+        self._nodes = fresh
+
+    def operator_state(self, node_id: str) -> NodeState:
+        states = self.store.get("node_states", {})
+        return NodeState(states.get(node_id, NodeState.READY.value))
+
+    def set_operator_state(self, node_id: str, state: NodeState) -> None:
+        """Cordon, drain or uncordon (READY); stored so a restart keeps it."""
+        if state not in OPERATOR_STATES:
+            raise ValueError(f"{state} is not an operator state")
+        if node_id not in self._nodes:
+            raise KeyError(node_id)
+        states = dict(self.store.get("node_states", {}))
+        if state == NodeState.READY:
+            states.pop(node_id, None)
+        else:
+            states[node_id] = state.value
+        self.store.put("node_states", states)
+        self.store.add_event("node-" + {"ready": "uncordoned"}.get(state.value, state.value), node_id,
+                             f"node {node_id} is now {state.value}")
+        node = self._nodes[node_id]
+        self._nodes[node_id] = replace(node, state=self._state(node))
+
+    def _state(self, node: Node) -> NodeState:
+        if node.unreachable_since is not None:
+            return NodeState.UNREACHABLE
+        if node.report is None:
+            return NodeState.UNKNOWN
+        return self.operator_state(node.id)
+
+    # --- observation ------------------------------------------------------------------
+    async def poll(self) -> Inventory:
+        """Ask every node for its inventory at once; the new snapshot."""
+        ids = list(self._nodes)
+        answers = await asyncio.gather(*(self._poll_one(i) for i in ids))
+        for node_id, node in zip(ids, answers, strict=True):
+            if node is not None and node_id in self._nodes:
+                self._nodes[node_id] = node
+        self._taken_at = self.clock()
+        return self.snapshot()
+
+    async def _poll_one(self, node_id: str) -> Node | None:
+        node = self._nodes.get(node_id)
+        if node is None:
+            return None
+        now = self.clock()
+        try:
+            raw = await self.dispatcher.inventory(node_id)
+            report = parse_report(raw)
+        except DispatchError as exc:
+            since = node.unreachable_since if node.unreachable_since is not None else now
+            if node.unreachable_since is None:
+                self.store.add_event("node-unreachable", node_id, str(exc))
+                log.warning("node %s unreachable: %s", node_id, exc)
+            updated = replace(node, unreachable_since=since, error=str(exc))
+            return replace(updated, state=self._state(updated))
+        except (KeyError, TypeError, ValueError) as exc:  # an answer we cannot read is a node problem
+            updated = replace(node, unreachable_since=node.unreachable_since or now,
+                              error=f"unreadable inventory: {exc}")
+            return replace(updated, state=self._state(updated))
+        if node.unreachable_since is not None:
+            self.store.add_event("node-reachable", node_id, f"node {node_id} answers again")
+        updated = replace(node, report=report, last_seen=now, unreachable_since=None, error=None)
+        return replace(updated, state=self._state(updated))
+
+    def snapshot(self) -> Inventory:
+        return Inventory(dict(self._nodes), self._taken_at)

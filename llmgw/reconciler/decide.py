@@ -1,0 +1,174 @@
+"""What the reconciler should do this tick: pure, from desired, actual, usage and time.
+
+Returns decisions; `Reconciler` applies them. Keeping this pure is what lets `llmgw diff`
+show the same plan the controller will carry out, and what lets the scaling rules be
+tested without a single engine.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from llmgw.catalog import Catalog, Model, ModelName, NodeId
+from llmgw.inventory import Inventory, NodeState
+from llmgw.placement import Placement, Rejection, place
+from llmgw.reconciler.replica import Replica, ReplicaState, fingerprint
+
+
+@dataclass(frozen=True)
+class Demand:
+    """The router's view of a model: requests held for want of a replica, and in flight."""
+
+    held: int = 0
+    inflight: int = 0
+
+
+@dataclass(frozen=True)
+class Settings:
+    unreachable_grace: float = 30.0
+
+
+@dataclass(frozen=True)
+class NewReplica:
+    placement: Placement
+    replaces: str | None = None
+    reason: str = "scale up"
+
+
+@dataclass(frozen=True)
+class Decisions:
+    stop: tuple[tuple[str, str], ...] = ()  # (replica id, reason)
+    create: tuple[NewReplica, ...] = ()
+    lost: tuple[tuple[str, str], ...] = ()  # replicas given up for dead with their node
+    unplaced: Mapping[str, int] = field(default_factory=dict)
+    rejections: tuple[Rejection, ...] = ()
+
+
+def _node_lost(inventory: Inventory, node_id: NodeId, now: float, grace: float) -> bool:
+    node = inventory.node(node_id)
+    if node is None:
+        return True  # the node left nodes.yaml
+    return node.unreachable_since is not None and now - node.unreachable_since >= grace
+
+
+def _draining(inventory: Inventory, node_id: NodeId) -> bool:
+    node = inventory.node(node_id)
+    return node is not None and node.state == NodeState.DRAINING
+
+
+def _idle_for(r: Replica, last_used: Mapping[str, float], now: float) -> float:
+    used = last_used.get(r.id)
+    since = max(x for x in (used, r.ready_since, r.created_at) if x is not None)
+    return now - since
+
+
+def decide(
+    catalog: Catalog,
+    inventory: Inventory,
+    replicas: Sequence[Replica],
+    *,
+    last_used: Mapping[str, float],
+    demand: Mapping[str, Demand],
+    now: float,
+    settings: Settings = Settings(),
+) -> Decisions:
+    """Stops, new replicas and losses that bring the fleet toward ``catalog``."""
+    stop: dict[str, str] = {}
+    lost: list[tuple[str, str]] = []
+    by_id = {r.id: r for r in replicas}
+    replacing = {r.replaces: r for r in replicas if r.replaces and r.state.live}
+    needs_replacement: dict[str, str] = {}  # old id → why
+
+    # 1. Replicas that cannot stay as they are.
+    for r in replicas:
+        if not r.state.live:
+            continue
+        model = catalog.model(r.model)
+        if model is None:
+            stop[r.id] = "model left the catalog"
+            continue
+        gone = [n for n in r.nodes if _node_lost(inventory, n, now, settings.unreachable_grace)]
+        if gone:
+            lost.append((r.id, f"node {', '.join(gone)} unreachable past the grace period"))
+            continue
+        profile = model.profile(r.profile)
+        if profile is None or fingerprint(model, profile) != r.fingerprint:
+            needs_replacement[r.id] = "its profile changed"
+        elif any(_draining(inventory, n) for n in r.nodes):
+            needs_replacement[r.id] = "its node is draining"
+    lost_ids = {i for i, _ in lost}
+
+    # 2. Replacements: start the new one first; stop the old once the new one is ready.
+    replacement_wanted: dict[str, list[str]] = defaultdict(list)
+    for old_id, why in needs_replacement.items():
+        new = replacing.get(old_id)
+        if new is None:
+            replacement_wanted[by_id[old_id].model].append(old_id)
+        elif new.state == ReplicaState.READY:
+            stop[old_id] = f"replaced by {new.id} ({why})"
+    # A replacement whose old replica is already gone serves as an ordinary replica.
+
+    # 3. Scaling: each model within [min, max], by demand and idleness.
+    create_counts: dict[str, int] = {}
+    for model in catalog.models:
+        mine = [r for r in replicas if r.model == model.name and r.state.live
+                and r.id not in stop and r.id not in lost_ids]
+        # A replica and its replacement hold one slot between them.
+        slots = [r for r in mine if not (r.replaces and r.replaces in by_id and by_id[r.replaces].state.live)]
+        count = len(slots)
+        ready = [r for r in slots if r.state == ReplicaState.READY]
+        d = demand.get(model.name, Demand())
+        s = model.scaling
+        target = min(max(count, s.min), s.max)
+        if d.held and count == 0:
+            target = max(target, min(1, s.max))
+        if ready and d.inflight > s.target_inflight * len(ready) and count == len(ready):
+            target = min(count + 1, s.max)
+        if count > s.max:
+            # Not-ready ones first, then the longest idle.
+            extra = sorted(slots, key=lambda r: (r.state == ReplicaState.READY, -_idle_for(r, last_used, now)))
+            for r in extra[: count - s.max]:
+                stop[r.id] = f"above max ({s.max})"
+            continue
+        if s.idle_after is not None and not d.held and count > s.min:
+            idle = sorted((r for r in ready if _idle_for(r, last_used, now) >= s.idle_after
+                           and r.id not in needs_replacement),
+                          key=lambda r: -_idle_for(r, last_used, now))
+            for r in idle[: count - s.min]:
+                stop[r.id] = f"idle for {int(_idle_for(r, last_used, now))}s (idle_after {int(s.idle_after)}s)"
+                target = min(target, count - 1)
+        if target > count:
+            create_counts[model.name] = target - count
+
+    # 4. Place what is wanted; stopping replicas still hold their GPUs until they stop.
+    holding = [r.placement for r in replicas
+               if r.id not in lost_ids and r.state not in (ReplicaState.STOPPED,)]
+    wanted = {name: n for name, n in create_counts.items()}
+    for name, olds in replacement_wanted.items():
+        wanted[name] = wanted.get(name, 0) + len(olds)
+    avoid = {by_id[o].model: [n for n in by_id[o].nodes] for olds in replacement_wanted.values() for o in olds
+             if needs_replacement[o] == "its node is draining"}
+    result = place(catalog, inventory, holding, now=now, wanted=wanted, avoid=avoid)
+    create: list[NewReplica] = []
+    queue = {name: list(olds) for name, olds in replacement_wanted.items()}
+    for p in result.placements:
+        olds = queue.get(p.model)
+        if olds:
+            old = olds.pop(0)
+            create.append(NewReplica(p, replaces=old, reason=f"replaces {old}: {needs_replacement[old]}"))
+        else:
+            create.append(NewReplica(p, reason=_reason(catalog.model(p.model), demand)))
+    return Decisions(tuple(stop.items()), tuple(create), tuple(lost), result.unplaced, result.rejections)
+
+
+def _reason(model: Model | None, demand: Mapping[str, Demand]) -> str:
+    if model is None:
+        return "scale up"
+    d = demand.get(ModelName(model.name), Demand())
+    if d.held:
+        return f"woken by {d.held} held request(s)"
+    if d.inflight:
+        return f"{d.inflight} requests in flight"
+    return f"scaling.min {model.scaling.min}"

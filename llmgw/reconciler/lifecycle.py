@@ -1,0 +1,188 @@
+"""One replica's way through its states, one step of I/O per tick.
+
+Each step is idempotent against the agent (a second `fetch` joins the first, a second
+`start` of a live replica id answers its record, `stop` of a dead one is a no-op), so a
+tick cut short by a crash is simply done again by the next controller.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from llmgw.catalog import Catalog, Model, Profile
+from llmgw.dispatch.base import Dispatcher
+from llmgw.engines.argv import EngineArgsError, engine_args
+from llmgw.engines.argv import Shard as EngineShard
+from llmgw.engines.health import check_health, probe_ready
+from llmgw.errors import DispatchError
+from llmgw.gitops.store import Store
+from llmgw.inventory import EngineRecord, Inventory
+from llmgw.reconciler.replica import Replica, ReplicaState, ShardStatus
+
+if TYPE_CHECKING:
+    from llmgw.reconciler.reconciler import ReconcilerConfig
+
+log = logging.getLogger(__name__)
+
+S = ReplicaState
+DIST_PORT_BASE = 29500
+
+
+class Lifecycle:
+    def __init__(
+        self, dispatcher: Dispatcher, session: aiohttp.ClientSession, store: Store,
+        config: ReconcilerConfig, clock: Callable[[], float],
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.session = session
+        self.store = store
+        self.config = config
+        self.clock = clock
+
+    # --- observation (no I/O) ------------------------------------------------------------
+    def observe(self, r: Replica, inventory: Inventory, now: float) -> Replica:
+        """A ready or starting replica whose engine the agent reports exited has failed."""
+        if r.state not in (S.READY, S.STARTING):
+            return r
+        for shard in r.shards:
+            record = _engine(inventory, shard)
+            if record is not None and not record.alive and shard.pid is not None and record.pid == shard.pid:
+                tail = " | ".join(record.log_tail[-3:])
+                return self._failed(r, now, f"engine on {shard.node} exited with code {record.exit_code}"
+                                    + (f": {tail}" if tail else ""))
+        return r
+
+    # --- one step ----------------------------------------------------------------------
+    async def advance(self, r: Replica, catalog: Catalog, inventory: Inventory) -> Replica:
+        now = self.clock()
+        model = catalog.model(r.model)
+        profile = model.profile(r.profile) if model else None
+        try:
+            if r.state == S.STOPPING:
+                return await self._stop(r, now)
+            if model is None or profile is None:
+                return r  # decide() stops it; nothing to start for a model that left
+            if r.state in (S.PENDING, S.FETCHING):
+                return await self._fetch_then_start(r, model, profile, inventory, now)
+            if r.state == S.STARTING:
+                return await self._probe(r, model, now)
+            if r.state == S.FAILED and r.retry_at is not None and now >= r.retry_at:
+                await self._stop_shards(r)
+                fresh = tuple(replace(s, pid=None, port=None, endpoint=None, state="pending") for s in r.shards)
+                return r.moved(S.PENDING, now, shards=fresh, retry_at=None)
+        except DispatchError as exc:
+            # A node that does not answer is the inventory's business (unreachable, then
+            # lost); here the step simply happens again next tick.
+            log.info("replica %s: %s", r.id, exc)
+            return replace(r, error=str(exc))
+        return r
+
+    async def _fetch_then_start(
+        self, r: Replica, model: Model, profile: Profile, inventory: Inventory, now: float
+    ) -> Replica:
+        if model.cache_name is not None:
+            waiting = []
+            for shard in r.shards:
+                node = inventory.node(shard.node)
+                if node and node.report and model.cache_name in node.report.held:
+                    continue
+                answer = await self.dispatcher.fetch(shard.node, model.source)
+                state = answer.get("state")
+                if state == "failed":
+                    return self._failed(r, now, f"fetch on {shard.node} failed: {answer.get('error')}")
+                if state != "done":
+                    waiting.append(f"{shard.node} {answer.get('bytes_done', 0)}/{answer.get('bytes_total') or '?'}")
+            if waiting:
+                return r.moved(S.FETCHING, now, error=None)
+        return await self._start(r, model, profile, now)
+
+    async def _start(self, r: Replica, model: Model, profile: Profile, now: float) -> Replica:
+        shards = list(r.shards)
+        rank0_host: str | None = None
+        dist_port = DIST_PORT_BASE + r.generation % 1000
+        for i, shard in enumerate(shards):
+            try:
+                eshard = (EngineShard(shard.rank, len(shards), rank0_host or "{host}", dist_port)
+                          if profile.sharded else None)
+                args = engine_args(model, profile, eshard)
+            except EngineArgsError as exc:
+                return self._failed(r, now, str(exc), permanent=True)
+            answer = await self.dispatcher.start(shard.node, {
+                "replica_id": shard.agent_id,
+                "engine": profile.engine,
+                "args": list(args),
+                "env": dict(profile.env),
+                "gpus": list(shard.gpus),
+                "port": None,
+                "weights": model.cache_name or model.source,
+                "labels": {
+                    "llmgw.replica": r.id, "llmgw.model": model.name, "llmgw.profile": profile.name,
+                    "llmgw.rank": str(shard.rank), "llmgw.generation": str(r.generation),
+                    "llmgw.revision": r.revision or "",
+                },
+            })
+            endpoint = answer.get("endpoint")
+            if i == 0 and endpoint:
+                rank0_host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+            shards[i] = replace(shard, pid=answer.get("pid"), port=answer.get("port"), endpoint=endpoint,
+                                state="started")
+        if r.state not in (S.STARTING,):
+            self.store.add_event("replica-starting", r.id,
+                                 f"{model.name}/{profile.name}: engine started on "
+                                 + ", ".join(f"{s.node} pid {s.pid}" for s in shards))
+        return r.moved(S.STARTING, now, shards=tuple(shards), error=None)
+
+    async def _probe(self, r: Replica, model: Model, now: float) -> Replica:
+        endpoint = r.endpoint
+        if not endpoint:
+            return r.moved(S.PENDING, now)
+        health = await check_health(self.session, endpoint, timeout=self.config.probe_timeout)
+        # Ready means a real one-token answer: /health can say ok before the model serves.
+        if health == "ok" and await probe_ready(self.session, endpoint, model.name, model.task,
+                                                timeout=self.config.probe_timeout):
+            verb = "adopted" if r.adopted else "ready"
+            self.store.add_event("replica-ready", r.id, f"{model.name} {verb} at {endpoint}")
+            return r.moved(S.READY, now, error=None, failures=0 if r.state == S.READY else r.failures)
+        if now - r.state_since > self.config.start_timeout:
+            return self._failed(r, now, f"not ready within {self.config.start_timeout:g}s (health: {health})")
+        return replace(r, error=None if health in ("ok", "loading") else f"health: {health}")
+
+    async def _stop(self, r: Replica, now: float) -> Replica:
+        await self._stop_shards(r)
+        self.store.add_event("replica-stopped", r.id, f"{r.model}: {r.stop_reason or 'stopped'}")
+        return r.moved(S.STOPPED, now)
+
+    async def _stop_shards(self, r: Replica) -> None:
+        for shard in r.shards:
+            await self.stop_engine(shard.node, shard.agent_id)
+
+    async def stop_engine(self, node_id: str, agent_id: str) -> bool:
+        """Stop one engine; True when the node answered (the engine is gone either way)."""
+        try:
+            await self.dispatcher.stop(node_id, agent_id, grace_seconds=self.config.stop_grace)
+        except DispatchError as exc:
+            log.info("stop %s on %s: %s", agent_id, node_id, exc)
+            return False
+        return True
+
+    def _failed(self, r: Replica, now: float, error: str, *, permanent: bool = False) -> Replica:
+        failures = r.failures + 1
+        delay = min(self.config.backoff_base * 2 ** (failures - 1), self.config.backoff_cap)
+        crash_loop = failures >= self.config.crash_loop_after
+        message = (f"crash loop ({failures} failures): " if crash_loop else "") + error
+        self.store.add_event("replica-failed", r.id,
+                             f"{r.model}: {message}; " + ("not retried" if permanent else f"retry in {delay:g}s"))
+        return r.moved(S.FAILED, now, error=message, failures=failures,
+                       retry_at=None if permanent else now + delay)
+
+
+def _engine(inventory: Inventory, shard: ShardStatus) -> EngineRecord | None:
+    node = inventory.node(shard.node)
+    if node is None or node.report is None:
+        return None
+    return next((e for e in node.report.engines if e.replica_id == shard.agent_id), None)

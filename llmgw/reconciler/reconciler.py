@@ -1,0 +1,288 @@
+"""The reconciler: each tick, decide (pure) and then carry the decisions out.
+
+Runs on every tick and at once when woken (a new catalog, a held request, an operator
+action). Replica records are persisted after every change, so a controller killed at
+any point adopts the engines the agents report instead of starting them again; an
+engine no record claims (a replica given up with its node, which then came back) is
+stale and is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import aiohttp
+
+from llmgw.catalog import Catalog
+from llmgw.dispatch.base import Dispatcher
+from llmgw.gitops.desired import DesiredState
+from llmgw.gitops.store import Store
+from llmgw.inventory import Inventory
+from llmgw.inventory.live import LiveInventory
+from llmgw.reconciler.decide import Decisions, Demand, Settings, decide
+from llmgw.reconciler.lifecycle import Lifecycle
+from llmgw.reconciler.replica import Endpoint, Replica, ReplicaState, fingerprint, replica_id, shard_agent_id
+from llmgw.reconciler.replica import ShardStatus as _ShardStatus
+
+log = logging.getLogger(__name__)
+
+
+class EndpointSink(Protocol):
+    """Receives the endpoint list (only ready replicas). The router implements it."""
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None: ...
+
+
+class UsageSource(Protocol):
+    """The router's report: when each replica was last used, and demand per model."""
+
+    def last_used(self) -> Mapping[str, float]: ...
+
+    def demand(self) -> Mapping[str, Demand]: ...
+
+
+class NoUsage:
+    def last_used(self) -> Mapping[str, float]:
+        return {}
+
+    def demand(self) -> Mapping[str, Demand]:
+        return {}
+
+
+@dataclass(frozen=True)
+class ReconcilerConfig:
+    tick_interval: float = 2.0
+    unreachable_grace: float = 30.0
+    backoff_base: float = 2.0
+    backoff_cap: float = 120.0
+    crash_loop_after: int = 5
+    start_timeout: float = 900.0
+    probe_timeout: float = 10.0
+    stop_grace: float = 10.0
+    concurrency: int = 32
+
+
+class Reconciler:
+    """Makes the fleet match the desired state. ``start()`` begins the loop; ``close()`` ends it."""
+
+    def __init__(
+        self,
+        desired: DesiredState,
+        inventory: LiveInventory,
+        dispatcher: Dispatcher,
+        store: Store,
+        *,
+        sink: EndpointSink | None = None,
+        usage: UsageSource | None = None,
+        config: ReconcilerConfig = ReconcilerConfig(),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.desired = desired
+        self.inventory = inventory
+        self.dispatcher = dispatcher
+        self.store = store
+        self.sink = sink
+        self.usage: UsageSource = usage or NoUsage()
+        self.config = config
+        self.clock = clock
+        self.replicas: dict[str, Replica] = {}
+        self.last_decisions = Decisions()
+        self._published: tuple | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._tick_lock = asyncio.Lock()
+        self.lifecycle: Lifecycle | None = None
+        self._nodes_for: Catalog | None = None
+
+    # --- lifecycle ------------------------------------------------------------------
+    async def start(self, *, loop: bool = True) -> None:
+        self._wake = asyncio.Event()
+        self._session = aiohttp.ClientSession()
+        self.lifecycle = Lifecycle(self.dispatcher, self._session, self.store, self.config, self.clock)
+        for raw in self.store.get("replicas", []):
+            r = Replica.from_json(raw)
+            if r.state == ReplicaState.READY:
+                # Adopted from a previous life: probed once before it serves again, never restarted.
+                r = replace(r, state=ReplicaState.STARTING, adopted=True)
+            self.replicas[r.id] = r
+        if loop:
+            self._task = asyncio.create_task(self._run(), name="reconciler")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def notify(self) -> None:
+        """Run a tick now (a catalog change, a held request, an operator action)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            self._wake.clear()
+            try:
+                await self.tick()
+            except Exception:  # noqa: BLE001 - the loop must outlive a bug; logged with traceback
+                log.exception("reconcile tick failed")
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.config.tick_interval)
+            except TimeoutError:
+                pass
+
+    # --- one tick -----------------------------------------------------------------------
+    async def tick(self) -> Decisions:
+        async with self._tick_lock:
+            catalog = self.desired.catalog
+            if catalog is None:
+                return Decisions()
+            if catalog is not self._nodes_for:
+                await self._follow_nodes(catalog)
+            inventory = await self.inventory.poll()
+            now = self.clock()
+            self._observe(inventory, now)
+            decisions = decide(
+                catalog, inventory, list(self.replicas.values()),
+                last_used=self.usage.last_used(), demand=self.usage.demand(), now=now,
+                settings=Settings(unreachable_grace=self.config.unreachable_grace),
+            )
+            self.last_decisions = decisions
+            self._apply_decisions(catalog, decisions, now)
+            # Withdrawn from the router before anything is stopped.
+            self.publish(catalog)
+            await self._stop_stale_engines(inventory)
+            await self._advance_all(catalog, inventory)
+            self._save()
+            self.publish(catalog)
+            return decisions
+
+    async def _follow_nodes(self, catalog: Catalog) -> None:
+        """Point the inventory and the dispatcher at the catalog's nodes before polling them."""
+        self.inventory.set_nodes(catalog.nodes)
+        set_nodes = getattr(self.dispatcher, "set_nodes", None)
+        if set_nodes is not None:
+            await set_nodes(catalog.nodes)
+        self._nodes_for = catalog
+
+    def _observe(self, inventory: Inventory, now: float) -> None:
+        """Fold what the agents report into the records: exits of ready engines."""
+        assert self.lifecycle is not None
+        for rid, r in list(self.replicas.items()):
+            self.replicas[rid] = self.lifecycle.observe(r, inventory, now)
+
+    def _apply_decisions(self, catalog: Catalog, d: Decisions, now: float) -> None:
+        for rid, why in d.lost:
+            r = self.replicas.pop(rid, None)
+            if r is not None:
+                self.store.add_event("replica-lost", rid, f"{r.model}: {why}; placing it elsewhere")
+        for rid, why in d.stop:
+            r = self.replicas.get(rid)
+            if r is not None and r.state not in (ReplicaState.STOPPING, ReplicaState.STOPPED):
+                self.replicas[rid] = r.moved(ReplicaState.STOPPING, now, stop_reason=why)
+                self.store.add_event("replica-stopping", rid, f"{r.model}: {why}")
+        for new in d.create:
+            model = catalog.model(new.placement.model)
+            profile = model.profile(new.placement.profile) if model else None
+            if model is None or profile is None:
+                continue
+            generation = int(self.store.get("generation", 0)) + 1
+            self.store.put("generation", generation)
+            rid = replica_id(model.name, generation)
+            shards = tuple(_ShardStatus(s.node, s.rank, s.gpus, shard_agent_id(rid, s.rank))
+                           for s in new.placement.shards)
+            self.replicas[rid] = Replica(
+                id=rid, model=model.name, profile=profile.name, placement=new.placement,
+                generation=generation, fingerprint=fingerprint(model, profile), shards=shards,
+                created_at=now, state_since=now, replaces=new.replaces, revision=catalog.revision,
+            )
+            where = ", ".join(f"{s.node} gpus {list(s.gpus)}" for s in new.placement.shards)
+            self.store.add_event("replica-created", rid, f"{model.name}/{profile.name} on {where}: {new.reason}")
+
+    async def _stop_stale_engines(self, inventory: Inventory) -> None:
+        """Stop engines no record claims: left behind by a replica given up with its node."""
+        assert self.lifecycle is not None
+        claimed = {(s.node, s.agent_id) for r in self.replicas.values() for s in r.shards}
+        stale = [
+            (node.id, e.replica_id)
+            for node in inventory.nodes.values() if node.report is not None
+            for e in node.report.engines
+            if e.alive and (node.id, e.replica_id) not in claimed and e.label("llmgw.replica") is not None
+        ]
+        for node_id, agent_id in stale:
+            if await self.lifecycle.stop_engine(node_id, agent_id):
+                self.store.add_event("stale-engine-stopped", agent_id,
+                                     f"engine {agent_id} on {node_id} belongs to no replica (stale); stopped")
+
+    async def _advance_all(self, catalog: Catalog, inventory: Inventory) -> None:
+        assert self.lifecycle is not None
+        sem = asyncio.Semaphore(self.config.concurrency)
+        lifecycle = self.lifecycle
+
+        async def one(r: Replica) -> Replica:
+            async with sem:
+                return await lifecycle.advance(r, catalog, inventory)
+
+        current = list(self.replicas.values())
+        results = await asyncio.gather(*(one(r) for r in current))
+        for r in results:
+            if r.state == ReplicaState.STOPPED:
+                self.replicas.pop(r.id, None)
+            elif r.id in self.replicas:
+                self.replicas[r.id] = r
+
+    def _save(self) -> None:
+        self.store.put("replicas", [r.to_json() for r in self.replicas.values()])
+
+    # --- the router's view ------------------------------------------------------------
+    def endpoints(self, catalog: Catalog) -> list[Endpoint]:
+        out = []
+        for r in sorted(self.replicas.values(), key=lambda r: r.id):
+            model = catalog.model(r.model)
+            profile = model.profile(r.profile) if model else None
+            if r.state != ReplicaState.READY or model is None or profile is None or not r.endpoint:
+                continue
+            out.append(Endpoint(
+                replica_id=r.id, model=model.name, names=model.names, url=r.endpoint.rstrip("/"),
+                engine=profile.engine, profile=profile.name, priority=profile.priority, task=model.task,
+                node=r.shards[0].node,
+            ))
+        return out
+
+    def publish(self, catalog: Catalog | None = None) -> None:
+        """Send ready endpoints to the router, only when the list changed."""
+        catalog = catalog or self.desired.catalog
+        if self.sink is None or catalog is None:
+            return
+        eps = self.endpoints(catalog)
+        key = tuple((e.replica_id, e.url, e.names, e.priority) for e in eps)
+        if key == self._published:
+            return
+        self._published = key
+        self.sink.set_endpoints(eps)
+
+    def ready_counts(self) -> dict[str, int]:
+        """Ready replicas per model, for the prune guard."""
+        out: dict[str, int] = {}
+        for r in self.replicas.values():
+            if r.state == ReplicaState.READY:
+                out[r.model] = out.get(r.model, 0) + 1
+        return out
+
+    def snapshot(self) -> list[Replica]:
+        return sorted(self.replicas.values(), key=lambda r: r.id)
+
+
