@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import io
 import subprocess
 from collections.abc import Callable
@@ -11,6 +13,8 @@ import pytest
 from rich.console import Console
 
 from llmgw.cli.main import main
+
+pytest_plugins = ["tests.fixtures.sshd"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO_ROOT / "examples" / "catalog"
@@ -49,3 +53,13 @@ def run_cli() -> Callable[..., tuple[int, str]]:
         return code, buf.getvalue()
 
     return run
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Run ``async def`` tests in a fresh event loop (no pytest-asyncio needed)."""
+    if not inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None
+    names = pyfuncitem._fixtureinfo.argnames
+    asyncio.run(pyfuncitem.obj(**{name: pyfuncitem.funcargs[name] for name in names}))
+    return True

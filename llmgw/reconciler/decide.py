@@ -115,8 +115,10 @@ def decide(
     for model in catalog.models:
         mine = [r for r in replicas if r.model == model.name and r.state.live
                 and r.id not in stop and r.id not in lost_ids]
-        # A replica and its replacement hold one slot between them.
-        slots = [r for r in mine if not (r.replaces and r.replaces in by_id and by_id[r.replaces].state.live)]
+        # A replica and its replacement hold one slot between them, until the old one stops
+        # (here or earlier).
+        slots = [r for r in mine if not (r.replaces and r.replaces in by_id and r.replaces not in stop
+                                         and by_id[r.replaces].state.live)]
         count = len(slots)
         ready = [r for r in slots if r.state == ReplicaState.READY]
         d = demand.get(model.name, Demand())

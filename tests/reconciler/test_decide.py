@@ -82,6 +82,7 @@ def test_draining_node_gets_a_replacement_first_then_the_old_stops() -> None:
     assert d.stop == () and d.create == ()  # min stays met by the old one meanwhile
     d = run(Catalog(models=(M,)), inv, [old, replace(new, state=ReplicaState.READY)])
     assert d.stop == (("m-g1", "replaced by m-g2 (its node is draining)"),)
+    assert d.create == ()  # the replacement takes the old one's slot: nothing more to start
 
 
 def test_changed_profile_is_replaced() -> None:
