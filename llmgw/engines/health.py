@@ -1,0 +1,189 @@
+"""What an engine says about itself: liveness, readiness, and load.
+
+The reconciler asks :func:`check_health` and :func:`probe_ready` while a replica is starting
+(DESIGN §5: ready means a one-token request succeeded, not only that ``/health`` said ok); the
+router asks :func:`read_load` for queue depth to weigh replicas (DESIGN §6). Every call takes
+the caller's ``aiohttp.ClientSession`` and carries its own timeout, so a hung engine costs
+a bounded wait and never a stuck reconcile loop. None of them raises for an engine that is
+down: that is an answer (``"down"``, ``False``, ``None``), not an error.
+
+Engines answer differently and this module hides it:
+
+- vLLM and SGLang: ``GET /health`` is 200 once serving. vLLM does not listen at all while it
+  loads, so "loading" is indistinguishable from "down" from outside; the reconciler knows a
+  replica is starting and waits either way.
+- llama.cpp (tools/server/README.md, "GET /health"): 503 with ``{"error": {"code": 503,
+  "message": "Loading model", "type": "unavailable_error"}}`` while loading, 200 ``{"status":
+  "ok"}`` when ready. The built-in simulator answers the same way.
+- ``/metrics`` names differ per engine; :data:`LOAD_METRICS` maps them (see there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmgw.catalog.model import Engine, Task
+
+Health = Literal["ok", "loading", "down"]
+
+HEALTH_TIMEOUT = 2.0
+PROBE_TIMEOUT = 30.0  # a first request after load may compile kernels or warm caches
+METRICS_TIMEOUT = 2.0
+
+PROBE_PROMPT = "Hi"
+
+
+@dataclass(frozen=True)
+class Load:
+    """An engine's own view of its queue: requests being generated, requests waiting, and the
+    share of its KV cache in use (0..1), or None where the engine does not export it."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float | None = None
+
+
+@dataclass(frozen=True)
+class LoadMetrics:
+    """Metric names one engine exports for :class:`Load`; the first present name wins."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    kv_cache_usage: tuple[str, ...] = ()
+
+
+_VLLM = LoadMetrics(
+    # docs.vllm.ai/en/stable/usage/metrics/; vllm:gpu_cache_usage_perc is the pre-V1 spelling,
+    # kept by vLLM for a while as "DEPRECATED: Use vllm:kv_cache_usage_perc instead".
+    running=("vllm:num_requests_running",),
+    waiting=("vllm:num_requests_waiting",),
+    kv_cache_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+)
+
+LOAD_METRICS: dict[Engine, LoadMetrics] = {
+    "vllm": _VLLM,
+    # docs.sglang.io/references/production_metrics.html (needs --enable-metrics); token_usage is
+    # the share of the KV pool in use.
+    "sglang": LoadMetrics(
+        running=("sglang:num_running_reqs",),
+        waiting=("sglang:num_queue_reqs",),
+        kv_cache_usage=("sglang:token_usage",),
+    ),
+    # ggml-org/llama.cpp tools/server/README.md, "GET /metrics" (needs --metrics); no KV gauge.
+    "llama.cpp": LoadMetrics(
+        running=("llamacpp:requests_processing",),
+        waiting=("llamacpp:requests_deferred",),
+    ),
+    "sim": _VLLM,  # the simulator speaks vLLM's names
+}
+
+
+async def check_health(
+    session: aiohttp.ClientSession, endpoint: str, *, timeout: float = HEALTH_TIMEOUT
+) -> Health:
+    """``"ok"`` on 200 from ``/health``, ``"loading"`` on 503 (the engine is up but still
+    loading), ``"down"`` for anything else: no connection, a timeout, another status."""
+    try:
+        async with session.get(_url(endpoint, "/health"), timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            await resp.read()
+            if resp.status == 200:
+                return "ok"
+            return "loading" if resp.status == 503 else "down"
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return "down"
+
+
+async def probe_ready(
+    session: aiohttp.ClientSession,
+    endpoint: str,
+    model_name: str,
+    task: Task,
+    *,
+    timeout: float = PROBE_TIMEOUT,
+) -> bool:
+    """True only when the engine answered a real one-token request for ``model_name``.
+
+    Generative models get ``POST /v1/completions`` with ``max_tokens: 1``: every engine here
+    serves it, and unlike chat it needs no chat template (a base model has none). Embedding
+    models get ``POST /v1/embeddings`` with a short input. A 200 whose body is not the
+    expected shape (``choices`` / ``data`` non-empty) is not ready.
+    """
+    if task == "embedding":
+        path, body, key = "/v1/embeddings", {"model": model_name, "input": PROBE_PROMPT}, "data"
+    else:
+        path, key = "/v1/completions", "choices"
+        body = {"model": model_name, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}
+    try:
+        async with session.post(
+            _url(endpoint, path), json=body, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                return False
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(answer, dict) and isinstance(answer.get(key), list) and len(answer[key]) > 0
+
+
+async def read_load(
+    session: aiohttp.ClientSession, endpoint: str, engine: Engine, *, timeout: float = METRICS_TIMEOUT
+) -> Load | None:
+    """The engine's :class:`Load` from its ``/metrics``, or None when it cannot be read
+    (unreachable, non-200, not Prometheus text, or none of the engine's names present)."""
+    try:
+        async with session.get(_url(endpoint, "/metrics"), timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                await resp.read()
+                return None
+            text = await resp.text(errors="replace")
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return None
+    try:
+        return parse_load(text, engine)
+    except ValueError:
+        return None
+
+
+def parse_load(text: str, engine: Engine) -> Load | None:
+    """:class:`Load` from Prometheus exposition ``text`` in ``engine``'s metric names.
+
+    Running and waiting are summed over every label set (an engine with several data-parallel
+    ranks or models exports one series each). KV-cache usage is a share per cache, so the
+    fullest one is reported, not a sum. None when neither running nor waiting is present, so
+    that "no metrics" is never mistaken for "idle". Raises ValueError on malformed text.
+    """
+    names = LOAD_METRICS[engine]
+    wanted = {*names.running, *names.waiting, *names.kv_cache_usage}
+    values: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                values.setdefault(sample.name, []).append(float(sample.value))
+    running = _first(values, names.running)
+    waiting = _first(values, names.waiting)
+    if running is None and waiting is None:
+        return None
+    kv = _first(values, names.kv_cache_usage)
+    return Load(
+        running=round(sum(running or ())),
+        waiting=round(sum(waiting or ())),
+        kv_cache_usage=max(kv) if kv else None,
+    )
+
+
+def _first(values: dict[str, list[float]], names: tuple[str, ...]) -> list[float] | None:
+    return next((values[n] for n in names if n in values), None)
+
+
+def _url(endpoint: str, path: str) -> str:
+    return endpoint.rstrip("/") + path

@@ -1,0 +1,260 @@
+"""The simulator as a real process, driven by the real openai client and by llmgw's own readers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from llmgw.agent.llmgw_agent import build_argv
+from llmgw.catalog.model import Model, ModelName, Profile
+from llmgw.engines.argv import engine_args
+from llmgw.engines.health import Load, check_health, probe_ready, read_load
+from llmgw.engines.testing import SimProcess, free_port
+
+TPS = 40  # 25 ms between tokens
+
+
+@pytest.fixture(scope="module")
+def chat_sim() -> Iterator[SimProcess]:
+    with SimProcess("sim-chat", "--alias", "gpt-x", "--tokens-per-second", str(TPS), "--max-running", "2") as sim:
+        yield sim
+
+
+@pytest.fixture(scope="module")
+def embed_sim() -> Iterator[SimProcess]:
+    with SimProcess("sim-embed", "--task", "embedding", "--embedding-dim", "32") as sim:
+        yield sim
+
+
+@pytest.fixture
+def client(chat_sim: SimProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=chat_sim.endpoint + "/v1", api_key="x", timeout=10) as c:
+        yield c
+
+
+def post(url: str, data: bytes) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read())
+
+
+def metric(endpoint: str, name: str) -> float:
+    with urllib.request.urlopen(endpoint + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+async def with_session(coro_fn: Any) -> Any:
+    async with aiohttp.ClientSession() as session:
+        return await coro_fn(session)
+
+
+def run(coro_fn: Any) -> Any:
+    return asyncio.run(with_session(coro_fn))
+
+
+MESSAGES = [{"role": "user", "content": "Say something"}]
+
+
+def test_health_is_503_loading_then_200_and_ready_only_after() -> None:
+    with SimProcess("slow", "--startup-delay", "1.2") as sim:
+        async def loading(session: aiohttp.ClientSession) -> tuple[Any, ...]:
+            async with session.get(sim.endpoint + "/health") as resp:
+                body = await resp.json()
+            return (resp.status, body, await check_health(session, sim.endpoint),
+                    await probe_ready(session, sim.endpoint, "slow", "chat", timeout=5))
+
+        status, body, health, ready = run(loading)
+        assert (status, health, ready) == (503, "loading", False)
+        assert body == {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+
+        async def until_ok(session: aiohttp.ClientSession) -> tuple[str, bool]:
+            deadline = time.monotonic() + 5
+            while await check_health(session, sim.endpoint) != "ok" and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return await check_health(session, sim.endpoint), await probe_ready(session, sim.endpoint, "slow", "chat")
+
+        assert run(until_ok) == ("ok", True)
+
+
+def test_models_lists_name_and_aliases(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["sim-chat", "gpt-x"]
+
+
+def test_chat_completion_is_deterministic_and_echoes_the_served_name(client: openai.OpenAI) -> None:
+    first = client.chat.completions.create(model="gpt-x", messages=MESSAGES, max_tokens=5)
+    again = client.chat.completions.create(model="sim-chat", messages=MESSAGES, max_tokens=5)
+    other = client.chat.completions.create(model="sim-chat", messages=[{"role": "user", "content": "Other"}],
+                                           max_tokens=5)
+    assert first.model == "sim-chat"
+    assert first.choices[0].message.role == "assistant"
+    assert first.choices[0].finish_reason == "length"
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.choices[0].message.content != other.choices[0].message.content
+    assert len(first.choices[0].message.content.split()) == 5
+    assert first.usage is not None and first.usage.completion_tokens == 5
+
+
+def test_streamed_chat_arrives_token_by_token(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model="sim-chat", messages=MESSAGES, max_tokens=10)
+    arrivals, chunks = [], []
+    stream = client.chat.completions.create(model="sim-chat", messages=MESSAGES, max_tokens=10, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        arrivals.append(time.monotonic())
+        chunks.append(chunk)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) == 10
+    assert "".join(content) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+    # Nine gaps of 1/TPS after the first token: the stream is paced, not buffered.
+    assert arrivals[-1] - arrivals[0] > 9 / TPS * 0.6
+
+
+def test_completion_and_streamed_completion(client: openai.OpenAI) -> None:
+    done = client.completions.create(model="sim-chat", prompt="Once upon a time", max_tokens=4)
+    assert done.object == "text_completion" and len(done.choices[0].text.split()) == 4
+    parts = [c.choices[0].text for c in client.completions.create(
+        model="sim-chat", prompt="Once upon a time", max_tokens=4, stream=True) if c.choices]
+    assert "".join(parts) == done.choices[0].text
+
+
+def test_embeddings_are_deterministic_unit_vectors(embed_sim: SimProcess) -> None:
+    with openai.OpenAI(base_url=embed_sim.endpoint + "/v1", api_key="x", timeout=10) as c:
+        a = c.embeddings.create(model="sim-embed", input="hello world")  # the client asks for base64
+        b = c.embeddings.create(model="sim-embed", input=["hello world", "bye"], encoding_format="float")
+    va, vb, vc = a.data[0].embedding, b.data[0].embedding, b.data[1].embedding
+    assert len(va) == 32 and math.isclose(sum(x * x for x in va), 1.0, rel_tol=1e-5)
+    assert va == pytest.approx(vb, abs=1e-6)
+    assert vc != pytest.approx(vb, abs=1e-3)
+    assert [d.index for d in b.data] == [0, 1]
+
+
+def test_unknown_model_is_404_in_openai_error_format(client: openai.OpenAI, chat_sim: SimProcess) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+    status, body = post(chat_sim.endpoint + "/v1/chat/completions",
+                        json.dumps({"model": "nope", "messages": MESSAGES}).encode())
+    assert status == 404
+    assert set(body["error"]) >= {"message", "type", "code"} and "nope" in body["error"]["message"]
+
+
+def test_malformed_json_is_400(chat_sim: SimProcess) -> None:
+    status, body = post(chat_sim.endpoint + "/v1/chat/completions", b'{"model": "sim-chat", "messages": [')
+    assert status == 400 and body["error"]["type"] == "BadRequestError"
+
+
+def test_wrong_api_for_the_task_is_400(chat_sim: SimProcess, embed_sim: SimProcess) -> None:
+    assert post(chat_sim.endpoint + "/v1/embeddings", b'{"model": "sim-chat", "input": "x"}')[0] == 400
+    assert post(embed_sim.endpoint + "/v1/completions", b'{"model": "sim-embed", "prompt": "x"}')[0] == 400
+
+
+def test_client_disconnect_mid_stream_cancels_the_request(chat_sim: SimProcess) -> None:
+    before = metric(chat_sim.endpoint, "llmgw_sim_requests_cancelled_total")
+    body = {"model": "sim-chat", "messages": MESSAGES, "max_tokens": 200, "stream": True}
+
+    async def hang_up(session: aiohttp.ClientSession) -> bytes:
+        resp = await session.post(chat_sim.endpoint + "/v1/chat/completions", json=body)
+        first = await resp.content.readline()
+        resp.close()  # drops the connection mid-stream
+        return first
+
+    assert run(hang_up).startswith(b"data: ")
+    deadline = time.monotonic() + 3
+    while metric(chat_sim.endpoint, "llmgw_sim_requests_cancelled_total") <= before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(chat_sim.endpoint, "llmgw_sim_requests_cancelled_total") == before + 1
+    assert metric(chat_sim.endpoint, "vllm:num_requests_running") == 0
+
+
+def test_probe_ready_and_health_of_ready_and_absent_engines(chat_sim: SimProcess, embed_sim: SimProcess) -> None:
+    absent = f"http://127.0.0.1:{free_port()}"
+
+    async def probes(session: aiohttp.ClientSession) -> list[Any]:
+        return [
+            await probe_ready(session, chat_sim.endpoint, "sim-chat", "chat"),
+            await probe_ready(session, embed_sim.endpoint, "sim-embed", "embedding"),
+            await probe_ready(session, chat_sim.endpoint, "sim-chat", "embedding"),
+            await probe_ready(session, chat_sim.endpoint, "other", "chat"),
+            await probe_ready(session, absent, "sim-chat", "chat", timeout=1),
+            await check_health(session, chat_sim.endpoint),
+            await check_health(session, absent, timeout=1),
+            await read_load(session, absent, "sim", timeout=1),
+        ]
+
+    assert run(probes) == [True, True, False, False, False, "ok", "down", None]
+
+
+def test_read_load_sees_requests_in_flight_and_waiting(chat_sim: SimProcess) -> None:
+    body = {"model": "sim-chat", "messages": MESSAGES, "max_tokens": 24, "stream": True}
+    full = Load(running=2, waiting=2, kv_cache_usage=1.0)  # 4 requests, 2 slots (--max-running 2)
+
+    async def busy(session: aiohttp.ClientSession) -> tuple[Load | None, Load | None]:
+        async def one() -> None:
+            async with session.post(chat_sim.endpoint + "/v1/chat/completions", json=body) as resp:
+                await resp.read()
+
+        tasks = [asyncio.create_task(one()) for _ in range(4)]
+        deadline = time.monotonic() + 0.5  # each request streams for ~0.6 s
+        during = await read_load(session, chat_sim.endpoint, "sim")
+        while during != full and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            during = await read_load(session, chat_sim.endpoint, "sim")
+        await asyncio.gather(*tasks)
+        return during, await read_load(session, chat_sim.endpoint, "sim")
+
+    during, after = run(busy)
+    assert during == full
+    assert after == Load(running=0, waiting=0, kv_cache_usage=0.0)
+
+
+def test_sigterm_exits_quickly_even_with_a_stream_open() -> None:
+    with SimProcess("bye", "--tokens-per-second", "10") as sim:
+        body = {"model": "bye", "messages": MESSAGES, "max_tokens": 1000, "stream": True}
+
+        async def stop_mid_stream(session: aiohttp.ClientSession) -> float:
+            async with session.post(sim.endpoint + "/v1/chat/completions", json=body) as resp:
+                await resp.content.readline()
+                started = time.monotonic()
+                sim.terminate()
+                await asyncio.to_thread(sim.wait, 5)
+                return time.monotonic() - started
+
+        # The simulator gives open streams 0.2 s, then cuts them; the bound leaves room for a
+        # loaded CI machine scheduling the process.
+        assert run(stop_mid_stream) < 1.5
+        assert sim.wait(timeout=1) == 0
+
+
+def test_argv_built_for_a_sim_profile_runs_through_the_agents_substitution() -> None:
+    profile = Profile(name="sim", priority=0, engine="sim", gpus=1, args=("--max-tokens-default", "3"))
+    model = Model(name=ModelName("sim-chat"), source="/var/lib/llmgw/sim/tiny", size_gb=0.1, profiles=(profile,),
+                  aliases=("gpt-4o-mini",))
+    port = free_port()
+    argv = build_argv(("python", "-m", "llmgw.engines.sim"), engine_args(model, profile),
+                      {"port": str(port), "weights": "/var/lib/llmgw/sim/tiny", "host": "127.0.0.1"})
+    assert argv[:3] == ["python", "-m", "llmgw.engines.sim"]
+    # SimProcess supplies the interpreter, model, host and port itself: pass the rest through.
+    rest = argv[3:]
+    assert rest[:6] == ["--model", "sim-chat", "--host", "127.0.0.1", "--port", str(port)]
+    with SimProcess("sim-chat", *rest[6:], port=port) as sim, \
+            openai.OpenAI(base_url=sim.endpoint + "/v1", api_key="x", timeout=10) as c:
+        answer = c.chat.completions.create(model="sim-chat", messages=MESSAGES)
+        assert len(answer.choices[0].message.content.split()) == 3
+        assert answer.choices[0].finish_reason == "stop"
