@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal, NewType
 
 ModelName = NewType("ModelName", str)
@@ -80,7 +81,7 @@ class Model:
         """Every name a client may use for this model, canonical name first."""
         return (self.name, *self.aliases)
 
-    @property
+    @cached_property
     def cache_name(self) -> str | None:
         """Cache entry on a node, or None for an operator's own copy (never fetched)."""
         return None if is_operator_path(self.source) else cache_name(self.source)

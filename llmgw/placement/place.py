@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from itertools import islice
 
 from llmgw.catalog import Catalog, Model, ModelName, NodeId, Profile
 from llmgw.inventory import Inventory
@@ -74,10 +75,20 @@ class _Index:
         seen: set[NodeId] = set()
         for count in range(max(profile.gpus, 1), top + 1):
             for k in keys:
-                for node_id in list(self.buckets[k].get(count, ())):
-                    if node_id not in seen:
-                        seen.add(node_id)
-                        yield node_id
+                bucket = self.buckets[k].get(count)
+                start = 0
+                # Copied a few at a time, not whole: a bucket can hold most of a large
+                # fleet, and the first node in it usually fits. (The caller may refile
+                # the node it takes, which changes the bucket under us.)
+                while bucket:
+                    chunk = list(islice(bucket, start, start + 16))
+                    if not chunk:
+                        break
+                    start += len(chunk)
+                    for node_id in chunk:
+                        if node_id not in seen:
+                            seen.add(node_id)
+                            yield node_id
 
 
 def _tightness(profile: Profile, nf: NodeFree) -> tuple[float, str]:
@@ -149,11 +160,16 @@ def place(
     now: float,  # noqa: ARG001 - part of the contract: time is an argument, never read here
     wanted: Mapping[str, int] | None = None,
     avoid: Mapping[str, Iterable[NodeId]] | None = None,
+    reasons: bool = True,
 ) -> PlacementResult:
     """Place ``wanted`` new replicas per model (default: up to ``scaling.min``).
 
     ``replicas`` are the placements already holding resources. ``avoid`` keeps a model's
     new replicas off given nodes (a replacement must not land where the old one runs).
+    With ``reasons`` false, models that cannot be placed are counted but their rejected
+    candidates are not listed: judging every node for every such model is most of the
+    cost of a pass on a full fleet, and the reconciler's tick only needs the count
+    (`explain` judges one model on demand).
     """
     existing = list(replicas)
     want = default_wanted(catalog, existing) if wanted is None else dict(wanted)
@@ -176,7 +192,7 @@ def place(
             else:
                 placed.append(placement)
     rejections: list[Rejection] = []
-    for name in unplaced:
+    for name in unplaced if reasons else ():
         model = catalog.model(name)
         if model is not None:
             rejections.extend(judge_all(model, free, exclude=set((avoid or {}).get(name, ()))))

@@ -73,8 +73,13 @@ def decide(
     demand: Mapping[str, Demand],
     now: float,
     settings: Settings = Settings(),
+    with_reasons: bool = False,
 ) -> Decisions:
-    """Stops, new replicas and losses that bring the fleet toward ``catalog``."""
+    """Stops, new replicas and losses that bring the fleet toward ``catalog``.
+
+    ``with_reasons`` lists every rejected candidate of models that cannot be placed (for
+    `llmgw diff`); a tick leaves it off and explains one model on demand.
+    """
     stop: dict[str, str] = {}
     lost: list[tuple[str, str]] = []
     by_id = {r.id: r for r in replicas}
@@ -152,7 +157,7 @@ def decide(
         wanted[name] = wanted.get(name, 0) + len(olds)
     avoid = {by_id[o].model: [n for n in by_id[o].nodes] for olds in replacement_wanted.values() for o in olds
              if needs_replacement[o] == "its node is draining"}
-    result = place(catalog, inventory, holding, now=now, wanted=wanted, avoid=avoid)
+    result = place(catalog, inventory, holding, now=now, wanted=wanted, avoid=avoid, reasons=with_reasons)
     create: list[NewReplica] = []
     queue = {name: list(olds) for name, olds in replacement_wanted.items()}
     for p in result.placements:

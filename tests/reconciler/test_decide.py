@@ -30,7 +30,7 @@ def replica(rid: str, m=M, *, node_id: str = "a", gpu: int = 0, state=ReplicaSta
 
 
 def run(cat: Catalog, inv: Inventory, replicas, *, now=100.0, last_used=None, demand=None):
-    return decide(cat, inv, replicas, last_used=last_used or {}, demand=demand or {}, now=now)
+    return decide(cat, inv, replicas, last_used=last_used or {}, demand=demand or {}, now=now, with_reasons=True)
 
 
 def test_places_up_to_min() -> None:

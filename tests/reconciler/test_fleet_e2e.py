@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from llmgw.inventory import NodeState
-from llmgw.reconciler import Demand, ReplicaState
+from llmgw.reconciler import Demand
 from tests.reconciler.fleet_e2e import Recorder, make_controller, make_repo, ready, sim_model, until
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,101 @@
+"""One placement + reconcile decision pass on synthetic fleets: 100, 1,000, 10,000 nodes.
+
+Each node has 8 GPUs (h100 or a100, 80 GB); 300 models ask for 1, 2, 4 or 8 GPUs with a
+min of 1-3 replicas, some held on nodes already. The pass measured is `decide()`: the
+reconciler's whole pure step (scaling, replacements, placement of every replica wanted)
+from an empty fleet, which is the most placement any tick does. Goal: 1,000 nodes under
+50 ms, and growth close to linear in the node count.
+
+The peer: no open-source GitOps controller for LLM fleets places GPU replicas itself
+(Kubernetes' scheduler does, and is measured in pods/s across a cluster, not here). The
+figure stands against the goal and across versions.
+
+    python bench/placement_bench.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from llmgw.catalog import Catalog, Model, ModelName, NodeId, NodeSpec, Profile, Scaling, cache_name  # noqa: E402
+from llmgw.inventory import Filesystem, Gpu, Inventory, Node, NodeReport, NodeState, WeightEntry  # noqa: E402
+from llmgw.reconciler.decide import decide  # noqa: E402
+
+GB = 1024**3
+
+
+def fleet(n: int, models: list[Model]) -> Inventory:
+    nodes = {}
+    for i in range(n):
+        cls = "h100" if i % 3 else "a100"
+        held = [models[(i * 7 + k) % len(models)].source for k in range(2)] if i % 5 == 0 else []
+        report = NodeReport(
+            hostname=f"gpu-{i}", agent_version="0.1.0",
+            gpus=tuple(Gpu(g, cls, 80.0) for g in range(8)),
+            memory_total_mb=2048 * 1024, memory_available_mb=2048 * 1024,
+            filesystems=(Filesystem("/var/cache/llmgw", "/", "ext4", 7000 * GB, 5000 * GB, False),),
+            weights=tuple(WeightEntry(f"/c/{cache_name(s)}", cache_name(s), s, 1) for s in held),
+        )
+        spec = NodeSpec(NodeId(f"gpu-{i:05d}"), f"10.{i // 65536}.{i // 256 % 256}.{i % 256}",
+                        fabric="infiniband" if i % 2 else None)
+        nodes[spec.id] = Node(spec, NodeState.READY, report, last_seen=0.0)
+    return Inventory(nodes)
+
+
+def catalog(n_models: int) -> Catalog:
+    models = []
+    for i in range(n_models):
+        gpus = (1, 2, 4, 8)[i % 4]
+        profiles = (Profile("h100", 10, "vllm", gpus, gpu_class=("h100",), gpu_memory_gb=40),
+                    Profile("a100", 20, "vllm", gpus, gpu_class=("a100",)))
+        models.append(Model(ModelName(f"model-{i:03d}"), f"hf://org/model-{i:03d}", 16.0 + i % 200, profiles,
+                            scaling=Scaling(min=1 + i % 3, max=4)))
+    return Catalog(models=tuple(models))
+
+
+def measure(nodes: int, cat: Catalog, runs: int) -> tuple[float, int, int]:
+    inv = fleet(nodes, list(cat.models))
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        d = decide(cat, inv, [], last_used={}, demand={}, now=0.0)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), len(d.create), sum(d.unplaced.values())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    runs = 3 if args.quick else 7
+    cat = catalog(300)
+    results = {}
+    for n in (100, 1000, 10000):
+        median, placed, unplaced = measure(n, cat, 1 if (args.quick and n == 10000) else runs)
+        results[n] = median
+        print(f"{n:>6} nodes x 8 GPUs, 300 models: {median * 1000:8.1f} ms  "
+              f"({placed} replicas placed, {unplaced} unplaced)")
+    growth = results[10000] / results[1000]
+    report = {
+        "bench": "placement",
+        "models": 300,
+        "ms_100_nodes": round(results[100] * 1000, 2),
+        "ms_1000_nodes": round(results[1000] * 1000, 2),
+        "ms_10000_nodes": round(results[10000] * 1000, 2),
+        "growth_1000_to_10000": round(growth, 2),
+        "goal": "1,000 nodes under 50 ms; 10x the nodes costs close to 10x or less",
+        "met": results[1000] < 0.050 and growth < 15,
+    }
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
