@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from llmgw import __version__
-from llmgw.cli import validate
+from llmgw.cli import fleet, validate
 from llmgw.cli.output import make_console
 
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llmgw {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     validate.add_parser(sub)
+    fleet.add_parsers(sub)
     return parser
 
 

@@ -70,6 +70,9 @@ class Controller:
             registry=self.registry,
         )
         self.writer = CommitWriter(url, config.branch, data / "writer", subdir=config.subdir)
+        from llmgw.admin.fleet_metrics import FleetCollector
+
+        self.registry.register(FleetCollector(self))
 
     async def start(self) -> None:
         self.store.open()

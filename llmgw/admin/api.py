@@ -1,0 +1,242 @@
+"""The admin API handlers under /api/v1: the one surface the CLI and the dashboard share.
+
+Every error is JSON ``{"error": "..."}`` with the right status; a body that is not the
+JSON object a route expects is 400, never 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from llmgw.admin import views
+from llmgw.admin.orphans import collect, list_orphans
+from llmgw.errors import CatalogError, GitError, LlmgwError, PushRejected
+from llmgw.inventory import NodeState
+from llmgw.placement import explain
+
+if TYPE_CHECKING:
+    from llmgw.control import Controller
+
+CONTROLLER: web.AppKey[Controller] = web.AppKey("controller")
+
+MAX_LIMIT = 1000
+
+
+def error(status: int, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": message, **extra}, status=status)
+
+
+def ctl(request: web.Request) -> Controller:
+    return request.app[CONTROLLER]
+
+
+async def json_body(request: web.Request) -> dict[str, Any] | web.Response:
+    """The request's JSON object, or a 400 response saying what is wrong with it."""
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return error(400, f"the body is not valid JSON: {exc}")
+    if not isinstance(data, dict):
+        return error(400, "the body must be a JSON object")
+    return data
+
+
+def _int_param(request: web.Request, name: str, default: int, *, low: int = 0, high: int = 2**62) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise web.HTTPBadRequest(text=json.dumps({"error": f"{name} must be an integer"}),
+                                 content_type="application/json") from None
+    if not low <= value <= high:
+        raise web.HTTPBadRequest(text=json.dumps({"error": f"{name} must be between {low} and {high}"}),
+                                 content_type="application/json")
+    return value
+
+
+# --- reads ------------------------------------------------------------------------------
+async def summary(request: web.Request) -> web.Response:
+    c = ctl(request)
+    return web.json_response(views.summary_view(
+        c.desired.catalog, c.inventory.snapshot(), c.reconciler.snapshot(), c.follower.status.to_json(),
+        c.reconciler.last_decisions.unplaced))
+
+
+async def get_sync(request: web.Request) -> web.Response:
+    return web.json_response(ctl(request).follower.status.to_json())
+
+
+async def nodes(request: web.Request) -> web.Response:
+    c = ctl(request)
+    return web.json_response(views.nodes_view(c.inventory.snapshot(), c.reconciler.snapshot(), time.time()))
+
+
+async def models(request: web.Request) -> web.Response:
+    c = ctl(request)
+    return web.json_response(views.models_view(c.desired.catalog, c.reconciler.snapshot(),
+                                               c.reconciler.last_decisions.unplaced))
+
+
+async def replicas(request: web.Request) -> web.Response:
+    c = ctl(request)
+    return web.json_response(views.replicas_view(
+        c.reconciler.snapshot(), c.desired.catalog, c.inventory.snapshot(), c.reconciler.usage.last_used(),
+        time.time(), model=request.query.get("model")))
+
+
+async def explain_placement(request: web.Request) -> web.Response:
+    c = ctl(request)
+    name = request.query.get("model")
+    if not name:
+        return error(400, "the model query parameter is required")
+    catalog = c.desired.catalog
+    if catalog is None or catalog.resolve(name) is None:
+        return error(404, f'model "{name}" is not in the catalog')
+    placements = [r.placement for r in c.reconciler.snapshot() if r.state.live]
+    e = explain(catalog, c.inventory.snapshot(), placements, name)
+    return web.json_response({
+        "model": e.model,
+        "placed": bool(e.running),
+        "running": [{"profile": p.profile, "shards": [{"node": s.node, "rank": s.rank, "gpus": list(s.gpus)}
+                                                      for s in p.shards]} for p in e.running],
+        "candidates": [{"profile": x.profile, "node": x.node, "fits": x.fits, "reasons": list(x.reasons)}
+                       for x in e.candidates],
+        "text": e.lines(),
+    })
+
+
+async def events(request: web.Request) -> web.Response:
+    after = _int_param(request, "after", 0)
+    limit = _int_param(request, "limit", 200, low=1, high=MAX_LIMIT)
+    return web.json_response([e.to_json() for e in ctl(request).store.events(after=after, limit=limit)])
+
+
+async def orphans(request: web.Request) -> web.Response:
+    c = ctl(request)
+    if c.desired.catalog is None:
+        return web.json_response({"orphans": [], "foreign": {}, "total_bytes": 0})
+    found, foreign = list_orphans(c.desired.catalog, c.inventory.snapshot())
+    return web.json_response({"orphans": [o.to_json() for o in found], "foreign": foreign,
+                              "total_bytes": sum(o.bytes for o in found)})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(ctl(request).registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def healthz(request: web.Request) -> web.Response:  # noqa: ARG001 - aiohttp handler signature
+    return web.json_response({"status": "ok"})
+
+
+# --- actions ----------------------------------------------------------------------------
+async def post_sync(request: web.Request) -> web.Response:
+    body = await json_body(request)
+    if isinstance(body, web.Response):
+        return body
+    allow = body.get("allow_prune", False)
+    if not isinstance(allow, bool):
+        return error(400, "allow_prune must be true or false")
+    c = ctl(request)
+    if allow:
+        if c.follower.status.pending is None:
+            return error(409, "no commit is waiting for confirmation")
+        try:
+            status = await c.follower.confirm()
+        except LlmgwError as exc:
+            return error(409, str(exc))
+    else:
+        status = await c.follower.sync_once()
+    return web.json_response(status.to_json())
+
+
+STATE_ACTIONS = {"cordon": NodeState.CORDONED, "cordoned": NodeState.CORDONED, "drain": NodeState.DRAINING,
+                 "draining": NodeState.DRAINING, "uncordon": NodeState.READY, "ready": NodeState.READY}
+
+
+async def node_state(request: web.Request) -> web.Response:
+    body = await json_body(request)
+    if isinstance(body, web.Response):
+        return body
+    c = ctl(request)
+    node_id = request.match_info["node"]
+    want = body.get("state")
+    if not isinstance(want, str) or want not in STATE_ACTIONS:
+        return error(400, "state must be one of: cordon, uncordon, drain (or cordoned, ready, draining)")
+    if c.inventory.snapshot().node(node_id) is None:
+        return error(404, f'node "{node_id}" is not in the fleet')
+    c.inventory.set_operator_state(node_id, STATE_ACTIONS[want])
+    c.reconciler.notify()
+    node = c.inventory.snapshot().node(node_id)
+    assert node is not None
+    return web.json_response(views.node_view(node, c.reconciler.snapshot(), time.time()))
+
+
+def _actor(request: web.Request) -> str:
+    return request.headers.get("X-Llmgw-Actor", "").strip()[:200] or "llmgw admin API"
+
+
+async def add_model(request: web.Request) -> web.Response:
+    body = await json_body(request)
+    if isinstance(body, web.Response):
+        return body
+    definition: Any = body.get("yaml") if "yaml" in body else body.get("definition")
+    if not isinstance(definition, str | dict):
+        return error(400, 'send {"definition": {...model...}} or {"yaml": "...model file..."}')
+    return await _write(request, lambda c: c.writer.add_model(definition, _actor(request)), status=201)
+
+
+async def remove_model(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    c = ctl(request)
+    if c.desired.catalog is None or c.desired.catalog.model(name) is None:
+        return error(404, f'model "{name}" is not in the catalog')
+    return await _write(request, lambda c: c.writer.remove_model(name, _actor(request)), status=200)
+
+
+async def _write(request: web.Request, change: Any, *, status: int) -> web.Response:
+    c = ctl(request)
+    try:
+        sha = await asyncio.to_thread(change, c)
+    except PushRejected as exc:
+        return error(501, str(exc))
+    except CatalogError as exc:
+        return error(422, str(exc), problems=[p.to_json() for p in exc.problems])
+    except GitError as exc:
+        return error(502, f"git: {exc}")
+    c.follower.trigger()
+    return web.json_response({"commit": sha, "message": "committed and pushed; the controller applies it "
+                              "on its next fetch"}, status=status)
+
+
+async def collect_weights(request: web.Request) -> web.Response:
+    body = await json_body(request)
+    if isinstance(body, web.Response):
+        return body
+    do = body.get("collect", False)
+    if not isinstance(do, bool):
+        return error(400, "collect must be true or false")
+    c = ctl(request)
+    if c.desired.catalog is None:
+        return error(409, "no catalog is applied yet; nothing can be called an orphan")
+    inventory = await c.inventory.poll()  # judge on what the nodes hold now
+    found, _ = list_orphans(c.desired.catalog, inventory)
+    if not do:
+        return web.json_response({"collect": False, "asked": 0, "removed": 0, "refused": 0,
+                                  "summary": f"would ask to remove {len(found)} (pass collect: true to do it)",
+                                  "orphans": [o.to_json() for o in found], "results": []})
+    result = await collect(c.fleet, found)
+    c.store.add_event("weights-collected", "weights", result["summary"])
+    await c.inventory.poll()
+    return web.json_response({"collect": True, **result, "orphans": [o.to_json() for o in found]})

@@ -1,0 +1,64 @@
+"""The dashboard: server-rendered HTML from the same views the API serves, refreshing itself."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jinja2
+from aiohttp import web
+
+from llmgw.admin import api, views
+
+_ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+    autoescape=jinja2.select_autoescape(["html"]),
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+def _since(t: float | None, now: float) -> str:
+    if t is None:
+        return "never"
+    s = int(now - t)
+    return f"{s}s ago" if s < 120 else f"{s // 60}m ago" if s < 7200 else f"{s // 3600}h ago"
+
+
+_ENV.filters["short"] = lambda sha: (sha or "")[:12]
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    c = api.ctl(request)
+    now = time.time()
+    inventory = c.inventory.snapshot()
+    replicas = c.reconciler.snapshot()
+    catalog = c.desired.catalog
+    unplaced = c.reconciler.last_decisions.unplaced
+    page = _ENV.get_template("dashboard.html").render(
+        now=now,
+        since=lambda t: _since(t, now),
+        sync=c.follower.status.to_json(),
+        nodes=views.nodes_view(inventory, replicas, now),
+        models=views.models_view(catalog, replicas, unplaced),
+        replicas=views.replicas_view(replicas, catalog, inventory, c.reconciler.usage.last_used(), now),
+        events=list(reversed(c.store.events(limit=30))),
+        unplaced_reasons=_unplaced_reasons(c, unplaced),
+    )
+    return web.Response(text=page, content_type="text/html")
+
+
+def _unplaced_reasons(c, unplaced) -> dict[str, list[str]]:  # noqa: ANN001 - internal helper
+    """Why each unplaced model cannot run, one line per profile: the closest candidates."""
+    from llmgw.placement import explain
+
+    catalog = c.desired.catalog
+    out: dict[str, list[str]] = {}
+    if catalog is None:
+        return out
+    placements = [r.placement for r in c.reconciler.snapshot() if r.state.live]
+    for name in unplaced:
+        e = explain(catalog, c.inventory.snapshot(), placements, name)
+        lines = [f"{x.profile} on {x.node}: {'; '.join(x.reasons)}" for x in e.candidates if not x.fits]
+        out[name] = lines[:6] + ([f"… {len(lines) - 6} more"] if len(lines) > 6 else [])
+    return out

@@ -1,0 +1,85 @@
+"""Fleet metrics for Prometheus, read from the controller's state at scrape time.
+
+A custom collector rather than gauges updated by the loops: a scrape then always sees
+one consistent moment, and nothing on the reconcile path pays for metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from llmgw.inventory import NodeState
+from llmgw.reconciler import ReplicaState
+
+if TYPE_CHECKING:
+    from llmgw.control import Controller
+
+
+class FleetCollector(Collector):
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+
+    def collect(self) -> Iterator:
+        c = self.c
+        now = time.time()
+        inv = c.inventory.snapshot()
+        nodes = GaugeMetricFamily("llmgw_nodes", "Nodes by state", labels=["state"])
+        counts = {s.value: 0 for s in NodeState}
+        for n in inv.nodes.values():
+            counts[n.state.value] += 1
+        for state, n in counts.items():
+            nodes.add_metric([state], n)
+        yield nodes
+
+        used: dict[str, set[int]] = {}
+        for r in c.reconciler.snapshot():
+            if r.state.live or r.state == ReplicaState.STOPPING:
+                for s in r.placement.shards:
+                    used.setdefault(s.node, set()).update(s.gpus)
+        total = GaugeMetricFamily("llmgw_gpus", "GPUs per node and class", labels=["node", "class"])
+        free = GaugeMetricFamily("llmgw_gpus_free", "Healthy GPUs no replica uses", labels=["node", "class"])
+        sick = GaugeMetricFamily("llmgw_gpus_unhealthy", "Unhealthy GPUs", labels=["node", "class"])
+        for n in inv.nodes.values():
+            if n.report is None:
+                continue
+            by_class: dict[str, list] = {}
+            for g in n.report.gpus:
+                by_class.setdefault(g.gpu_class, []).append(g)
+            for cls, gs in by_class.items():
+                total.add_metric([n.id, cls], len(gs))
+                free.add_metric([n.id, cls], len([g for g in gs if g.healthy and g.index not in used.get(n.id, ())]))
+                sick.add_metric([n.id, cls], len([g for g in gs if not g.healthy]))
+        yield total
+        yield free
+        yield sick
+
+        reps = GaugeMetricFamily("llmgw_replicas", "Replicas by model and state", labels=["model", "state"])
+        counts2: dict[tuple[str, str], int] = {}
+        for r in c.reconciler.snapshot():
+            counts2[(r.model, r.state.value)] = counts2.get((r.model, r.state.value), 0) + 1
+        for (model, state), n in sorted(counts2.items()):
+            reps.add_metric([model, state], n)
+        yield reps
+
+        idle = GaugeMetricFamily("llmgw_replica_idle_seconds", "Seconds since the router last used a replica",
+                                 labels=["replica", "model"])
+        last = c.reconciler.usage.last_used()
+        for r in c.reconciler.snapshot():
+            if r.id in last:
+                idle.add_metric([r.id, r.model], now - last[r.id])
+        yield idle
+
+        s = c.follower.status
+        info = InfoMetricFamily("llmgw_catalog", "Catalog revisions: applied and last rejected")
+        info.add_metric([], {"applied": s.applied_sha or "", "rejected": s.rejected.sha if s.rejected else "",
+                             "state": s.state.value})
+        yield info
+        if s.rejected is not None:
+            rt = GaugeMetricFamily("llmgw_catalog_rejected_timestamp_seconds", "When the last rejected commit was seen")
+            rt.add_metric([], s.rejected.time)
+            yield rt

@@ -1,0 +1,173 @@
+"""The OpenAPI 3.0 document of the admin API, written beside the routes it describes.
+
+`tests/admin` checks that every route in the app is in this document and the reverse,
+and schemathesis checks every response against these schemas.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from llmgw import __version__
+
+
+def _s(t: str, *, nullable: bool = False, **kw: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": t, **kw}
+    if nullable:
+        out["nullable"] = True
+    return out
+
+
+def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": required or list(props)}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _arr(item: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "items": item}
+
+
+STR, NSTR, NUM, NNUM, INT, BOOL = _s("string"), _s("string", nullable=True), _s("number"), \
+    _s("number", nullable=True), _s("integer"), _s("boolean")
+
+SCHEMAS: dict[str, Any] = {
+    "Error": {"type": "object", "properties": {"error": STR}, "required": ["error"]},
+    "Problem": _obj({"file": STR, "line": INT, "col": INT, "message": STR}),
+    "Sync": _obj({
+        "state": _s("string", enum=["pending", "synced", "rejected", "needs-confirmation", "fetch-failed"]),
+        "url": STR, "branch": STR, "applied_sha": NSTR, "applied_at": NNUM, "head_sha": NSTR, "fetched_at": NNUM,
+        "last_error": NSTR,
+        "rejected": {**_obj({"sha": STR, "author": STR, "subject": STR, "time": NUM,
+                             "problems": _arr(_ref("Problem"))}), "nullable": True},
+        "pending_confirmation": {**_obj({"sha": STR, "author": STR, "subject": STR, "reasons": _arr(STR)}),
+                                 "nullable": True},
+    }),
+    "Summary": _obj({
+        "sync": _ref("Sync"), "models": INT, "nodes": INT, "nodes_by_state": _s("object"), "nodes_ready": INT,
+        "gpus_total": INT, "gpus_unhealthy": INT, "replicas": INT, "replicas_by_state": _s("object"),
+        "replicas_ready": INT, "unplaced": _s("object"),
+    }),
+    "Node": _obj({
+        "id": STR, "address": STR, "port": INT, "transport": STR, "pool": STR, "state": STR, "hostname": NSTR,
+        "labels": _s("object"), "gpu_total": INT, "gpu_free": INT, "gpu_classes": _arr(STR), "fabrics": _arr(STR),
+        "unhealthy_gpus": _arr(STR), "memory_gb": NNUM, "disk_free_gb": NNUM, "disk_total_gb": NNUM,
+        "local_filesystems": _arr(STR), "shared_filesystems": _arr(STR), "weights_on_disk": _arr(STR),
+        "last_seen_seconds_ago": NNUM, "agent_version": NSTR, "locked": BOOL, "error": NSTR, "replicas": INT,
+    }),
+    "Model": _obj({
+        "name": STR, "aliases": _arr(STR), "task": STR, "source": STR, "size_gb": NUM, "min_replicas": INT,
+        "max_replicas": INT, "idle_after_seconds": NNUM, "ready_replicas": INT, "total_replicas": INT,
+        "unplaced_replicas": INT, "fallbacks": _arr(STR), "profiles": _arr(_s("object")), "file": STR,
+    }),
+    "Replica": _obj({
+        "id": STR, "model": STR, "profile": STR, "state": STR, "generation": INT, "pool": NSTR, "fabric": NSTR,
+        "endpoint": NSTR, "age_seconds": NUM, "idle_seconds": NUM, "error": NSTR, "failures": INT,
+        "replaces": NSTR, "revision": NSTR, "in_catalog": BOOL,
+        "shards": _arr(_obj({"node": STR, "rank": INT, "gpus": _arr(INT), "state": STR,
+                             "pid": _s("integer", nullable=True), "port": _s("integer", nullable=True),
+                             "endpoint": NSTR})),
+    }),
+    "Event": _obj({"id": INT, "time": NUM, "kind": STR, "subject": STR, "message": STR}),
+    "Orphan": _obj({"node": STR, "path": STR, "name": STR, "source": NSTR, "bytes": INT, "last_used": NNUM}),
+    "Orphans": _obj({"orphans": _arr(_ref("Orphan")), "foreign": _s("object"), "total_bytes": INT}),
+    "Collect": _obj({"collect": BOOL, "asked": INT, "removed": INT, "refused": INT, "summary": STR,
+                     "orphans": _arr(_ref("Orphan")), "results": _arr(_s("object"))}),
+    "Explain": _obj({"model": STR, "placed": BOOL, "running": _arr(_s("object")),
+                     "candidates": _arr(_obj({"profile": STR, "node": STR, "fits": BOOL, "reasons": _arr(STR)})),
+                     "text": _arr(STR)}),
+    "Commit": _obj({"commit": STR, "message": STR}),
+}
+
+
+def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+ERR = _ref("Error")
+AUTH = {"401": _json(ERR, "missing or invalid admin token")}
+
+
+def _op(summary: str, ok: dict[str, Any], *, errors: dict[str, str] | None = None, params: list | None = None,
+        body: dict[str, Any] | None = None, ok_code: str = "200") -> dict[str, Any]:
+    responses = {ok_code: ok, **AUTH, **{code: _json(ERR, why) for code, why in (errors or {}).items()}}
+    op: dict[str, Any] = {"summary": summary, "responses": responses}
+    if params:
+        op["parameters"] = params
+    if body is not None:
+        op["requestBody"] = {"required": False, "content": {"application/json": {"schema": body}}}
+    return op
+
+
+def _q(name: str, schema: dict[str, Any], *, required: bool = False) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": required, "schema": schema}
+
+
+def _p(name: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": STR}
+
+
+BAD = {"400": "malformed request"}
+
+
+@cache
+def openapi_document() -> dict[str, Any]:
+    v = "/api/v1"
+    paths = {
+        f"{v}/summary": {"get": _op("Fleet summary", _json(_ref("Summary")))},
+        f"{v}/sync": {
+            "get": _op("Sync status with git", _json(_ref("Sync"))),
+            "post": _op("Fetch now, or confirm a commit held by the prune guard", _json(_ref("Sync")),
+                        errors={**BAD, "409": "nothing to confirm"},
+                        body={"type": "object", "properties": {"allow_prune": BOOL}}),
+        },
+        f"{v}/nodes": {"get": _op("Nodes", _json(_arr(_ref("Node"))))},
+        v + "/nodes/{node}/state": {"post": _op(
+            "Cordon, uncordon or drain a node", _json(_ref("Node")), errors={**BAD, "404": "unknown node"},
+            params=[_p("node")],
+            body=_obj({"state": _s("string", enum=["cordon", "uncordon", "drain", "cordoned", "ready",
+                                                   "draining"])}))},
+        f"{v}/models": {
+            "get": _op("Models", _json(_arr(_ref("Model")))),
+            "post": _op("Add a model (a commit, pushed)", _json(_ref("Commit"), "committed"), ok_code="201",
+                        errors={**BAD, "422": "the catalog would be invalid", "501": "cannot push: push to git",
+                                "502": "git failed"},
+                        body={"type": "object", "properties": {"definition": _s("object"), "yaml": STR}}),
+        },
+        v + "/models/{name}": {"delete": _op(
+            "Remove a model (a commit, pushed)", _json(_ref("Commit")), params=[_p("name")],
+            errors={"404": "unknown model", "422": "invalid", "501": "cannot push: push to git",
+                    "502": "git failed"})},
+        f"{v}/replicas": {"get": _op("Replicas", _json(_arr(_ref("Replica"))), params=[_q("model", STR)])},
+        f"{v}/explain-placement": {"get": _op(
+            "Why a model runs where it runs, or cannot run", _json(_ref("Explain")),
+            errors={**BAD, "404": "unknown model"}, params=[_q("model", STR, required=True)])},
+        f"{v}/weights/orphans": {"get": _op("Cache entries no model wants", _json(_ref("Orphans")))},
+        f"{v}/weights/collect": {"post": _op(
+            "Ask nodes to remove orphans (only with collect: true)", _json(_ref("Collect")),
+            errors={**BAD, "409": "no catalog applied"},
+            body={"type": "object", "properties": {"collect": BOOL}})},
+        f"{v}/events": {"get": _op("Events, oldest first", _json(_arr(_ref("Event"))), errors=BAD, params=[
+            _q("after", _s("integer", minimum=0)), _q("limit", _s("integer", minimum=1, maximum=1000))])},
+        f"{v}/metrics": {"get": _op("Fleet metrics (Prometheus text)", {
+            "description": "OK", "content": {"text/plain": {"schema": STR}}})},
+        f"{v}/healthz": {"get": _op("Liveness", _json(_obj({"status": STR})))},
+        f"{v}/openapi.json": {"get": _op("This document", _json(_s("object")))},
+        f"{v}/hooks/git": {"post": {
+            "summary": "Git host webhook (HMAC-SHA256 signature, no token)", "security": [],
+            "responses": {"202": _json(_obj({"status": STR})), "401": _json(ERR, "bad or missing signature"),
+                          "413": _json(ERR, "too large")}}},
+    }
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "llmgw admin API", "version": __version__},
+        "components": {
+            "schemas": SCHEMAS,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+        "paths": paths,
+    }

@@ -1,0 +1,158 @@
+"""What the operator sees, as plain data: the admin API serves it, the dashboard renders it.
+
+Pure: each view takes the controller's state and the time and returns JSON-able dicts.
+Both surfaces call these functions, so the dashboard can never show something the API
+does not say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from llmgw.catalog import Catalog, Model
+from llmgw.inventory import Inventory, Node, NodeState
+from llmgw.reconciler import Replica, ReplicaState
+
+GB = 1024**3
+
+
+def _ago(t: float | None, now: float) -> float | None:
+    return None if t is None else round(now - t, 1)
+
+
+def node_view(node: Node, replicas: Sequence[Replica], now: float) -> dict[str, Any]:
+    r = node.report
+    gpus = r.gpus if r else ()
+    used = {i for rep in replicas if rep.state.live or rep.state == ReplicaState.STOPPING
+            for s in rep.placement.shards if s.node == node.id for i in s.gpus}
+    local = [f for f in (r.filesystems if r else ()) if not f.shared]
+    cache = r.cache_fs if r else None
+    return {
+        "id": node.id,
+        "address": node.spec.address,
+        "port": node.spec.port,
+        "transport": node.spec.transport,
+        "pool": node.spec.pool,
+        "state": node.state.value,
+        "hostname": r.hostname if r else None,
+        "labels": dict(node.spec.labels),
+        "gpu_total": len(gpus),
+        "gpu_free": len([g for g in gpus if g.healthy and g.index not in used]),
+        "gpu_classes": sorted({g.gpu_class for g in gpus}),
+        "fabrics": [node.spec.fabric] if node.spec.fabric else [],
+        "unhealthy_gpus": [f"gpu{g.index}: {', '.join(g.problems) or 'unhealthy'}" for g in gpus if not g.healthy],
+        "memory_gb": round(r.memory_total_mb / 1024, 1) if r else None,
+        # Shared filesystems are left out: their free space is not this node's to count.
+        "disk_free_gb": round(cache.free_bytes / GB, 1) if cache and not cache.shared else None,
+        "disk_total_gb": round(cache.total_bytes / GB, 1) if cache and not cache.shared else None,
+        "local_filesystems": [f.mount_point for f in local],
+        "shared_filesystems": [f.mount_point for f in (r.filesystems if r else ()) if f.shared],
+        "weights_on_disk": [w.name for w in (r.weights if r else ()) if w.name],
+        "last_seen_seconds_ago": _ago(node.last_seen, now),
+        "agent_version": r.agent_version if r else None,
+        "locked": node.locked,
+        "error": node.error,
+        "replicas": len([rep for rep in replicas if node.id in rep.nodes and rep.state != ReplicaState.STOPPED]),
+    }
+
+
+def nodes_view(inventory: Inventory, replicas: Sequence[Replica], now: float) -> list[dict[str, Any]]:
+    return [node_view(n, replicas, now) for n in sorted(inventory.nodes.values(), key=lambda n: n.id)]
+
+
+def model_view(model: Model, replicas: Sequence[Replica], unplaced: Mapping[str, int]) -> dict[str, Any]:
+    mine = [r for r in replicas if r.model == model.name]
+    return {
+        "name": model.name,
+        "aliases": list(model.aliases),
+        "task": model.task,
+        "source": model.source,
+        "size_gb": model.size_gb,
+        "min_replicas": model.scaling.min,
+        "max_replicas": model.scaling.max,
+        "idle_after_seconds": model.scaling.idle_after,
+        "ready_replicas": len([r for r in mine if r.state == ReplicaState.READY]),
+        "total_replicas": len([r for r in mine if r.state.live]),
+        "unplaced_replicas": unplaced.get(model.name, 0),
+        "fallbacks": list(model.fallbacks),
+        "profiles": [
+            {"name": p.name, "priority": p.priority, "engine": p.engine, "gpus": p.gpus, "nodes": p.nodes,
+             "gpu_class": list(p.gpu_class), "pool": p.pool, "fabric": p.fabric}
+            for p in model.profiles_by_priority()
+        ],
+        "file": model.file,
+    }
+
+
+def models_view(catalog: Catalog | None, replicas: Sequence[Replica], unplaced: Mapping[str, int]) -> list[dict]:
+    if catalog is None:
+        return []
+    return [model_view(m, replicas, unplaced) for m in sorted(catalog.models, key=lambda m: m.name)]
+
+
+def replica_view(
+    r: Replica, catalog: Catalog | None, inventory: Inventory, last_used: Mapping[str, float], now: float
+) -> dict[str, Any]:
+    node = inventory.node(r.nodes[0]) if r.nodes else None
+    used = last_used.get(r.id)
+    return {
+        "id": r.id,
+        "model": r.model,
+        "profile": r.profile,
+        "state": r.state.value,
+        "generation": r.generation,
+        "pool": node.spec.pool if node else None,
+        "fabric": node.spec.fabric if node else None,
+        "endpoint": r.endpoint,
+        "age_seconds": round(now - r.created_at, 1),
+        # -1 until the router has reported any use of this replica.
+        "idle_seconds": round(now - used, 1) if used is not None else -1,
+        "error": r.error,
+        "failures": r.failures,
+        "replaces": r.replaces,
+        "revision": r.revision,
+        "in_catalog": bool(catalog and catalog.model(r.model)),
+        "shards": [
+            {"node": s.node, "rank": s.rank, "gpus": list(s.gpus), "state": s.state, "pid": s.pid, "port": s.port,
+             "endpoint": s.endpoint}
+            for s in r.shards
+        ],
+    }
+
+
+def replicas_view(
+    replicas: Sequence[Replica], catalog: Catalog | None, inventory: Inventory, last_used: Mapping[str, float],
+    now: float, *, model: str | None = None,
+) -> list[dict[str, Any]]:
+    if model is not None and catalog is not None:
+        resolved = catalog.resolve(model)
+        model = resolved.name if resolved else model
+    return [replica_view(r, catalog, inventory, last_used, now) for r in replicas if model is None or r.model == model]
+
+
+def summary_view(
+    catalog: Catalog | None, inventory: Inventory, replicas: Sequence[Replica], sync: dict[str, Any],
+    unplaced: Mapping[str, int],
+) -> dict[str, Any]:
+    nodes = list(inventory.nodes.values())
+    states: dict[str, int] = {}
+    for n in nodes:
+        states[n.state.value] = states.get(n.state.value, 0) + 1
+    rstates: dict[str, int] = {}
+    for r in replicas:
+        rstates[r.state.value] = rstates.get(r.state.value, 0) + 1
+    gpus = [g for n in nodes if n.report for g in n.report.gpus]
+    return {
+        "sync": sync,
+        "models": len(catalog.models) if catalog else 0,
+        "nodes": len(nodes),
+        "nodes_by_state": states,
+        "nodes_ready": states.get(NodeState.READY.value, 0),
+        "gpus_total": len(gpus),
+        "gpus_unhealthy": len([g for g in gpus if not g.healthy]),
+        "replicas": len(replicas),
+        "replicas_by_state": rstates,
+        "replicas_ready": rstates.get(ReplicaState.READY.value, 0),
+        "unplaced": dict(unplaced),
+    }

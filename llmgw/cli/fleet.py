@@ -1,0 +1,286 @@
+"""Operator commands on top of the admin API: tables for people, `-o json` for scripts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from llmgw.cli.client import ApiError, Client, resolve_client
+from llmgw.cli.output import fail, print_json
+
+Command = Callable[[argparse.Namespace, Client, Console], int]
+
+
+def common() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--url", help="admin API address (default: $LLMGW_ADMIN_URL or http://127.0.0.1:8081)")
+    p.add_argument("--token", help="admin token (default: $LLMGW_ADMIN_TOKEN or a local `llmgw up`'s)")
+    p.add_argument("--data-dir", help="data dir of a local `llmgw up` (to find its admin token)")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    return p
+
+
+def _run(fn: Command) -> Callable[[argparse.Namespace, Console], int]:
+    def run(args: argparse.Namespace, console: Console) -> int:
+        try:
+            client = resolve_client(args.url, args.token, args.data_dir)
+            return fn(args, client, console)
+        except ApiError as exc:
+            return fail(console, str(exc))
+
+    return run
+
+
+def _table(title: str, columns: list[str]) -> Table:
+    t = Table(title=title, title_justify="left", header_style="bold", expand=False)
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    return t
+
+
+def _e(x: Any) -> str:
+    return escape("" if x is None else str(x))
+
+
+# --- commands ---------------------------------------------------------------------------
+def status(args: argparse.Namespace, client: Client, console: Console) -> int:
+    s = client.request("GET", "/api/v1/summary")
+    if args.output == "json":
+        print_json(console, s)
+        return 0
+    sync = s["sync"]
+    console.print(f"[bold]sync[/]      {sync['state']}  applied {_e((sync['applied_sha'] or 'none')[:12])}"
+                  f"  head {_e((sync['head_sha'] or '')[:12])}  ({_e(sync['branch'])} of {_e(sync['url'])})")
+    if sync.get("rejected"):
+        r = sync["rejected"]
+        console.print(f"[red]rejected[/]  {_e(r['sha'][:12])} by {_e(r['author'])}: {_e(r['subject'])}")
+        for p in r["problems"]:
+            console.print(f"          {_e(p['file'])}:{p['line']}:{p['col']}: {_e(p['message'])}")
+    if sync.get("pending_confirmation"):
+        p = sync["pending_confirmation"]
+        console.print(f"[yellow]held[/]      {_e(p['sha'][:12])}: {_e('; '.join(p['reasons']))} "
+                      "(confirm: llmgw sync --allow-prune)")
+    if sync.get("last_error"):
+        console.print(f"[red]error[/]     {_e(sync['last_error'])}")
+    console.print(f"[bold]nodes[/]     {s['nodes_ready']}/{s['nodes']} ready  "
+                  + _e(", ".join(f"{k} {v}" for k, v in sorted(s["nodes_by_state"].items()))))
+    console.print(f"[bold]gpus[/]      {s['gpus_total']} total, {s['gpus_unhealthy']} unhealthy")
+    console.print(f"[bold]models[/]    {s['models']}")
+    console.print(f"[bold]replicas[/]  {s['replicas_ready']}/{s['replicas']} ready  "
+                  + _e(", ".join(f"{k} {v}" for k, v in sorted(s["replicas_by_state"].items()))))
+    for model, n in sorted(s["unplaced"].items()):
+        console.print(f"[red]unplaced[/]  {_e(model)}: {n} replica(s) (llmgw explain {_e(model)})")
+    return 0
+
+
+def nodes(args: argparse.Namespace, client: Client, console: Console) -> int:
+    data = client.request("GET", "/api/v1/nodes")
+    if args.output == "json":
+        print_json(console, data)
+        return 0
+    t = _table("nodes", ["NODE", "STATE", "GPUS FREE/TOTAL", "CLASSES", "DISK FREE/TOTAL GB", "REPLICAS",
+                         "AGENT", "SEEN", "PROBLEMS"])
+    for n in data:
+        disk = f"{n['disk_free_gb']:g}/{n['disk_total_gb']:g}" if n["disk_total_gb"] is not None else "shared"
+        seen = "never" if n["last_seen_seconds_ago"] is None else f"{n['last_seen_seconds_ago']:.0f}s ago"
+        t.add_row(_e(n["id"]), _e(n["state"]), f"{n['gpu_free']}/{n['gpu_total']}", _e(",".join(n["gpu_classes"])),
+                  disk, str(n["replicas"]), _e(n["agent_version"]), seen,
+                  _e("; ".join(n["unhealthy_gpus"] + ([n["error"]] if n["error"] else []))))
+    console.print(t)
+    return 0
+
+
+def models(args: argparse.Namespace, client: Client, console: Console) -> int:
+    if args.models_action == "add":
+        text = Path(args.file).read_text(encoding="utf-8") if args.file != "-" else sys.stdin.read()
+        try:
+            yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            return fail(console, f"{args.file}: not valid YAML: {exc}")
+        return _write(args, client, console, "POST", "/api/v1/models", {"yaml": text})
+    if args.models_action == "remove":
+        return _write(args, client, console, "DELETE", f"/api/v1/models/{args.name}", None)
+    data = client.request("GET", "/api/v1/models")
+    if args.output == "json":
+        print_json(console, data)
+        return 0
+    t = _table("models", ["MODEL", "ALIASES", "READY", "MIN-MAX", "PROFILES", "FALLBACKS", "SOURCE"])
+    for m in data:
+        ready = f"{m['ready_replicas']}/{m['total_replicas']}" + (
+            f" ({m['unplaced_replicas']} unplaced)" if m["unplaced_replicas"] else "")
+        profiles = ", ".join(f"{p['name']}:{p['engine']}x{p['gpus']}" for p in m["profiles"])
+        t.add_row(_e(m["name"]), _e(", ".join(m["aliases"])), ready, f"{m['min_replicas']}-{m['max_replicas']}",
+                  _e(profiles), _e(", ".join(m["fallbacks"])), _e(m["source"]))
+    console.print(t)
+    return 0
+
+
+def _write(args: argparse.Namespace, client: Client, console: Console, method: str, path: str, body: Any) -> int:
+    try:
+        data = client.request(method, path, body, actor=args.actor)
+    except ApiError as exc:
+        if args.output == "json":
+            print_json(console, {"error": str(exc), **(exc.body if isinstance(exc.body, dict) else {})})
+            return 1
+        fail(console, str(exc))
+        for p in (exc.body or {}).get("problems", []) if isinstance(exc.body, dict) else []:
+            console.print(f"  {_e(p['file'])}:{p['line']}:{p['col']}: {_e(p['message'])}")
+        return 1
+    if args.output == "json":
+        print_json(console, data)
+    else:
+        console.print(f"[green]✓[/] commit {_e(data['commit'][:12])}: {_e(data['message'])}")
+    return 0
+
+
+def replicas(args: argparse.Namespace, client: Client, console: Console) -> int:
+    data = client.request("GET", "/api/v1/replicas", query={"model": args.model})
+    if args.output == "json":
+        print_json(console, data)
+        return 0
+    t = _table("replicas", ["REPLICA", "MODEL", "PROFILE", "STATE", "WHERE", "ENDPOINT", "AGE", "IDLE", "ERROR"])
+    for r in data:
+        where = "; ".join(f"{s['node']} gpus {','.join(map(str, s['gpus'])) or '-'}" for s in r["shards"])
+        idle = "-" if r["idle_seconds"] < 0 else f"{r['idle_seconds']:.0f}s"
+        t.add_row(_e(r["id"]), _e(r["model"]), _e(r["profile"]), _e(r["state"]), _e(where), _e(r["endpoint"]),
+                  f"{r['age_seconds']:.0f}s", idle, _e(r["error"]))
+    console.print(t)
+    return 0
+
+
+def explain(args: argparse.Namespace, client: Client, console: Console) -> int:
+    data = client.request("GET", "/api/v1/explain-placement", query={"model": args.model})
+    if args.output == "json":
+        print_json(console, data)
+        return 0
+    for line in data["text"]:
+        console.print(_e(line))
+    return 0
+
+
+def node_state(state: str) -> Command:
+    def run(args: argparse.Namespace, client: Client, console: Console) -> int:
+        data = client.request("POST", f"/api/v1/nodes/{args.node}/state", {"state": state})
+        if args.output == "json":
+            print_json(console, data)
+        else:
+            console.print(f"node {_e(data['id'])} is now [bold]{_e(data['state'])}[/]")
+        return 0
+
+    return run
+
+
+def weights(args: argparse.Namespace, client: Client, console: Console) -> int:
+    if args.weights_action == "orphans":
+        data = client.request("GET", "/api/v1/weights/orphans")
+        if args.output == "json":
+            print_json(console, data)
+            return 0
+        t = _table("orphaned weights (cache entries no model in the catalog wants)",
+                   ["NODE", "PATH", "GB", "SOURCE"])
+        for o in data["orphans"]:
+            t.add_row(_e(o["node"]), _e(o["path"]), f"{o['bytes'] / 1024**3:.2f}", _e(o["source"]))
+        console.print(t)
+        for node, paths in sorted(data["foreign"].items()):
+            for p in paths:
+                console.print(f"[dim]foreign (never collected)[/] {_e(node)}: {_e(p)}")
+        return 0
+    with console.status("asking nodes to remove orphans…" if args.collect else "listing orphans…"):
+        data = client.request("POST", "/api/v1/weights/collect", {"collect": bool(args.collect)})
+    if args.output == "json":
+        print_json(console, data)
+        return 0
+    for r in data["results"]:
+        verdict = "removed" if r.get("removed") else f"refused: {r.get('reason')}"
+        console.print(f"{_e(r['node'])}: {_e(r['path'])}: {_e(verdict)}")
+    if not args.collect:
+        for o in data["orphans"]:
+            console.print(f"{_e(o['node'])}: {_e(o['path'])}: would ask to remove")
+    console.print(_e(data["summary"]))
+    return 0
+
+
+def events(args: argparse.Namespace, client: Client, console: Console) -> int:
+    after = 0
+    while True:
+        data = client.request("GET", "/api/v1/events", query={"after": after, "limit": args.limit})
+        for e in data:
+            after = max(after, e["id"])
+            if args.output == "json":
+                console.file.write(json.dumps(e) + "\n")
+            else:
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["time"]))
+                console.print(f"{when}  {_e(e['kind']):<22} {_e(e['subject'])}  {_e(e['message'])}")
+        console.file.flush()
+        if not args.follow:
+            return 0
+        time.sleep(args.interval)
+
+
+def sync(args: argparse.Namespace, client: Client, console: Console) -> int:
+    with console.status("fetching…"):
+        data = client.request("POST", "/api/v1/sync", {"allow_prune": bool(args.allow_prune)})
+    if args.output == "json":
+        print_json(console, data)
+    else:
+        console.print(f"{_e(data['state'])}: applied {_e((data['applied_sha'] or 'none')[:12])}, "
+                      f"head {_e((data['head_sha'] or '')[:12])}")
+        if data.get("pending_confirmation"):
+            console.print("held by the prune guard: " + _e("; ".join(data["pending_confirmation"]["reasons"]))
+                          + " — confirm with `llmgw sync --allow-prune`")
+        if data.get("rejected"):
+            for p in data["rejected"]["problems"]:
+                console.print(f"  {_e(p['file'])}:{p['line']}:{p['col']}: {_e(p['message'])}")
+    return 0 if data["state"] == "synced" else 1
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    c = common()
+
+    def add(name: str, fn: Command, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[c], help=help_)
+        p.set_defaults(func=_run(fn))
+        return p
+
+    add("status", status, "sync state and fleet summary")
+    add("nodes", nodes, "nodes with GPUs, disk and state")
+    p = add("models", models, "list, add or remove models (adding/removing writes a git commit)")
+    msub = p.add_subparsers(dest="models_action")
+    a = msub.add_parser("add", parents=[c], help="add a model from a YAML file")
+    a.add_argument("file")
+    a.add_argument("--actor", help="commit author (default: the API's name)")
+    r = msub.add_parser("remove", parents=[c], help="remove a model")
+    r.add_argument("name")
+    r.add_argument("--actor")
+    for q in (a, r):
+        q.set_defaults(func=_run(models))
+    p.set_defaults(models_action=None)
+    p = add("replicas", replicas, "replicas and where they run")
+    p.add_argument("--model")
+    p = add("explain", explain, "why a model runs where it runs, or cannot run")
+    p.add_argument("model")
+    for verb, state in (("cordon", "cordon"), ("uncordon", "uncordon"), ("drain", "drain")):
+        p = add(verb, node_state(state), f"{verb} a node")
+        p.add_argument("node")
+    p = add("weights", weights, "orphaned weights: list, or collect them")
+    wsub = p.add_subparsers(dest="weights_action", required=True)
+    wsub.add_parser("orphans", parents=[c], help="list orphaned cache entries").set_defaults(func=_run(weights))
+    wc = wsub.add_parser("collect", parents=[c], help="list what would be removed; delete only with --collect")
+    wc.add_argument("--collect", action="store_true", help="really ask the nodes to delete")
+    wc.set_defaults(func=_run(weights))
+    p = add("events", events, "the event log")
+    p.add_argument("--follow", "-f", action="store_true")
+    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--interval", type=float, default=1.0)
+    p = add("sync", sync, "fetch now; with --allow-prune, confirm a commit held by the prune guard")
+    p.add_argument("--allow-prune", action="store_true")

@@ -1,0 +1,98 @@
+"""One process serving everything: the controller, the admin listener and the router.
+
+Used by `llmgw controller --config FILE` and by `llmgw up`. A port already in use is a
+ConfigError that names the listener, raised before anything is started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from llmgw.admin.app import build_admin_app
+from llmgw.control.config import Listen, ServerConfig
+from llmgw.control.controller import Controller, ControllerConfig
+from llmgw.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def check_free(listen: Listen, what: str) -> None:
+    """Fail early and clearly when a listener's port is taken."""
+    family = socket.AF_INET6 if ":" in listen.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((listen.host, listen.port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"{what} port {listen.port} on {listen.host} is already in use") from exc
+            raise ConfigError(f"cannot listen on {listen.host}:{listen.port} for {what}: {exc}") from exc
+
+
+@dataclass
+class Running:
+    controller: Controller
+    runners: list[web.AppRunner]
+    router_url: str
+    admin_url: str
+
+    async def close(self) -> None:
+        for runner in self.runners:
+            await runner.cleanup()
+        await self.controller.close()
+
+
+def controller_config(cfg: ServerConfig) -> ControllerConfig:
+    return ControllerConfig(
+        repo=cfg.repo, data_dir=cfg.data_dir, branch=cfg.branch, subdir=cfg.path,
+        fetch_interval=cfg.fetch_interval, watch=cfg.watch, ssh_key=cfg.ssh_key, known_hosts=cfg.known_hosts,
+        local_agent_config=cfg.local_agent_config, reconciler=cfg.reconciler,
+    )
+
+
+async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
+                admin_flag: str = "admin listener") -> Running:
+    """Start every part and both listeners; the caller awaits its stop signal, then ``close()``."""
+    if not cfg.admin_token:
+        raise ConfigError("no admin token: set admin_token (or admin_token_file, or LLMGW_ADMIN_TOKEN)")
+    check_free(cfg.admin_listen, admin_flag)
+    check_free(cfg.router_listen, router_flag)
+    from llmgw.router.wiring import build_router  # the router is built against the controller's state
+
+    router, router_app, feed_routes = build_router(cfg)
+    controller = Controller(controller_config(cfg), sink=router, usage=router)
+    router.attach(controller)
+    await controller.start()
+    runners = []
+    try:
+        admin_app = build_admin_app(controller, token=cfg.admin_token, webhook_secret=cfg.webhook_secret,
+                                    extra_routes=feed_routes)
+        for app, listen in ((router_app, cfg.router_listen), (admin_app, cfg.admin_listen)):
+            runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            await runner.setup()
+            await web.TCPSite(runner, listen.host, listen.port).start()
+            runners.append(runner)
+    except BaseException:
+        for runner in runners:
+            await runner.cleanup()
+        await controller.close()
+        raise
+    return Running(controller, runners, f"http://{cfg.router_listen.host}:{cfg.router_listen.port}",
+                   f"http://{cfg.admin_listen.host}:{cfg.admin_listen.port}")
+
+
+async def serve_forever(cfg: ServerConfig, *, on_ready: Callable[[Running], None] | None = None) -> None:
+    running = await start(cfg)
+    if on_ready is not None:
+        on_ready(running)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await running.close()
