@@ -47,7 +47,8 @@ def run_git(
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
         # git's reason is on its fatal:/error: lines; the rest is advice.
-        reason = [ln for ln in lines if ln.startswith(("fatal:", "error:", "remote:", "! ["))] or lines[-3:]
+        remote = [ln for ln in lines if ln.startswith("remote:")][:2]  # the host's own words, not its advice
+        reason = [ln for ln in lines if ln.startswith(("fatal:", "error:", "! [")) or ln in remote] or lines[-3:]
         raise GitError(f"git {args[0]} failed: {' '.join(reason) or f'exit {proc.returncode}'}")
     return proc.stdout
 

@@ -61,7 +61,10 @@ class CommitWriter:
 
     def add_model(self, definition: dict[str, Any] | str, actor: str) -> str:
         """Commit a new model file and push it; the new commit's sha."""
-        data = yaml.safe_load(definition) if isinstance(definition, str) else definition
+        try:
+            data = yaml.safe_load(definition) if isinstance(definition, str) else definition
+        except yaml.YAMLError as exc:
+            raise CatalogError(f"the model definition is not valid YAML: {exc}") from exc
         if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not _NAME.match(data["name"]):
             raise CatalogError("a model definition must be a mapping with a valid \"name\"")
         name = data["name"]

@@ -67,7 +67,7 @@ class CatalogRepo:
                 p.parent.mkdir(parents=True, exist_ok=True)
                 p.write_text(content)
         git(self.path, "add", "-A")
-        git(self.path, "commit", "-q", "-m", message)
+        git(self.path, "commit", "-q", "--allow-empty", "-m", message)
         return git(self.path, "rev-parse", "HEAD")
 
 
