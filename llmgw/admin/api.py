@@ -240,3 +240,42 @@ async def collect_weights(request: web.Request) -> web.Response:
     c.store.add_event("weights-collected", "weights", result["summary"])
     await c.inventory.poll()
     return web.json_response({"collect": True, **result, "orphans": [o.to_json() for o in found]})
+
+
+async def inventory_export(request: web.Request) -> web.Response:
+    """The fleet as `llmgw inventory export` writes it: the input of `llmgw diff --snapshot`."""
+    from llmgw.plan import FleetSnapshot
+
+    c = ctl(request)
+    snap = FleetSnapshot(c.inventory.snapshot(), tuple(c.reconciler.snapshot()), time.time())
+    return web.json_response(snap.to_json())
+
+
+async def plan(request: web.Request) -> web.Response:
+    """The dry run of a revision the controller has fetched, against the live fleet."""
+    from llmgw.catalog.gitread import read_git_tree
+    from llmgw.plan import FleetSnapshot, build_report, render_json
+
+    c = ctl(request)
+    mirror = c.follower.mirror
+    rev = request.query.get("rev") or c.follower.status.head_sha
+    applied = c.follower.status.applied_sha
+    if not rev:
+        return error(409, "nothing fetched yet")
+    if not _is_sha_or_ref(rev) or not await asyncio.to_thread(mirror.has, rev):
+        return error(404, f"revision {rev!r} is not in the controller's mirror (push it, then POST /api/v1/sync)")
+    try:
+        head_files = await asyncio.to_thread(read_git_tree, mirror.path, rev, subdir=mirror.subdir)
+        base_files = (await asyncio.to_thread(read_git_tree, mirror.path, applied, subdir=mirror.subdir)
+                      if applied else None)
+    except GitError as exc:
+        return error(404, str(exc))
+    snap = FleetSnapshot(c.inventory.snapshot(), tuple(c.reconciler.snapshot()), time.time())
+    report = build_report((applied or "none")[:12], base_files, rev[:12], head_files, snap, now=time.time(),
+                          fleet_note="live fleet")
+    return web.json_response(render_json(report))
+
+
+def _is_sha_or_ref(rev: str) -> bool:
+    # Only plain names reach git: no option-like or revision-expression text from a URL.
+    return bool(rev) and not rev.startswith("-") and all(ch.isalnum() or ch in "._/-" for ch in rev) and len(rev) < 200

@@ -92,6 +92,8 @@ def build_admin_app(
     r.add_get(f"{PREFIX}/weights/orphans", api.orphans)
     r.add_post(f"{PREFIX}/weights/collect", api.collect_weights)
     r.add_get(f"{PREFIX}/events", api.events)
+    r.add_get(f"{PREFIX}/inventory", api.inventory_export)
+    r.add_get(f"{PREFIX}/plan", api.plan)
     r.add_get(f"{PREFIX}/metrics", api.metrics)
     r.add_get(f"{PREFIX}/healthz", api.healthz)
     r.add_get(f"{PREFIX}/openapi.json", openapi)

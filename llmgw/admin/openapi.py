@@ -152,6 +152,12 @@ def openapi_document() -> dict[str, Any]:
             body={"type": "object", "properties": {"collect": BOOL}})},
         f"{v}/events": {"get": _op("Events, oldest first", _json(_arr(_ref("Event"))), errors=BAD, params=[
             _q("after", _s("integer", minimum=0)), _q("limit", _s("integer", minimum=1, maximum=1000))])},
+        f"{v}/inventory": {"get": _op("The fleet snapshot `llmgw diff --snapshot` reads", _json(_obj({
+            "taken_at": NNUM, "inventory": _s("object"), "replicas": _arr(_s("object"))})))},
+        f"{v}/plan": {"get": _op("Dry run of a fetched revision against the live fleet", _json(_obj({
+            "base": STR, "head": STR, "summary": STR, "changed": BOOL, "changes": _arr(_s("object")),
+            "problems": _arr(_ref("Problem")), "plan": {"type": "object", "nullable": True}})),
+            errors={"404": "unknown revision", "409": "nothing fetched yet"}, params=[_q("rev", STR)])},
         f"{v}/metrics": {"get": _op("Fleet metrics (Prometheus text)", {
             "description": "OK", "content": {"text/plain": {"schema": STR}}})},
         f"{v}/healthz": {"get": _op("Liveness", _json(_obj({"status": STR})))},

@@ -156,6 +156,33 @@ def validate_files(files: Mapping[str, RawFile], *, revision: str | None = None)
     return ValidationResult(catalog, (), len(files))
 
 
+def validate_best_effort(files: Mapping[str, RawFile], *, revision: str | None = None) -> ValidationResult:
+    """Every problem, and beside them the catalog made of the model files that have none.
+
+    For `llmgw diff`: a pull request with one broken model must still show the plan for
+    the rest. Dropping a broken model can break another (a fallback to it), so files are
+    dropped until what is left validates. No catalog when llmgw.yaml or nodes.yaml is broken.
+    """
+    first = validate_files(files, revision=revision)
+    if first.catalog is not None:
+        return first
+    kept = dict(files)
+    result = first
+    for _ in range(len(files) + 1):
+        bad = {p.file for p in result.problems}
+        if bad & {SETTINGS_FILE, NODES_FILE, "llmgw.yml", "nodes.yml"}:
+            return ValidationResult(None, first.problems, first.files)
+        drop = {f for f in bad if f in kept}
+        if not drop:
+            break
+        for f in drop:
+            del kept[f]
+        result = validate_files(kept, revision=revision)
+        if result.catalog is not None:
+            return ValidationResult(result.catalog, first.problems, first.files)
+    return ValidationResult(None, first.problems, first.files)
+
+
 def _names_in_broken_file(raw: RawFile) -> set[str]:
     """Best-effort names of a model file that failed validation.
 

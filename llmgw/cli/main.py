@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from llmgw import __version__
-from llmgw.cli import fleet, validate
+from llmgw.cli import diff, fleet, validate
 from llmgw.cli.output import make_console
 
 
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     validate.add_parser(sub)
     fleet.add_parsers(sub)
+    diff.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,108 @@
+"""`llmgw diff [BASE] [HEAD]`: review what a catalog change does to the fleet before it lands.
+
+Exit codes as `terraform plan -detailed-exitcode`: 0 no change, 2 changes, 1 error
+(including a catalog that does not validate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from llmgw.catalog import read_directory
+from llmgw.cli.client import ApiError, resolve_client
+from llmgw.cli.output import fail, print_json
+from llmgw.errors import CatalogError, GitError
+from llmgw.plan import FleetSnapshot, build_report, render_json, render_markdown, render_text
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("diff", help="dry run: catalog changes, validation and the plan against the fleet")
+    p.add_argument("base", nargs="?", help="base revision (default: the controller's applied one, else origin/BRANCH)")
+    p.add_argument("head", nargs="?", help="head revision (default: the working tree, uncommitted edits included)")
+    p.add_argument("--repo", default=".", help="the catalog directory in a git checkout (default: .)")
+    p.add_argument("--branch", default="main", help="branch the controller follows (default: main)")
+    p.add_argument("--controller", help="plan against this controller's live fleet (admin URL)")
+    p.add_argument("--token", help="admin token for --controller")
+    p.add_argument("--snapshot", help="plan against a fleet exported by `llmgw inventory export`")
+    p.add_argument("--format", choices=["text", "markdown", "json"], default="text")
+    p.set_defaults(func=run)
+
+    inv = sub.add_parser("inventory", help="the fleet as a file, for `llmgw diff --snapshot` where CI cannot reach it")
+    isub = inv.add_subparsers(dest="inventory_action", required=True)
+    e = isub.add_parser("export", help="write the live fleet (nodes and replicas) as JSON")
+    e.add_argument("-f", "--file", default="-", help="output file (default: stdout)")
+    e.add_argument("--url")
+    e.add_argument("--token")
+    e.add_argument("--data-dir")
+    e.set_defaults(func=export)
+
+
+def export(args: argparse.Namespace, console: Console) -> int:
+    try:
+        data = resolve_client(args.url, args.token, args.data_dir).request("GET", "/api/v1/inventory")
+    except ApiError as exc:
+        return fail(console, str(exc))
+    text = json.dumps(data, indent=2)
+    if args.file == "-":
+        console.file.write(text + "\n")
+    else:
+        Path(args.file).write_text(text + "\n")
+        console.print(f"wrote {args.file}: {len(data['inventory']['nodes'])} nodes, {len(data['replicas'])} replicas")
+    return 0
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    import git
+
+    from llmgw.catalog.gitread import read_git_tree, resolve_commit
+
+    try:
+        repo = git.Repo(args.repo, search_parent_directories=True)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        return fail(console, f"{args.repo}: not inside a git repository")
+    root = Path(repo.working_tree_dir or ".").resolve()
+    subdir = Path(args.repo).resolve().relative_to(root).as_posix()
+    subdir = "" if subdir == "." else subdir
+    client = None
+    try:
+        if args.controller:
+            client = resolve_client(args.controller, args.token, None)
+        base_rev = args.base
+        if base_rev is None and client is not None:
+            base_rev = client.request("GET", "/api/v1/sync")["applied_sha"]
+        if base_rev is None:
+            base_rev = f"origin/{args.branch}"
+        base_sha = resolve_commit(repo, base_rev).hexsha
+        base_files = read_git_tree(repo, base_sha, subdir=subdir)
+        if args.head:
+            head_name = args.head
+            head_files = read_git_tree(repo, resolve_commit(repo, args.head).hexsha, subdir=subdir)
+        else:
+            head_name = "working tree"
+            head_files = read_directory(Path(args.repo))
+        fleet, note = None, ""
+        if args.snapshot:
+            raw = json.loads(Path(args.snapshot).read_text())
+            fleet = FleetSnapshot.from_json(raw)
+            note = f"snapshot {Path(args.snapshot).name}"
+        elif client is not None:
+            fleet = FleetSnapshot.from_json(client.request("GET", "/api/v1/inventory"))
+            note = f"live fleet at {client.url}"
+    except (GitError, CatalogError, ApiError, OSError, ValueError, KeyError) as exc:
+        return fail(console, str(exc))
+    base_name = base_rev if base_rev == base_sha[: len(base_rev)] else f"{base_rev} ({base_sha[:12]})"
+    report = build_report(base_name, base_files, head_name, head_files, fleet, now=time.time(), fleet_note=note)
+    if args.format == "json":
+        print_json(console, render_json(report))
+    else:
+        text = render_text(report) if args.format == "text" else render_markdown(report)
+        console.file.write(text)
+        console.file.flush()
+    if report.problems:
+        return 1
+    return 2 if report.changed else 0

@@ -1,0 +1,124 @@
+"""Catalog changes field by field, the way reviewers read terraform and flux plans.
+
+Pure: two catalogs in, a list of per-model (and per-node) changes out. Compared on the
+catalog's own data, so a change of comment or key order is no change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from llmgw.catalog import Catalog, Model, NodeSpec
+from llmgw.catalog.durations import format_duration
+
+
+@dataclass(frozen=True)
+class FieldChange:
+    path: str
+    before: Any
+    after: Any
+
+    def text(self) -> str:
+        return f"{self.path}: {_show(self.before)} → {_show(self.after)}"
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: str  # "model" | "node" | "settings"
+    name: str
+    op: str  # "+" added, "-" removed, "~" changed
+    fields: tuple[FieldChange, ...] = ()
+
+
+def _show(v: Any) -> str:
+    if v is None:
+        return "(none)"
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_show(x) for x in v) + "]"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
+def model_fields(m: Model) -> dict[str, Any]:
+    """A model as flat, comparable ``path → value`` pairs (profiles keyed by name)."""
+    out: dict[str, Any] = {
+        "aliases": list(m.aliases), "task": m.task, "source": m.source, "size_gb": m.size_gb,
+        "scaling.min": m.scaling.min, "scaling.max": m.scaling.max,
+        "scaling.idle_after": format_duration(m.scaling.idle_after) if m.scaling.idle_after else None,
+        "scaling.target_inflight": m.scaling.target_inflight, "fallbacks": list(m.fallbacks),
+    }
+    for p in m.profiles:
+        d = asdict(p)
+        d.pop("name")
+        d["env"] = {k: v for k, v in p.env}
+        for k, v in d.items():
+            out[f"profiles.{p.name}.{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def node_fields(n: NodeSpec) -> dict[str, Any]:
+    d = asdict(n)
+    gpus = d.pop("gpus")
+    d["labels"] = {k: v for k, v in n.labels}
+    if gpus:
+        d.update({"gpus.count": gpus["count"], "gpus.class": gpus["gpu_class"], "gpus.memory_gb": gpus["memory_gb"]})
+    d.pop("id")
+    return d
+
+
+def _diff(before: dict[str, Any], after: dict[str, Any]) -> tuple[FieldChange, ...]:
+    keys = list(before) + [k for k in after if k not in before]
+    return tuple(FieldChange(k, before.get(k), after.get(k)) for k in keys if before.get(k) != after.get(k))
+
+
+def catalog_changes(base: Catalog | None, head: Catalog) -> list[Change]:
+    """Models and nodes added, removed and changed between ``base`` and ``head``."""
+    out: list[Change] = []
+    old = {m.name: m for m in (base.models if base else ())}
+    new = {m.name: m for m in head.models}
+    for name in sorted(set(old) | set(new)):
+        if name not in old:
+            out.append(Change("model", name, "+", _added(model_fields(new[name]))))
+        elif name not in new:
+            out.append(Change("model", name, "-"))
+        else:
+            fields = _diff(model_fields(old[name]), model_fields(new[name]))
+            if fields:
+                out.append(Change("model", name, "~", fields))
+    old_n = {n.id: n for n in (base.nodes if base else ())}
+    new_n = {n.id: n for n in head.nodes}
+    for nid in sorted(set(old_n) | set(new_n)):
+        if nid not in old_n:
+            out.append(Change("node", nid, "+", _added(node_fields(new_n[nid]))))
+        elif nid not in new_n:
+            out.append(Change("node", nid, "-"))
+        else:
+            fields = _diff(node_fields(old_n[nid]), node_fields(new_n[nid]))
+            if fields:
+                out.append(Change("node", nid, "~", fields))
+    if base is not None and base.settings != head.settings:
+        before = asdict(base.settings)
+        after = asdict(head.settings)
+        flat_b = _flatten(before)
+        flat_a = _flatten(after)
+        out.append(Change("settings", "llmgw.yaml", "~", _diff(flat_b, flat_a)))
+    return out
+
+
+def _added(fields: dict[str, Any]) -> tuple[FieldChange, ...]:
+    """The fields of something new, leaving out the empty ones a reviewer need not read."""
+    return tuple(FieldChange(k, None, v) for k, v in fields.items() if v not in (None, [], {}, ""))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out

@@ -1,0 +1,174 @@
+"""The dry run: what a catalog change would do to the running fleet.
+
+Pure, and built on the very `decide()` the controller runs each tick, on the same
+inventory and replicas, so the plan is what the controller will do — not an estimate of
+it. A replacement the controller carries out over several ticks (start the new one, stop
+the old once it serves) is shown as one `replace`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmgw.catalog import Catalog
+from llmgw.gitops.prune import PruneVerdict, judge_prune
+from llmgw.inventory import Inventory
+from llmgw.placement import Rejection
+from llmgw.reconciler.decide import decide
+from llmgw.reconciler.replica import Replica, ReplicaState
+
+GB = 1024**3
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """The fleet as `llmgw inventory export` writes it: nodes and the replicas on them."""
+
+    inventory: Inventory
+    replicas: tuple[Replica, ...] = ()
+    taken_at: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"taken_at": self.taken_at, "inventory": self.inventory.to_json(),
+                "replicas": [r.to_json() for r in self.replicas]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FleetSnapshot:
+        return cls(Inventory.from_json(data["inventory"]),
+                   tuple(Replica.from_json(r) for r in data.get("replicas", ())), data.get("taken_at"))
+
+
+@dataclass(frozen=True)
+class Step:
+    action: str  # start | stop | replace
+    model: str
+    profile: str
+    where: tuple[tuple[str, tuple[int, ...]], ...]  # (node, gpus) per shard
+    reason: str
+    replica: str | None = None  # the replica stopped or replaced
+
+    def where_text(self) -> str:
+        return ", ".join(f"{n} gpus {','.join(map(str, g)) or '-'}" for n, g in self.where)
+
+
+@dataclass(frozen=True)
+class NodeUse:
+    node: str
+    gpus_total: int
+    gpus_before: int
+    gpus_after: int
+    disk_total_gb: float | None
+    disk_before_gb: float | None
+    disk_after_gb: float | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    steps: tuple[Step, ...] = ()
+    unplaceable: dict[str, tuple[Rejection, ...]] = field(default_factory=dict)
+    unplaced_counts: dict[str, int] = field(default_factory=dict)
+    fetches: tuple[tuple[str, str, float], ...] = ()  # (node, model, GB)
+    new_orphans: tuple[tuple[str, str, float], ...] = ()  # (node, cache name, GB)
+    node_use: tuple[NodeUse, ...] = ()
+    without_ready: tuple[tuple[str, str], ...] = ()  # (model, why)
+    prune: PruneVerdict | None = None
+
+    def count(self, action: str) -> int:
+        return sum(1 for s in self.steps if s.action == action)
+
+    @property
+    def empty(self) -> bool:
+        return not self.steps and not self.unplaced_counts
+
+
+def _live(replicas: Sequence[Replica]) -> list[Replica]:
+    return [r for r in replicas if r.state.live]
+
+
+def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now: float) -> Plan:
+    """Steps, unplaceable models, fetches, orphans and per-node use for ``base`` → ``head``."""
+    replicas = list(fleet.replicas)
+    inv = fleet.inventory
+    # Nothing looks idle in a plan: idleness is the tick's business, not the change's.
+    busy = {r.id: now for r in replicas}
+    d = decide(head, inv, replicas, last_used=busy, demand={}, now=now, with_reasons=True)
+    by_id = {r.id: r for r in replicas}
+    replaced = {n.replaces for n in d.create if n.replaces}
+    steps: list[Step] = []
+    for new in d.create:
+        where = tuple((s.node, s.gpus) for s in new.placement.shards)
+        if new.replaces:
+            steps.append(Step("replace", new.placement.model, new.placement.profile, where, new.reason, new.replaces))
+        else:
+            steps.append(Step("start", new.placement.model, new.placement.profile, where, new.reason))
+    for rid, why in d.stop:
+        r = by_id[rid]
+        if rid in replaced:
+            continue
+        steps.append(Step("stop", r.model, r.profile, tuple((s.node, s.gpus) for s in r.placement.shards), why, rid))
+
+    # Weights: fetched where a new shard lands without them; orphaned where no model wants them any more.
+    fetches = []
+    for new in d.create:
+        model = head.model(new.placement.model)
+        if model is None or model.cache_name is None:
+            continue
+        for s in new.placement.shards:
+            node = inv.node(s.node)
+            if node and node.report and model.cache_name not in node.report.held:
+                fetches.append((s.node, model.name, model.size_gb))
+    wanted_after = head.wanted_cache_names()
+    wanted_before = base.wanted_cache_names() if base else frozenset()
+    orphans = []
+    for node in sorted(inv.nodes.values(), key=lambda n: n.id):
+        for w in node.report.weights if node.report else ():
+            if w.name and w.name in wanted_before and w.name not in wanted_after:
+                orphans.append((node.id, w.name, round(w.bytes / GB, 2)))
+
+    # GPU and disk use per node, before and after.
+    stopping = {rid for rid, _ in d.stop} | replaced
+    use = []
+    for node in sorted(inv.nodes.values(), key=lambda n: n.id):
+        before = sum(len(s.gpus) for r in _live(replicas) for s in r.placement.shards if s.node == node.id)
+        gone = sum(len(s.gpus) for rid in stopping if rid in by_id for s in by_id[rid].placement.shards
+                   if s.node == node.id)
+        added = sum(len(s.gpus) for n in d.create for s in n.placement.shards if s.node == node.id)
+        fs = node.report.cache_fs if node.report else None
+        local = fs is not None and not fs.shared
+        total = fs.total_bytes / GB if local else None
+        used = (fs.total_bytes - fs.free_bytes) / GB if local else None
+        fetched = sum(gb for n, _, gb in fetches if n == node.id)
+        use.append(NodeUse(
+            node.id, len(node.report.gpus) if node.report else 0, before, before - gone + added,
+            round(total, 1) if total is not None else None, round(used, 1) if used is not None else None,
+            round(used + fetched, 1) if used is not None else None))
+
+    without = []
+    for model in head.models:
+        ready_left = [r for r in replicas if r.model == model.name and r.state == ReplicaState.READY
+                      and r.id not in {rid for rid, _ in d.stop}]
+        if ready_left:
+            continue
+        if model.name in d.unplaced:
+            without.append((model.name, "cannot be placed"))
+        elif any(n.placement.model == model.name for n in d.create):
+            without.append((model.name, "until its new replica is ready"))
+        elif model.scaling.min == 0:
+            continue  # scaled to zero by design; woken by the first request
+    ready = {}
+    for r in replicas:
+        if r.state == ReplicaState.READY:
+            ready[r.model] = ready.get(r.model, 0) + 1
+    prune = judge_prune(base, head, ready) if base is not None else None
+    return Plan(
+        steps=tuple(steps),
+        unplaceable={m: tuple(x for x in d.rejections if x.model == m) for m in d.unplaced},
+        unplaced_counts=dict(d.unplaced),
+        fetches=tuple(fetches),
+        new_orphans=tuple(orphans),
+        node_use=tuple(u for u in use if u.gpus_before != u.gpus_after or u.disk_before_gb != u.disk_after_gb),
+        without_ready=tuple(without),
+        prune=prune,
+    )

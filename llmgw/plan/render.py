@@ -1,0 +1,195 @@
+"""`llmgw diff` output: text for a terminal, markdown for a PR comment, JSON for machines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmgw.catalog import Problem
+from llmgw.plan.changes import Change, _show
+from llmgw.plan.plan import Plan
+
+MARKDOWN_LIMIT = 65_536  # GitHub's limit on a comment body
+
+
+@dataclass(frozen=True)
+class DiffReport:
+    base: str
+    head: str
+    changes: tuple[Change, ...]
+    problems: tuple[Problem, ...]
+    plan: Plan | None
+    fleet_note: str = ""
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.changes) or bool(self.plan and not self.plan.empty)
+
+
+def summary_line(report: DiffReport) -> str:
+    n = len(report.problems)
+    prefix = f"{n} problem{'s' * (n != 1)} in the catalog (planned without the broken files). " if n else ""
+    return prefix + _plan_summary(report)
+
+
+def _plan_summary(report: DiffReport) -> str:
+    plan = report.plan
+    if plan is None:
+        n = len(report.changes)
+        return f"Plan: {n} catalog change{'s' * (n != 1)}, no fleet to plan against." if n else "No changes."
+    if plan.empty:
+        return "No changes." if not report.changes else "Plan: catalog changes only, nothing to do on the fleet."
+    unplaced = sum(plan.unplaced_counts.values())
+    parts = [f"{plan.count('start')} to start"]
+    if plan.count("replace"):
+        parts.append(f"{plan.count('replace')} to replace")
+    parts += [f"{plan.count('stop')} to stop", f"{unplaced} unplaceable"]
+    return "Plan: " + ", ".join(parts) + "."
+
+
+def prune_line(plan: Plan | None) -> str | None:
+    if plan is None or plan.prune is None or not plan.prune.held:
+        return None
+    return ("Prune guard: this commit would be held for confirmation (" + "; ".join(plan.prune.reasons)
+            + "); add the trailer `Llmgw-Allow-Prune: yes` or run `llmgw sync --allow-prune` after it lands.")
+
+
+# --- text --------------------------------------------------------------------------------
+def render_text(r: DiffReport) -> str:
+    out = [f"llmgw diff {r.base} → {r.head}", ""]
+    out.append("Catalog changes:")
+    if not r.changes:
+        out.append("  (none)")
+    for c in r.changes:
+        out.append(f"  {c.op} {c.kind} {c.name}")
+        for f in c.fields:
+            out.append(f"      {f.text() if c.op == '~' else f'{f.path}: {_show(f.after)}'}")
+    out += ["", "Validation:"]
+    out += [f"  {p}" for p in r.problems] or ["  ok"]
+    out += ["", "Plan against the fleet" + (f" ({r.fleet_note})" if r.fleet_note else "") + ":"]
+    p = r.plan
+    if p is None:
+        out.append("  (no fleet: pass --controller URL or --snapshot FILE from `llmgw inventory export`)")
+    else:
+        if p.empty:
+            out.append("  (nothing to do)")
+        for s in p.steps:
+            if s.action == "start":
+                out.append(f"  + start   {s.model}/{s.profile} on {s.where_text()}  ({s.reason})")
+            elif s.action == "replace":
+                out.append(f"  ~ replace {s.replica} with {s.model}/{s.profile} on {s.where_text()}  ({s.reason})")
+            else:
+                out.append(f"  - stop    {s.replica} ({s.model}/{s.profile} on {s.where_text()})  ({s.reason})")
+        for model, n in sorted(p.unplaced_counts.items()):
+            out.append(f"  ! cannot place {model} ({n} replica{'s' * (n != 1)}):")
+            for x in p.unplaceable.get(model, ()):
+                out.append(f"      {x.profile} on {x.node}: {x.reason}")
+        for node, model, gb in p.fetches:
+            out.append(f"  fetch   {node}: weights of {model} ({gb:g} GB)")
+        for node, name, gb in p.new_orphans:
+            out.append(f"  orphan  {node}: {name} ({gb:g} GB) — `llmgw weights collect --collect` removes it")
+        for u in p.node_use:
+            disk = (f", disk {u.disk_before_gb:g}/{u.disk_total_gb:g} GB → {u.disk_after_gb:g}/{u.disk_total_gb:g}"
+                    if u.disk_total_gb is not None else "")
+            out.append(f"  {u.node}: {u.gpus_before}/{u.gpus_total} GPUs → {u.gpus_after}/{u.gpus_total}{disk}")
+        for model, why in p.without_ready:
+            out.append(f"  no ready replica during the change: {model} ({why})")
+    out.append("")
+    prune = prune_line(p)
+    if prune:
+        out += [prune, ""]
+    out.append(summary_line(r))
+    return "\n".join(out) + "\n"
+
+
+# --- markdown ----------------------------------------------------------------------------
+def _md(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def render_markdown(r: DiffReport) -> str:
+    out = [f"### llmgw diff `{_md(r.base)}` → `{_md(r.head)}`", "", f"**{summary_line(r)}**", ""]
+    prune = prune_line(r.plan)
+    if prune:
+        out += [f"> :warning: {_md(prune)}", ""]
+    if r.problems:
+        out += ["#### :x: Validation", ""] + [f"- `{_md(p.file)}:{p.line}:{p.col}`: {_md(p.message)}"
+                                               for p in r.problems] + [""]
+    if r.changes:
+        out += ["#### Catalog changes", ""]
+        for c in r.changes:
+            out.append(f"<details><summary><code>{c.op}</code> {c.kind} <b>{_md(c.name)}</b></summary>")
+            out.append("")
+            if c.fields:
+                out += ["| field | before | after |", "|---|---|---|"]
+                out += [f"| `{_md(f.path)}` | {_md(_show(f.before)) if c.op == '~' else ''} | {_md(_show(f.after))} |"
+                        for f in c.fields]
+                out.append("")
+            out += ["</details>", ""]
+    p = r.plan
+    out += ["#### Plan against the fleet" + (f" ({_md(r.fleet_note)})" if r.fleet_note else ""), ""]
+    if p is None:
+        out += ["No fleet given: pass `--controller URL` or `--snapshot FILE`.", ""]
+    else:
+        if p.steps:
+            out += ["| action | model | where | why |", "|---|---|---|---|"]
+            for s in p.steps:
+                what = f"replace `{_md(s.replica)}`" if s.action == "replace" else s.action
+                if s.action == "stop":
+                    what = f"stop `{_md(s.replica)}`"
+                out.append(f"| {what} | {_md(s.model)}/{_md(s.profile)} | {_md(s.where_text())} | {_md(s.reason)} |")
+            out.append("")
+        for model, n in sorted(p.unplaced_counts.items()):
+            out.append(f"<details><summary>:x: cannot place <b>{_md(model)}</b> ({n})</summary>")
+            out.append("")
+            out += [f"- {_md(x.profile)} on {_md(x.node)}: {_md(x.reason)}" for x in p.unplaceable.get(model, ())]
+            out += ["", "</details>", ""]
+        if p.fetches:
+            out += ["**Weights to fetch:** " + ", ".join(f"{_md(n)}: {_md(m)} ({gb:g} GB)" for n, m, gb in p.fetches),
+                    ""]
+        if p.new_orphans:
+            out += ["**Weights that become orphans:** " + ", ".join(f"{_md(n)}: `{_md(x)}` ({gb:g} GB)"
+                                                                     for n, x, gb in p.new_orphans), ""]
+        if p.node_use:
+            out += ["| node | GPUs | disk |", "|---|---|---|"]
+            for u in p.node_use:
+                disk = (f"{u.disk_before_gb:g}/{u.disk_total_gb:g} → {u.disk_after_gb:g}/{u.disk_total_gb:g} GB"
+                        if u.disk_total_gb is not None else "shared")
+                out.append(f"| {_md(u.node)} | {u.gpus_before}/{u.gpus_total} → {u.gpus_after}/{u.gpus_total} "
+                           f"| {disk} |")
+            out.append("")
+        for model, why in p.without_ready:
+            out.append(f"- :hourglass: no ready replica during the change: **{_md(model)}** ({_md(why)})")
+    text = "\n".join(out).rstrip() + "\n"
+    if len(text) > MARKDOWN_LIMIT:
+        note = "\n\n_…truncated: the full plan is longer than a PR comment allows; run `llmgw diff` locally._\n"
+        text = text[: MARKDOWN_LIMIT - len(note)] + note
+    return text
+
+
+# --- json --------------------------------------------------------------------------------
+def render_json(r: DiffReport) -> dict[str, Any]:
+    p = r.plan
+    return {
+        "base": r.base,
+        "head": r.head,
+        "summary": summary_line(r),
+        "changed": r.changed,
+        "changes": [{"kind": c.kind, "name": c.name, "op": c.op,
+                     "fields": [{"path": f.path, "before": f.before, "after": f.after} for f in c.fields]}
+                    for c in r.changes],
+        "problems": [x.to_json() for x in r.problems],
+        "plan": None if p is None else {
+            "steps": [{"action": s.action, "model": s.model, "profile": s.profile, "replica": s.replica,
+                       "shards": [{"node": n, "gpus": list(g)} for n, g in s.where], "reason": s.reason}
+                      for s in p.steps],
+            "unplaceable": {m: {"replicas": n, "rejections": [
+                {"profile": x.profile, "node": x.node, "reason": x.reason} for x in p.unplaceable.get(m, ())]}
+                for m, n in sorted(p.unplaced_counts.items())},
+            "fetches": [{"node": n, "model": m, "gb": gb} for n, m, gb in p.fetches],
+            "new_orphans": [{"node": n, "name": x, "gb": gb} for n, x, gb in p.new_orphans],
+            "node_use": [u.__dict__ for u in p.node_use],
+            "without_ready": [{"model": m, "why": w} for m, w in p.without_ready],
+            "prune_guard": None if p.prune is None else {"held": p.prune.held, "reasons": list(p.prune.reasons)},
+        },
+    }

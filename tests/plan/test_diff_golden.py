@@ -1,0 +1,164 @@
+"""`llmgw diff` golden outputs over scenarios built as real commits in a real repository.
+
+Set LLMGW_UPDATE_GOLDEN=1 to rewrite the golden files after a deliberate change, then
+read the diff of tests/plan/golden/ before committing it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from llmgw.catalog import read_directory, validate_files
+from tests.conftest import git
+from tests.plan.scenarios import BASE, CHAT, EMBED, FIXED_DATES, fleet, model
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@dataclass
+class Scenario:
+    name: str
+    files: dict[str, str | None]
+    message: str = "change"
+    commit: bool = True
+    exit_code: int = 2
+
+
+SCENARIOS = [
+    Scenario("add-model", {"models/qwen.yaml": model("qwen", "hf://org/qwen@v2", size=20)}, "Add qwen"),
+    Scenario("remove-model", {"models/old.yaml": None}, "Remove old"),
+    Scenario("raise-min", {"models/chat.yaml": CHAT.replace("min: 1", "min: 2")}, "Two chat replicas"),
+    Scenario("replace-args", {"models/chat.yaml": CHAT + '    args: ["--ttft", "0.05"]\n'}, "Slower chat"),
+    Scenario("alias-collision", {"models/embed.yaml": EMBED.replace("source:", "aliases: [gpt-4o-mini]\nsource:")},
+             "Alias embed", exit_code=1),
+    # Two replicas of 2 GPUs each: n3 holds one, no node has room for the second.
+    Scenario("unplaceable", {"models/huge.yaml": model("huge", "hf://org/huge@v1", gpus=2, min_=2, size=50)},
+             "Add huge"),
+    Scenario("orphans", {"models/embed.yaml": None}, "Remove embed"),
+    Scenario("prune-guard", {"models/chat.yaml": None, "models/embed.yaml": None, "models/old.yaml": None},
+             "Remove every model"),
+    Scenario("no-change", {}, "Nothing", exit_code=0),
+    Scenario("uncommitted", {"models/chat.yaml": CHAT.replace("max: 2", "max: 3")}, commit=False),
+]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("diff") / "catalog"
+    path.mkdir()
+    git(path, "init", "-q", "-b", "main", env=FIXED_DATES)
+    for rel, text in BASE.items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_text(text)
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "Base catalog", env=FIXED_DATES)
+    git(path, "tag", "base")
+    return path
+
+
+@pytest.fixture(scope="module")
+def snapshot(repo: Path, tmp_path_factory) -> Path:
+    result = validate_files(read_directory(repo))
+    assert result.catalog is not None, result.problems
+    path = tmp_path_factory.mktemp("fleet") / "fleet.json"
+    path.write_text(json.dumps(fleet(result.catalog).to_json()))
+    return path
+
+
+def apply(repo: Path, s: Scenario) -> list[str]:
+    git(repo, "checkout", "-q", "-B", f"s-{s.name}", "base")
+    git(repo, "reset", "-q", "--hard", "base")
+    for rel, text in s.files.items():
+        if text is None:
+            (repo / rel).unlink()
+        else:
+            (repo / rel).write_text(text)
+    if s.commit:
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "--allow-empty", "-m", s.message, env=FIXED_DATES)
+        return ["base", "HEAD"]
+    return ["base"]
+
+
+@pytest.mark.parametrize("fmt,ext", [("text", "txt"), ("markdown", "md"), ("json", "json")])
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_golden(run_cli, repo: Path, snapshot: Path, scenario: Scenario, fmt: str, ext: str) -> None:
+    revs = apply(repo, scenario)
+    code, out = run_cli("diff", *revs, "--repo", str(repo), "--snapshot", str(snapshot), "--format", fmt)
+    assert code == scenario.exit_code, out
+    golden = GOLDEN / f"{scenario.name}.{ext}"
+    if os.environ.get("LLMGW_UPDATE_GOLDEN"):
+        golden.write_text(out)
+    assert out == golden.read_text()
+
+
+def test_every_scenario_changes_what_it_says(run_cli, repo: Path, snapshot: Path) -> None:
+    """The golden files are read by a person once; these are the facts they must show."""
+
+    def plan(s: Scenario) -> dict:
+        revs = apply(repo, s)
+        return json.loads(run_cli("diff", *revs, "--repo", str(repo), "--snapshot", str(snapshot),
+                                  "--format", "json")[1])
+
+    by = {s.name: s for s in SCENARIOS}
+    p = plan(by["add-model"])
+    assert [(x["action"], x["model"], x["shards"]) for x in p["plan"]["steps"]] == [
+        ("start", "qwen", [{"node": "n2", "gpus": [1]}])]
+    assert p["plan"]["fetches"] == [{"node": "n2", "model": "qwen", "gb": 20}]
+    assert p["summary"] == "Plan: 1 to start, 0 to stop, 0 unplaceable."
+    p = plan(by["remove-model"])
+    assert [(x["action"], x["replica"]) for x in p["plan"]["steps"]] == [("stop", "old-g3")]
+    assert p["plan"]["new_orphans"] == []  # an operator's copy is never an orphan
+    p = plan(by["replace-args"])
+    assert [(x["action"], x["replica"]) for x in p["plan"]["steps"]] == [("replace", "chat-g1")]
+    assert p["summary"] == "Plan: 0 to start, 1 to replace, 0 to stop, 0 unplaceable."
+    p = plan(by["alias-collision"])
+    assert [x["message"] for x in p["problems"]] == [
+        'alias "gpt-4o-mini" is already the alias of model "chat" (models/chat.yaml:1)']
+    assert p["plan"]["steps"] == []  # embed's broken file counts as unchanged: nothing stops
+    p = plan(by["unplaceable"])
+    assert p["plan"]["unplaceable"]["huge"]["replicas"] == 1
+    assert [(x["action"], x["shards"]) for x in p["plan"]["steps"]] == [("start", [{"node": "n3", "gpus": [0, 1]}])]
+    assert [(r["node"], r["reason"]) for r in p["plan"]["unplaceable"]["huge"]["rejections"]] == [
+        ("n1", "needs 2 free GPUs of class sim, has 0 (of 2: 2 in use)"),
+        ("n2", "needs 2 free GPUs of class sim, has 1 (of 2: 1 in use)"),
+        ("n3", "needs 2 free GPUs of class sim, has 0 (of 2: 2 in use)")]
+    p = plan(by["orphans"])
+    assert [o["node"] for o in p["plan"]["new_orphans"]] == ["n1"]
+    p = plan(by["prune-guard"])
+    assert p["plan"]["prune_guard"]["held"] is True
+    assert p["summary"] == "Plan: 0 to start, 3 to stop, 0 unplaceable."
+    p = plan(by["no-change"])
+    assert p["summary"] == "No changes." and p["changes"] == []
+    p = plan(by["uncommitted"])
+    assert p["head"] == "working tree"
+    assert p["changes"][0]["fields"] == [{"path": "scaling.max", "before": 2, "after": 3}]
+
+
+def test_markdown_stays_under_a_pr_comment_limit() -> None:
+    from llmgw.plan.changes import Change, FieldChange
+    from llmgw.plan.render import MARKDOWN_LIMIT, DiffReport, render_markdown
+
+    changes = tuple(Change("model", f"model-{i}", "~", tuple(FieldChange(f"field{j}", "a" * 40, "b" * 40)
+                                                             for j in range(20))) for i in range(200))
+    text = render_markdown(DiffReport("base", "head", changes, (), None))
+    assert len(text) <= MARKDOWN_LIMIT
+    assert text.rstrip().endswith("run `llmgw diff` locally._")
+
+
+def test_ci_examples_parse_and_run_validate_and_diff() -> None:
+    import yaml
+
+    from tests.conftest import REPO_ROOT
+
+    for path in ("examples/ci/.github/workflows/llmgw.yaml", "examples/ci/.gitea/workflows/llmgw.yaml"):
+        flow = yaml.safe_load((REPO_ROOT / path).read_text())
+        steps = " ".join(str(s.get("run", "")) for s in flow["jobs"]["plan"]["steps"])
+        assert "llmgw validate" in steps and "llmgw diff" in steps and "--format markdown" in steps
+    hooks = yaml.safe_load((REPO_ROOT / "examples/ci/.pre-commit-config.yaml").read_text())
+    assert hooks["repos"][0]["hooks"][0]["id"] == "llmgw-validate"
