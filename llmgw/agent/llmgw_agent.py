@@ -1,0 +1,1852 @@
+#!/usr/bin/env python3
+"""llmgw node agent: the only llmgw code that runs on a GPU node.
+
+Where it sits: the dispatcher reaches a node over SSH (or runs this file as a local subprocess)
+and calls one verb at a time: `python3 llmgw_agent.py --config CONFIG VERB` reads one JSON object
+on stdin and writes one JSON object on stdout; `serve` answers one JSON line per request on one
+long-lived channel (DESIGN §4).
+
+Why one standard-library file: a node has nothing but python3 (>= 3.9), and the controller uploads
+this file as it is and checks its hash. That is also why it is longer than the ~400 lines the
+style guide aims for: splitting it would break the contract.
+
+Trust: the node's own config file is trusted; requests are not. A tampered controller must not be
+able to run a program the node did not allow, nor delete anything that is not one of this
+system's own complete, unused cache entries. The checks holding that line are in `start` (argv
+from the node's allow-list, never a shell, no loader/interpreter hooks in env) and in the
+deletion guard (`verb_remove_weights`).
+
+State kept under `state_dir`:
+    engines/<replica_id>.json       one record per engine started (pid + its start time, port, argv...)
+    exits/<replica_id>.json         exit code, written by the engine's monitor process when it ends
+    fetches/<name>.json, .lock      progress of each fetch; the lock is held while a worker runs
+    logs/engines/<replica_id>.log   the engine's stdout and stderr
+    logs/fetches/<name>.log         the fetch worker's stderr
+    engines.lock                    serialises starts (port choice) with the guard's "in use" check
+Times are Unix epoch seconds (floats) everywhere.
+
+Helper processes: `fetch` and `start` each spawn this same file with an internal verb
+(`_fetch-worker`, `_engine-monitor`) in a new session, so the work outlives the agent process and
+the SSH session that asked for it. Internal verbs are reachable only from argv, never from
+SSH_ORIGINAL_COMMAND or `serve`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import errno
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+
+AGENT_VERSION = "0.1.0"
+PROTOCOL = 1
+AGENT_PATH = os.path.abspath(__file__)
+DEFAULT_CONFIG = "/etc/llmgw/agent.json"
+
+MANIFEST_NAME = "llmgw-manifest.json"
+CACHE_NAME_RE = re.compile(r"^llmgw-[0-9a-f]{64}$")
+TMP_PREFIX = ".tmp-"  # .tmp-llmgw-<hex>: a download in progress
+TRASH_PREFIX = ".trash-"  # .trash-llmgw-<hex>-<random>: an entry being deleted
+REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The same characters the catalog schema refuses in a source, so a source the catalog accepts is
+# never refused here; control characters are added because no URL or path needs them.
+SOURCE_FORBIDDEN_RE = re.compile(r"[\s;&|`$<>'\"\\(){}*?!#\x00-\x1f\x7f]")
+HF_SOURCE_RE = re.compile(r"^hf://([A-Za-z0-9._-]+/[A-Za-z0-9._-]+)(?:@([A-Za-z0-9._/-]+))?$")
+HF_MISSING = "hf:// sources need the huggingface_hub package on the node: pip install huggingface_hub"
+SHARED_FSTYPES = frozenset({"nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "ceph", "glusterfs", "beegfs"})
+
+# Request env that would make the dynamic loader or an interpreter load code from a path the
+# caller picks: allowing it would let a tampered controller run any program through an allowed
+# engine. The node's own environment (inherited) may still set these.
+FORBIDDEN_ENV_PREFIXES = ("LD_", "DYLD_")
+FORBIDDEN_ENV = frozenset({
+    "PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONEXECUTABLE",
+    "PYTHONPLATLIBDIR", "BASH_ENV", "ENV", "GCONV_PATH", "PERL5LIB", "PERL5OPT", "RUBYLIB",
+    "RUBYOPT", "NODE_OPTIONS",
+})
+
+NVIDIA_SMI_QUERY = "index,name,uuid,memory.total,memory.used,ecc.errors.uncorrected.volatile.total"
+NVIDIA_SMI_TIMEOUT = 15.0
+HTTP_TIMEOUT = 30.0
+HTTP_ATTEMPTS = 3
+SPAWN_TIMEOUT = 30.0
+CHUNK = 1 << 20
+PROGRESS_EVERY = 0.25
+LOG_TAIL_LINES = 20
+LOG_ROTATE_BYTES = 64 << 20
+KILL_WAIT = 5.0
+EXIT_RECORD_WAIT = 2.0
+MAX_GRACE = 600.0
+SERVE_WORKERS = 8
+# A dead engine's record, exit file and log are dropped this long after it ended, so state_dir
+# does not grow with every replica the fleet ever ran.
+ENGINE_RECORD_TTL = 24 * 3600.0
+
+PUBLIC_VERBS = ("hello", "inventory", "fetch", "start", "stop", "status", "remove-weights", "serve")
+INTERNAL_VERBS = ("_fetch-worker", "_engine-monitor")
+USAGE = "usage: llmgw_agent.py [--config CONFIG] {" + ",".join(PUBLIC_VERBS) + "}"
+
+JsonDict = Dict[str, Any]
+
+
+class AgentError(Exception):
+    """The request cannot be served; the answer is {"error": message} and a non-zero exit."""
+
+    exit_code = 1
+
+
+class UsageError(AgentError):
+    """The command line (or SSH_ORIGINAL_COMMAND) names no known verb: nothing is run."""
+
+    exit_code = 2
+
+
+class FetchFailed(Exception):
+    """A download failed in a way worth reporting as the fetch's error (not a bug)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Node config
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    path: str
+    cache_dir: str
+    state_dir: str
+    model_dirs: Tuple[str, ...]
+    port_range: Tuple[int, int]
+    advertise_address: str
+    bind_address: str
+    engines: Dict[str, Tuple[str, ...]]
+    gpus: Tuple[JsonDict, ...]
+    mounts_file: str
+    hostname: str
+
+
+def load_config(path: str) -> NodeConfig:
+    """Read and check the node config; any problem is an AgentError naming the key."""
+    try:
+        with open(path, "rb") as fh:
+            raw = json.loads(fh.read().decode("utf-8"))
+    except OSError as exc:
+        raise AgentError(f"node config {path} is unreadable: {exc.strerror or exc}") from exc
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError too
+        raise AgentError(f"node config {path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise AgentError(f"node config {path} must be a JSON object")
+    advertise = _config_str(path, raw, "advertise_address")
+    return NodeConfig(
+        path=os.path.abspath(path),
+        cache_dir=_config_abs(path, raw.get("cache_dir"), "cache_dir"),
+        state_dir=_config_abs(path, raw.get("state_dir"), "state_dir"),
+        model_dirs=tuple(_config_abs(path, d, "model_dirs[]") for d in _config_list(path, raw, "model_dirs")),
+        port_range=_config_ports(path, raw.get("port_range")),
+        advertise_address=advertise,
+        # Not in the brief's list: lets an operator bind engines to another address than the one
+        # advertised (e.g. 0.0.0.0 behind NAT). {host} in engine args expands to it.
+        bind_address=_config_str(path, raw, "bind_address") if "bind_address" in raw else advertise,
+        engines=_config_engines(path, raw.get("engines")),
+        gpus=tuple(_config_gpu(path, g) for g in _config_list(path, raw, "gpus")),
+        mounts_file=_config_str(path, raw, "mounts_file") if "mounts_file" in raw else "/proc/mounts",
+        hostname=_config_str(path, raw, "hostname") if "hostname" in raw else socket.gethostname(),
+    )
+
+
+def _config_abs(path: str, value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
+        raise AgentError(f"node config {path}: {key} must be an absolute path")
+    return os.path.normpath(value)
+
+
+def _config_str(path: str, raw: JsonDict, key: str) -> str:
+    value = raw.get(key)
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        raise AgentError(f"node config {path}: {key} must be a non-empty string without whitespace")
+    return value
+
+
+def _config_list(path: str, raw: JsonDict, key: str) -> List[Any]:
+    value = raw.get(key, [])
+    if not isinstance(value, list):
+        raise AgentError(f"node config {path}: {key} must be a list")
+    return value
+
+
+def _config_ports(path: str, value: Any) -> Tuple[int, int]:
+    ok = (isinstance(value, list) and len(value) == 2 and all(_is_int(p) for p in value)
+          and 1 <= value[0] <= value[1] <= 65535)
+    if not ok:
+        raise AgentError(f"node config {path}: port_range must be [first, last] within 1..65535")
+    return int(value[0]), int(value[1])
+
+
+def _config_engines(path: str, value: Any) -> Dict[str, Tuple[str, ...]]:
+    if not isinstance(value, dict):
+        raise AgentError(f"node config {path}: engines must map a name to an executable")
+    engines = {}
+    for name, exe in value.items():
+        prefix = [exe] if isinstance(exe, str) else exe
+        if not (isinstance(prefix, list) and prefix and all(isinstance(p, str) and p for p in prefix)):
+            raise AgentError(f"node config {path}: engines.{name} must be a path or a list of strings")
+        engines[name] = tuple(prefix)
+    return engines
+
+
+def _config_gpu(path: str, value: Any) -> JsonDict:
+    ok = (isinstance(value, dict) and _is_int(value.get("index")) and isinstance(value.get("class"), str)
+          and isinstance(value.get("memory_gb"), (int, float)))
+    if not ok:
+        raise AgentError(f"node config {path}: each of gpus needs index, class and memory_gb")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ----------------------------------------------------------------------------------------------
+# Small file and process helpers
+
+
+def _ensure_dir(path: str) -> None:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    """Readers see the old or the new content, never half a file."""
+    directory, base = os.path.split(path)
+    _ensure_dir(directory)
+    tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh)
+    os.replace(tmp, path)
+
+
+def read_json(path: str) -> Optional[JsonDict]:
+    """The JSON object in path, or None when it is missing or damaged."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _remove_file(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """An exclusive flock on path for the duration (it is released if the process dies)."""
+    _ensure_dir(os.path.dirname(path))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def proc_stat(pid: int) -> Optional[Tuple[str, int, int]]:
+    """(state, process group, start time in clock ticks) from /proc/<pid>/stat, None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = data[data.rfind(")") + 2:].split()
+    try:
+        return fields[0], int(fields[2]), int(fields[19])  # fields 3, 5 and 22
+    except (IndexError, ValueError):
+        return None
+
+
+def boot_id() -> Optional[str]:
+    """This boot's id: after a reboot, pids and start times begin again and may repeat."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
+
+
+def pid_start_time(pid: int) -> Optional[int]:
+    found = proc_stat(pid)
+    return found[2] if found else None
+
+
+def is_alive(pid: int, start: Optional[int]) -> bool:
+    """True while pid runs and is the process started at `start` (a recycled pid is not ours)."""
+    found = proc_stat(pid)
+    if found is None:
+        if os.path.isdir("/proc/self"):
+            return False
+        try:  # no /proc (not Linux): the best we can do is ask the kernel whether pid exists
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    state, _, started = found
+    return state not in ("Z", "X") and (start is None or started == start)
+
+
+def group_members(pgid: int) -> List[int]:
+    """Live (non-zombie) processes of process group pgid."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members = []
+    for name in names:
+        if name.isdigit():
+            found = proc_stat(int(name))
+            if found and found[1] == pgid and found[0] not in ("Z", "X"):
+                members.append(int(name))
+    return members
+
+
+def tail_lines(path: str, count: int = LOG_TAIL_LINES) -> List[str]:
+    """The last `count` lines of a log, read from its end so a huge log costs nothing."""
+    window = 64 << 10
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, size - window))
+            data = fh.read()
+    except OSError:
+        return []
+    lines = data.decode("utf-8", "replace").splitlines()
+    if size > window:
+        lines = lines[1:]  # the first line of the window is probably cut
+    return lines[-count:]
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the regular files under path (symlinks are not followed)."""
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            return os.lstat(path).st_size
+    except OSError:
+        return 0
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                info = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                total += info.st_size
+    return total
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache entries
+
+
+def source_name(source: str) -> str:
+    """The cache name of a source: the one fact that ties a directory on disk to the catalog."""
+    return "llmgw-" + hashlib.sha256(source.encode("utf-8")).hexdigest()
+
+
+def _open_dir_nofollow(name: str, dir_fd: Optional[int] = None) -> int:
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+
+
+def read_manifest_at(dir_fd: int, name: str) -> Tuple[Optional[JsonDict], Optional[str]]:
+    """(manifest, None) for the entry `name` under dir_fd, or (None, why it has none).
+
+    Neither the entry nor its manifest may be a symlink: a link could make a file outside the
+    cache vouch for an entry."""
+    try:
+        entry_fd = _open_dir_nofollow(name, dir_fd)
+    except OSError as exc:
+        return None, "is not a directory or is a symlink" if exc.errno in (errno.ELOOP, errno.ENOTDIR) \
+            else f"cannot be opened: {exc.strerror}"
+    try:
+        fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=entry_fd)
+        with os.fdopen(fd, "rb") as fh:
+            manifest = json.loads(fh.read(1 << 20).decode("utf-8"))
+    except (OSError, ValueError):
+        return None, "has no readable manifest"
+    finally:
+        os.close(entry_fd)
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("source"), str):
+        return None, "has no readable manifest"
+    return manifest, None
+
+
+MISSING = "does not exist"
+
+
+def inspect_entry(cache_dir: str, name: str) -> Tuple[Optional[JsonDict], Optional[str]]:
+    """(manifest, None) when <cache_dir>/<name> is a complete entry of this system, else (None, why)."""
+    if not CACHE_NAME_RE.match(name):
+        return None, "name is not a cache name (llmgw-<sha256 hex>)"
+    try:
+        info = os.lstat(os.path.join(cache_dir, name))
+    except FileNotFoundError:
+        return None, MISSING
+    except OSError as exc:
+        return None, f"cannot be read: {exc.strerror}"
+    if stat.S_ISLNK(info.st_mode):
+        return None, "is a symlink"
+    if not stat.S_ISDIR(info.st_mode):
+        return None, "is not a directory"
+    try:
+        # The configured cache_dir may itself be reached through a symlink (an operator's choice);
+        # only the entry and its manifest must not be links. The deletion guard is stricter.
+        cache_fd = os.open(cache_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        return None, f"cache directory cannot be opened: {exc.strerror}"
+    try:
+        manifest, problem = read_manifest_at(cache_fd, name)
+    finally:
+        os.close(cache_fd)
+    if manifest is not None and source_name(manifest["source"]) != name:
+        return None, "manifest source does not hash to the entry name"
+    return manifest, problem
+
+
+# ----------------------------------------------------------------------------------------------
+# hello and inventory
+
+
+def verb_hello(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
+    with open(AGENT_PATH, "rb") as fh:
+        digest = hashlib.sha256(fh.read()).hexdigest()
+    return {"agent_version": AGENT_VERSION, "agent_sha256": digest, "hostname": cfg.hostname,
+            "protocol": PROTOCOL}
+
+
+def verb_inventory(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
+    gpus, gpu_error = gpu_inventory(cfg)
+    engines = engine_views(cfg)
+    weights, invalid, foreign = cache_listing(cfg, engines)
+    mounts = read_mounts(cfg.mounts_file)
+    return {
+        "hostname": cfg.hostname,
+        "agent_version": AGENT_VERSION,
+        "protocol": PROTOCOL,
+        "gpus": gpus,
+        "gpu_error": gpu_error,
+        "memory_mb": memory_mb(),
+        "filesystems": [filesystem_info(p, mounts) for p in (cfg.cache_dir,) + cfg.model_dirs],
+        "weights": weights,
+        # Cache-named entries that are not complete (no manifest, wrong hash, a symlink): never
+        # counted as present and never removed, listed so an operator can look at them.
+        "invalid_weights": invalid,
+        "foreign": foreign,
+        "engines": engines,
+        "fetches": fetch_views(cfg),
+    }
+
+
+def gpu_inventory(cfg: NodeConfig) -> Tuple[List[JsonDict], Optional[str]]:
+    """GPUs from nvidia-smi when the node has it, else those declared in the node config.
+
+    When nvidia-smi exists but fails, the declared GPUs are NOT used: a driver that does not
+    answer means the GPUs cannot be trusted, so the node reports none and says why."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return [_declared_gpu(g) for g in cfg.gpus], None
+    argv = [exe, f"--query-gpu={NVIDIA_SMI_QUERY}", "--format=csv,noheader,nounits"]
+    try:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=NVIDIA_SMI_TIMEOUT, check=False)
+    except subprocess.TimeoutExpired:
+        return [], f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT:g}s"
+    except OSError as exc:
+        return [], f"nvidia-smi could not run: {exc}"
+    gpus = parse_nvidia_smi(proc.stdout.decode("utf-8", "replace"))
+    if proc.returncode != 0:
+        said = (proc.stderr or proc.stdout).decode("utf-8", "replace").strip().splitlines()
+        return gpus, f"nvidia-smi exited with {proc.returncode}: {said[0] if said else 'no output'}"
+    return gpus, None
+
+
+def _declared_gpu(gpu: JsonDict) -> JsonDict:
+    return {"index": gpu["index"], "class": gpu["class"], "name": None, "uuid": None,
+            "memory_gb": gpu["memory_gb"], "memory_used_gb": None, "declared": True,
+            "healthy": True, "problems": []}
+
+
+def parse_nvidia_smi(text: str) -> List[JsonDict]:
+    rows = csv.reader(text.splitlines(), skipinitialspace=True)
+    return [_gpu_from_row([c.strip() for c in row]) for row in rows if len(row) == 6]
+
+
+def _gpu_from_row(row: List[str]) -> JsonDict:
+    index, name, uuid, total, used, ecc = row
+    problems: List[str] = []
+    total_mib = _smi_number(total, "memory.total", problems)
+    used_mib = _smi_number(used, "memory.used", problems)
+    # "[N/A]" for ECC means the card has no ECC (consumer cards): not a problem in itself.
+    ecc_count = None if ecc == "[N/A]" else _smi_number(ecc, "ecc.errors.uncorrected.volatile.total", problems)
+    if ecc_count:
+        problems.append(f"ecc errors: {int(ecc_count)}")
+    return {"index": int(index) if index.isdigit() else index, "class": gpu_class(name), "name": name,
+            "uuid": uuid, "memory_gb": _mib_to_gb(total_mib), "memory_used_gb": _mib_to_gb(used_mib),
+            "declared": False, "healthy": not problems, "problems": problems}
+
+
+def _smi_number(value: str, field: str, problems: List[str]) -> Optional[float]:
+    try:
+        return float(value)
+    except ValueError:
+        problems.append(f"{value} reported for {field}")
+        return None
+
+
+def _mib_to_gb(mib: Optional[float]) -> Optional[float]:
+    # Decimal GB, so a card sold as "80GB" (an H100 reports 81559 MiB = 79.6 GiB = 85.5 GB) meets
+    # a catalog's gpu_memory_gb: 80. GiB would put every card just under its label.
+    return None if mib is None else round(mib * (1 << 20) / 1e9, 1)
+
+
+_BRAND_WORDS = frozenset({"nvidia", "tesla", "geforce", "quadro"})
+
+
+def gpu_class(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA A100-SXM4-80GB' -> 'a100', 'NVIDIA L40S' -> 'l40s'.
+
+    A heuristic: the first word after the brand; 'RTX 4090' -> 'rtx4090', 'RTX A6000' -> 'a6000'."""
+    words = [re.sub(r"[^a-z0-9]", "", w) for w in re.split(r"[\s_-]+", name.lower())]
+    words = [w for w in words if w and w not in _BRAND_WORDS]
+    if not words:
+        return "unknown"
+    if words[0] == "rtx" and len(words) > 1:
+        return words[1] if words[1][0].isalpha() else "rtx" + words[1]
+    return words[0]
+
+
+def memory_mb() -> JsonDict:
+    values: Dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    values[key] = int(parts[0])  # kB
+    except OSError:
+        pass
+    total, available = values.get("MemTotal"), values.get("MemAvailable")
+    return {"total": None if total is None else total // 1024,
+            "available": None if available is None else available // 1024}
+
+
+def read_mounts(mounts_file: str) -> List[Tuple[str, str]]:
+    """(mount point, fstype) for each line of a /proc/mounts-style table, in order."""
+    try:
+        with open(mounts_file, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return []
+    mounts = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 3:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
+            mounts.append((point, fields[2]))
+    return mounts
+
+
+def mount_for(path: str, mounts: List[Tuple[str, str]]) -> Optional[Tuple[str, str]]:
+    """The mount holding path: the longest matching mount point; a later one of equal length
+    wins, because it was mounted on top."""
+    best = None
+    for point, fstype in mounts:
+        if _inside(path, point) or point == "/":
+            if best is None or len(point) >= len(best[0]):
+                best = (point, fstype)
+    return best
+
+
+def is_shared_fstype(fstype: str) -> bool:
+    return fstype in SHARED_FSTYPES or fstype.startswith("fuse.")
+
+
+def filesystem_info(path: str, mounts: List[Tuple[str, str]]) -> JsonDict:
+    # A directory that does not exist yet is reported for the filesystem it would be created on.
+    probe = os.path.realpath(path)
+    while not os.path.exists(probe) and probe != "/":
+        probe = os.path.dirname(probe)
+    found = mount_for(probe, mounts)
+    try:
+        vfs = os.statvfs(probe)
+        total, free = vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
+    except OSError:
+        total = free = None
+    return {"path": path, "mount_point": found[0] if found else None, "fstype": found[1] if found else None,
+            "total_bytes": total, "free_bytes": free, "shared": bool(found and is_shared_fstype(found[1])),
+            "exists": os.path.isdir(path)}
+
+
+def cache_listing(cfg: NodeConfig, engines: List[JsonDict]) -> Tuple[List[JsonDict], List[JsonDict], List[str]]:
+    """(complete entries, cache-named entries that are not complete, foreign paths)."""
+    last_start: Dict[str, float] = {}
+    for engine in engines:
+        if engine.get("weights"):
+            started = engine.get("started_at") or 0.0
+            last_start[engine["weights"]] = max(last_start.get(engine["weights"], 0.0), started)
+    weights, invalid, foreign = [], [], []
+    for name in _listdir(cfg.cache_dir):
+        path = os.path.join(cfg.cache_dir, name)
+        if name.startswith((TMP_PREFIX + "llmgw-", TRASH_PREFIX + "llmgw-")):
+            continue  # our own downloads and deletions in flight
+        if not CACHE_NAME_RE.match(name):
+            foreign.append(path)
+            continue
+        manifest, problem = inspect_entry(cfg.cache_dir, name)
+        if manifest is None:
+            invalid.append({"path": path, "name": name, "reason": problem})
+            continue
+        try:
+            mtime = os.lstat(path).st_mtime
+        except OSError:
+            continue
+        weights.append({"path": path, "name": name, "source": manifest["source"], "bytes": tree_bytes(path),
+                        "complete": True, "fetched_at": manifest.get("fetched_at"),
+                        "last_used": max(mtime, last_start.get(path, 0.0))})
+    for model_dir in cfg.model_dirs:
+        foreign.extend(os.path.join(model_dir, name) for name in _listdir(model_dir))
+    return weights, invalid, foreign
+
+
+def _listdir(path: str) -> List[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+# ----------------------------------------------------------------------------------------------
+# fetch
+
+
+@dataclass(frozen=True)
+class Source:
+    text: str
+    kind: str  # "file", "http" or "hf"
+    location: str  # a local path, a URL or a Hugging Face repo id
+    revision: Optional[str] = None
+
+
+def parse_source(text: Any) -> Source:
+    if not isinstance(text, str) or not text:
+        raise AgentError("fetch: source must be a non-empty string")
+    if SOURCE_FORBIDDEN_RE.search(text):
+        raise AgentError("fetch: source contains whitespace or shell metacharacters; refused")
+    if text.startswith("hf://"):
+        match = HF_SOURCE_RE.match(text)
+        if not match:
+            raise AgentError("fetch: hf:// sources look like hf://org/repo[@revision]")
+        return Source(text, "hf", match.group(1), match.group(2))
+    if text.startswith(("http://", "https://")):
+        if not urllib.parse.urlsplit(text).netloc:
+            raise AgentError("fetch: the URL has no host")
+        return Source(text, "http", text)
+    if text.startswith("file://"):
+        parts = urllib.parse.urlsplit(text)
+        if parts.netloc not in ("", "localhost"):
+            raise AgentError("fetch: file:// sources must be local (file:///abs/path)")
+        path = urllib.parse.unquote(parts.path)
+    elif text.startswith("/"):
+        path = text
+    else:
+        raise AgentError("fetch: unsupported source; use hf://, http(s)://, file:/// or an absolute path")
+    if not path.startswith("/") or "\0" in path or ".." in path.split("/"):
+        raise AgentError("fetch: a local source must be an absolute path without '..'")
+    return Source(text, "file", os.path.normpath(path))
+
+
+def _fetch_paths(cfg: NodeConfig, name: str) -> Tuple[str, str, str]:
+    """(state file, lock file, log file) of the fetch of cache entry `name`."""
+    base = os.path.join(cfg.state_dir, "fetches", name)
+    return base + ".json", base + ".lock", os.path.join(cfg.state_dir, "logs", "fetches", name + ".log")
+
+
+def _fetch_state(name: Optional[str], path: str, source: str, state: str, *, done: int = 0,
+                 total: Optional[int] = None, error: Optional[str] = None) -> JsonDict:
+    return {"name": name, "path": path, "source": source, "state": state, "bytes_done": done,
+            "bytes_total": total, "error": error, "operator_copy": False, "updated_at": time.time()}
+
+
+def verb_fetch(cfg: NodeConfig, request: JsonDict) -> JsonDict:
+    """Start (or join) a detached download; answers at once with its state, never waits for it."""
+    source = parse_source(_field(request, "source"))
+    plain_path = source.kind == "file" and source.text.startswith("/")
+    if plain_path and any(_inside(source.location, d) for d in cfg.model_dirs):
+        return _operator_copy(source)
+    name = source_name(source.text)
+    final = os.path.join(cfg.cache_dir, name)
+    state_path, lock_path, log_path = _fetch_paths(cfg, name)
+    manifest, problem = inspect_entry(cfg.cache_dir, name)
+    if manifest is not None:
+        return _done_state(name, final, manifest)
+    if problem != MISSING:
+        error = f"{final} exists but is not a complete cache entry ({problem}); an operator must remove it"
+        return _record_failure(state_path, _fetch_state(name, final, source.text, "failed", error=error))
+    if source.kind == "hf" and importlib.util.find_spec("huggingface_hub") is None:
+        return _record_failure(state_path, _fetch_state(name, final, source.text, "failed", error=HF_MISSING))
+    lock_fd = _try_lock(lock_path)
+    if lock_fd is None:  # a worker holds the lock: join it instead of downloading twice
+        current = read_json(state_path)
+        if current is None or current.get("state") != "running":
+            current = _fetch_state(name, final, source.text, "running")
+        return current
+    try:
+        manifest = inspect_entry(cfg.cache_dir, name)[0]
+        if manifest is not None:  # a worker finished between our first look and the lock
+            return _done_state(name, final, manifest)
+        state = _fetch_state(name, final, source.text, "running")
+        write_json_atomic(state_path, state)
+        # The worker inherits the locked descriptor, so the lock lives exactly as long as it does.
+        reply = spawn_detached(cfg, "_fetch-worker", {"source": source.text, "lock_fd": lock_fd},
+                               log_path=log_path, pass_fds=(lock_fd,))
+        if not _is_int(reply.get("pid")):
+            error = f"the fetch worker did not start: {reply.get('error', 'no reason given')}"
+            return _record_failure(state_path, dict(state, state="failed", error=error))
+    finally:
+        os.close(lock_fd)
+    return state
+
+
+def _done_state(name: str, path: str, manifest: JsonDict) -> JsonDict:
+    size = manifest.get("bytes") if _is_int(manifest.get("bytes")) else tree_bytes(path)
+    return _fetch_state(name, path, manifest["source"], "done", done=size, total=size)
+
+
+def _operator_copy(source: Source) -> JsonDict:
+    """A plain path inside model_dirs is the operator's own copy: used where it is, never copied."""
+    exists = os.path.exists(source.location)
+    size = tree_bytes(source.location) if exists else 0
+    missing = None if exists else f"{source.location} does not exist on this node"
+    state = _fetch_state(None, source.location, source.text, "done" if exists else "failed",
+                         done=size, total=size, error=missing)
+    state["operator_copy"] = True
+    return state
+
+
+def _record_failure(state_path: str, state: JsonDict) -> JsonDict:
+    write_json_atomic(state_path, state)
+    return state
+
+
+def _try_lock(path: str, attempts: int = 4, delay: float = 0.02) -> Optional[int]:
+    """An fd holding an exclusive flock on path, or None while someone else holds it.
+
+    Retries briefly because `status` takes the lock shared for an instant to tell a live worker
+    from a dead one; only a lock held across the retries means a running fetch."""
+    _ensure_dir(os.path.dirname(path))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    for attempt in range(attempts):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if attempt + 1 < attempts:
+                time.sleep(delay)
+    os.close(fd)
+    return None
+
+
+def _lock_is_held(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing also drops the shared lock if we got it
+    return False
+
+
+def fetch_views(cfg: NodeConfig) -> List[JsonDict]:
+    views = []
+    directory = os.path.join(cfg.state_dir, "fetches")
+    for file_name in _listdir(directory):
+        if not file_name.endswith(".json") or file_name.startswith("."):
+            continue
+        state = read_json(os.path.join(directory, file_name))
+        if state is None:
+            continue
+        _, lock_path, log_path = _fetch_paths(cfg, str(state.get("name")))
+        if state.get("state") == "running" and not _lock_is_held(lock_path):
+            state = dict(state, state="failed",
+                         error=f"the fetch worker stopped before finishing (see {log_path}); fetch again to resume")
+        views.append({k: state.get(k) for k in ("name", "path", "source", "state", "bytes_done", "bytes_total",
+                                                 "error", "updated_at")})
+    return views
+
+
+class FetchProgress:
+    """Writes the fetch's state file: the first update at once, then at most every PROGRESS_EVERY s."""
+
+    def __init__(self, path: str, state: JsonDict) -> None:
+        self._path = path
+        self._state = state
+        self._last = 0.0
+        self._mutex = threading.Lock()
+
+    def update(self, done: int, total: Optional[int], *, force: bool = False) -> None:
+        with self._mutex:
+            self._state.update(bytes_done=done, bytes_total=total)
+            now = time.monotonic()
+            if force or now - self._last >= PROGRESS_EVERY:
+                self._last = now
+                self._write()
+
+    def finish(self, state: str, *, error: Optional[str] = None, size: Optional[int] = None) -> None:
+        with self._mutex:
+            self._state.update(state=state, error=error)
+            if size is not None:
+                self._state.update(bytes_done=size, bytes_total=size)
+            self._write()
+
+    def _write(self) -> None:
+        self._state["updated_at"] = time.time()
+        write_json_atomic(self._path, self._state)
+
+
+def verb_fetch_worker(cfg: NodeConfig, request: JsonDict) -> JsonDict:
+    """Internal: the detached download. Holds the fetch lock (inherited fd) until it is done."""
+    source = parse_source(request["source"])
+    lock_fd = int(request["lock_fd"])
+    _detach()
+    _reply_and_release_stdio({"pid": os.getpid()})
+    name = source_name(source.text)
+    final = os.path.join(cfg.cache_dir, name)
+    state_path, _, _ = _fetch_paths(cfg, name)
+    progress = FetchProgress(state_path, _fetch_state(name, final, source.text, "running"))
+    tmp = os.path.join(cfg.cache_dir, TMP_PREFIX + name)
+    try:
+        os.makedirs(cfg.cache_dir, exist_ok=True)  # the umask's mode: engines may run as another user
+        download(source, tmp, progress)
+        size = finalize_entry(source, tmp, final)
+        progress.finish("done", size=size)
+    except FetchFailed as exc:
+        progress.finish("failed", error=str(exc))
+    except BaseException as exc:
+        progress.finish("failed", error=f"internal error: {exc!r}")
+        raise  # the traceback goes to the fetch log
+    finally:
+        os.close(lock_fd)
+    return {}
+
+
+def download(source: Source, tmp: str, progress: FetchProgress) -> None:
+    """Bring the source's content into the directory tmp (which may hold a partial earlier try)."""
+    if source.kind == "file":
+        copy_local(source.location, tmp, progress)
+    elif source.kind == "http":
+        download_http(source.location, tmp, progress)
+    else:
+        download_hf(source, tmp, progress)
+
+
+def finalize_entry(source: Source, tmp: str, final: str) -> int:
+    """Write the manifest and rename tmp into place: the rename is the commit point, so an entry
+    under its cache name is always complete."""
+    size = tree_bytes(tmp)
+    write_json_atomic(os.path.join(tmp, MANIFEST_NAME), {
+        "source": source.text, "fetched_at": time.time(), "bytes": size, "agent_version": AGENT_VERSION})
+    try:
+        os.rename(tmp, final)
+    except OSError as exc:
+        raise FetchFailed(f"could not move the download into place: {exc.strerror}") from exc
+    return size
+
+
+def copy_local(src: str, tmp: str, progress: FetchProgress) -> None:
+    files = _local_files(src)
+    # A partial copy of a local file is cheaper to redo than to trust.
+    _remove_any(tmp)
+    os.makedirs(tmp)
+    total, done = sum(size for _, _, size in files), 0
+    progress.update(0, total, force=True)
+    try:
+        for rel, path, _ in files:
+            dest = os.path.join(tmp, rel)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with open(path, "rb") as fin, open(dest, "wb") as fout:
+                while True:
+                    chunk = fin.read(CHUNK)
+                    if not chunk:
+                        break
+                    fout.write(chunk)
+                    done += len(chunk)
+                    progress.update(done, total)
+    except OSError as exc:
+        raise FetchFailed(f"copying {src} failed: {exc}") from exc
+
+
+def _local_files(src: str) -> List[Tuple[str, str, int]]:
+    """(relative path, absolute path, size) of the files to copy. Symlinks to files are copied as
+    their content, so an entry never holds a link; symlinked directories are skipped."""
+    if os.path.isfile(src):
+        return [(os.path.basename(src), src, os.path.getsize(src))]
+    if not os.path.isdir(src):
+        raise FetchFailed(f"{src} does not exist on this node (or is not a file or directory)")
+    files = []
+    for root, _dirs, names in os.walk(src):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            if os.path.isfile(path):
+                files.append((os.path.relpath(path, src), path, os.path.getsize(path)))
+    return files
+
+
+def _remove_any(path: str) -> None:
+    """Remove path whatever it is, never following a symlink."""
+    parent, name = os.path.split(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        parent_fd = _open_dir_nofollow(parent)
+        try:
+            rmtree_at(parent_fd, name)
+        finally:
+            os.close(parent_fd)
+    else:
+        os.unlink(path)
+
+
+def _url_filename(url: str) -> str:
+    segment = urllib.parse.unquote(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1])
+    if segment in ("", ".", "..", MANIFEST_NAME) or "/" in segment or "\0" in segment:
+        return "download"
+    return segment
+
+
+class _Retry(Exception):
+    """A transient HTTP failure: try again, resuming from what is on disk."""
+
+
+def download_http(url: str, tmp: str, progress: FetchProgress) -> None:
+    # Imported here: http.client pulls in ssl and email, a third of the start-up time of every
+    # other verb, and only the fetch worker needs it.
+    import http.client
+    import urllib.error
+
+    os.makedirs(tmp, exist_ok=True)
+    dest = os.path.join(tmp, _url_filename(url))
+    last: Exception = FetchFailed("no attempt made")
+    for attempt in range(HTTP_ATTEMPTS):
+        try:
+            _http_attempt(url, dest, progress)
+            return
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            if exc.code < 500:
+                raise FetchFailed(f"HTTP {exc.code} {exc.reason} from {url}") from exc
+            last = exc
+        except (_Retry, urllib.error.URLError, http.client.HTTPException, OSError) as exc:
+            last = exc
+        if attempt + 1 < HTTP_ATTEMPTS:
+            time.sleep(0.5 * 2 ** attempt)
+    raise FetchFailed(f"downloading {url} failed: {last}")
+
+
+def _http_attempt(url: str, dest: str, progress: FetchProgress) -> None:
+    import urllib.error
+    import urllib.request
+
+    offset = os.path.getsize(dest) if os.path.isfile(dest) else 0
+    headers = {"User-Agent": f"llmgw-agent/{AGENT_VERSION}"}
+    if offset:
+        headers["Range"] = f"bytes={offset}-"
+    try:
+        response = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=HTTP_TIMEOUT)
+    except urllib.error.HTTPError as exc:
+        if exc.code != 416 or not offset:
+            raise
+        total = _range_total(exc.headers.get("Content-Range"))
+        exc.close()
+        if total == offset:  # the partial file is in fact complete
+            progress.update(offset, offset, force=True)
+            return
+        os.unlink(dest)
+        raise _Retry("the server refused to resume; starting over") from exc
+    with response:
+        resumed = offset > 0 and response.status == 206
+        if resumed and _range_start(response.headers.get("Content-Range")) != offset:
+            os.unlink(dest)
+            raise _Retry("the server resumed at the wrong offset; starting over")
+        done = offset if resumed else 0  # a 200 to a Range request sends the whole file again
+        total = _expected_total(response, done)
+        progress.update(done, total, force=True)
+        first = True
+        with open(dest, "ab" if resumed else "wb") as out:
+            while True:
+                chunk = response.read1(CHUNK)  # read1: whatever has arrived, so progress moves
+                if not chunk:
+                    break
+                out.write(chunk)
+                done += len(chunk)
+                # The first chunk is always written, so a stalled download shows it has begun.
+                progress.update(done, total, force=first)
+                first = False
+    if total is not None and done != total:
+        raise _Retry(f"the connection closed after {done} of {total} bytes")
+
+
+def _expected_total(response: Any, done: int) -> Optional[int]:
+    total = _range_total(response.headers.get("Content-Range"))
+    if total is not None:
+        return total
+    length = response.headers.get("Content-Length", "")
+    return done + int(length) if length.isdigit() else None
+
+
+def _range_total(header: Optional[str]) -> Optional[int]:
+    match = re.match(r"^bytes\s+(?:\d+-\d+|\*)/(\d+)$", (header or "").strip())
+    return int(match.group(1)) if match else None
+
+
+def _range_start(header: Optional[str]) -> Optional[int]:
+    match = re.match(r"^bytes\s+(\d+)-", (header or "").strip())
+    return int(match.group(1)) if match else None
+
+
+def download_hf(source: Source, tmp: str, progress: FetchProgress) -> None:
+    try:
+        from huggingface_hub import snapshot_download  # optional: only nodes fetching hf:// need it
+    except ImportError as exc:
+        raise FetchFailed(HF_MISSING) from exc
+    os.makedirs(tmp, exist_ok=True)
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_tree, args=(tmp, progress, stop), daemon=True)
+    watcher.start()
+    try:
+        # local_dir (not cache_dir) so the entry holds real files, not links into a hub cache;
+        # huggingface_hub resumes what an earlier try left there.
+        snapshot_download(repo_id=source.location, revision=source.revision, local_dir=tmp)
+    except (OSError, ValueError) as exc:  # hub errors derive from these (HTTP errors are OSErrors)
+        raise FetchFailed(f"huggingface_hub: {exc}") from exc
+    finally:
+        stop.set()
+        watcher.join()
+
+
+def _watch_tree(path: str, progress: FetchProgress, stop: threading.Event) -> None:
+    """Progress for downloads that report none: the size of what is on disk so far."""
+    while not stop.wait(1.0):
+        progress.update(tree_bytes(path), None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Detached helper processes
+
+
+def spawn_detached(cfg: NodeConfig, verb: str, payload: JsonDict, *, log_path: str,
+                   pass_fds: Tuple[int, ...] = ()) -> JsonDict:
+    """Run an internal verb of this file in a process that outlives this one and the SSH session.
+
+    The child starts a new session, reads payload on stdin, forks (its first half exits at once,
+    so it is reaped here and no zombie is left behind a long `serve`), and the surviving half
+    writes one JSON reply line and lets go of the pipe. Its stderr goes to log_path."""
+    _ensure_dir(os.path.dirname(log_path))
+    argv = [sys.executable or "python3", AGENT_PATH, "--config", cfg.path, verb]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                start_new_session=True, pass_fds=pass_fds, cwd=cfg.state_dir)
+    try:
+        out, _ = proc.communicate(json.dumps(payload).encode("utf-8"), timeout=SPAWN_TIMEOUT)
+    except subprocess.TimeoutExpired as exc:
+        proc.kill()
+        proc.communicate()
+        raise AgentError(f"{verb} did not report within {SPAWN_TIMEOUT:g}s (see {log_path})") from exc
+    try:
+        reply = json.loads(out.decode("utf-8").splitlines()[0])
+    except (IndexError, ValueError):
+        reply = None
+    if not isinstance(reply, dict):
+        raise AgentError(f"{verb} failed to start (see {log_path})")
+    return reply
+
+
+def _detach() -> None:
+    """Fork; the parent exits at once (its spawner reaps it) and the child carries on."""
+    if os.fork() > 0:
+        os._exit(0)
+
+
+def _reply_and_release_stdio(reply: JsonDict) -> None:
+    """Send the spawner its one reply line, then point stdin/stdout at /dev/null so the spawner
+    (and through it the SSH channel) is not held open by this process."""
+    os.write(1, (json.dumps(reply) + "\n").encode("utf-8"))
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
+
+def verb_engine_monitor(_cfg: NodeConfig, request: JsonDict) -> JsonDict:
+    """Internal: launch the engine and stay its parent, to record its exit code when it ends.
+
+    Without a parent of our own the exit code of an engine started by an earlier (now gone)
+    agent process would be lost."""
+    _detach()
+    env = dict(os.environ)
+    env.update(request["env"])
+    try:
+        with open(request["log"], "ab") as log:
+            log.write(f"=== llmgw-agent {AGENT_VERSION}: starting {request['argv']!r}\n".encode("utf-8"))
+            log.flush()
+            engine = subprocess.Popen(request["argv"], stdin=subprocess.DEVNULL, stdout=log,
+                                      stderr=subprocess.STDOUT, env=env, cwd=request["cwd"],
+                                      start_new_session=True)
+    except (OSError, ValueError) as exc:
+        _reply_and_release_stdio({"error": f"could not start {request['argv'][0]}: {exc}"})
+        return {}
+    started = pid_start_time(engine.pid)
+    _reply_and_release_stdio({"pid": engine.pid, "pid_start": started})
+    code = engine.wait()
+    write_json_atomic(request["exit_file"], {"pid": engine.pid, "pid_start": started, "exit_code": code,
+                                             "ended_at": time.time()})
+    return {}
+
+
+# ----------------------------------------------------------------------------------------------
+# Engines: start, stop, status
+
+
+@dataclass(frozen=True)
+class StartSpec:
+    replica_id: str
+    engine: str
+    args: Tuple[str, ...]
+    env: Dict[str, str]
+    gpus: Tuple[int, ...]
+    port: Optional[int]
+    weights: Optional[str]
+    labels: JsonDict
+
+
+def _record_path(cfg: NodeConfig, replica_id: str) -> str:
+    return os.path.join(cfg.state_dir, "engines", replica_id + ".json")
+
+
+def _exit_path(cfg: NodeConfig, replica_id: str) -> str:
+    return os.path.join(cfg.state_dir, "exits", replica_id + ".json")
+
+
+def _log_path(cfg: NodeConfig, replica_id: str) -> str:
+    return os.path.join(cfg.state_dir, "logs", "engines", replica_id + ".log")
+
+
+def _engines_lock(cfg: NodeConfig) -> str:
+    # Held while choosing a port and launching, and while the guard checks "in use" and renames:
+    # a start cannot pick a port another start is about to take, nor weights being removed.
+    return os.path.join(cfg.state_dir, "engines.lock")
+
+
+def load_record(cfg: NodeConfig, replica_id: str) -> Optional[JsonDict]:
+    record = read_json(_record_path(cfg, replica_id))
+    # pid 0 or 1 would turn killpg into "signal my own group" or "signal init": never trust it.
+    if record is None or not _is_int(record.get("pid")) or record["pid"] <= 1:
+        return None
+    record["replica_id"] = replica_id
+    return record
+
+
+def all_records(cfg: NodeConfig) -> List[JsonDict]:
+    records = []
+    for file_name in _listdir(os.path.join(cfg.state_dir, "engines")):
+        if file_name.endswith(".json") and not file_name.startswith("."):
+            record = load_record(cfg, file_name[: -len(".json")])
+            if record is not None:
+                records.append(record)
+    return records
+
+
+def same_boot(record: JsonDict) -> bool:
+    recorded, current = record.get("boot_id"), boot_id()
+    return recorded is None or current is None or recorded == current
+
+
+def record_alive(record: JsonDict) -> bool:
+    return same_boot(record) and is_alive(record["pid"], record.get("pid_start"))
+
+
+def exit_info(cfg: NodeConfig, record: JsonDict) -> Optional[JsonDict]:
+    """The exit file of this very process (not of an earlier run of the same replica id)."""
+    info = read_json(_exit_path(cfg, record["replica_id"]))
+    if info and info.get("pid") == record["pid"] and info.get("pid_start") == record.get("pid_start"):
+        return info
+    return None
+
+
+def parse_start(cfg: NodeConfig, request: JsonDict) -> StartSpec:
+    """Everything about a start request that can be checked without touching the node."""
+    replica_id = _replica_id(request)
+    engine = _field(request, "engine")
+    if not isinstance(engine, str) or engine not in cfg.engines:
+        allowed = ", ".join(sorted(cfg.engines)) or "none"
+        raise AgentError(f"start: engine {engine!r} is not allowed on this node; allowed: {allowed}")
+    args = _optional(request, "args", [])
+    if not isinstance(args, list) or not all(isinstance(a, str) and "\0" not in a for a in args):
+        raise AgentError("start: args must be a list of strings")
+    gpus = _optional(request, "gpus", [])
+    if not isinstance(gpus, list) or not all(_is_int(g) and g >= 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise AgentError("start: gpus must be a list of distinct GPU indexes")
+    port = request.get("port")
+    if port is not None and not _is_int(port):
+        raise AgentError("start: port must be an integer or null")
+    weights = request.get("weights")
+    if weights is not None and not isinstance(weights, str):
+        raise AgentError("start: weights must be a string or null")
+    labels = _optional(request, "labels", {})
+    if not isinstance(labels, dict):
+        raise AgentError("start: labels must be an object")
+    return StartSpec(replica_id, engine, tuple(args), _start_env(_optional(request, "env", {})), tuple(gpus), port,
+                     weights, labels)
+
+
+def _start_env(env: Any) -> Dict[str, str]:
+    if not isinstance(env, dict):
+        raise AgentError("start: env must be an object of strings")
+    for key, value in env.items():
+        if not ENV_NAME_RE.match(key) or not isinstance(value, str) or "\0" in value:
+            raise AgentError(f"start: env {key!r} must be a variable name with a string value")
+        if key in FORBIDDEN_ENV or key.startswith(FORBIDDEN_ENV_PREFIXES):
+            raise AgentError(f"start: env {key} is refused: it would let the caller load code of its choosing")
+    return dict(env)
+
+
+def _replica_id(request: JsonDict) -> str:
+    replica_id = _field(request, "replica_id")
+    if not isinstance(replica_id, str) or not REPLICA_ID_RE.match(replica_id):
+        raise AgentError("replica_id must match ^[A-Za-z0-9._-]{1,128}$")
+    return replica_id
+
+
+def resolve_weights(cfg: NodeConfig, weights: Optional[str]) -> Optional[str]:
+    """The absolute path of the weights: a complete cache entry or a path inside a model dir."""
+    if weights is None:
+        return None
+    if "\0" in weights or ".." in weights.split("/"):
+        raise AgentError("start: weights must not contain NUL or '..'")
+    path = os.path.normpath(weights) if weights.startswith("/") else None
+    name = weights if path is None else os.path.basename(path)
+    if path is not None and os.path.dirname(path) != cfg.cache_dir:
+        if not any(_inside(path, d) for d in cfg.model_dirs):
+            raise AgentError("start: weights must be a cache name (llmgw-<sha256 hex>) "
+                             "or a path inside the node's model_dirs")
+        if not os.path.exists(path):
+            raise AgentError(f"start: weights {path} do not exist on this node")
+        return path
+    manifest, problem = inspect_entry(cfg.cache_dir, name)
+    if manifest is None:
+        raise AgentError(f"start: weights {name} are not a complete cache entry on this node: {problem}")
+    return os.path.join(cfg.cache_dir, name)
+
+
+def port_is_free(port: int) -> bool:
+    # SO_REUSEADDR like the engines use, so a port in TIME_WAIT counts as free; a listener on any
+    # address (even 127.0.0.1) still makes the bind on 0.0.0.0 fail.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def choose_port(cfg: NodeConfig, requested: Optional[int]) -> int:
+    """The requested port if it is in range and free, else the first free one of the range.
+
+    Ports of live engines count as taken even if the engine has not bound yet."""
+    first, last = cfg.port_range
+    taken = {r.get("port") for r in all_records(cfg) if record_alive(r)}
+    candidates = list(range(first, last + 1))
+    if requested is not None and first <= requested <= last:
+        candidates.insert(0, requested)
+    for port in candidates:
+        if port not in taken and port_is_free(port):
+            return port
+    raise AgentError(f"start: no free port in {first}-{last}")
+
+
+_PLACEHOLDER_RE = re.compile(r"\{(port|weights|host)\}")
+
+
+def build_argv(prefix: Tuple[str, ...], args: Tuple[str, ...], values: Dict[str, str]) -> List[str]:
+    """The node's executable (prefix) + the caller's args, with exactly {port}, {weights} and
+    {host} replaced in one pass (a replaced value is never expanded again)."""
+    return list(prefix) + [_PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], arg) for arg in args]
+
+
+def _endpoint(address: str, port: int) -> str:
+    host = f"[{address}]" if ":" in address and not address.startswith("[") else address
+    return f"http://{host}:{port}"
+
+
+def verb_start(cfg: NodeConfig, request: JsonDict) -> JsonDict:
+    spec = parse_start(cfg, request)
+    with _locked(_engines_lock(cfg)):
+        existing = load_record(cfg, spec.replica_id)
+        if existing is not None and record_alive(existing):
+            return _start_answer(existing, already_running=True)
+        weights = resolve_weights(cfg, spec.weights)
+        if weights is None and any("{weights}" in a for a in spec.args):
+            raise AgentError("start: args use {weights} but the request names no weights")
+        port = choose_port(cfg, spec.port)
+        argv = build_argv(cfg.engines[spec.engine], spec.args,
+                          {"port": str(port), "weights": weights or "", "host": cfg.bind_address})
+        record = _launch(cfg, spec, argv, port=port, weights=weights)
+    return _start_answer(record, already_running=False)
+
+
+def _launch(cfg: NodeConfig, spec: StartSpec, argv: List[str], *, port: int, weights: Optional[str]) -> JsonDict:
+    log = _log_path(cfg, spec.replica_id)
+    _ensure_dir(os.path.dirname(log))
+    if os.path.exists(log) and os.path.getsize(log) > LOG_ROTATE_BYTES:
+        os.replace(log, log + ".1")
+    _remove_file(_exit_path(cfg, spec.replica_id))
+    _ensure_dir(os.path.join(cfg.state_dir, "exits"))
+    # The request env wins over the node's; CUDA_VISIBLE_DEVICES always comes from gpus.
+    env = dict(spec.env, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in spec.gpus))
+    reply = spawn_detached(cfg, "_engine-monitor", {
+        "argv": argv, "env": env, "log": log, "cwd": cfg.state_dir,
+        "exit_file": _exit_path(cfg, spec.replica_id)}, log_path=log)
+    if "error" in reply or not _is_int(reply.get("pid")):
+        raise AgentError(f"start: {reply.get('error', 'the engine did not start')}")
+    record = {
+        "replica_id": spec.replica_id, "pid": reply["pid"], "pid_start": reply.get("pid_start"), "boot_id": boot_id(),
+        "port": port, "endpoint": _endpoint(cfg.advertise_address, port), "engine": spec.engine,
+        "argv": argv, "env_keys": sorted(spec.env), "gpus": list(spec.gpus), "weights": weights,
+        "labels": spec.labels, "started_at": time.time(), "log": log, "agent_version": AGENT_VERSION,
+    }
+    write_json_atomic(_record_path(cfg, spec.replica_id), record)
+    if weights is not None and os.path.dirname(weights) == cfg.cache_dir:
+        with contextlib.suppress(OSError):
+            os.utime(weights)  # the entry's mtime is its last use, also after the record is pruned
+    return record
+
+
+def _start_answer(record: JsonDict, *, already_running: bool) -> JsonDict:
+    return {"replica_id": record["replica_id"], "pid": record["pid"], "port": record["port"],
+            "endpoint": record["endpoint"], "log": record["log"], "already_running": already_running}
+
+
+def verb_stop(cfg: NodeConfig, request: JsonDict) -> JsonDict:
+    """SIGTERM the engine's process group, SIGKILL it after the grace period; idempotent."""
+    replica_id = _replica_id(request)
+    grace = _optional(request, "grace_seconds", 10)
+    if not isinstance(grace, (int, float)) or isinstance(grace, bool) or not 0 <= grace <= MAX_GRACE:
+        raise AgentError(f"stop: grace_seconds must be a number from 0 to {MAX_GRACE:g}")
+    answer = {"replica_id": replica_id, "stopped": True, "was_running": False, "exit_code": None}
+    record = load_record(cfg, replica_id)
+    if record is None:
+        return answer
+    was_running = record_alive(record)
+    if was_running or _orphans(record):
+        terminate_group(record["pid"], float(grace))
+    info = _wait_exit_info(cfg, record, EXIT_RECORD_WAIT if was_running else 0.0)
+    if info is None:  # the monitor is gone too: note the end ourselves so the record ages out
+        _note_unknown_exit(cfg, record, time.time())
+    answer.update(was_running=was_running, exit_code=info.get("exit_code") if info else None)
+    return answer
+
+
+def _note_unknown_exit(cfg: NodeConfig, record: JsonDict, now: float) -> None:
+    """Write an exit file with an unknown code, unless the monitor has just written the real one
+    (O_EXCL: the monitor's later os.replace still wins over ours)."""
+    path = _exit_path(cfg, record["replica_id"])
+    _ensure_dir(os.path.dirname(path))
+    info = {"pid": record["pid"], "pid_start": record.get("pid_start"), "exit_code": None, "ended_at": now}
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(info, fh)
+
+
+def _orphans(record: JsonDict) -> bool:
+    """Whether the engine's leader is gone but processes of its group (its workers) remain.
+
+    A pid is not reused while it names a live process group, so a group with that id and no
+    leader is still ours; a different process holding the pid means our group is gone."""
+    found = proc_stat(record["pid"])
+    if not same_boot(record) or (found is not None and found[2] != record.get("pid_start")):
+        return False
+    return bool(group_members(record["pid"]))
+
+
+def terminate_group(pgid: int, grace: float) -> None:
+    _signal_group(pgid, signal.SIGTERM)
+    if _wait_group_gone(pgid, grace):
+        return
+    _signal_group(pgid, signal.SIGKILL)
+    _wait_group_gone(pgid, KILL_WAIT)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while group_members(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _wait_exit_info(cfg: NodeConfig, record: JsonDict, timeout: float) -> Optional[JsonDict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = exit_info(cfg, record)
+        if info is not None or time.monotonic() >= deadline:
+            return info
+        time.sleep(0.05)
+
+
+def verb_status(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
+    return {"engines": engine_views(cfg), "fetches": fetch_views(cfg)}
+
+
+def engine_views(cfg: NodeConfig) -> List[JsonDict]:
+    prune_engine_records(cfg, time.time())
+    return [engine_view(cfg, r) for r in all_records(cfg)]
+
+
+def engine_view(cfg: NodeConfig, record: JsonDict) -> JsonDict:
+    alive = record_alive(record)
+    info = None if alive else exit_info(cfg, record)
+    return {
+        "replica_id": record["replica_id"], "pid": record["pid"], "port": record.get("port"),
+        "endpoint": record.get("endpoint"), "engine": record.get("engine"), "alive": alive,
+        "exit_code": info.get("exit_code") if info else None,
+        "ended_at": info.get("ended_at") if info else None,
+        "labels": record.get("labels", {}), "weights": record.get("weights"), "gpus": record.get("gpus", []),
+        "started_at": record.get("started_at"), "log": record.get("log"),
+        "log_tail": tail_lines(record.get("log") or ""),
+    }
+
+
+def prune_engine_records(cfg: NodeConfig, now: float) -> None:
+    """Forget engines that ended more than ENGINE_RECORD_TTL ago (record, exit file, log)."""
+    for record in all_records(cfg):
+        if record_alive(record):
+            continue
+        info = exit_info(cfg, record)
+        if info is None:  # died without its monitor noticing: start its clock now
+            _note_unknown_exit(cfg, record, now)
+        elif now - float(info.get("ended_at") or now) > ENGINE_RECORD_TTL:
+            with _locked(_engines_lock(cfg)):
+                # Checked again under the lock: a start may have replaced the record meanwhile.
+                current = load_record(cfg, record["replica_id"])
+                if current is not None and current.get("pid") == record["pid"]:
+                    for path in (_record_path(cfg, record["replica_id"]), _exit_path(cfg, record["replica_id"]),
+                                 _log_path(cfg, record["replica_id"])):
+                        _remove_file(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# remove-weights: the deletion guard (DESIGN §4)
+
+
+def verb_remove_weights(cfg: NodeConfig, request: JsonDict) -> JsonDict:
+    """Remove each path that passes every check of the guard; refuse the others with a reason.
+
+    Each path is checked, then renamed (relative to a descriptor of the cache directory opened
+    without following any symlink) to a trash name, re-checked, and only then deleted, without
+    following symlinks. A refusal is the guard working, not a failure: the exit code is 0."""
+    paths = _field(request, "paths")
+    if not isinstance(paths, list):
+        raise AgentError("remove-weights: paths must be a list")
+    cache_fd, cache_problem = open_cache_dir(cfg.cache_dir)
+    if cache_fd is None:  # nothing can be removed; every path gets its own refusal all the same
+        return {"results": [_refusal(raw, cache_problem) for raw in paths]}
+    results: List[JsonDict] = []
+    trash: List[Tuple[JsonDict, str, str]] = []
+    try:
+        with _locked(_engines_lock(cfg)):
+            # An engine whose leader died but whose workers live on still has its weights open.
+            in_use = {r.get("weights"): r["replica_id"] for r in all_records(cfg) if record_alive(r) or _orphans(r)}
+            moved: Set[str] = set()
+            for raw in paths:
+                result: JsonDict = {"path": raw, "removed": False}
+                results.append(result)
+                reason, candidate = check_removable(raw, cfg=cfg, cache_fd=cache_fd, in_use=in_use, already=moved)
+                if candidate is not None:
+                    name, checked = candidate
+                    trash_name, reason = move_to_trash(cache_fd, name, checked)
+                    if trash_name is not None:
+                        moved.add(name)
+                        trash.append((result, name, trash_name))
+                if reason is not None:
+                    result["reason"] = reason
+        # Deleting may take a while; it happens outside the lock, on names only we know.
+        for result, name, trash_name in trash:
+            _delete_trash(cfg, cache_fd, name, trash_name, result)
+    finally:
+        os.close(cache_fd)
+    return {"results": results}
+
+
+def _refusal(raw: Any, cache_problem: Optional[str]) -> JsonDict:
+    return {"path": raw, "removed": False, "reason": _path_text_problem(raw) or cache_problem}
+
+
+def open_cache_dir(cache_dir: str) -> Tuple[Optional[int], Optional[str]]:
+    """(fd of the cache dir, None), opened one component at a time with O_NOFOLLOW so that no
+    symlink anywhere on the way is followed; or (None, why not)."""
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    walked = ""
+    for part in [p for p in cache_dir.split("/") if p]:
+        walked += "/" + part
+        try:
+            next_fd = _open_dir_nofollow(part, fd)
+        except OSError as exc:
+            os.close(fd)
+            if os.path.islink(walked):
+                return None, (f"the cache directory {cache_dir} is reached through a symlink ({walked}); "
+                              "the node deletes nothing through a symlink: set cache_dir to the real path")
+            if exc.errno == errno.ENOENT:
+                return None, f"the cache directory {cache_dir} does not exist"
+            return None, f"the cache directory {cache_dir} cannot be opened: {exc.strerror}"
+        os.close(fd)
+        fd = next_fd
+    return fd, None
+
+
+Candidate = Tuple[str, os.stat_result]  # (entry name, lstat of the entry when it was checked)
+
+
+def check_removable(raw: Any, *, cfg: NodeConfig, cache_fd: int, in_use: Dict[Any, str],
+                    already: Set[str]) -> Tuple[Optional[str], Optional[Candidate]]:
+    """(None, (name, stat of the entry)) when raw may be removed, else (reason, None)."""
+    reason = _path_text_problem(raw)
+    if reason is not None:
+        return reason, None
+    path = "/" + os.path.normpath(raw).lstrip("/")  # normpath keeps a leading "//"
+    link = _first_symlink(path)
+    if link is not None:
+        return ("path is a symlink" if link == path else f"path passes through a symlink ({link})"), None
+    parent, name = os.path.split(path)
+    if parent != cfg.cache_dir:
+        return f"not a direct child of the cache directory {cfg.cache_dir}", None
+    if not CACHE_NAME_RE.match(name):
+        return "name is not a cache name (llmgw-<sha256 hex>): not this system's to delete", None
+    if name in already:
+        return "already removed (listed twice)", None
+    try:
+        info = os.stat(name, dir_fd=cache_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return MISSING, None
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror}", None
+    if stat.S_ISLNK(info.st_mode):
+        return "path is a symlink", None
+    if not stat.S_ISDIR(info.st_mode):
+        return "not a directory", None
+    manifest, problem = read_manifest_at(cache_fd, name)
+    if manifest is None:
+        return str(problem), None
+    if source_name(manifest["source"]) != name:
+        return "manifest source does not hash to the entry name", None
+    user = in_use.get(os.path.join(cfg.cache_dir, name))
+    if user is not None:
+        return f"in use by running engine {user}", None
+    return None, (name, info)
+
+
+def _path_text_problem(raw: Any) -> Optional[str]:
+    if not isinstance(raw, str):
+        return "path is not a string"
+    if raw == "":
+        return "path is empty"
+    if "\0" in raw:
+        return "path contains a NUL byte"
+    if not raw.startswith("/"):
+        return "path is not absolute"
+    if ".." in raw.split("/"):
+        return "path contains '..' components"
+    return None
+
+
+def _first_symlink(path: str) -> Optional[str]:
+    """The first component of path (from the root) that is a symlink, per lstat; None if none."""
+    walked = ""
+    for part in [p for p in path.split("/") if p]:
+        walked += "/" + part
+        try:
+            if stat.S_ISLNK(os.lstat(walked).st_mode):
+                return walked
+        except OSError:
+            return None  # the rest does not exist (or cannot be seen): nothing more to follow
+    return None
+
+
+def move_to_trash(cache_fd: int, name: str, checked: os.stat_result) -> Tuple[Optional[str], Optional[str]]:
+    """(trash name, None) once the checked entry is renamed aside, else (None, reason).
+
+    The rename is atomic and relative to the cache dir's descriptor, so a swap after the check
+    cannot redirect it elsewhere; whatever it moved must still be the very directory (device and
+    inode) that was checked, or it is put back and left alone."""
+    trash_name = f"{TRASH_PREFIX}{name}-{secrets.token_hex(6)}"
+    try:
+        os.rename(name, trash_name, src_dir_fd=cache_fd, dst_dir_fd=cache_fd)
+    except FileNotFoundError:
+        return None, "disappeared before it could be removed"
+    except OSError as exc:
+        return None, f"could not be moved aside: {exc.strerror}"
+    moved = os.stat(trash_name, dir_fd=cache_fd, follow_symlinks=False)
+    if stat.S_ISDIR(moved.st_mode) and (moved.st_dev, moved.st_ino) == (checked.st_dev, checked.st_ino):
+        return trash_name, None
+    _put_back(cache_fd, trash_name, name)
+    return None, "changed between the check and the removal (swapped for something else); left alone"
+
+
+def _put_back(cache_fd: int, trash_name: str, name: str) -> None:
+    try:
+        os.stat(name, dir_fd=cache_fd, follow_symlinks=False)
+        return  # something new took the name: leave the swapped-in thing under its trash name
+    except FileNotFoundError:
+        pass
+    with contextlib.suppress(OSError):
+        os.rename(trash_name, name, src_dir_fd=cache_fd, dst_dir_fd=cache_fd)
+
+
+def _delete_trash(cfg: NodeConfig, cache_fd: int, name: str, trash_name: str, result: JsonDict) -> None:
+    try:
+        rmtree_at(cache_fd, trash_name)
+    except OSError as exc:
+        result["reason"] = f"moved aside to {trash_name} but deleting it failed: {exc}"
+        return
+    result["removed"] = True
+    state_path = _fetch_paths(cfg, name)[0]
+    state = read_json(state_path)
+    if state is not None and state.get("state") == "done":
+        _remove_file(state_path)  # a "done" fetch of an entry that is gone would mislead
+
+
+def rmtree_at(parent_fd: int, name: str) -> None:
+    """Delete the directory parent_fd/name and everything in it without following a symlink:
+    every directory is opened with O_NOFOLLOW relative to its parent's descriptor, so swapping a
+    component for a link makes the walk fail instead of leaving the tree. Links are unlinked."""
+    fd = _open_dir_nofollow(name, parent_fd)
+    try:
+        with os.scandir(fd) as it:
+            entries = list(it)
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                rmtree_at(fd, entry.name)
+            else:
+                os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch, serve, main
+
+
+def _field(request: JsonDict, key: str) -> Any:
+    if key not in request:
+        raise AgentError(f"missing field {key!r}")
+    return request[key]
+
+
+def _optional(request: JsonDict, key: str, default: Any) -> Any:
+    """An optional field; null counts as absent (callers send {"env": null} for "none")."""
+    value = request.get(key)
+    return default if value is None else value
+
+
+HANDLERS: Dict[str, Callable[[NodeConfig, JsonDict], JsonDict]] = {
+    "hello": verb_hello,
+    "inventory": verb_inventory,
+    "fetch": verb_fetch,
+    "start": verb_start,
+    "stop": verb_stop,
+    "status": verb_status,
+    "remove-weights": verb_remove_weights,
+    "_fetch-worker": verb_fetch_worker,
+    "_engine-monitor": verb_engine_monitor,
+}
+
+
+def run_verb(verb: str, config_path: str, request: JsonDict) -> JsonDict:
+    # The config is read for every request, so `serve` picks up an operator's edit at once.
+    return HANDLERS[verb](load_config(config_path), request)
+
+
+def parse_argv(args: List[str]) -> Tuple[Optional[str], Optional[str]]:
+    """(--config value, verb) from the command line."""
+    config, verb, index = None, None, 0
+    while index < len(args):
+        arg = args[index]
+        if arg == "--config" and index + 1 < len(args):
+            config, index = args[index + 1], index + 2
+            continue
+        if arg.startswith("--config="):
+            config = arg.split("=", 1)[1]
+        elif arg.startswith("-") or verb is not None:
+            raise UsageError(f"unexpected argument {arg!r}; {USAGE}")
+        else:
+            verb = arg
+        index += 1
+    return config, verb
+
+
+def select_verb(argv_verb: Optional[str], environ: Dict[str, str]) -> str:
+    if argv_verb is not None:
+        if argv_verb in PUBLIC_VERBS or argv_verb in INTERNAL_VERBS:
+            return argv_verb
+        raise UsageError(f"unknown verb {argv_verb!r}; {USAGE}")
+    original = environ.get("SSH_ORIGINAL_COMMAND")
+    if original is None:
+        raise UsageError(f"no verb given; {USAGE}")
+    # Locked node: authorized_keys pins this program and the client's command only picks the
+    # verb. Only its last word counts, and only a public verb; nothing else the client typed
+    # ever becomes a path, the config or an argument.
+    words = original.split()
+    if not words or words[-1] not in PUBLIC_VERBS:
+        raise UsageError(f"SSH_ORIGINAL_COMMAND must end with a verb; {USAGE}")
+    return words[-1]
+
+
+def parse_request(data: bytes) -> JsonDict:
+    """The JSON object on stdin; empty input counts as {} so `hello </dev/null` works by hand."""
+    try:
+        text = data.decode("utf-8")
+        request = json.loads(text) if text.strip() else {}
+    except ValueError as exc:
+        raise AgentError(f"request is not valid JSON: {exc}") from exc
+    if not isinstance(request, dict):
+        raise AgentError("request must be a JSON object")
+    return request
+
+
+def serve(config_path: str, stdin: Any, stdout: Any) -> int:
+    """One JSON request per line in, one JSON answer per line out, until EOF.
+
+    Requests run concurrently (up to SERVE_WORKERS): a `stop` waiting out its grace period must
+    not hold up the node's other calls. Answers carry their request's id and come in the order
+    they finish. At EOF the calls still running are finished and answered before exiting."""
+    out_lock = threading.Lock()
+    slots = threading.BoundedSemaphore(SERVE_WORKERS)
+    running: List[threading.Thread] = []
+
+    def answer(line: bytes) -> None:
+        try:
+            data = json.dumps(serve_line(config_path, line)).encode("utf-8") + b"\n"
+            with out_lock:
+                stdout.write(data)
+                stdout.flush()
+        except BrokenPipeError:
+            pass  # the dispatcher went away; nobody is left to answer
+        finally:
+            slots.release()
+
+    for line in iter(stdin.readline, b""):
+        if not line.strip():
+            continue  # blank lines (keep-alives) get no answer
+        slots.acquire()
+        worker = threading.Thread(target=answer, args=(line,), name="llmgw-serve")
+        worker.start()
+        running = [t for t in running if t.is_alive()] + [worker]
+    for worker in running:
+        worker.join()
+    return 0
+
+
+SERVE_VERBS = tuple(v for v in PUBLIC_VERBS if v != "serve")
+
+
+def serve_line(config_path: str, line: bytes) -> JsonDict:
+    try:
+        message = json.loads(line.decode("utf-8"))
+    except ValueError as exc:
+        return {"id": None, "error": f"bad request line: {exc}"}
+    if not isinstance(message, dict):
+        return {"id": None, "error": "a request line must be a JSON object {id, verb, request}"}
+    request_id, verb, request = message.get("id"), message.get("verb"), message.get("request", {})
+    if verb not in SERVE_VERBS:
+        return {"id": request_id, "error": f"unknown verb {verb!r}; serve answers {', '.join(SERVE_VERBS)}"}
+    if not isinstance(request, dict):
+        return {"id": request_id, "error": "request must be a JSON object"}
+    try:
+        return {"id": request_id, "answer": run_verb(verb, config_path, request)}
+    except AgentError as exc:
+        return {"id": request_id, "error": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - a bug in one verb must not end the channel every call shares
+        traceback.print_exc(file=sys.stderr)
+        return {"id": request_id, "error": f"internal error in {verb}: {exc!r}"}
+
+
+def _emit(answer: JsonDict) -> None:
+    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        config_flag, argv_verb = parse_argv(sys.argv[1:] if argv is None else argv)
+        verb = select_verb(argv_verb, dict(os.environ))
+        config_path = config_flag or os.environ.get("LLMGW_AGENT_CONFIG") or DEFAULT_CONFIG
+        if verb == "serve":
+            return serve(config_path, sys.stdin.buffer, sys.stdout.buffer)
+        answer = run_verb(verb, config_path, parse_request(sys.stdin.buffer.read()))
+    except AgentError as exc:
+        _emit({"error": str(exc)})
+        return exc.exit_code
+    except Exception as exc:  # noqa: BLE001 - the caller still gets a JSON answer; the traceback goes to stderr
+        traceback.print_exc(file=sys.stderr)
+        _emit({"error": f"internal error: {exc!r}"})
+        return 1
+    _emit(answer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
