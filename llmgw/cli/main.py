@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from llmgw import __version__
-from llmgw.cli import diff, fleet, validate
+from llmgw.cli import diff, fleet, serve, validate
 from llmgw.cli.output import make_console
 
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_parser(sub)
     fleet.add_parsers(sub)
     diff.add_parser(sub)
+    serve.add_parsers(sub)
     return parser
 
 

@@ -1,0 +1,85 @@
+"""`llmgw controller` and `llmgw node trust`: running the control plane, trusting a node."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from rich.console import Console
+
+from llmgw.cli.output import fail
+from llmgw.errors import ConfigError, DispatchError, LlmgwError
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("controller", help="run the controller, the router and the admin API from a config file")
+    p.add_argument("--config", required=True, help="the controller's YAML config (see README: a real fleet)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_controller)
+
+    node = sub.add_parser("node", help="node helpers")
+    nsub = node.add_subparsers(dest="node_action", required=True)
+    t = nsub.add_parser("trust", help="show a node's SSH host key fingerprint and record it in known_hosts")
+    t.add_argument("address", help="HOST or HOST:PORT")
+    t.add_argument("--known-hosts", required=True, help="the known_hosts file the controller uses")
+    t.add_argument("--replace", action="store_true", help="replace a recorded key that changed")
+    t.add_argument("--timeout", type=float, default=10.0)
+    t.set_defaults(func=trust_node)
+
+
+def trust_node(args: argparse.Namespace, console: Console) -> int:
+    from llmgw.dispatch.trust import trust
+
+    host, sep, port = args.address.rpartition(":")
+    if not sep or not port.isdigit():
+        host, port = args.address, "22"
+    host = host.strip("[]")
+    try:
+        key = trust(host, int(port), Path(args.known_hosts), replace=args.replace, timeout=args.timeout)
+    except (DispatchError, OSError) as exc:
+        return fail(console, str(exc))
+    console.print(f"{host}:{port} {key.key_type} {key.fingerprint}")
+    console.print(f"recorded in {args.known_hosts}. Compare the fingerprint with the node's own "
+                  "(ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub) before trusting it.")
+    return 0
+
+
+def run_controller(args: argparse.Namespace, console: Console) -> int:
+    from llmgw.control.config import load_config
+    from llmgw.control.server import serve_forever
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        return fail(console, str(exc))
+
+    def ready(running) -> None:  # noqa: ANN001 - server.Running
+        console.print(f"llmgw controller following {cfg.repo} ({cfg.branch})")
+        console.print(f"  router:    {running.router_url}/v1")
+        console.print(f"  admin API: {running.admin_url}/api/v1  dashboard: {running.admin_url}/")
+
+    return run_until_signal(serve_forever(cfg, on_ready=ready), console)
+
+
+def run_until_signal(main, console: Console) -> int:  # noqa: ANN001 - a coroutine
+    """Run ``main`` until SIGINT/SIGTERM, then let it clean up; errors as messages, not tracebacks."""
+
+    async def runner() -> None:
+        task = asyncio.ensure_future(main)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    try:
+        asyncio.run(runner())
+    except LlmgwError as exc:
+        return fail(console, str(exc))
+    return 0
