@@ -36,6 +36,14 @@ def is_operator_path(source: str) -> bool:
     return source.startswith("/")
 
 
+SIM_SCHEME = "sim://"
+
+
+def needs_weights(source: str) -> bool:
+    """Whether a source is fetched into the cache: not an operator's copy, not the simulator's."""
+    return not (is_operator_path(source) or source.startswith(SIM_SCHEME))
+
+
 @dataclass(frozen=True)
 class Scaling:
     min: int = 1
@@ -83,8 +91,13 @@ class Model:
 
     @cached_property
     def cache_name(self) -> str | None:
-        """Cache entry on a node, or None for an operator's own copy (never fetched)."""
-        return None if is_operator_path(self.source) else cache_name(self.source)
+        """Cache entry on a node; None for an operator's own copy or the simulator (never fetched)."""
+        return cache_name(self.source) if needs_weights(self.source) else None
+
+    @property
+    def weights_ref(self) -> str | None:
+        """What the agent is told to load: the cache entry, an operator's path, or nothing (sim)."""
+        return self.cache_name or (self.source if is_operator_path(self.source) else None)
 
     def profiles_by_priority(self) -> tuple[Profile, ...]:
         return tuple(sorted(self.profiles, key=lambda p: p.priority))

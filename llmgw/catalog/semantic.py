@@ -44,6 +44,8 @@ def source_problem(source: str) -> str | None:
     if bad:
         shown = ", ".join(repr(c) for c in bad)
         return f"source contains whitespace or shell metacharacters ({shown})"
+    if source.startswith("sim://"):
+        return None if re.match(r"^sim://[A-Za-z0-9._-]+$", source) else "source sim:// must be sim://NAME"
     if source.startswith("hf://"):
         if not _HF.match(source):
             return "source hf:// must be hf://org/repo or hf://org/repo@revision"
@@ -60,7 +62,7 @@ def source_problem(source: str) -> str | None:
         path = source
     else:
         scheme = source.split("://", 1)[0] if "://" in source else ""
-        known = "hf://, https://, http://, file:// or an absolute path"
+        known = "hf://, https://, http://, file://, sim:// or an absolute path"
         return f'source scheme "{scheme}" is not supported; use {known}' if scheme else (
             f"source must be {known}")
     # A path with ".." or "//" names the same file two ways, and the cache name is a hash

@@ -139,7 +139,11 @@ def decide(
             for r in extra[: count - s.max]:
                 stop[r.id] = f"above max ({s.max})"
             continue
-        if s.idle_after is not None and not d.held and count > s.min:
+        # Idleness is judged per replica from the router's last use, but never while the
+        # model's load would not fit on one replica fewer: a replica just added for load is
+        # not "idle" before the router has sent it anything.
+        fits_fewer = d.inflight <= s.target_inflight * max(len(ready) - 1, 0)
+        if s.idle_after is not None and not d.held and count > s.min and fits_fewer:
             idle = sorted((r for r in ready if _idle_for(r, last_used, now) >= s.idle_after
                            and r.id not in needs_replacement),
                           key=lambda r: -_idle_for(r, last_used, now))

@@ -50,8 +50,16 @@ class Lifecycle:
         if r.state not in (S.READY, S.STARTING):
             return r
         for shard in r.shards:
+            if shard.pid is None:
+                continue
             record = _engine(inventory, shard)
-            if record is not None and not record.alive and shard.pid is not None and record.pid == shard.pid:
+            node = inventory.node(shard.node)
+            if record is None and node is not None and node.report is not None and (
+                    inventory.taken_at is None or inventory.taken_at > r.state_since):
+                # The node answers but knows no such engine: its state was wiped (a reboot,
+                # a reinstalled agent) or it was stopped behind our back. Start it again.
+                return self._failed(r, now, f"engine on {shard.node} is gone (pid {shard.pid})")
+            if record is not None and not record.alive and record.pid == shard.pid:
                 tail = " | ".join(record.log_tail[-3:])
                 return self._failed(r, now, f"engine on {shard.node} exited with code {record.exit_code}"
                                     + (f": {tail}" if tail else ""))
@@ -119,7 +127,7 @@ class Lifecycle:
                 "env": dict(profile.env),
                 "gpus": list(shard.gpus),
                 "port": None,
-                "weights": model.cache_name or model.source,
+                "weights": model.weights_ref,
                 "labels": {
                     "llmgw.replica": r.id, "llmgw.model": model.name, "llmgw.profile": profile.name,
                     "llmgw.rank": str(shard.rank), "llmgw.generation": str(r.generation),

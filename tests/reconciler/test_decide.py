@@ -63,6 +63,15 @@ def test_held_request_wakes_a_model_scaled_to_zero_and_blocks_idle_stop() -> Non
     assert d.stop == ()
 
 
+def test_no_idle_stop_while_the_load_needs_every_replica() -> None:
+    m = scaled(M, min=1, idle_after=60.0, target_inflight=4)
+    reps = [replica("m-g1"), replica("m-g2", gpu=1)]
+    d = run(Catalog(models=(m,)), inventory(node("a")), reps, now=1000.0, demand={"m": Demand(inflight=6)})
+    assert d.stop == ()
+    d = run(Catalog(models=(m,)), inventory(node("a")), reps, now=1000.0, demand={"m": Demand(inflight=3)})
+    assert [rid for rid, _ in d.stop] == ["m-g1"]
+
+
 def test_inflight_above_target_adds_one_replica() -> None:
     m = scaled(M, target_inflight=4)
     d = run(Catalog(models=(m,)), inventory(node("a")), [replica("m-g1")], demand={"m": Demand(inflight=9)})

@@ -1,0 +1,468 @@
+"""The router: the OpenAI-compatible server clients talk to (DESIGN §6).
+
+::
+
+    client ──► auth ──► parse (model, stream) ──► resolve alias ──► pick replica ──► forward
+                                                     │ none ready       │ failed before first byte
+                                                     ▼                  ▼
+                                         fallbacks, then hold      cool down, retry once elsewhere
+                                         (wake the control plane)
+
+:class:`Router` is the control plane's endpoint sink (``set_endpoints``), a catalog subscriber
+(``set_catalog``) and its usage source (``last_used``, ``demand``). It never waits on the control
+plane: a new table or catalog replaces the old reference in one step, and requests read
+whichever is current. In the controller's process it is wired directly; as its own process
+(:mod:`llmgw.router.main`) a :class:`~llmgw.router.follow.FeedClient` feeds it the same calls
+from the controller's watch stream.
+
+Demand reported per model: ``inflight`` is the requests on its replicas now; ``held`` counts
+requests waiting for a replica, requests a fallback is serving in its place, and — for
+``wake_linger`` seconds after the last such request — 1 while the model still has no replica,
+so a primary at zero is woken even when the fallback answered before the control plane looked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from llmgw.catalog import Catalog
+from llmgw.gitops.desired import ROUTER, DesiredState
+from llmgw.reconciler.decide import Demand
+from llmgw.reconciler.replica import Endpoint
+from llmgw.router import respond
+from llmgw.router.changes import Changes
+from llmgw.router.feed import route_catalog
+from llmgw.router.keys import ApiKey, KeyRing
+from llmgw.router.load import poll_loads
+from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics
+from llmgw.router.proxy import CLIENT_GONE, BadBody, forward_stream, forward_whole, parse_body, rewrite_model
+from llmgw.router.routes import RouteCatalog, RouteModel
+from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, pick
+from llmgw.router.upstream import UpstreamFailed, UpstreamPool
+
+log = logging.getLogger(__name__)
+
+CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    body_limit: int = 32 * 1024 * 1024  # bytes; larger bodies are 413 (images in chat can be big)
+    connect_timeout: float = 5.0        # seconds to open a connection to an engine
+    # Seconds without a byte from the engine: before the first (headers, or a streamed first token;
+    # a non-streamed answer arrives whole, so this bounds its whole generation) and between chunks.
+    first_byte_timeout: float = 600.0
+    hold_timeout: float = 180.0         # how long a request waits for a replica to be woken
+    max_held: int = 1024                # requests waiting at once; beyond, 503 at once
+    retries: int = 1                    # other replicas tried after a failure before the first byte
+    cooldown: float = 5.0               # seconds a failed replica is skipped while others remain
+    load_interval: float = 1.0          # seconds between reads of each engine's queue depth
+    max_idle: int = 512                 # idle keep-alive connections kept per replica
+    # Below the engines' own idle timeout (uvicorn's, which vLLM uses, is 5 s), so the router
+    # never sends a request on a connection the engine is closing.
+    keepalive_timeout: float = 4.0
+    retry_after: int = 5                # seconds, in Retry-After when waiting helps
+    wake_linger: float = 15.0
+    drain_timeout: float = 10.0         # on close, seconds in-flight requests get to finish
+
+
+class Router:
+    """The OpenAI-compatible router. Construct, ``await start()``, ``await listen(host, port)``
+    (or mount :meth:`app`), and ``await close()``.
+
+    ``wake(model_name)`` is called when a request needs a model that has no ready replica (at
+    most once a second per model): in the controller it is the reconciler's notify, in a
+    standalone router the feed client's immediate report. It may be set after construction.
+    """
+
+    def __init__(self, *, wake: Callable[[str], None] | None = None, keys: KeyRing | None = None,
+                 config: RouterConfig = RouterConfig(), registry: CollectorRegistry | None = None,
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.wake = wake
+        self.keys = keys or KeyRing()
+        self.config = config
+        self.registry = registry or CollectorRegistry()
+        self.metrics = RouterMetrics(self.registry, self._gauges)
+        self.table: EndpointTable = EMPTY
+        self.routes = RouteCatalog()
+        self.has_catalog = False
+        self._chains: dict[str, tuple[RouteModel, ...]] = {}
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._wall = wall
+        self._changes = Changes()
+        self._held: dict[str, int] = {}
+        self._held_total = 0
+        self._standin: dict[str, int] = {}
+        self._wanted_until: dict[str, float] = {}
+        self._woken_at: dict[str, float] = {}
+        self._last_used: dict[str, float] = {}
+        self._pool: UpstreamPool | None = None
+        self._load_session: aiohttp.ClientSession | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._runner: web.AppRunner | None = None
+
+    # --- the control plane's side --------------------------------------------------------
+    def attach(self, desired: DesiredState, *, wake: Callable[[str], None]) -> None:
+        """In-process wiring: hear of every catalog before the reconciler does (``order=ROUTER``,
+        so a removed model stops taking traffic before its replicas stop) and wake the control
+        plane through ``wake`` (e.g. ``lambda _model: reconciler.notify()``). The router is also
+        the reconciler's ``sink`` and ``usage``: pass it to the Reconciler/Controller as both."""
+        self.wake = wake
+        desired.subscribe(self.set_catalog, order=ROUTER)
+
+    def set_catalog(self, catalog: Catalog) -> None:
+        """Catalog subscriber: subscribe with ``order=ROUTER`` so names change before replicas do."""
+        self.set_routes(route_catalog(catalog))
+
+    def set_routes(self, routes: RouteCatalog) -> None:
+        chains = {}
+        for m in routes.models:
+            fallbacks = (routes.model(f) for f in m.fallbacks)
+            chains[m.name] = (m, *(f for f in fallbacks if f is not None))
+        self.routes, self._chains, self.has_catalog = routes, chains, True
+        self._changes.notify()
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        """Endpoint sink: replace the table with ``endpoints`` (ready replicas only) at once."""
+        old = self.table
+        self.table = build_table(endpoints, old)
+        gone = set(old.upstreams) - set(self.table.upstreams)
+        if gone:
+            self.metrics.forget_replicas(gone)
+            for rid in gone:
+                self._last_used.pop(rid, None)
+        self._changes.notify()
+
+    def last_used(self) -> dict[str, float]:
+        """Usage source: unix time each replica last had a request start or finish."""
+        return dict(self._last_used)
+
+    def demand(self) -> dict[str, Demand]:
+        """Usage source: held and in-flight requests per model (see the module docstring)."""
+        now = self._clock()
+        table = self.table
+        inflight: dict[str, int] = {}
+        for u in table.upstreams.values():
+            if u.inflight:
+                inflight[u.model] = inflight.get(u.model, 0) + u.inflight
+        held: dict[str, int] = {}
+        for m, n in (*self._held.items(), *self._standin.items()):
+            held[m] = held.get(m, 0) + n
+        for m, until in list(self._wanted_until.items()):
+            if until < now or table.has(m):
+                del self._wanted_until[m]
+            elif not held.get(m):
+                held[m] = 1
+        return {m: Demand(held=held.get(m, 0), inflight=inflight.get(m, 0)) for m in {*held, *inflight}}
+
+    def inflight(self) -> int:
+        return sum(u.inflight for u in self.table.upstreams.values())
+
+    # --- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open the connection pool to engines and start reading their queue depths."""
+        self._changes.bind(asyncio.get_running_loop())
+        c = self.config
+        self._pool = UpstreamPool(connect_timeout=c.connect_timeout, read_timeout=c.first_byte_timeout,
+                                  keepalive_timeout=c.keepalive_timeout, max_idle=c.max_idle)
+        self._load_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
+        self._poller = asyncio.create_task(poll_loads(lambda: self.table, self._load_session, c.load_interval),
+                                           name="router-load-poller")
+
+    async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve :meth:`app` on ``host:port``; returns the port (useful with 0)."""
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=self.config.drain_timeout)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_address=True, backlog=1024)
+        await site.start()
+        return int(self._runner.addresses[0][1])
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
+            self._poller = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+        if self._load_session is not None:
+            await self._load_session.close()
+            self._load_session = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.body_limit)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.get_model)
+        app.router.add_post(CHAT, self.chat)
+        app.router.add_post(COMPLETIONS, self.completions)
+        app.router.add_post(EMBEDDINGS, self.embeddings)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/health", self.health)
+        return app
+
+    # --- read-only endpoints -------------------------------------------------------------
+    async def list_models(self, request: web.Request) -> web.Response:
+        """Every model and alias in the catalog (those the key may use), with whether it is ready."""
+        key, refused = self._authenticate(request)
+        if refused is not None:
+            return refused
+        table = self.table
+        data = [_model_entry(n, m, table.has(m.name)) for m in self.routes.models
+                if key is None or key.allows(m) for n in m.names]
+        return respond.json_response({"object": "list", "data": data})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        key, refused = self._authenticate(request)
+        if refused is not None:
+            return refused
+        name = request.match_info["model"]
+        m = self.routes.resolve(name)
+        if m is None or (key is not None and not key.allows(m)):
+            return respond.not_found(name)
+        return respond.json_response(_model_entry(name, m, self.table.has(m.name)))
+
+    async def prometheus(self, _request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        """200 once the router has a catalog to serve from (a load balancer's readiness check)."""
+        body = {"status": "ok" if self.has_catalog else "waiting for a catalog",
+                "models": len(self.routes.models), "endpoints": len(self.table.upstreams),
+                "table_version": self.table.version, "inflight": self.inflight()}
+        return respond.json_response(body, status=200 if self.has_catalog else 503)
+
+    def _authenticate(self, request: web.Request) -> tuple[ApiKey | None, web.Response | None]:
+        if self.keys.open:
+            return None, None
+        header = request.headers.get("Authorization")
+        key = self.keys.authenticate(header)
+        if key is None:
+            why = "No API key was given" if not header else "The API key is not valid"
+            return None, respond.unauthorized(f"{why}: send `Authorization: Bearer <key>` with a key "
+                                              "configured for this router.")
+        return key, None
+
+    # --- generation ----------------------------------------------------------------------
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, CHAT)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, COMPLETIONS)
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, EMBEDDINGS)
+
+    async def _handle(self, request: web.Request, path: str) -> web.StreamResponse:
+        t0 = self._clock()
+        key = None
+        if self.keys.keys:
+            key, refused = self._authenticate(request)
+            if refused is not None:
+                return self._refuse(refused, UNKNOWN, t0)
+        limit = self.config.body_limit
+        length = request.content_length
+        if length is not None and length > limit:
+            return self._refuse(respond.too_large(limit), UNKNOWN, t0)
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._refuse(respond.too_large(limit), UNKNOWN, t0)
+        try:
+            body, asked, stream = parse_body(raw)
+        except BadBody as exc:
+            return self._refuse(respond.bad_request(str(exc), exc.code), UNKNOWN, t0)
+        model = self.routes.resolve(asked)
+        if model is None:
+            return self._refuse(respond.not_found(asked), UNKNOWN, t0)
+        if key is not None and not key.allows(model):
+            return self._refuse(respond.forbidden(
+                f"The API key `{key.name}` may not use the model `{asked}`."), model.name, t0)
+        if (path == EMBEDDINGS) != (model.task == "embedding"):
+            right = EMBEDDINGS if model.task == "embedding" else f"{CHAT} or {COMPLETIONS}"
+            return self._refuse(respond.bad_request(
+                f"The model `{asked}` is a {model.task} model: use {right}, not {path}.", "wrong_endpoint"),
+                model.name, t0)
+        return await self._route(request, path, raw, body, asked, model, stream and path != EMBEDDINGS, t0)
+
+    async def _route(self, request: web.Request, path: str, raw: bytes, body: dict, asked: str,
+                     model: RouteModel, stream: bool, t0: float) -> web.StreamResponse:
+        chain = self._chains.get(model.name, (model,))
+        tried: tuple[Upstream, ...] = ()
+        failure: UpstreamFailed | None = None
+        while True:
+            table = self.table
+            now = self._clock()
+            target = up = None
+            for m in chain:
+                groups = table.groups.get(m.name)
+                if groups is not None:
+                    up = pick(groups, now, self._rng, tried)
+                    if up is not None:
+                        target = m
+                        break
+            if up is None or target is None:
+                if failure is not None:
+                    return self._refuse(self._failed(model, chain, failure, len(tried)), model.name, t0)
+                refused = await self._hold(model, chain)
+                if refused is not None:
+                    return self._refuse(refused, model.name, t0)
+                current = self.routes.model(model.name)
+                if current is None:
+                    return self._refuse(respond.not_found(asked), UNKNOWN, t0)
+                model, chain = current, self._chains.get(current.name, (current,))
+                continue
+            standin = target is not model and not table.has(model.name)
+            if target is not model:
+                self.metrics.fallback(model.name, target.name)
+                if standin:
+                    self._want(model)
+                    self._standin[model.name] = self._standin.get(model.name, 0) + 1
+            data = raw if target.name == asked else rewrite_model(raw, body, asked, target.name)
+            try:
+                return await self._send(request, up, path, data, target.name, stream, model.name, t0)
+            except UpstreamFailed as exc:
+                failure = exc
+                tried += (up,)
+                now = self._clock()
+                if up.cooldown_until <= now:
+                    log.warning("replica %s (%s) failed (%s); cooling down %.0f s", up.replica_id, up.url, exc,
+                                self.config.cooldown)
+                up.cooldown_until = now + self.config.cooldown
+                up.failures += 1
+                if len(tried) > self.config.retries:
+                    return self._refuse(self._failed(model, chain, failure, len(tried)), model.name, t0)
+                self.metrics.retry(model.name, exc.reason)
+            finally:
+                if standin:
+                    n = self._standin[model.name] - 1
+                    if n:
+                        self._standin[model.name] = n
+                    else:
+                        del self._standin[model.name]
+
+    async def _send(self, request: web.Request, up: Upstream, path: str, data: bytes, served: str, stream: bool,
+                    label: str, t0: float) -> web.StreamResponse:
+        pool = self._pool
+        assert pool is not None, "Router.start() was not awaited"
+        rid = up.replica_id
+        up.inflight += 1
+        self._last_used[rid] = self._wall()
+        status: int | None = None
+        try:
+            if stream:
+                clock, metrics = self._clock, self.metrics
+                resp, status = await forward_stream(pool, up.origin, up.heads[path], data, served, request,
+                                                    lambda: metrics.first_token(label, clock() - t0))
+                return resp
+            resp = await forward_whole(pool, up.origin, up.heads[path], data, served)
+            status = resp.status
+            return resp
+        except BaseException as exc:
+            if not isinstance(exc, UpstreamFailed):
+                status = CLIENT_GONE  # cancelled: the client went away
+            raise
+        finally:
+            up.inflight -= 1
+            self._last_used[rid] = self._wall()
+            if status is not None:
+                self.metrics.request(label, status, rid, self._clock() - t0)
+
+    def _refuse(self, resp: web.Response, label: str, t0: float) -> web.Response:
+        self.metrics.request(label, resp.status, "", self._clock() - t0)
+        return resp
+
+    def _failed(self, model: RouteModel, chain: tuple[RouteModel, ...], failure: UpstreamFailed,
+                attempts: int) -> web.Response:
+        alts = "" if len(chain) == 1 else f" (fallbacks: {', '.join(m.name for m in chain[1:])})"
+        msg = (f"The model `{model.name}`{alts} could not be served: {attempts} attempt(s) failed before an answer; "
+               f"last: {failure}.")
+        return respond.upstream_failed(msg, timeout=failure.timeout, retry_after=self.config.retry_after)
+
+    # --- scale from zero -----------------------------------------------------------------
+    def _want(self, model: RouteModel) -> None:
+        """Record demand for a model with no replica and wake the control plane (≤ once a second)."""
+        now = self._clock()
+        self._wanted_until[model.name] = now + self.config.wake_linger
+        if self.wake is not None and now - self._woken_at.get(model.name, -1e9) >= 1.0:
+            self._woken_at[model.name] = now
+            self.wake(model.name)
+
+    async def _hold(self, model: RouteModel, chain: tuple[RouteModel, ...]) -> web.Response | None:
+        """Wait until ``model`` or one of its fallbacks has a replica: None then, else the refusal."""
+        tried = f" or its fallbacks ({', '.join(m.name for m in chain[1:])})" if len(chain) > 1 else ""
+        retry = self.config.retry_after
+        if not model.wakeable:
+            return respond.unavailable(f"No ready replica of `{model.name}`{tried}, and it is switched off "
+                                       "(scaling.max is 0).", retry)
+        if self._held_total >= self.config.max_held:
+            return respond.unavailable(f"No ready replica of `{model.name}`{tried}, and {self._held_total} requests "
+                                       "are already waiting for replicas to start.", retry)
+        self._held[model.name] = self._held.get(model.name, 0) + 1
+        self._held_total += 1
+        self.metrics.hold(model.name)
+        self._want(model)
+        start = self._clock()
+        deadline = start + self.config.hold_timeout
+        try:
+            while True:
+                event = self._changes.event
+                if self.routes.model(model.name) is None:
+                    return None  # left the catalog: the caller answers 404
+                chain = self._chains.get(model.name, chain)
+                if any(self.table.has(m.name) for m in chain):
+                    return None
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(event.wait(), remaining)
+                except TimeoutError:
+                    break
+        finally:
+            self._held_total -= 1
+            n = self._held[model.name] - 1
+            if n:
+                self._held[model.name] = n
+            else:
+                del self._held[model.name]
+        return respond.unavailable(
+            f"No ready replica of `{model.name}`{tried}: waited {self._clock() - start:.0f} s for one to start "
+            "and none became ready. Retry later.", retry)
+
+    # --- metrics -------------------------------------------------------------------------
+    def _gauges(self) -> GaugeSnapshot:
+        snap = GaugeSnapshot()
+        now = self._clock()
+        table = self.table
+        for model, groups in table.groups.items():
+            ups = [u for g in groups for u in g]
+            snap.ready[model] = len(ups)
+            snap.cooling[model] = sum(1 for u in ups if u.cooldown_until > now)
+            for u in ups:
+                snap.inflight[(model, u.replica_id)] = u.inflight
+        snap.held = dict(self._held)
+        snap.table_version = table.version
+        return snap
+
+
+def _model_entry(name: str, model: RouteModel, ready: bool) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "root": model.name,
+            "task": model.task, "ready": ready}

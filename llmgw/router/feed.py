@@ -1,0 +1,275 @@
+"""The watch stream between the controller and standalone routers: the server side and its wire shapes.
+
+A router running as its own process (``llmgw router --controller URL``) follows the controller
+over one long-lived HTTP response of JSON lines::
+
+    GET /api/v1/router/watch      Authorization: Bearer <admin token>
+    {"version": 1719..., "catalog": {...catalog_view...}, "endpoints": [Endpoint.to_json(), ...]}\\n
+    {"keepalive": true}\\n                         every ~10 s, so a silent drop is noticed
+    {"version": ..., ...}\\n                        a full snapshot again on every change
+
+Every line is a whole snapshot, so a router that missed lines (or reconnects to a restarted
+controller) needs nothing but the next one; ``version`` is informational (it starts from the
+controller's clock, so it grows across restarts too). Routers report back::
+
+    POST /api/v1/router/report    {"router_id", "last_used": {replica_id: unix_time},
+                                   "demand": {model: {"held": n, "inflight": n}}}
+
+:class:`FeedHub` is the controller's end: it is the reconciler's endpoint sink and a catalog
+subscriber (``order=ROUTER``), keeps the latest snapshot, streams it to every watcher, and
+merges the routers' reports into one usage source (latest last-use per replica, demand summed
+over routers, a router's report forgotten once it is older than ``report_ttl``). A report with
+held requests wakes the reconciler at once. Authentication is the admin listener's business:
+mount :meth:`FeedHub.watch` and :meth:`FeedHub.report` behind its token check.
+
+Until it has both a catalog and a first endpoint list the hub sends only keepalives: a
+controller that just restarted and has not adopted its engines yet must not tell every router
+that nothing is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
+from typing import Any, TypedDict
+
+from aiohttp import web
+
+from llmgw.catalog import Catalog
+from llmgw.reconciler.decide import Demand
+from llmgw.reconciler.replica import Endpoint
+from llmgw.router.changes import Changes
+from llmgw.router.routes import RouteCatalog, RouteModel
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE = b'{"keepalive": true}\n'
+WATCH_PATH = "/api/v1/router/watch"
+REPORT_PATH = "/api/v1/router/report"
+
+
+class ScalingView(TypedDict):
+    min: int
+    max: int
+
+
+class ModelView(TypedDict):
+    name: str
+    aliases: list[str]
+    task: str
+    fallbacks: list[str]
+    scaling: ScalingView
+
+
+class CatalogView(TypedDict):
+    revision: str | None
+    models: list[ModelView]
+
+
+def catalog_view(catalog: Catalog) -> CatalogView:
+    """What a router needs of ``catalog``: names, aliases, task, fallbacks, scaling bounds."""
+    return {
+        "revision": catalog.revision,
+        "models": [{
+            "name": m.name, "aliases": list(m.aliases), "task": m.task, "fallbacks": list(m.fallbacks),
+            "scaling": {"min": m.scaling.min, "max": m.scaling.max},
+        } for m in catalog.models],
+    }
+
+
+def catalog_from_view(view: Mapping[str, Any]) -> RouteCatalog:
+    """The router's catalog from a view (in-process or off the wire); ValueError when malformed."""
+    try:
+        models = tuple(RouteModel(
+            name=_str(m["name"]), aliases=tuple(_str(a) for a in m.get("aliases", ())),
+            task=_str(m.get("task", "chat")),
+            fallbacks=tuple(_str(f) for f in m.get("fallbacks", ())),
+            min_replicas=int(m.get("scaling", {}).get("min", 1)), max_replicas=int(m.get("scaling", {}).get("max", 1)),
+        ) for m in view["models"])
+        revision = view.get("revision")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed catalog view: {exc!r}") from exc
+    return RouteCatalog(models, revision if isinstance(revision, str) else None)
+
+
+def route_catalog(catalog: Catalog) -> RouteCatalog:
+    """In-process shortcut: the same view a standalone router receives."""
+    return catalog_from_view(catalog_view(catalog))
+
+
+_ENDPOINT_FIELDS = frozenset(f.name for f in fields(Endpoint))
+
+
+def endpoint_from_json(d: Mapping[str, Any]) -> Endpoint:
+    """The inverse of ``Endpoint.to_json``; unknown keys (a newer controller) are ignored."""
+    try:
+        known = {k: v for k, v in d.items() if k in _ENDPOINT_FIELDS}
+        known["names"] = tuple(known.get("names", ()))
+        known["labels"] = dict(known.get("labels") or {})
+        return Endpoint(**known)
+    except TypeError as exc:
+        raise ValueError(f"malformed endpoint: {exc}") from exc
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"expected a string, got {v!r}")
+    return v
+
+
+class FeedHub:
+    """The controller's side of the watch stream; see the module docstring."""
+
+    def __init__(self, *, wake: Callable[[str], None] | None = None, clock: Callable[[], float] = time.time,
+                 report_ttl: float = 30.0, keepalive: float = 10.0) -> None:
+        self.wake = wake
+        self.clock = clock
+        self.report_ttl = report_ttl
+        self.keepalive = keepalive
+        self.version = int(clock() * 1000)
+        self._catalog: CatalogView | None = None
+        self._endpoints: list[dict[str, Any]] | None = None
+        self._line: bytes | None = None
+        self._changes = Changes()
+        self._reports: dict[str, tuple[float, dict[str, float], dict[str, Demand]]] = {}
+        self.watchers = 0
+
+    # --- the control plane's side -------------------------------------------------------
+    def set_catalog(self, catalog: Catalog) -> None:
+        """Catalog subscriber (subscribe with ``order=ROUTER``)."""
+        view = catalog_view(catalog)
+        if view != self._catalog:
+            self._catalog = view
+            self._publish()
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        """Endpoint sink: the ready replicas."""
+        eps = [e.to_json() for e in endpoints]
+        if eps != self._endpoints:
+            self._endpoints = eps
+            self._publish()
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """The snapshot watchers get, or None until both a catalog and endpoints were given."""
+        if self._catalog is None or self._endpoints is None:
+            return None
+        return {"version": self.version, "catalog": self._catalog, "endpoints": self._endpoints}
+
+    def _publish(self) -> None:
+        self.version += 1
+        snap = self.snapshot()
+        self._line = None if snap is None else json.dumps(snap, separators=(",", ":")).encode() + b"\n"
+        self._changes.notify()
+
+    # --- usage: the reconciler's side ---------------------------------------------------
+    def last_used(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for _, used, _ in self._live_reports():
+            for rid, t in used.items():
+                if t > out.get(rid, 0.0):
+                    out[rid] = t
+        return out
+
+    def demand(self) -> dict[str, Demand]:
+        held: dict[str, int] = {}
+        inflight: dict[str, int] = {}
+        for _, _, dem in self._live_reports():
+            for model, d in dem.items():
+                held[model] = held.get(model, 0) + d.held
+                inflight[model] = inflight.get(model, 0) + d.inflight
+        return {m: Demand(held=held[m], inflight=inflight[m]) for m in held}
+
+    def routers(self) -> dict[str, float]:
+        """Routers heard from within ``report_ttl``, with the time of their last report."""
+        self._live_reports()
+        return {rid: at for rid, (at, _, _) in self._reports.items()}
+
+    def _live_reports(self) -> list[tuple[float, dict[str, float], dict[str, Demand]]]:
+        cutoff = self.clock() - self.report_ttl
+        for rid in [rid for rid, r in self._reports.items() if r[0] < cutoff]:
+            del self._reports[rid]  # a router that stopped reporting is gone: its demand with it
+        return list(self._reports.values())
+
+    # --- HTTP handlers (mounted by the admin API behind its token check) -----------------
+    async def watch(self, request: web.Request) -> web.StreamResponse:
+        """``GET /api/v1/router/watch``: JSON lines, a snapshot at once and on every change."""
+        self._changes.bind(asyncio.get_running_loop())
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        self.watchers += 1
+        sent: bytes | None = None
+        try:
+            while True:
+                event = self._changes.event
+                line = self._line
+                if line is not None and line is not sent:
+                    await resp.write(line)
+                    sent = line
+                try:
+                    await asyncio.wait_for(event.wait(), self.keepalive)
+                except TimeoutError:
+                    await resp.write(KEEPALIVE)
+        except ConnectionResetError:
+            return resp  # the router went away; it will reconnect
+        finally:
+            self.watchers -= 1
+
+    async def report(self, request: web.Request) -> web.Response:
+        """``POST /api/v1/router/report``: one router's last-use times and demand."""
+        try:
+            data = await request.json()
+            router_id = _str(data["router_id"])
+            used = {_str(k): float(v) for k, v in (data.get("last_used") or {}).items()}
+            dem = {_str(m): Demand(held=int(d.get("held", 0)), inflight=int(d.get("inflight", 0)))
+                   for m, d in (data.get("demand") or {}).items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return web.json_response({"error": {"message": f"malformed router report: {exc!r}",
+                                                "type": "invalid_request_error", "code": "bad_report"}}, status=400)
+        self._reports[router_id] = (self.clock(), used, dem)
+        if self.wake is not None:
+            for model, d in dem.items():
+                if d.held > 0:
+                    self.wake(model)
+        return web.json_response({"ok": True, "version": self.version})
+
+
+class Fanout:
+    """One endpoint sink and catalog subscriber feeding several (an in-process router and a hub)."""
+
+    def __init__(self, *targets: Any) -> None:
+        self.targets = targets
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        for t in self.targets:
+            t.set_endpoints(endpoints)
+
+    def set_catalog(self, catalog: Catalog) -> None:
+        for t in self.targets:
+            t.set_catalog(catalog)
+
+
+class MergedUsage:
+    """Several usage sources as one (an in-process router plus a hub of standalone ones)."""
+
+    def __init__(self, *sources: Any) -> None:
+        self.sources = sources
+
+    def last_used(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in self.sources:
+            for rid, t in s.last_used().items():
+                out[rid] = max(t, out.get(rid, 0.0))
+        return out
+
+    def demand(self) -> dict[str, Demand]:
+        out: dict[str, Demand] = {}
+        for s in self.sources:
+            for m, d in s.demand().items():
+                o = out.get(m, Demand())
+                out[m] = Demand(held=o.held + d.held, inflight=o.inflight + d.inflight)
+        return out

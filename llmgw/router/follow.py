@@ -1,0 +1,173 @@
+"""A standalone router's link to the controller: follow the watch stream, send usage reports.
+
+Serving must not depend on the controller being alive. The follower applies every snapshot it
+receives to the router (catalog view first, then the endpoint table) and, when the stream
+drops or the controller is away, just keeps reconnecting with capped, jittered backoff; the
+router goes on serving from the last snapshot meanwhile. Requests to replicas that are still
+up keep succeeding; a replica that died meanwhile is retried around and cooled down by the
+router as usual.
+
+Reports (last use per replica, demand per model) go out every ``report_interval`` seconds, and
+at once when the router holds a request or serves one by fallback (:meth:`FeedClient.report_soon`
+is the router's ``wake`` callback), so a model at zero is woken without waiting for the tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import socket
+from typing import Any
+
+import aiohttp
+
+from llmgw.errors import LlmgwError
+from llmgw.router.app import Router
+from llmgw.router.feed import REPORT_PATH, WATCH_PATH, catalog_from_view, endpoint_from_json
+
+log = logging.getLogger(__name__)
+
+
+class WatchRefused(LlmgwError):
+    """The controller answered, but not with a stream or a 200 (a wrong token, a wrong URL)."""
+
+
+def default_router_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{random.randrange(16**4):04x}"
+
+
+class FeedClient:
+    """Follows ``controller`` for ``router``. ``start()`` begins, ``close()`` ends; no I/O before."""
+
+    def __init__(self, router: Router, controller: str, admin_token: str, *, router_id: str | None = None,
+                 report_interval: float = 2.0, stale_after: float = 30.0, backoff_max: float = 10.0) -> None:
+        self.router = router
+        self.controller = controller.rstrip("/")
+        self.router_id = router_id or default_router_id()
+        self.report_interval = report_interval
+        self.stale_after = stale_after  # no line (not even a keepalive) for this long: reconnect
+        self.backoff_max = backoff_max
+        self._headers = {"Authorization": f"Bearer {admin_token}"}
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._report_now: asyncio.Event | None = None
+        self.connected = False
+        self.snapshots = 0
+        self.version: int | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession()
+        self._report_now = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._watch_forever(), name="router-watch"),
+                       asyncio.create_task(self._report_forever(), name="router-report")]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+        self._tasks = []
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def report_soon(self, _model: str | None = None) -> None:
+        """Send a report now (the router's ``wake`` callback)."""
+        if self._report_now is not None:
+            self._report_now.set()
+
+    # --- watch -----------------------------------------------------------------------------
+    async def _watch_forever(self) -> None:
+        delay = 0.25
+        outage_logged = False
+        while True:
+            try:
+                await self._watch_once()
+                reason = "the controller closed the stream"
+            except WatchRefused as exc:
+                reason = str(exc)
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            if self.connected or not outage_logged:
+                log.warning("watch of %s lost (%s); serving from the last snapshot, reconnecting",
+                            self.controller, reason)
+                outage_logged = True
+            if self.connected:
+                delay = 0.25  # it was working: come back quickly
+            self.connected = False
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, self.backoff_max)
+
+    async def _watch_once(self) -> None:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.stale_after)
+        async with self._session.get(self.controller + WATCH_PATH, headers=self._headers, timeout=timeout) as resp:
+            if resp.status != 200:
+                text = (await resp.read())[:200].decode("utf-8", "replace")
+                raise WatchRefused(f"watch answered {resp.status}: {text}")
+            if not self.connected:
+                log.info("following %s", self.controller)
+            self.connected = True
+            buf = bytearray()
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                start = 0
+                while (end := buf.find(b"\n", start)) >= 0:
+                    self._apply(bytes(buf[start:end]))
+                    start = end + 1
+                del buf[:start]
+
+    def _apply(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        try:
+            snap: dict[str, Any] = json.loads(line)
+            if snap.get("keepalive"):
+                return
+            routes = catalog_from_view(snap["catalog"])
+            endpoints = [endpoint_from_json(e) for e in snap["endpoints"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring a malformed snapshot from %s (%s); keeping the last one", self.controller, exc)
+            return
+        self.router.set_routes(routes)
+        self.router.set_endpoints(endpoints)
+        self.version = snap.get("version")
+        self.snapshots += 1
+
+    # --- report ----------------------------------------------------------------------------
+    async def _report_forever(self) -> None:
+        assert self._report_now is not None
+        failing = False
+        while True:
+            try:
+                await asyncio.wait_for(self._report_now.wait(), self.report_interval)
+            except TimeoutError:
+                pass
+            self._report_now.clear()
+            try:
+                await self._report_once()
+                failing = False
+            except (aiohttp.ClientError, TimeoutError, OSError, WatchRefused) as exc:
+                if not failing:
+                    log.warning("usage report to %s failed (%s); will keep trying", self.controller, exc)
+                failing = True
+                await asyncio.sleep(min(self.report_interval, 1.0))  # no tight loop while it is away
+
+    async def _report_once(self) -> None:
+        assert self._session is not None
+        payload = {
+            "router_id": self.router_id,
+            "last_used": self.router.last_used(),
+            "demand": {m: {"held": d.held, "inflight": d.inflight} for m, d in self.router.demand().items()},
+        }
+        async with self._session.post(self.controller + REPORT_PATH, json=payload, headers=self._headers,
+                                      timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+            await resp.read()
+            if resp.status != 200:
+                raise WatchRefused(f"report answered {resp.status}")

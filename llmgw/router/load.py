@@ -1,0 +1,88 @@
+"""Engine queue depth for selection: each replica's ``/metrics``, read on a short interval.
+
+The router's own in-flight counts see only its own requests; with several routers (or clients
+going straight to an engine) an engine can be busy with work this router never sent. So every
+``interval`` seconds each replica in the table has its running + waiting counts read, and what
+exceeds this router's own in-flight is kept as that replica's outside load. Nothing is read
+while the table is empty, and a replica whose metrics cannot be read keeps its last figure
+(a failing engine is the retry path's business, not this one's).
+
+vLLM's ``/metrics`` runs to ~100 KB of histograms, so the two gauges are found by scanning
+the text for their names instead of parsing every family: this runs on the router's core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import aiohttp
+
+from llmgw.engines.health import LOAD_METRICS, METRICS_TIMEOUT, LoadMetrics
+from llmgw.router.table import EndpointTable, Upstream
+
+log = logging.getLogger(__name__)
+
+
+def scan_queue(text: str, names: LoadMetrics) -> tuple[int, int] | None:
+    """(running, waiting) summed over label sets, or None when neither gauge is present."""
+    running = _scan(text, names.running)
+    waiting = _scan(text, names.waiting)
+    if running is None and waiting is None:
+        return None
+    return round(running or 0), round(waiting or 0)
+
+
+def _scan(text: str, candidates: tuple[str, ...]) -> float | None:
+    for name in candidates:
+        total, found, start = 0.0, False, 0
+        while True:
+            i = text.find(name, start)
+            if i < 0:
+                break
+            start = i + len(name)
+            if (i > 0 and text[i - 1] != "\n") or text[start:start + 1] not in ("{", " "):
+                continue  # inside a HELP/TYPE line, or a longer name with this prefix
+            end = text.find("\n", start)
+            line = text[start:] if end < 0 else text[start:end]
+            if line.startswith("{"):
+                line = line[line.rfind("}") + 1:]
+            try:
+                total += float(line.split()[0])
+            except (IndexError, ValueError):
+                continue
+            found = True
+        if found:
+            return total
+    return None
+
+
+async def read_queue(session: aiohttp.ClientSession, up: Upstream) -> tuple[int, int] | None:
+    names = LOAD_METRICS.get(up.endpoint.engine)  # type: ignore[call-overload]
+    if names is None:
+        return None
+    try:
+        async with session.get(up.url + "/metrics",
+                               timeout=aiohttp.ClientTimeout(total=METRICS_TIMEOUT)) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text(errors="replace")
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return None
+    return scan_queue(text, names)
+
+
+async def poll_loads(table: Callable[[], EndpointTable], session: aiohttp.ClientSession, interval: float) -> None:
+    """Refresh every replica's outside load forever (cancel to stop)."""
+    while True:
+        ups = list(table().upstreams.values())
+        if ups:
+            before = [u.inflight for u in ups]
+            results = await asyncio.gather(*(read_queue(session, u) for u in ups))
+            for u, mine, queue in zip(ups, before, results, strict=True):
+                if queue is not None:
+                    # The engine's count includes this router's requests of the moment it was
+                    # read; taking the larger of before/after never invents outside load.
+                    u.external = max(0, queue[0] + queue[1] - max(mine, u.inflight))
+        await asyncio.sleep(interval)

@@ -1,0 +1,146 @@
+"""`llmgw router`: the router as its own process, following a controller.
+
+As many of these as a load balancer needs can run beside (or far from) the controller; each
+serves from the last snapshot it received while the controller is away::
+
+    llmgw router --controller http://ctl:9090 --admin-token "$TOKEN" --listen 0.0.0.0:8000 \\
+                 --api-keys keys.yaml
+
+The admin token may come from ``LLMGW_ADMIN_TOKEN`` instead (it is never logged). The process
+stops on SIGTERM/SIGINT, giving requests in flight ``--drain-timeout`` seconds to finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from llmgw.errors import ConfigError
+from llmgw.router.app import Router, RouterConfig
+from llmgw.router.follow import FeedClient
+from llmgw.router.keys import KeyRing
+
+log = logging.getLogger("llmgw.router")
+
+TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `llmgw router` (shared by the `llmgw` CLI and ``python -m llmgw.router.main``)."""
+    d = RouterConfig()
+    p.add_argument("--controller", required=True, help="the controller's admin API URL, e.g. http://ctl:9090")
+    p.add_argument("--admin-token", default=None, help=f"admin API token (default: ${TOKEN_ENV})")
+    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="client listener")
+    p.add_argument("--api-keys", metavar="FILE", default=None,
+                   help="YAML/JSON list of {name, sha256, models}; without it the router is open")
+    p.add_argument("--router-id", default=None, help="name in the controller's reports (default: host-pid-rand)")
+    p.add_argument("--hold-timeout", type=float, default=d.hold_timeout,
+                   help="seconds a request waits for a replica to be woken")
+    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout)
+    p.add_argument("--first-byte-timeout", type=float, default=d.first_byte_timeout)
+    p.add_argument("--body-limit", type=int, default=d.body_limit, help="largest request body, bytes")
+    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout)
+    p.add_argument("--report-interval", type=float, default=2.0, help="seconds between usage reports")
+    p.add_argument("--reconnect-max", type=float, default=10.0,
+                   help="longest wait, seconds, between attempts to reach the controller")
+    p.add_argument("--log-level", default="INFO")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmgw router", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return p
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `router` on the `llmgw` CLI's subparsers (``args.func(args, console)`` convention)."""
+    p = sub.add_parser("router", help="run a router that follows a controller")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"--listen {value!r}: expected HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def run(args: argparse.Namespace, console: Any = None) -> int:  # noqa: ARG001 - CLI convention
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    token = args.admin_token or os.environ.get(TOKEN_ENV)
+    try:
+        if not token:
+            raise ConfigError(f"an admin token is required (--admin-token or ${TOKEN_ENV})")
+        host, port = parse_listen(args.listen)
+        keys = KeyRing.load(args.api_keys) if args.api_keys else KeyRing()
+    except ConfigError as exc:
+        print(f"llmgw router: {exc}", file=sys.stderr)
+        return 2
+    _raise_fd_limit()
+    config = RouterConfig(hold_timeout=args.hold_timeout, connect_timeout=args.connect_timeout,
+                          first_byte_timeout=args.first_byte_timeout, body_limit=args.body_limit,
+                          drain_timeout=args.drain_timeout)
+    try:
+        _run(_serve(args, token, host, port, keys, config))
+    except OSError as exc:
+        print(f"llmgw router: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _serve(args: argparse.Namespace, token: str, host: str, port: int, keys: KeyRing,
+                 config: RouterConfig) -> None:
+    router = Router(keys=keys, config=config)
+    feed = FeedClient(router, args.controller, token, router_id=args.router_id,
+                      report_interval=args.report_interval, backoff_max=args.reconnect_max)
+    router.wake = feed.report_soon
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await router.start()
+    try:
+        bound = await router.listen(host, port)
+        await feed.start()
+        log.info("router %s listening on http://%s:%d, following %s (%s)", feed.router_id, host, bound,
+                 args.controller, "open: no API keys" if keys.open else f"{len(keys.keys)} API keys")
+        await stop.wait()
+        log.info("stopping: %d requests in flight get %.0f s", router.inflight(), config.drain_timeout)
+    finally:
+        await feed.close()
+        await router.close()
+
+
+def _run(coro: Any) -> None:
+    """uvloop when installed (a faster event loop for a process that is all I/O), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+def _raise_fd_limit() -> None:
+    """Each proxied request holds two sockets (client and engine): take every descriptor allowed."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The router's Prometheus metrics, kept cheap enough for the request path.
+
+prometheus-client looks a label set up on every ``.labels(...)`` call; here each child is
+looked up once and cached in a dict keyed by the label tuple, so a request pays one dict hit
+and one increment per metric. Gauges that the router already knows (in flight, held, ready
+replicas) are not updated per request at all: a collector reads them at scrape time.
+
+Label sets of replicas that left the table are removed, so a fleet that scales up and down
+for weeks does not accumulate series (and memory) for replicas long gone. Client-supplied
+model names that resolve to nothing are counted under ``model="unknown"`` for the same reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+UNKNOWN = "unknown"
+
+
+class RouterMetrics:
+    """Counters and histograms of one router, registered in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry, gauges: Callable[[], GaugeSnapshot]) -> None:
+        self.requests = Counter("llmgw_router_requests", "Requests answered, by model asked for, status and "
+                                "replica that served (empty when none did).", ("model", "status", "replica"),
+                                registry=registry)
+        self.latency = Histogram("llmgw_router_request_duration_seconds", "Time from request to the end of the "
+                                 "response, by model asked for.", ("model",), buckets=LATENCY_BUCKETS,
+                                 registry=registry)
+        self.ttft = Histogram("llmgw_router_time_to_first_token_seconds", "Streamed requests: time from request "
+                              "to the first chunk sent to the client.", ("model",), buckets=TTFT_BUCKETS,
+                              registry=registry)
+        self.fallbacks = Counter("llmgw_router_fallbacks", "Requests served by a fallback model.",
+                                 ("model", "fallback"), registry=registry)
+        self.retries = Counter("llmgw_router_retries", "Attempts retried on another replica, by reason.",
+                               ("model", "reason"), registry=registry)
+        self.held = Counter("llmgw_router_held", "Requests held for want of a ready replica (scale from zero).",
+                            ("model",), registry=registry)
+        self._children: dict[tuple[Any, ...], Any] = {}
+        registry.register(_GaugeCollector(gauges))
+
+    # Each method costs one dict lookup once warm.
+    def request(self, model: str, status: int, replica: str, seconds: float) -> None:
+        key = ("r", model, status, replica)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.requests.labels(model, str(status), replica)
+        child.inc()
+        key = ("l", model)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.latency.labels(model)
+        child.observe(seconds)
+
+    def first_token(self, model: str, seconds: float) -> None:
+        key = ("t", model)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.ttft.labels(model)
+        child.observe(seconds)
+
+    def fallback(self, model: str, fallback: str) -> None:
+        self._counter(self.fallbacks, "f", model, fallback)
+
+    def retry(self, model: str, reason: str) -> None:
+        self._counter(self.retries, "x", model, reason)
+
+    def hold(self, model: str) -> None:
+        self._counter(self.held, "h", model)
+
+    def _counter(self, metric: Counter, tag: str, *labels: str) -> None:
+        key = (tag, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        child.inc()
+
+    def forget_replicas(self, replica_ids: set[str]) -> None:
+        """Drop the series of replicas that left the table."""
+        for key in [k for k in self._children if k[0] == "r" and k[3] in replica_ids]:
+            del self._children[key]
+            self.requests.remove(key[1], str(key[2]), key[3])
+
+
+class GaugeSnapshot:
+    """What the collector reports at scrape time; filled by the router."""
+
+    __slots__ = ("inflight", "held", "ready", "cooling", "table_version")
+
+    def __init__(self) -> None:
+        self.inflight: dict[tuple[str, str], int] = {}  # (model, replica) → requests
+        self.held: dict[str, int] = {}
+        self.ready: dict[str, int] = {}
+        self.cooling: dict[str, int] = {}
+        self.table_version = 0
+
+
+class _GaugeCollector(Collector):
+    def __init__(self, read: Callable[[], GaugeSnapshot]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._read()
+        inflight = GaugeMetricFamily("llmgw_router_inflight", "Requests in flight, by model and replica.",
+                                     labels=("model", "replica"))
+        for (model, replica), n in sorted(snap.inflight.items()):
+            inflight.add_metric((model, replica), n)
+        yield inflight
+        held = GaugeMetricFamily("llmgw_router_held_now", "Requests waiting for a replica right now.",
+                                 labels=("model",))
+        for model, n in sorted(snap.held.items()):
+            held.add_metric((model,), n)
+        yield held
+        ready = GaugeMetricFamily("llmgw_router_ready_replicas", "Replicas in the endpoint table.",
+                                  labels=("model",))
+        for model, n in sorted(snap.ready.items()):
+            ready.add_metric((model,), n)
+        yield ready
+        cooling = GaugeMetricFamily("llmgw_router_cooling_replicas", "Replicas skipped after a recent failure.",
+                                    labels=("model",))
+        for model, n in sorted(snap.cooling.items()):
+            cooling.add_metric((model,), n)
+        yield cooling
+        yield GaugeMetricFamily("llmgw_router_table_version", "Endpoint tables received since start.",
+                                value=snap.table_version)

@@ -1,0 +1,147 @@
+"""Forwarding one request to one engine: the body in, the answer (or its SSE stream) out.
+
+This is the request path, measured against a bare aiohttp pass-through, so it does only what
+it must: the body is parsed once (the ``model`` and ``stream`` fields are needed, and malformed
+JSON must be refused before an engine sees it), the model name is replaced in the raw bytes
+when that is provably safe, and the answer's bytes are passed on as they arrive — one
+``write`` per chunk the engine sent, ``X-Accel-Buffering: no`` so an nginx in front does not
+hold them back.
+
+Failure before the first byte reaches the client — connection refused, a timeout, the engine
+dropping the connection, or 502/503/504 from the engine — raises :class:`UpstreamFailed`, and
+the caller may try another replica, because the client has seen nothing yet. That is why a
+stream's headers are sent only once the engine's first chunk is in hand. After that, a failure
+ends the stream with an SSE error event (the OpenAI SDK raises it as an ``APIError``) instead
+of a silent truncation. A client that goes away closes the upstream connection at once, which
+is how an engine learns to stop generating.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from llmgw.router.upstream import Conn, Origin, UpstreamFailed, UpstreamPool
+
+RETRYABLE_STATUS = frozenset({502, 503, 504})
+MODEL_HEADER = "x-llmgw-model"
+# Status recorded when the client went away before the answer was complete (nginx's convention).
+CLIENT_GONE = 499
+
+
+class BadBody(ValueError):
+    """The request body cannot be routed; the message is the client's answer."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def parse_body(raw: bytes) -> tuple[dict[str, Any], str, bool]:
+    """The parsed body, its ``model``, and whether it asks for a stream; raises :class:`BadBody`."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:  # includes UnicodeDecodeError
+        raise BadBody(f"The request body is not valid JSON: {exc}", "invalid_json") from None
+    if type(body) is not dict:
+        raise BadBody("The request body must be a JSON object.", "invalid_json")
+    model = body.get("model")
+    if type(model) is not str or not model:
+        raise BadBody("The request body must name a `model` (a string).", "missing_model")
+    return body, model, bool(body.get("stream"))
+
+
+def rewrite_model(raw: bytes, body: dict[str, Any], asked: str, served: str) -> bytes:
+    """``raw`` with the top-level ``model`` set to ``served``; everything else byte for byte.
+
+    Fast path: when ``"model"`` occurs exactly once in the bytes and nothing is written with
+    ``\\u`` escapes, that one occurrence is the top-level key (a JSON string *containing* the
+    word has its quotes escaped, and the only other way to spell the key is with ``\\u``), so
+    its value is replaced in place. Anything else is re-serialised from the parsed body.
+    """
+    if asked == served:
+        return raw
+    if raw.count(b'"model"') == 1 and b"\\u" not in raw:
+        old = json.dumps(asked, ensure_ascii=False).encode()
+        new = json.dumps(served, ensure_ascii=False).encode()
+        for key in (b'"model":', b'"model": '):
+            i = raw.find(key + old)
+            if i >= 0:
+                j = i + len(key) + len(old)
+                return raw[:i] + key + new + raw[j:]
+    return json.dumps({**body, "model": served}, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def _open(pool: UpstreamPool, origin: Origin, head: bytes, data: bytes) -> Conn:
+    """Send the request and wait for the response head; :class:`UpstreamFailed` if that did not work."""
+    conn = await pool.request(origin, head, data)
+    if conn.status in RETRYABLE_STATUS:
+        try:
+            text = (await conn.read_all())[:300].decode("utf-8", "replace")
+        except UpstreamFailed:
+            text = ""
+        finally:
+            conn.release()
+        raise UpstreamFailed("status", f"{origin.label} answered {conn.status} {text}".rstrip())
+    return conn
+
+
+def _headers(conn: Conn, served: str) -> dict[str, str]:
+    return {"Content-Type": conn.headers.get(b"content-type", b"application/json").decode("latin-1"),
+            MODEL_HEADER: served}
+
+
+async def forward_whole(pool: UpstreamPool, origin: Origin, head: bytes, data: bytes, served: str) -> web.Response:
+    """A non-streamed request: the engine's whole answer, status and content type kept."""
+    conn = await _open(pool, origin, head, data)
+    try:
+        body = await conn.read_all()
+    finally:
+        conn.release()  # back to the pool when read to the end, else dropped
+    return web.Response(status=conn.status, body=body, headers=_headers(conn, served))
+
+
+async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: bytes, served: str,
+                         request: web.Request, on_first: Callable[[], None]) -> tuple[web.StreamResponse, int]:
+    """A streamed request, passed through chunk by chunk. Returns the response and the status
+    to record: the engine's, 502 when it failed mid-stream, 499 when the client went away."""
+    conn = await _open(pool, origin, head, data)
+    try:
+        content_type = conn.headers.get(b"content-type", b"")
+        if conn.status != 200 or not content_type.startswith(b"text/event-stream"):
+            # An error (or an engine that ignored "stream"): answered whole.
+            body = await conn.read_all()
+            return web.Response(status=conn.status, body=body, headers=_headers(conn, served)), conn.status
+        chunk = await conn.read_chunk()  # a failure here is still before the client saw anything
+        out = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+            MODEL_HEADER: served,
+        })
+        try:
+            await out.prepare(request)
+            on_first()
+            status = 200
+            while chunk:
+                await out.write(chunk)
+                try:
+                    chunk = await conn.read_chunk()
+                except UpstreamFailed as exc:
+                    await out.write(_sse_error(f"the engine failed mid-stream: {exc}"))
+                    status = 502
+                    break
+            await out.write_eof()
+        except ConnectionResetError:
+            return out, CLIENT_GONE  # the client left; release() below drops the upstream request
+        return out, status
+    finally:
+        # Back to the pool only when the answer was read to its end; otherwise the connection is
+        # dropped, which is how the engine learns that nobody is listening and stops generating.
+        conn.release()
+
+
+def _sse_error(message: str) -> bytes:
+    err = {"error": {"message": message, "type": "upstream_error", "param": None, "code": "upstream_failed"}}
+    return b"data: " + json.dumps(err).encode() + b"\n\n"

@@ -1,0 +1,138 @@
+"""The endpoint table and replica selection: which engine gets the next request.
+
+The control plane publishes the ready replicas as a list of :class:`Endpoint`; the router turns
+it into an :class:`EndpointTable` in one step and swaps the reference, so a request always sees
+one whole table and never waits for the control plane. Per-replica counters (in flight, the
+engine's own queue, cool-down) live in :class:`Upstream` objects that survive a new table when
+the replica does, so a request that started under the old table decrements the same counter the
+new table reads.
+
+Selection (DESIGN §6): the lowest ``priority`` value first; within one priority, weighted
+least-outstanding — this router's own in-flight count plus the queue other clients put on the
+engine (read from its ``/metrics``) — divided by the replica's weight. Ties are broken at random
+(weighted), so at low load traffic spreads instead of always landing on the first replica. A
+replica that failed recently is cooling down and only used when nothing else of its model is
+left. Nothing here does I/O; time and randomness are passed in.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable, Mapping, Sequence
+
+from llmgw.reconciler.replica import Endpoint
+from llmgw.router.upstream import Origin
+
+log = logging.getLogger(__name__)
+
+API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+class Upstream:
+    """One ready replica and the router's live knowledge of it (mutable, owned by the event loop)."""
+
+    __slots__ = ("endpoint", "replica_id", "model", "url", "origin", "heads", "weight", "inflight", "external",
+                 "cooldown_until", "failures")
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.replica_id = endpoint.replica_id
+        self.url = endpoint.url.rstrip("/")
+        # Parsed once, with each path's request head prebuilt: nothing is formatted per request.
+        self.origin = Origin(self.url)
+        self.heads = {p: self.origin.head(p) for p in API_PATHS}
+        self.inflight = 0          # this router's requests on it right now
+        self.external = 0          # requests on the engine that are not this router's (from /metrics)
+        self.cooldown_until = 0.0  # monotonic time; skipped until then when anything else is left
+        self.failures = 0
+        self.update(endpoint)
+
+    def update(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.model = endpoint.model
+        # A weight of 0 (or less) means "only when nothing else is free": it never wins a tie.
+        self.weight = endpoint.weight if endpoint.weight > 0 else 1e-9
+
+    def load(self) -> float:
+        return (self.inflight + self.external) / self.weight
+
+    def __repr__(self) -> str:
+        return f"Upstream({self.replica_id!r}, {self.url!r}, inflight={self.inflight})"
+
+
+class EndpointTable:
+    """An immutable view of the ready replicas: per model, priority groups in order."""
+
+    __slots__ = ("groups", "upstreams", "version")
+
+    def __init__(self, groups: Mapping[str, tuple[tuple[Upstream, ...], ...]],
+                 upstreams: Mapping[str, Upstream], version: int) -> None:
+        self.groups = groups
+        self.upstreams = upstreams
+        self.version = version
+
+    def has(self, model: str) -> bool:
+        return model in self.groups
+
+    def of(self, model: str) -> tuple[Upstream, ...]:
+        return tuple(u for g in self.groups.get(model, ()) for u in g)
+
+
+EMPTY = EndpointTable({}, {}, 0)
+
+
+def build_table(endpoints: Sequence[Endpoint], previous: EndpointTable) -> EndpointTable:
+    """The table for ``endpoints``, reusing the previous :class:`Upstream` of every replica that
+    stays at the same URL (its in-flight count and cool-down carry over)."""
+    upstreams: dict[str, Upstream] = {}
+    for ep in endpoints:
+        if ep.replica_id in upstreams:
+            continue  # one replica published twice: the first entry wins
+        old = previous.upstreams.get(ep.replica_id)
+        if old is not None and old.url == ep.url.rstrip("/"):
+            old.update(ep)
+            upstreams[ep.replica_id] = old
+            continue
+        try:
+            upstreams[ep.replica_id] = Upstream(ep)
+        except ValueError as exc:
+            log.warning("ignoring endpoint %s of %s: %s", ep.replica_id, ep.model, exc)
+    by_model: dict[str, dict[int, list[Upstream]]] = {}
+    for u in upstreams.values():
+        by_model.setdefault(u.model, {}).setdefault(u.endpoint.priority, []).append(u)
+    groups = {model: tuple(tuple(prio[p]) for p in sorted(prio)) for model, prio in by_model.items()}
+    return EndpointTable(groups, upstreams, previous.version + 1)
+
+
+def pick(groups: Iterable[tuple[Upstream, ...]], now: float, rng: random.Random,
+         exclude: tuple[Upstream, ...] = ()) -> Upstream | None:
+    """The replica to try next, or None when every replica is excluded.
+
+    ``exclude`` holds the replicas this request already tried. A replica cooling down is
+    returned only when every other candidate is excluded or cooling too (a model whose every
+    replica hiccuped is still tried rather than refused).
+    """
+    cooled: Upstream | None = None
+    for group in groups:
+        best: list[Upstream] = []
+        best_load = 0.0
+        for u in group:
+            if u in exclude:
+                continue
+            if u.cooldown_until > now:
+                if cooled is None or u.cooldown_until < cooled.cooldown_until:
+                    cooled = u
+                continue
+            load = u.load()
+            if not best or load < best_load:
+                best, best_load = [u], load
+            elif load == best_load:
+                best.append(u)
+        if best:
+            if len(best) == 1:
+                return best[0]
+            weights = [u.weight for u in best]
+            if min(weights) == max(weights):
+                return rng.choice(best)
+            return rng.choices(best, weights)[0]
+    return cooled

@@ -1,0 +1,423 @@
+"""A lean HTTP/1.1 client for the one thing the router does to engines: POST JSON, read the answer.
+
+Why not ``aiohttp.ClientSession``: profiled under load, its general machinery (request objects,
+header multidicts, payload wrappers, tracing hooks, a task per write) was close to half the
+router's CPU per request, and the router is benchmarked against a bare pass-through (issue 6).
+Engines speak plain HTTP/1.1 and the router needs little of it, so this client is a keep-alive
+connection pool of :class:`asyncio.Protocol` objects: one ``write`` per request (head and body
+together), a small response parser (Content-Length, chunked, or until close; 1xx skipped), and
+the body handed over as the bytes arrive. What it does not do — redirects, cookies, proxies,
+compression, HTTP/2 — engines do not need.
+
+Failure semantics, which the router's retry depends on: every failure raises
+:class:`UpstreamFailed` with a ``reason`` (``connect``, ``timeout``, ``disconnect``). A request
+sent on a reused keep-alive connection that is closed before any answer byte is sent again once
+on a fresh connection (the engine closed an idle connection as the request crossed it — the
+standard idempotency-free case every HTTP client retries). ``read_timeout`` bounds every wait for
+bytes — the response head, and each piece of the body — except while the router itself has
+paused reading because its client is slow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl as _ssl
+from collections import deque
+from urllib.parse import urlsplit
+
+from llmgw.errors import LlmgwError
+
+MAX_HEAD = 64 * 1024
+PAUSE_ABOVE = 1024 * 1024  # buffered, unread body bytes before reading from the engine pauses
+
+_HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE, _DONE = range(5)
+_SIZE, _DATA, _DATA_END, _TRAILER = range(4)
+
+
+class UpstreamFailed(LlmgwError):
+    """The engine failed (or a timeout passed) — whether before or during the answer."""
+
+    def __init__(self, reason: str, message: str, *, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason  # connect | timeout | disconnect | status — a metric label
+        self.timeout = timeout
+
+
+class Origin:
+    """One engine address: its idle connections and the request head prefix per path."""
+
+    __slots__ = ("host", "port", "ssl", "prefix", "label", "idle")
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        self.ssl = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = parts.port or (443 if self.ssl else 80)
+        self.prefix = parts.path.rstrip("/")
+        self.label = f"{parts.scheme}://{parts.netloc}"
+        self.idle: list[Conn] = []
+
+    def head(self, path: str) -> bytes:
+        """The request head up to the Content-Length value, built once per path."""
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        return (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {host}:{self.port}\r\n"
+                "Content-Type: application/json\r\nAccept-Encoding: identity\r\nContent-Length: ").encode()
+
+
+class Conn(asyncio.Protocol):
+    """One connection to an engine; one exchange at a time."""
+
+    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.loop = pool.loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: dict[bytes, bytes] = {}
+        self.keep_alive = True
+        self.received = False  # any byte of this exchange's answer
+        self._state = _HEAD
+        self._buf = bytearray()
+        self._left = 0
+        self._chunk_state = _SIZE
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._paused = False
+        self._error: UpstreamFailed | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._last_io = 0.0
+
+    # --- protocol callbacks ------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        if self._state == _UNTIL_CLOSE:
+            self._state = _DONE
+            self._wake()
+        elif self._state != _DONE and self._error is None:
+            when = "before answering" if not self.received else "mid-answer"
+            self._fail(UpstreamFailed("disconnect", f"{self.origin.label} closed the connection {when}"
+                                      + (f": {exc}" if exc else "")))
+
+    def data_received(self, data: bytes) -> None:
+        self._last_io = self.loop.time()
+        self.received = True
+        if self._state == _HEAD:
+            self._buf += data
+            self._parse_head()
+        elif self._state != _DONE:
+            self._body(data)
+        # Bytes after the end of an answer (or on an idle connection) mean the stream is out of
+        # step: never reuse it.
+        elif data:
+            self.keep_alive = False
+
+    def pause_writing(self) -> None:  # requests are small; nothing to throttle
+        pass
+
+    # --- parsing --------------------------------------------------------------------------------
+    def _parse_head(self) -> None:
+        buf = self._buf
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > MAX_HEAD:
+                self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a response head over 64 KiB"))
+            return
+        lines = bytes(buf[:end]).split(b"\r\n")
+        rest = bytes(buf[end + 4:])
+        self._buf = bytearray()
+        status_line = lines[0]
+        try:
+            status = int(status_line[9:12])
+        except ValueError:
+            self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent no HTTP status line"))
+            return
+        if 100 <= status < 200:  # 100 Continue and friends: the real head follows
+            if rest:
+                self._buf += rest
+                self._parse_head()
+            return
+        headers: dict[bytes, bytes] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip()
+        self.status, self.headers = status, headers
+        connection = headers.get(b"connection", b"").lower()
+        self.keep_alive = status_line.startswith(b"HTTP/1.1") and connection != b"close"
+        if status in (204, 304):
+            self._state = _DONE
+        elif b"chunked" in headers.get(b"transfer-encoding", b"").lower():
+            self._state = _CHUNKED
+        elif b"content-length" in headers:
+            self._left = int(headers[b"content-length"])
+            self._state = _LENGTH if self._left else _DONE
+        else:
+            self._state = _UNTIL_CLOSE
+            self.keep_alive = False
+        self._wake()
+        if rest and self._state != _DONE:
+            self._body(rest)
+
+    def _body(self, data: bytes) -> None:
+        state = self._state
+        if state == _LENGTH:
+            if len(data) >= self._left:
+                data, extra = data[:self._left], data[self._left:]
+                if extra:
+                    self.keep_alive = False
+                self._left = 0
+                self._state = _DONE
+            else:
+                self._left -= len(data)
+            self._push(data)
+        elif state == _CHUNKED:
+            self._dechunk(data)
+        else:
+            self._push(data)
+
+    def _dechunk(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        out = []
+        pos = 0
+        while True:
+            cs = self._chunk_state
+            if cs == _DATA:
+                if pos >= len(buf):
+                    break
+                take = min(self._left, len(buf) - pos)
+                out.append(bytes(buf[pos:pos + take]))
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self._chunk_state = _DATA_END
+            elif cs == _DATA_END:
+                if len(buf) - pos < 2:
+                    break
+                pos += 2
+                self._chunk_state = _SIZE
+            else:
+                nl = buf.find(b"\r\n", pos)
+                if nl < 0:
+                    break
+                line = bytes(buf[pos:nl])
+                pos = nl + 2
+                if cs == _TRAILER:
+                    if not line:
+                        self._state = _DONE
+                        break
+                    continue
+                try:
+                    size = int(line.split(b";", 1)[0], 16)
+                except ValueError:
+                    self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a malformed chunk"))
+                    return
+                if size == 0:
+                    self._chunk_state = _TRAILER
+                else:
+                    self._left = size
+                    self._chunk_state = _DATA
+        del buf[:pos]
+        if self._state == _DONE and len(buf):
+            self.keep_alive = False
+        if out:
+            self._push(b"".join(out) if len(out) > 1 else out[0])
+        elif self._state == _DONE:
+            self._wake()
+
+    def _push(self, data: bytes) -> None:
+        if data:
+            self._chunks.append(data)
+            self._buffered += len(data)
+            if self._buffered > PAUSE_ABOVE and not self._paused and self.transport is not None:
+                self._paused = True
+                self.transport.pause_reading()
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, error: UpstreamFailed) -> None:
+        self._error = error
+        self.keep_alive = False
+        if self.transport is not None:
+            self.transport.abort()
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_exception(error)
+
+    # --- the exchange, from the router's side ----------------------------------------------------
+    def send(self, head: bytes, body: bytes) -> None:
+        assert self.transport is not None
+        self._reset()
+        self._last_io = self.loop.time()
+        self._timer = self.loop.call_at(self._last_io + self.pool.read_timeout, self._check_timeout)
+        self.transport.write(b"%s%d\r\n\r\n%s" % (head, len(body), body))
+
+    def _check_timeout(self) -> None:
+        limit = self.pool.read_timeout
+        idle = self.loop.time() - self._last_io
+        if self._state == _DONE or self._error is not None:
+            self._timer = None
+        elif self._paused or idle < limit:
+            self._timer = self.loop.call_at(self._last_io + limit if not self._paused else self.loop.time() + limit,
+                                            self._check_timeout)
+        else:
+            self._timer = None
+            what = "an answer" if self.status == 0 else "the rest of its answer"
+            self._fail(UpstreamFailed("timeout", f"{self.origin.label} sent nothing for {limit:g} s while "
+                                                 f"the router waited for {what}", timeout=True))
+
+    async def wait_head(self) -> None:
+        while self.status == 0:
+            await self._wait()
+
+    async def read_chunk(self) -> bytes:
+        """The next piece of the body as it arrived; ``b""`` at its end."""
+        while True:
+            if self._chunks:
+                chunks = self._chunks
+                data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                self._buffered = 0
+                if self._paused and self.transport is not None:
+                    self._paused = False
+                    self.transport.resume_reading()
+                return data
+            if self._state == _DONE:
+                return b""
+            await self._wait()
+
+    async def read_all(self) -> bytes:
+        parts = []
+        while chunk := await self.read_chunk():
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _wait(self) -> None:
+        if self._error is not None:
+            raise self._error
+        self._waiter = self.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    @property
+    def complete(self) -> bool:
+        return self._state == _DONE and self._error is None
+
+    def release(self) -> None:
+        """Back to the pool when the answer was read to its end and may be followed; else closed."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.complete and self.keep_alive and not self.closed and not self._chunks:
+            self.pool.put(self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop the connection now: the engine sees its client go away and stops generating."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.closed = True
+        self.keep_alive = False
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class UpstreamPool:
+    """Keep-alive connections to every engine; ``close()`` drops them all."""
+
+    def __init__(self, *, connect_timeout: float, read_timeout: float, keepalive_timeout: float,
+                 max_idle: int = 512) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.keepalive_timeout = keepalive_timeout
+        self.max_idle = max_idle
+        self._all: set[Conn] = set()
+        self._ssl: _ssl.SSLContext | None = None
+
+    async def request(self, origin: Origin, head: bytes, body: bytes) -> Conn:
+        """Send ``body`` and return once the response head is in (status, headers); the caller reads
+        the body and must ``release()`` or ``abort()`` the connection."""
+        conn = self._reuse(origin)
+        if conn is not None:
+            conn.send(head, body)
+            try:
+                await conn.wait_head()
+                return conn
+            except UpstreamFailed as exc:
+                conn.abort()
+                if conn.received or exc.reason == "timeout":
+                    raise
+                # The engine closed this idle connection as the request crossed it: once more, fresh.
+            except BaseException:
+                conn.abort()
+                raise
+        conn = await self._connect(origin)
+        conn.send(head, body)
+        try:
+            await conn.wait_head()
+        except BaseException:
+            conn.abort()
+            raise
+        return conn
+
+    def _reuse(self, origin: Origin) -> Conn | None:
+        idle = origin.idle
+        oldest = self.loop.time() - self.keepalive_timeout
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and conn.idle_since > oldest and conn.keep_alive:
+                return conn
+            conn.abort()
+        return None
+
+    async def _connect(self, origin: Origin) -> Conn:
+        ssl = None
+        if origin.ssl:
+            ssl = self._ssl = self._ssl or _ssl.create_default_context()
+        try:
+            _, conn = await asyncio.wait_for(
+                self.loop.create_connection(lambda: Conn(self, origin), origin.host, origin.port, ssl=ssl),
+                self.connect_timeout)
+        except TimeoutError as exc:
+            raise UpstreamFailed("timeout", f"{origin.label}: no connection within {self.connect_timeout:g} s",
+                                 timeout=True) from exc
+        except OSError as exc:
+            raise UpstreamFailed("connect", f"cannot connect to {origin.label}: {exc.strerror or exc}") from exc
+        self._all.add(conn)
+        return conn
+
+    def put(self, conn: Conn) -> None:
+        idle = conn.origin.idle
+        if len(idle) >= self.max_idle:
+            conn.abort()
+            return
+        conn.idle_since = self.loop.time()
+        idle.append(conn)
+
+    def forget(self, conn: Conn) -> None:
+        self._all.discard(conn)
+
+    async def close(self) -> None:
+        for conn in list(self._all):
+            conn.abort()
+        self._all.clear()

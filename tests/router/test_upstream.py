@@ -1,0 +1,204 @@
+"""The router's HTTP/1.1 client against a scripted raw TCP server: framing, reuse, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from llmgw.engines.testing import free_port
+from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+
+
+class Server:
+    def __init__(self) -> None:
+        self.connections = 0
+        self.requests: list[bytes] = []
+
+
+@asynccontextmanager
+async def scripted(script: Script) -> AsyncIterator[tuple[Server, Origin]]:
+    """A server that reads each request and lets ``script`` answer (given the request's index)."""
+    state = Server()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        state.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                state.requests.append(head + await reader.readexactly(length))
+                await script(reader, writer, len(state.requests) - 1)
+                if writer.is_closing():
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield state, Origin(f"http://127.0.0.1:{port}")
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def pool(read_timeout: float = 5.0) -> UpstreamPool:
+    return UpstreamPool(connect_timeout=1.0, read_timeout=read_timeout, keepalive_timeout=4.0)
+
+
+async def send(p: UpstreamPool, origin: Origin, body: bytes = b'{"x": 1}') -> tuple[int, bytes]:
+    conn = await p.request(origin, origin.head("/v1/chat/completions"), body)
+    try:
+        return conn.status, await conn.read_all()
+    finally:
+        conn.release()
+
+
+CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n")
+
+
+async def test_chunked_answer_split_at_every_byte_then_the_connection_is_reused() -> None:
+    async def byte_by_byte(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        for i in range(len(CHUNKED)):
+            w.write(CHUNKED[i:i + 1])
+            await w.drain()
+            await asyncio.sleep(0)
+
+    async with scripted(byte_by_byte) as (server, origin):
+        p = pool()
+        assert await send(p, origin) == (200, b"hello world")
+        assert await send(p, origin, b"{}") == (200, b"hello world")
+        await p.close()
+    assert server.connections == 1
+    assert server.requests[0].startswith(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:")
+    assert server.requests[0].endswith(b"Content-Length: 8\r\n\r\n{\"x\": 1}")
+
+
+async def test_streamed_pieces_arrive_as_sent() -> None:
+    async def paced(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for word in (b"one", b"two", b"three"):
+            w.write(b"%x\r\n%s\r\n" % (len(word), word))
+            await w.drain()
+            await asyncio.sleep(0.05)
+        w.write(b"0\r\n\r\n")
+
+    async with scripted(paced) as (_, origin):
+        p = pool()
+        conn = await p.request(origin, origin.head("/v1/completions"), b"{}")
+        pieces = []
+        while piece := await conn.read_chunk():
+            pieces.append((piece, time.monotonic()))
+        conn.release()
+        await p.close()
+    assert [x for x, _ in pieces] == [b"one", b"two", b"three"]
+    assert pieces[2][1] - pieces[0][1] > 0.08
+
+
+@pytest.mark.parametrize(("answer", "status", "body"), [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nabcde", 200, b"abcde"),
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok", 201, b"ok"),
+    (b"HTTP/1.1 204 No Content\r\n\r\n", 204, b""),
+    (b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", 404, b""),
+])
+async def test_framings(answer: bytes, status: int, body: bytes) -> None:
+    async def reply(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(answer)
+
+    async with scripted(reply) as (server, origin):
+        p = pool()
+        for _ in range(2):
+            assert await send(p, origin) == (status, body)
+        await p.close()
+    assert server.connections == 1
+
+
+async def test_body_until_close() -> None:
+    async def reply(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
+        await w.drain()
+        w.close()
+
+    async with scripted(reply) as (server, origin):
+        p = pool()
+        assert await send(p, origin) == (200, b"all of it")
+        assert await send(p, origin) == (200, b"all of it")
+        await p.close()
+    assert server.connections == 2
+
+
+async def test_an_idle_connection_closed_by_the_engine_is_replaced_transparently() -> None:
+    async def once_then_close(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await w.drain()
+        await asyncio.sleep(0.05)
+        w.close()  # no "Connection: close": the client learns only when it uses the connection
+
+    async with scripted(once_then_close) as (server, origin):
+        p = pool()
+        assert await send(p, origin) == (200, b"ok")
+        await asyncio.sleep(0.2)
+        assert await send(p, origin) == (200, b"ok")
+        await p.close()
+    assert server.connections == 2
+
+
+async def test_a_request_meeting_a_closing_keepalive_connection_is_sent_again_once() -> None:
+    async def drop_the_second(_r: asyncio.StreamReader, w: asyncio.StreamWriter, i: int) -> None:
+        if i == 1:
+            w.close()  # the request crossed the engine closing its idle connection
+            return
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    async with scripted(drop_the_second) as (server, origin):
+        p = pool()
+        assert await send(p, origin) == (200, b"ok")
+        assert await send(p, origin) == (200, b"ok")
+        await p.close()
+    assert server.connections == 2 and len(server.requests) == 3
+
+
+async def test_failures_are_typed() -> None:
+    p = pool(read_timeout=0.3)
+    with pytest.raises(UpstreamFailed) as err:
+        await send(p, Origin(f"http://127.0.0.1:{free_port()}"))
+    assert err.value.reason == "connect"
+
+    async def stall_after_head(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await asyncio.sleep(2)
+
+    async with scripted(stall_after_head) as (_, origin):
+        conn = await p.request(origin, origin.head("/v1/chat/completions"), b"{}")
+        assert await conn.read_chunk() == b"abc"
+        t0 = time.monotonic()
+        with pytest.raises(UpstreamFailed) as err:
+            await conn.read_chunk()
+        assert err.value.reason == "timeout" and err.value.timeout and 0.2 < time.monotonic() - t0 < 1.0
+        conn.release()
+
+    async def hang_up(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.close()
+
+    async with scripted(hang_up) as (_, origin):
+        with pytest.raises(UpstreamFailed, match="before answering") as err:
+            await send(p, origin)
+        assert err.value.reason == "disconnect"
+
+    async def garbage(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+
+    async with scripted(garbage) as (_, origin):
+        with pytest.raises(UpstreamFailed, match="malformed chunk"):
+            await send(p, origin)
+    await p.close()
