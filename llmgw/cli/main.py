@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from llmgw import __version__
-from llmgw.cli import diff, fleet, serve, validate
+from llmgw.cli import diff, fleet, serve, up, validate
 from llmgw.cli.output import make_console
 
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_parsers(sub)
     diff.add_parser(sub)
     serve.add_parsers(sub)
+    up.add_parser(sub)
     return parser
 
 

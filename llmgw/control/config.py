@@ -57,6 +57,7 @@ class ServerConfig:
     api_keys: list[dict[str, Any]] = field(default_factory=list)
     reconciler: ReconcilerConfig = field(default_factory=ReconcilerConfig)
     router: dict[str, Any] = field(default_factory=dict)
+    transports: tuple[str, ...] = ("ssh", "local")
 
     def __repr__(self) -> str:  # never print a secret by accident
         return f"ServerConfig(repo={self.repo!r}, data_dir={str(self.data_dir)!r}, branch={self.branch!r})"

@@ -37,6 +37,7 @@ class ControllerConfig:
     ssh_key: Path | None = None
     known_hosts: Path | None = None
     local_agent_config: Path | None = None
+    transports: tuple[str, ...] = ("ssh", "local")  # `llmgw up` manages only its local node
     reconciler: ReconcilerConfig = field(default_factory=ReconcilerConfig)
 
 
@@ -61,7 +62,7 @@ class Controller:
             ssh_key=config.ssh_key, known_hosts=config.known_hosts, local_agent_config=config.local_agent_config)
         self.inventory = LiveInventory(self.fleet, self.store)
         self.reconciler = Reconciler(self.desired, self.inventory, self.fleet, self.store, sink=sink, usage=usage,
-                                     config=config.reconciler)
+                                     config=config.reconciler, manages=lambda n: n.transport in config.transports)
         url = normalise_url(config.repo)
         watch = Path(url) if config.watch and Path(url).exists() else None
         self.follower = GitOpsFollower(

@@ -53,7 +53,7 @@ def controller_config(cfg: ServerConfig) -> ControllerConfig:
     return ControllerConfig(
         repo=cfg.repo, data_dir=cfg.data_dir, branch=cfg.branch, subdir=cfg.path,
         fetch_interval=cfg.fetch_interval, watch=cfg.watch, ssh_key=cfg.ssh_key, known_hosts=cfg.known_hosts,
-        local_agent_config=cfg.local_agent_config, reconciler=cfg.reconciler,
+        local_agent_config=cfg.local_agent_config, reconciler=cfg.reconciler, transports=cfg.transports,
     )
 
 

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import aiohttp
 
-from llmgw.catalog import Catalog
+from llmgw.catalog import Catalog, NodeSpec
 from llmgw.dispatch.base import Dispatcher
 from llmgw.gitops.desired import DesiredState
 from llmgw.gitops.store import Store
@@ -81,6 +81,7 @@ class Reconciler:
         usage: UsageSource | None = None,
         config: ReconcilerConfig = ReconcilerConfig(),
         clock: Callable[[], float] = time.time,
+        manages: Callable[[NodeSpec], bool] = lambda _: True,
     ) -> None:
         self.desired = desired
         self.inventory = inventory
@@ -90,6 +91,7 @@ class Reconciler:
         self.usage: UsageSource = usage or NoUsage()
         self.config = config
         self.clock = clock
+        self.manages = manages
         self.replicas: dict[str, Replica] = {}
         self.last_decisions = Decisions()
         self._published: tuple | None = None
@@ -172,10 +174,11 @@ class Reconciler:
 
     async def _follow_nodes(self, catalog: Catalog) -> None:
         """Point the inventory and the dispatcher at the catalog's nodes before polling them."""
-        self.inventory.set_nodes(catalog.nodes)
+        nodes = [n for n in catalog.nodes if self.manages(n)]
+        self.inventory.set_nodes(nodes)
         set_nodes = getattr(self.dispatcher, "set_nodes", None)
         if set_nodes is not None:
-            await set_nodes(catalog.nodes)
+            await set_nodes(nodes)
         self._nodes_for = catalog
 
     def _observe(self, inventory: Inventory, now: float) -> None:
@@ -281,6 +284,17 @@ class Reconciler:
             if r.state == ReplicaState.READY:
                 out[r.model] = out.get(r.model, 0) + 1
         return out
+
+    async def stop_all(self) -> None:
+        """Stop every replica's engines now (for `llmgw up`, whose engines end with it)."""
+        assert self.lifecycle is not None
+        async with self._tick_lock:
+            await asyncio.gather(*(self.lifecycle.stop_engine(s.node, s.agent_id)
+                                   for r in self.replicas.values() for s in r.shards))
+            self.replicas.clear()
+            self._save()
+            self._published = None
+            self.publish()
 
     def snapshot(self) -> list[Replica]:
         return sorted(self.replicas.values(), key=lambda r: r.id)
