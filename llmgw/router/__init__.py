@@ -7,7 +7,8 @@
     catalog_view             the part of a catalog a router needs (and catalog_from_view, its inverse)
 """
 
-from llmgw.router.app import Router, RouterConfig
+from llmgw.router.app import Router
+from llmgw.router.config import RouterConfig
 from llmgw.router.feed import Fanout, FeedHub, MergedUsage, catalog_from_view, catalog_view, endpoint_from_json
 from llmgw.router.follow import FeedClient
 from llmgw.router.keys import ApiKey, KeyRing, hash_key

@@ -15,10 +15,7 @@ whichever is current. In the controller's process it is wired directly; as its o
 (:mod:`llmgw.router.main`) a :class:`~llmgw.router.follow.FeedClient` feeds it the same calls
 from the controller's watch stream.
 
-Demand reported per model: ``inflight`` is the requests on its replicas now; ``held`` counts
-requests waiting for a replica, requests a fallback is serving in its place, and — for
-``wake_linger`` seconds after the last such request — 1 while the model still has no replica,
-so a primary at zero is woken even when the fallback answered before the control plane looked.
+What counts as demand, and how held requests wait, is :mod:`llmgw.router.demand`.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -40,39 +36,20 @@ from llmgw.reconciler.decide import Demand
 from llmgw.reconciler.replica import Endpoint
 from llmgw.router import respond
 from llmgw.router.changes import Changes
+from llmgw.router.config import RouterConfig
+from llmgw.router.demand import DemandBook
 from llmgw.router.feed import route_catalog
 from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.load import poll_loads
-from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics
+from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
 from llmgw.router.proxy import CLIENT_GONE, BadBody, forward_stream, forward_whole, parse_body, rewrite_model
 from llmgw.router.routes import RouteCatalog, RouteModel
 from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, pick
-from llmgw.router.upstream import UpstreamFailed, UpstreamPool
+from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
 
 log = logging.getLogger(__name__)
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    body_limit: int = 32 * 1024 * 1024  # bytes; larger bodies are 413 (images in chat can be big)
-    connect_timeout: float = 5.0        # seconds to open a connection to an engine
-    # Seconds without a byte from the engine: before the first (headers, or a streamed first token;
-    # a non-streamed answer arrives whole, so this bounds its whole generation) and between chunks.
-    first_byte_timeout: float = 600.0
-    hold_timeout: float = 180.0         # how long a request waits for a replica to be woken
-    max_held: int = 1024                # requests waiting at once; beyond, 503 at once
-    retries: int = 1                    # other replicas tried after a failure before the first byte
-    cooldown: float = 5.0               # seconds a failed replica is skipped while others remain
-    load_interval: float = 1.0          # seconds between reads of each engine's queue depth
-    max_idle: int = 512                 # idle keep-alive connections kept per replica
-    # Below the engines' own idle timeout (uvicorn's, which vLLM uses, is 5 s), so the router
-    # never sends a request on a connection the engine is closing.
-    keepalive_timeout: float = 4.0
-    retry_after: int = 5                # seconds, in Retry-After when waiting helps
-    wake_linger: float = 15.0
-    drain_timeout: float = 10.0         # on close, seconds in-flight requests get to finish
 
 
 class Router:
@@ -85,12 +62,11 @@ class Router:
     """
 
     def __init__(self, *, wake: Callable[[str], None] | None = None, keys: KeyRing | None = None,
-                 config: RouterConfig = RouterConfig(), registry: CollectorRegistry | None = None,
+                 config: RouterConfig | None = None, registry: CollectorRegistry | None = None,
                  rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
-        self.wake = wake
         self.keys = keys or KeyRing()
-        self.config = config
+        self.config = config = config or RouterConfig()
         self.registry = registry or CollectorRegistry()
         self.metrics = RouterMetrics(self.registry, self._gauges)
         self.table: EndpointTable = EMPTY
@@ -101,16 +77,22 @@ class Router:
         self._clock = clock
         self._wall = wall
         self._changes = Changes()
-        self._held: dict[str, int] = {}
-        self._held_total = 0
-        self._standin: dict[str, int] = {}
-        self._wanted_until: dict[str, float] = {}
-        self._woken_at: dict[str, float] = {}
+        self._demand = DemandBook(self._changes, clock=clock, linger=config.wake_linger)
+        self._demand.wake = wake
         self._last_used: dict[str, float] = {}
+        self._retired: list[Origin] = []
         self._pool: UpstreamPool | None = None
         self._load_session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
+
+    @property
+    def wake(self) -> Callable[[str], None] | None:
+        return self._demand.wake
+
+    @wake.setter
+    def wake(self, fn: Callable[[str], None] | None) -> None:
+        self._demand.wake = fn
 
     # --- the control plane's side --------------------------------------------------------
     def attach(self, desired: DesiredState, *, wake: Callable[[str], None]) -> None:
@@ -142,6 +124,9 @@ class Router:
             self.metrics.forget_replicas(gone)
             for rid in gone:
                 self._last_used.pop(rid, None)
+                origin = old.upstreams[rid].origin
+                origin.retired = True  # its connections close as they come back...
+                self._retired.append(origin)  # ...and the idle ones at the next sweep
         self._changes.notify()
 
     def last_used(self) -> dict[str, float]:
@@ -149,22 +134,13 @@ class Router:
         return dict(self._last_used)
 
     def demand(self) -> dict[str, Demand]:
-        """Usage source: held and in-flight requests per model (see the module docstring)."""
-        now = self._clock()
+        """Usage source: held and in-flight requests per model (see :mod:`llmgw.router.demand`)."""
         table = self.table
         inflight: dict[str, int] = {}
         for u in table.upstreams.values():
             if u.inflight:
                 inflight[u.model] = inflight.get(u.model, 0) + u.inflight
-        held: dict[str, int] = {}
-        for m, n in (*self._held.items(), *self._standin.items()):
-            held[m] = held.get(m, 0) + n
-        for m, until in list(self._wanted_until.items()):
-            if until < now or table.has(m):
-                del self._wanted_until[m]
-            elif not held.get(m):
-                held[m] = 1
-        return {m: Demand(held=held.get(m, 0), inflight=inflight.get(m, 0)) for m in {*held, *inflight}}
+        return self._demand.snapshot(inflight, table.has)
 
     def inflight(self) -> int:
         return sum(u.inflight for u in self.table.upstreams.values())
@@ -177,8 +153,21 @@ class Router:
         self._pool = UpstreamPool(connect_timeout=c.connect_timeout, read_timeout=c.first_byte_timeout,
                                   keepalive_timeout=c.keepalive_timeout, max_idle=c.max_idle)
         self._load_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
-        self._poller = asyncio.create_task(poll_loads(lambda: self.table, self._load_session, c.load_interval),
-                                           name="router-load-poller")
+        self._poller = asyncio.create_task(self._background(), name="router-background")
+
+    async def _background(self) -> None:
+        """Engine queue depths, and idle upstream connections closed once past their keep-alive."""
+        assert self._load_session is not None and self._pool is not None
+        poller = asyncio.create_task(poll_loads(lambda: self.table, self._load_session, self.config.load_interval))
+        try:
+            while True:
+                await asyncio.sleep(self.config.keepalive_timeout)
+                retired, self._retired = self._retired, []
+                for origin in (*retired, *(u.origin for u in self.table.upstreams.values())):
+                    self._pool.sweep(origin)
+        finally:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve :meth:`app` on ``host:port``; returns the port (useful with 0)."""
@@ -311,13 +300,18 @@ class Router:
             table = self.table
             now = self._clock()
             target = up = None
-            for m in chain:
-                groups = table.groups.get(m.name)
-                if groups is not None:
-                    up = pick(groups, now, self._rng, tried)
-                    if up is not None:
-                        target = m
-                        break
+            # A healthy replica anywhere in the chain (the model, then its fallbacks) before one
+            # that failed in the last few seconds.
+            for cooled in (False, True):
+                for m in chain:
+                    groups = table.groups.get(m.name)
+                    if groups is not None:
+                        up = pick(groups, now, self._rng, tried, cooled=cooled)
+                        if up is not None:
+                            target = m
+                            break
+                if up is not None:
+                    break
             if up is None or target is None:
                 if failure is not None:
                     return self._refuse(self._failed(model, chain, failure, len(tried)), model.name, t0)
@@ -329,15 +323,15 @@ class Router:
                     return self._refuse(respond.not_found(asked), UNKNOWN, t0)
                 model, chain = current, self._chains.get(current.name, (current,))
                 continue
-            standin = target is not model and not table.has(model.name)
-            if target is not model:
-                self.metrics.fallback(model.name, target.name)
-                if standin:
-                    self._want(model)
-                    self._standin[model.name] = self._standin.get(model.name, 0) + 1
             data = raw if target.name == asked else rewrite_model(raw, body, asked, target.name)
             try:
-                return await self._send(request, up, path, data, target.name, stream, model.name, t0)
+                if target is model:
+                    return await self._send(request, up, path, data, target.name, stream, model.name, t0)
+                self.metrics.fallback(model.name, target.name)
+                if table.has(model.name):  # its replicas failed: no wake-up needed
+                    return await self._send(request, up, path, data, target.name, stream, model.name, t0)
+                with self._demand.standing_in(model.name):
+                    return await self._send(request, up, path, data, target.name, stream, model.name, t0)
             except UpstreamFailed as exc:
                 failure = exc
                 tried += (up,)
@@ -350,13 +344,6 @@ class Router:
                 if len(tried) > self.config.retries:
                     return self._refuse(self._failed(model, chain, failure, len(tried)), model.name, t0)
                 self.metrics.retry(model.name, exc.reason)
-            finally:
-                if standin:
-                    n = self._standin[model.name] - 1
-                    if n:
-                        self._standin[model.name] = n
-                    else:
-                        del self._standin[model.name]
 
     async def _send(self, request: web.Request, up: Upstream, path: str, data: bytes, served: str, stream: bool,
                     label: str, t0: float) -> web.StreamResponse:
@@ -397,70 +384,35 @@ class Router:
         return respond.upstream_failed(msg, timeout=failure.timeout, retry_after=self.config.retry_after)
 
     # --- scale from zero -----------------------------------------------------------------
-    def _want(self, model: RouteModel) -> None:
-        """Record demand for a model with no replica and wake the control plane (≤ once a second)."""
-        now = self._clock()
-        self._wanted_until[model.name] = now + self.config.wake_linger
-        if self.wake is not None and now - self._woken_at.get(model.name, -1e9) >= 1.0:
-            self._woken_at[model.name] = now
-            self.wake(model.name)
-
     async def _hold(self, model: RouteModel, chain: tuple[RouteModel, ...]) -> web.Response | None:
-        """Wait until ``model`` or one of its fallbacks has a replica: None then, else the refusal."""
+        """Wait until ``model`` or one of its fallbacks has a replica (or it left the catalog):
+        None then, else the refusal to send."""
         tried = f" or its fallbacks ({', '.join(m.name for m in chain[1:])})" if len(chain) > 1 else ""
         retry = self.config.retry_after
         if not model.wakeable:
             return respond.unavailable(f"No ready replica of `{model.name}`{tried}, and it is switched off "
                                        "(scaling.max is 0).", retry)
-        if self._held_total >= self.config.max_held:
-            return respond.unavailable(f"No ready replica of `{model.name}`{tried}, and {self._held_total} requests "
-                                       "are already waiting for replicas to start.", retry)
-        self._held[model.name] = self._held.get(model.name, 0) + 1
-        self._held_total += 1
-        self.metrics.hold(model.name)
-        self._want(model)
+        if self._demand.held_total >= self.config.max_held:
+            return respond.unavailable(f"No ready replica of `{model.name}`{tried}, and {self._demand.held_total} "
+                                       "requests are already waiting for replicas to start.", retry)
+        name = model.name
+
+        def ready() -> bool:
+            if self.routes.model(name) is None:
+                return True  # left the catalog: the caller answers 404
+            return any(self.table.has(m.name) for m in self._chains.get(name, chain))
+
+        self.metrics.hold(name)
         start = self._clock()
-        deadline = start + self.config.hold_timeout
-        try:
-            while True:
-                event = self._changes.event
-                if self.routes.model(model.name) is None:
-                    return None  # left the catalog: the caller answers 404
-                chain = self._chains.get(model.name, chain)
-                if any(self.table.has(m.name) for m in chain):
-                    return None
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    break
-                try:
-                    await asyncio.wait_for(event.wait(), remaining)
-                except TimeoutError:
-                    break
-        finally:
-            self._held_total -= 1
-            n = self._held[model.name] - 1
-            if n:
-                self._held[model.name] = n
-            else:
-                del self._held[model.name]
+        if await self._demand.hold(name, ready, self.config.hold_timeout):
+            return None
         return respond.unavailable(
-            f"No ready replica of `{model.name}`{tried}: waited {self._clock() - start:.0f} s for one to start "
+            f"No ready replica of `{name}`{tried}: waited {self._clock() - start:.0f} s for one to start "
             "and none became ready. Retry later.", retry)
 
     # --- metrics -------------------------------------------------------------------------
     def _gauges(self) -> GaugeSnapshot:
-        snap = GaugeSnapshot()
-        now = self._clock()
-        table = self.table
-        for model, groups in table.groups.items():
-            ups = [u for g in groups for u in g]
-            snap.ready[model] = len(ups)
-            snap.cooling[model] = sum(1 for u in ups if u.cooldown_until > now)
-            for u in ups:
-                snap.inflight[(model, u.replica_id)] = u.inflight
-        snap.held = dict(self._held)
-        snap.table_version = table.version
-        return snap
+        return gauges(self.table, self._demand.held, self._clock())
 
 
 def _model_entry(name: str, model: RouteModel, ready: bool) -> dict[str, object]:

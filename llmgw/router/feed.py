@@ -8,6 +8,11 @@ over one long-lived HTTP response of JSON lines::
     {"keepalive": true}\\n                         every ~10 s, so a silent drop is noticed
     {"version": ..., ...}\\n                        a full snapshot again on every change
 
+When the controller's config has API keys, the snapshot also carries them, as the hashes and
+model lists the config holds (``"api_keys": [{"name", "sha256", "models"}]``), so every router
+checks the same keys and a key added to the config reaches them all without a restart. A
+router started with its own ``--api-keys`` file keeps that instead.
+
 Every line is a whole snapshot, so a router that missed lines (or reconnects to a restarted
 controller) needs nothing but the next one; ``version`` is informational (it starts from the
 controller's clock, so it grows across restarts too). Routers report back::
@@ -133,6 +138,7 @@ class FeedHub:
         self.version = int(clock() * 1000)
         self._catalog: CatalogView | None = None
         self._endpoints: list[dict[str, Any]] | None = None
+        self._api_keys: list[dict[str, Any]] | None = None
         self._line: bytes | None = None
         self._changes = Changes()
         self._reports: dict[str, tuple[float, dict[str, float], dict[str, Demand]]] = {}
@@ -153,11 +159,22 @@ class FeedHub:
             self._endpoints = eps
             self._publish()
 
+    def set_api_keys(self, entries: Sequence[Mapping[str, Any]]) -> None:
+        """The controller config's API keys (``{"name", "sha256", "models"}`` each), for every router."""
+        keys = [{"name": e.get("name"), "sha256": e["sha256"], "models": list(e.get("models", ["*"]))}
+                for e in entries]
+        if keys != self._api_keys:
+            self._api_keys = keys
+            self._publish()
+
     def snapshot(self) -> dict[str, Any] | None:
         """The snapshot watchers get, or None until both a catalog and endpoints were given."""
         if self._catalog is None or self._endpoints is None:
             return None
-        return {"version": self.version, "catalog": self._catalog, "endpoints": self._endpoints}
+        snap = {"version": self.version, "catalog": self._catalog, "endpoints": self._endpoints}
+        if self._api_keys is not None:
+            snap["api_keys"] = self._api_keys
+        return snap
 
     def _publish(self) -> None:
         self.version += 1

@@ -24,9 +24,10 @@ from typing import Any
 
 import aiohttp
 
-from llmgw.errors import LlmgwError
+from llmgw.errors import ConfigError, LlmgwError
 from llmgw.router.app import Router
 from llmgw.router.feed import REPORT_PATH, WATCH_PATH, catalog_from_view, endpoint_from_json
+from llmgw.router.keys import KeyRing
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,10 @@ class FeedClient:
     """Follows ``controller`` for ``router``. ``start()`` begins, ``close()`` ends; no I/O before."""
 
     def __init__(self, router: Router, controller: str, admin_token: str, *, router_id: str | None = None,
-                 report_interval: float = 2.0, stale_after: float = 30.0, backoff_max: float = 10.0) -> None:
+                 report_interval: float = 2.0, stale_after: float = 30.0, backoff_max: float = 10.0,
+                 follow_keys: bool = True) -> None:
         self.router = router
+        self.follow_keys = follow_keys  # False when the router has its own --api-keys file
         self.controller = controller.rstrip("/")
         self.router_id = router_id or default_router_id()
         self.report_interval = report_interval
@@ -132,9 +135,14 @@ class FeedClient:
                 return
             routes = catalog_from_view(snap["catalog"])
             endpoints = [endpoint_from_json(e) for e in snap["endpoints"]]
-        except (ValueError, KeyError, TypeError) as exc:
+            keys = None
+            if self.follow_keys and snap.get("api_keys") is not None:
+                keys = KeyRing.from_entries(snap["api_keys"], where="the controller's api_keys")
+        except (ValueError, KeyError, TypeError, ConfigError) as exc:
             log.warning("ignoring a malformed snapshot from %s (%s); keeping the last one", self.controller, exc)
             return
+        if keys is not None:
+            self.router.keys = keys
         self.router.set_routes(routes)
         self.router.set_endpoints(endpoints)
         self.version = snap.get("version")

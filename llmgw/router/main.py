@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmgw.errors import ConfigError
-from llmgw.router.app import Router, RouterConfig
+from llmgw.router.app import Router
+from llmgw.router.config import RouterConfig
 from llmgw.router.follow import FeedClient
 from llmgw.router.keys import KeyRing
 
@@ -38,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-token", default=None, help=f"admin API token (default: ${TOKEN_ENV})")
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="client listener")
     p.add_argument("--api-keys", metavar="FILE", default=None,
-                   help="YAML/JSON list of {name, sha256, models}; without it the router is open")
+                   help="YAML/JSON list of {name, sha256, models}; without it the router checks the keys the "
+                        "controller sends, and is open when the controller has none")
     p.add_argument("--router-id", default=None, help="name in the controller's reports (default: host-pid-rand)")
     p.add_argument("--hold-timeout", type=float, default=d.hold_timeout,
                    help="seconds a request waits for a replica to be woken")
@@ -100,7 +102,8 @@ async def _serve(args: argparse.Namespace, token: str, host: str, port: int, key
                  config: RouterConfig) -> None:
     router = Router(keys=keys, config=config)
     feed = FeedClient(router, args.controller, token, router_id=args.router_id,
-                      report_interval=args.report_interval, backoff_max=args.reconnect_max)
+                      report_interval=args.report_interval, backoff_max=args.reconnect_max,
+                      follow_keys=not args.api_keys)
     router.wake = feed.report_soon
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -12,8 +12,8 @@ model names that resolve to nothing are counted under ``model="unknown"`` for th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -21,6 +21,9 @@ from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+if TYPE_CHECKING:
+    from llmgw.router.table import EndpointTable
 
 UNKNOWN = "unknown"
 
@@ -101,6 +104,20 @@ class GaugeSnapshot:
         self.ready: dict[str, int] = {}
         self.cooling: dict[str, int] = {}
         self.table_version = 0
+
+
+def gauges(table: EndpointTable, held: Mapping[str, int], now: float) -> GaugeSnapshot:
+    """The gauges of ``table`` and the held requests, read at scrape time."""
+    snap = GaugeSnapshot()
+    for model, groups in table.groups.items():
+        ups = [u for g in groups for u in g]
+        snap.ready[model] = len(ups)
+        snap.cooling[model] = sum(1 for u in ups if u.cooldown_until > now)
+        for u in ups:
+            snap.inflight[(model, u.replica_id)] = u.inflight
+    snap.held = dict(held)
+    snap.table_version = table.version
+    return snap
 
 
 class _GaugeCollector(Collector):

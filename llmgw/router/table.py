@@ -105,14 +105,14 @@ def build_table(endpoints: Sequence[Endpoint], previous: EndpointTable) -> Endpo
 
 
 def pick(groups: Iterable[tuple[Upstream, ...]], now: float, rng: random.Random,
-         exclude: tuple[Upstream, ...] = ()) -> Upstream | None:
+         exclude: tuple[Upstream, ...] = (), *, cooled: bool = True) -> Upstream | None:
     """The replica to try next, or None when every replica is excluded.
 
     ``exclude`` holds the replicas this request already tried. A replica cooling down is
     returned only when every other candidate is excluded or cooling too (a model whose every
-    replica hiccuped is still tried rather than refused).
+    replica hiccuped is still tried rather than refused), and never when ``cooled`` is False.
     """
-    cooled: Upstream | None = None
+    cooling: Upstream | None = None
     for group in groups:
         best: list[Upstream] = []
         best_load = 0.0
@@ -120,8 +120,8 @@ def pick(groups: Iterable[tuple[Upstream, ...]], now: float, rng: random.Random,
             if u in exclude:
                 continue
             if u.cooldown_until > now:
-                if cooled is None or u.cooldown_until < cooled.cooldown_until:
-                    cooled = u
+                if cooling is None or u.cooldown_until < cooling.cooldown_until:
+                    cooling = u
                 continue
             load = u.load()
             if not best or load < best_load:
@@ -135,4 +135,4 @@ def pick(groups: Iterable[tuple[Upstream, ...]], now: float, rng: random.Random,
             if min(weights) == max(weights):
                 return rng.choice(best)
             return rng.choices(best, weights)[0]
-    return cooled
+    return cooling if cooled else None

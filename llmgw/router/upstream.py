@@ -46,7 +46,7 @@ class UpstreamFailed(LlmgwError):
 class Origin:
     """One engine address: its idle connections and the request head prefix per path."""
 
-    __slots__ = ("host", "port", "ssl", "prefix", "label", "idle")
+    __slots__ = ("host", "port", "ssl", "prefix", "label", "idle", "retired")
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
@@ -58,6 +58,7 @@ class Origin:
         self.prefix = parts.path.rstrip("/")
         self.label = f"{parts.scheme}://{parts.netloc}"
         self.idle: list[Conn] = []
+        self.retired = False  # its replica left the table: connections are closed, not kept
 
     def head(self, path: str) -> bytes:
         """The request head up to the Content-Length value, built once per path."""
@@ -408,11 +409,23 @@ class UpstreamPool:
 
     def put(self, conn: Conn) -> None:
         idle = conn.origin.idle
-        if len(idle) >= self.max_idle:
+        if len(idle) >= self.max_idle or conn.origin.retired:
             conn.abort()
             return
         conn.idle_since = self.loop.time()
         idle.append(conn)
+
+    def sweep(self, origin: Origin) -> None:
+        """Close ``origin``'s idle connections past the keep-alive time (all of them once it is
+        retired: its replica left the table), so no socket lingers unused."""
+        oldest = self.loop.time() - self.keepalive_timeout
+        keep = []
+        for conn in origin.idle:
+            if origin.retired or conn.closed or conn.idle_since <= oldest:
+                conn.abort()
+            else:
+                keep.append(conn)
+        origin.idle[:] = keep
 
     def forget(self, conn: Conn) -> None:
         self._all.discard(conn)

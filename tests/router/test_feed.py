@@ -8,11 +8,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import aiohttp
+import openai
+import pytest
 from aiohttp import web
 
 from llmgw.catalog.model import Catalog
 from llmgw.engines.testing import SimProcess, free_port
-from llmgw.router import FeedClient, FeedHub, Router, RouterConfig
+from llmgw.router import FeedClient, FeedHub, Router, RouterConfig, hash_key
 from tests.router.conftest import TOKEN, client, endpoint, serving
 from tests.router.fake_controller import make_app, model
 
@@ -109,3 +111,21 @@ async def test_a_wrong_token_is_refused_and_nothing_is_served() -> None:
         assert not feed.connected and feed.snapshots == 0 and hub.watchers == 0
         async with aiohttp.ClientSession() as s, s.get(base + "/health") as resp:
             assert resp.status == 503  # no catalog yet: a load balancer keeps traffic away
+
+
+async def test_routers_check_the_keys_the_controller_sends(chat_sim: SimProcess) -> None:
+    hub = FeedHub(keepalive=0.2)
+    hub.set_catalog(CATALOG)
+    hub.set_endpoints([endpoint("chat", chat_sim.endpoint, names=("chat", "gpt-x"))])
+    router = Router()
+    port = free_port()
+    async with controller(hub, port) as url, following(router, url), serving(router) as base:
+        await until(lambda: router.table.has("chat"))
+        assert router.keys.open
+        hub.set_api_keys([{"name": "team", "sha256": hash_key("sk-team"), "models": ["gpt-x"]}])
+        await until(lambda: not router.keys.open)
+        async with client(base, "sk-team") as c:
+            assert (await c.chat.completions.create(model="chat", messages=HELLO)).choices
+        async with client(base, "sk-other") as c:
+            with pytest.raises(openai.AuthenticationError):
+                await c.chat.completions.create(model="chat", messages=HELLO)

@@ -49,7 +49,7 @@ async def wait_inflight_zero(router: Proc) -> None:
 
 
 async def test_500_concurrent_streams_complete_and_memory_stays_flat(tmp_path: Path) -> None:
-    with SimProcess("load", "--tokens-per-second", "100") as sim:
+    with SimProcess("load", "--tokens-per-second", "20") as sim:  # 8 tokens: ~0.4 s, so all 500 overlap
         state = tmp_path / "state.json"
         write_state(state, [{"name": "load"}], [endpoint("load", sim.endpoint)])
         ctl = fake_controller(tmp_path, state).start("/test/usage")
@@ -59,8 +59,14 @@ async def test_500_concurrent_streams_complete_and_memory_stays_flat(tmp_path: P
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
                 for round_ in range(6):
                     t0 = time.monotonic()
-                    problems = await asyncio.gather(*(one_stream(session, router.url, round_ * 1000 + i)
-                                                      for i in range(500)))
+                    streams = asyncio.gather(*(one_stream(session, router.url, round_ * 1000 + i)
+                                               for i in range(500)))
+                    peak = 0
+                    while not streams.done():
+                        peak = max(peak, get_json(router.url + "/health")["inflight"])
+                        await asyncio.wait([streams], timeout=0.05)
+                    problems = streams.result()
+                    assert peak >= 400, f"only {peak} requests were in flight at once"
                     bad = [p for p in problems if p is not None]
                     assert not bad, bad[:5]
                     assert time.monotonic() - t0 < 15

@@ -81,12 +81,15 @@ async def test_streamed_chunks_arrive_as_produced(chat_sim: SimProcess, stream_s
 
     router = make_router(chat_sim, endpoint("stream", stream_sim.endpoint))
     async with serving(router) as base:
-        direct_first, _, direct_text = await timed(stream_sim.endpoint, "stream")
-        first, times, text = await timed(base, "stream")
+        # Best of two each, so a scheduling hiccup on a busy test machine is not read as the router's.
+        direct = [await timed(stream_sim.endpoint, "stream") for _ in range(2)]
+        routed = [await timed(base, "stream") for _ in range(2)]
+    direct_first, direct_text = min(d[0] for d in direct), direct[0][2]
+    first, times, text = min(routed)
     assert text == direct_text and len(times) == 16
     # --ttft 0.2 then 20 tokens/s: the first chunk is not held back for the rest...
     assert 0.2 <= first < 0.35
-    assert abs(first - direct_first) < 0.05
+    assert first - direct_first < 0.05
     # ...and the others follow at the engine's pace, not in one burst at the end.
     assert times[-1] - times[0] > 0.6
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
@@ -139,6 +142,16 @@ async def test_retry_on_another_replica_when_one_is_dead(chat_sim: SimProcess, d
     assert dead_one.failures == 1  # tried once, then cooled down: the next requests skip it
     assert dead_one.cooldown_until > time.monotonic()
     assert router.inflight() == 0
+
+
+async def test_a_dead_primary_fails_over_to_its_fallback_and_is_then_skipped(chat_sim: SimProcess) -> None:
+    router = make_router(chat_sim, endpoint("big", f"http://127.0.0.1:{free_port()}", "big-dead"))
+    async with serving(router) as base, client(base) as c:
+        for _ in range(3):
+            raw = await c.chat.completions.with_raw_response.create(model="big", messages=HELLO)
+            assert raw.headers["x-llmgw-model"] == "chat"
+    assert router.table.upstreams["big-dead"].failures == 1  # cooling: the next requests went straight on
+    assert "big" not in router.demand()  # it has a replica (a sick one): no wake for it
 
 
 async def test_every_replica_dead_is_a_clear_502() -> None:
@@ -208,6 +221,15 @@ async def test_request_errors_in_openai_format(chat_sim: SimProcess) -> None:
                 await c.chat.completions.create(model="chat", messages=[{"role": "user", "content": "x" * 5000}])
             assert err.value.status_code == 413 and "2048 bytes" in err.value.message
         async with aiohttp.ClientSession() as s:
+            async def chunked_upload():  # noqa: ANN202 - no Content-Length: the limit applies while reading
+                yield b'{"model": "chat", "messages": [{"role": "user", "content": "'
+                for _ in range(10):
+                    yield b"x" * 500
+                yield b'"}]}'
+
+            async with s.post(base + "/v1/chat/completions", data=chunked_upload(),
+                              headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 413 and (await resp.json())["error"]["code"] == "request_too_large"
             for body, status, code in ((b'{"model": "chat", "messages": [', 400, "invalid_json"),
                                        (b'["chat"]', 400, "invalid_json"),
                                        (b'{"messages": []}', 400, "missing_model")):

@@ -217,12 +217,11 @@ def test_demand_for_a_primary_lingers_until_it_has_a_replica() -> None:
     woken: list[str] = []
     router = Router(wake=woken.append, clock=clock)
     router.set_catalog(Catalog(models=(model("big", fallbacks=("small",)), model("small"))))
-    big = router.routes.resolve("big")
-    router._want(big)
-    router._want(big)
+    router._demand.want("big")
+    router._demand.want("big")
     assert woken == ["big"]  # at most once a second per model
     clock.now += 1.5
-    router._want(big)
+    router._demand.want("big")
     assert woken == ["big", "big"]
     assert router.demand() == {"big": Demand(held=1, inflight=0)}
     clock.now += 10
@@ -230,7 +229,7 @@ def test_demand_for_a_primary_lingers_until_it_has_a_replica() -> None:
     router.set_endpoints([endpoint("big", "http://a")])
     assert router.demand() == {}  # a replica exists: the control plane has done its part
     router.set_endpoints([])
-    router._want(big)
+    router._demand.want("big")
     clock.now += 16
     assert router.demand() == {}  # nobody asked again for wake_linger seconds
 
@@ -276,7 +275,7 @@ def test_in_process_wiring_hears_the_catalog_first_and_fans_out() -> None:
     woken: list[str] = []
     router.attach(desired, wake=woken.append)
     assert router.routes.resolve("a") is not None and router.has_catalog
-    desired.subscribe(lambda c: seen.append("router saw b: " + str(router.routes.resolve("b") is not None)),
+    desired.subscribe(lambda _c: seen.append("router saw b: " + str(router.routes.resolve("b") is not None)),
                       order=RECONCILER)
     desired.set(Catalog(models=(model("b"),)))
     assert router.routes.resolve("a") is None and "router saw b: True" in seen
@@ -284,5 +283,12 @@ def test_in_process_wiring_hears_the_catalog_first_and_fans_out() -> None:
     fan.set_catalog(Catalog(models=(model("c"),)))
     fan.set_endpoints([endpoint("c", "http://c")])
     assert router.table.has("c") and hub.snapshot()["endpoints"][0]["model"] == "c"
-    router._want(router.routes.resolve("c"))
+    router._demand.want("c")
     assert woken == ["c"]
+
+
+def test_a_cooling_replica_is_skipped_when_asked() -> None:
+    t = table(endpoint("m", "http://a", "a"))
+    t.upstreams["a"].cooldown_until = 10.0
+    assert pick(t.groups["m"], 5.0, random.Random(), cooled=False) is None
+    assert pick(t.groups["m"], 5.0, random.Random()) is t.upstreams["a"]

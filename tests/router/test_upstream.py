@@ -202,3 +202,22 @@ async def test_failures_are_typed() -> None:
         with pytest.raises(UpstreamFailed, match="malformed chunk"):
             await send(p, origin)
     await p.close()
+
+
+async def test_idle_connections_are_swept() -> None:
+    async def reply(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    async with scripted(reply) as (server, origin):
+        p = UpstreamPool(connect_timeout=1.0, read_timeout=1.0, keepalive_timeout=0.1)
+        await send(p, origin)
+        p.sweep(origin)
+        assert len(origin.idle) == 1  # still fresh
+        await asyncio.sleep(0.15)
+        p.sweep(origin)
+        assert origin.idle == []
+        await send(p, origin)
+        origin.retired = True  # its replica left the table
+        p.sweep(origin)
+        assert origin.idle == [] and server.connections == 2
+        await p.close()

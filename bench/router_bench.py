@@ -1,0 +1,399 @@
+"""bench: what llmgw's router costs, against a bare proxy hop, bare Python, and LiteLLM (issue 6).
+
+In one run, against one simulated engine with zero artificial latency and one load generator
+(wrk) at fixed concurrency, five paths to the same engine are measured:
+
+    direct    wrk → engine
+    nginx     wrk → nginx proxy_pass (one worker, upstream keepalive, no buffering) → engine
+    llmgw     wrk → llmgw's Router (the real one: catalog, table, selection, metrics) → engine
+    bare      wrk → a bare aiohttp pass-through (one shared ClientSession, nothing else) → engine
+    litellm   wrk → LiteLLM's proxy (in its own venv, never a dependency of llmgw) → engine
+
+The system under test runs pinned to core 0; the engine, wrk and this script share core 1, so
+requests/s is "what one core of proxy does". Figures: added latency p50/p99 over direct at one
+connection and at 32, requests/s at 32, and streamed time to first byte (this script's own
+client over one keep-alive connection: time from sending a streamed chat request to the first
+``data:`` line). Goal (issue 6): llmgw ≥ 40x LiteLLM's and ≥ 70 % of the bare pass-through's
+requests/s; added p50 at one connection ≤ 1/10 of LiteLLM's; added streamed TTFB < 1.5 ms.
+
+    python bench/router_bench.py [--quick] [--duration S] [--skip-litellm]
+
+The last line is one JSON object with every figure. LiteLLM is installed on first use into
+``$LLMGW_LITELLM_VENV`` (default /tmp/llmgw-litellm-venv); ``--quick`` skips it only when that
+install does not finish in time, and says so in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+SUT_CORE, LOAD_CORE = "0", "1"
+MODEL = "sim"
+BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say something about routers."}],
+                   "max_tokens": 16})
+STREAM_BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say something."}],
+                          "max_tokens": 16, "stream": True})
+LITELLM_VENV = Path(os.environ.get("LLMGW_LITELLM_VENV", "/tmp/llmgw-litellm-venv"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited ({proc.returncode}) before listening on {port}: {proc.args}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listened on {port} within {timeout} s: {proc.args}")
+
+
+def spawn(argv: list[str], core: str, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(["taskset", "-c", core, *argv], stdin=subprocess.DEVNULL, stdout=out,
+                            stderr=subprocess.STDOUT if log else subprocess.DEVNULL, env={**os.environ, **(env or {})},
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# --- the systems under test served by this same file --------------------------------------------
+
+async def serve_llmgw(port: int, engine: str) -> None:
+    from llmgw.catalog.model import Catalog, Model, Profile
+    from llmgw.reconciler.replica import Endpoint
+    from llmgw.router import Router
+
+    profile = Profile(name="sim", priority=0, engine="sim", gpus=0)
+    router = Router()
+    router.set_catalog(Catalog(models=(Model(name=MODEL, source="/bench", size_gb=1, profiles=(profile,)),)))
+    router.set_endpoints([Endpoint(replica_id="sim-g1", model=MODEL, names=(MODEL,), url=engine, engine="sim",
+                                   profile="sim", priority=0)])
+    await router.start()
+    await router.listen("127.0.0.1", port)
+    await asyncio.Event().wait()
+
+
+async def serve_bare(port: int, engine: str) -> None:
+    """The cost of Python itself: read the body, POST it on, pass the answer back (streamed)."""
+    import aiohttp
+    from aiohttp import web
+
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        async with session.post(engine + request.path, data=body,
+                                headers={"Content-Type": "application/json"}) as up:
+            if up.content_type == "text/event-stream":
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await out.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+            return web.Response(status=up.status, body=await up.read(), content_type=up.content_type)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", forward)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await asyncio.Event().wait()
+
+
+def event_loop_name() -> str:
+    try:
+        import uvloop  # noqa: F401 - only asking whether it is there
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def run_loop(coro) -> None:  # noqa: ANN001
+    """Both Python systems under test run on the same loop: uvloop when installed (as LiteLLM's uvicorn
+    and llmgw's router do), else asyncio's own."""
+    if event_loop_name() == "uvloop":
+        import uvloop
+
+        uvloop.run(coro)
+    else:
+        asyncio.run(coro)
+
+
+def start_nginx(tmp: Path, port: int, engine_port: int) -> subprocess.Popen:
+    conf = tmp / "nginx.conf"
+    conf.write_text(f"""
+worker_processes 1;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy;
+  fastcgi_temp_path {tmp}/fcgi; uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
+  upstream engine {{ server 127.0.0.1:{engine_port}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://engine;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+""")
+    return spawn(["nginx", "-c", str(conf), "-p", str(tmp)], SUT_CORE)
+
+
+def ensure_litellm(deadline: float | None) -> tuple[Path | None, str]:
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if exe.exists():
+        return exe, "installed"
+    try:
+        if not (LITELLM_VENV / "bin" / "pip").exists():
+            subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True, timeout=120)
+        timeout = None if deadline is None else max(1.0, deadline - time.monotonic())
+        subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True,
+                       timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return None, "skipped: installing litellm[proxy] took too long for --quick"
+    except subprocess.CalledProcessError as exc:
+        return None, f"skipped: installing litellm[proxy] failed ({exc.returncode})"
+    return (exe, "installed now") if exe.exists() else (None, "skipped: no litellm executable after install")
+
+
+def start_litellm(tmp: Path, port: int, engine: str, exe: Path) -> subprocess.Popen:
+    conf = tmp / "litellm.yaml"
+    conf.write_text(json.dumps({
+        "model_list": [{"model_name": MODEL, "litellm_params": {"model": f"openai/{MODEL}",
+                                                                "api_base": engine + "/v1", "api_key": "x"}}],
+        "general_settings": {"dangerously_permit_weak_or_unset_master_key": True},
+    }))
+    env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY_DISABLED": "true", "LITELLM_LOG": "ERROR"}
+    return spawn([str(exe), "--config", str(conf), "--port", str(port), "--num_workers", "1"], SUT_CORE, env,
+                 log=tmp / "litellm.log")
+
+
+# --- load generation ---------------------------------------------------------------------------
+
+def wrk(url: str, script: Path, connections: int, duration: float) -> dict[str, float]:
+    out = subprocess.run(["taskset", "-c", LOAD_CORE, "wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s",
+                          "--latency", "-s", str(script), url],
+                         capture_output=True, text=True, timeout=duration + 60, check=True).stdout
+    lat = {m.group(1): _ms(m.group(2), m.group(3))
+           for m in re.finditer(r"^\s+(50|75|90|99)%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)}
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    socket_errors = re.search(r"Socket errors: (.*)", out)
+    return {"rps": rps, "p50_ms": lat["50"], "p99_ms": lat["99"],
+            "non2xx": int(errors.group(1)) if errors else 0, "socket_errors": socket_errors.group(1) if socket_errors
+            else ""}
+
+
+def _ms(value: str, unit: str) -> float:
+    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+
+
+async def ttfb(port: int, count: int) -> float:
+    """p50 ms from sending a streamed chat request to the first ``data:`` line, one keep-alive connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = STREAM_BODY.encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    times = []
+    try:
+        for _ in range(count):
+            t0 = time.perf_counter()
+            writer.write(head + body)
+            first = None
+            headers = await reader.readuntil(b"\r\n\r\n")
+            if b" 200 " not in headers.split(b"\r\n", 1)[0]:
+                raise RuntimeError(f"streamed request failed: {headers[:200]!r}")
+            chunked = b"chunked" in headers.lower()
+            # Read the chunked body to its end, noting when the first data: line shows up.
+            buf = b""
+            while True:
+                if chunked:
+                    size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+                    data = await reader.readexactly(size + 2)
+                    if size == 0:
+                        break
+                    buf += data[:-2]
+                else:
+                    raise RuntimeError("expected a chunked SSE response")
+                if first is None and b"data:" in buf:
+                    first = time.perf_counter() - t0
+            times.append(first if first is not None else time.perf_counter() - t0)
+    finally:
+        writer.close()
+    return statistics.median(times) * 1000
+
+
+def write_script(tmp: Path) -> Path:
+    script = tmp / "post.lua"
+    script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                      f"wrk.body = {json.dumps(BODY)}\n")
+    return script
+
+
+def measure(name: str, port: int, script: Path, duration: float, warmup: float, ttfb_count: int) -> dict:
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    wrk(url, script, 8, warmup)
+    c1 = wrk(url, script, 1, duration)
+    c32 = wrk(url, script, 32, duration)
+    t = asyncio.run(ttfb(port, ttfb_count))
+    res = {"c1_p50_ms": c1["p50_ms"], "c1_p99_ms": c1["p99_ms"], "c1_rps": c1["rps"],
+           "c32_p50_ms": c32["p50_ms"], "c32_p99_ms": c32["p99_ms"], "c32_rps": c32["rps"], "ttfb_ms": t,
+           "errors": c1["non2xx"] + c32["non2xx"]}
+    print(f"{name:8s} c1 p50 {c1['p50_ms']:.3f} ms p99 {c1['p99_ms']:.3f} ms | c32 {c32['rps']:.0f} req/s "
+          f"p50 {c32['p50_ms']:.2f} ms p99 {c32['p99_ms']:.2f} ms | ttfb {t:.3f} ms"
+          + (f" | ERRORS {res['errors']} {c32['socket_errors']}" if res["errors"] else ""), flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="short runs (under a minute)")
+    p.add_argument("--duration", type=float, default=None, help="seconds per wrk run (default 15, quick 2)")
+    p.add_argument("--skip-litellm", action="store_true")
+    p.add_argument("--only", default=None, help="comma-separated subset of direct,nginx,llmgw,bare,litellm")
+    p.add_argument("--serve", choices=("llmgw", "bare"), help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--engine", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.serve:
+        run_loop((serve_llmgw if a.serve == "llmgw" else serve_bare)(a.port, a.engine))
+        return 0
+    for tool in ("wrk", "nginx", "taskset"):
+        if shutil.which(tool) is None:
+            print(f"{tool} is missing: apt-get install -y nginx wrk util-linux", file=sys.stderr)
+            return 2
+    started = time.monotonic()
+    duration = a.duration or (2.0 if a.quick else 15.0)
+    warmup = 1.0 if a.quick else 3.0
+    ttfb_count = 100 if a.quick else 400
+    only = set(a.only.split(",")) if a.only else {"direct", "nginx", "llmgw", "bare", "litellm"}
+    os.sched_setaffinity(0, {int(LOAD_CORE)})
+    procs: list[subprocess.Popen] = []
+    results: dict[str, dict] = {}
+    litellm_note = "skipped (--skip-litellm)" if a.skip_litellm else "not measured"
+    with tempfile.TemporaryDirectory(prefix="llmgw-router-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        script = write_script(tmp)
+        try:
+            engine_port = free_port()
+            engine = f"http://127.0.0.1:{engine_port}"
+            sim = spawn([sys.executable, "-m", "llmgw.engines.sim", "--model", MODEL, "--port", str(engine_port)],
+                        LOAD_CORE, env={"PYTHONPATH": str(REPO)})
+            procs.append(sim)
+            wait_port(engine_port, sim, 15)
+            targets: list[tuple[str, int, subprocess.Popen | None]] = [("direct", engine_port, None)]
+            for name in ("nginx", "llmgw", "bare"):
+                if name not in only:
+                    continue
+                port = free_port()
+                if name == "nginx":
+                    proc = start_nginx(tmp, port, engine_port)
+                else:
+                    proc = spawn([sys.executable, __file__, "--serve", name, "--port", str(port), "--engine", engine],
+                                 SUT_CORE, env={"PYTHONPATH": str(REPO)})
+                procs.append(proc)
+                wait_port(port, proc, 15)
+                targets.append((name, port, proc))
+            if "litellm" in only and not a.skip_litellm:
+                exe, litellm_note = ensure_litellm(started + 25 if a.quick else None)
+                if exe is not None:
+                    port = free_port()
+                    proc = start_litellm(tmp, port, engine, exe)
+                    procs.append(proc)
+                    wait_port(port, proc, 90)
+                    targets.append(("litellm", port, proc))
+            for name, port, proc in targets:
+                if name == "litellm":
+                    # Its first requests are slow (lazy imports, client set-up): warm it up properly.
+                    wrk(f"http://127.0.0.1:{port}/v1/chat/completions", script, 4, 3.0)
+                results[name] = measure(name, port, script, duration, warmup, ttfb_count)
+                if proc is not None and name != "direct":
+                    stop(proc)  # one system under test on core 0 at a time
+        finally:
+            for proc in reversed(procs):
+                stop(proc)
+    return report(results, litellm_note, a.quick, time.monotonic() - started)
+
+
+def report(results: dict[str, dict], litellm_note: str, quick: bool, elapsed: float) -> int:
+    direct = results["direct"]
+    out: dict[str, object] = {"bench": "router", "quick": quick, "event_loop": event_loop_name()}
+    for name, r in results.items():
+        out[f"{name}_rps_c32"] = round(r["c32_rps"], 1)
+        out[f"{name}_ttfb_ms"] = round(r["ttfb_ms"], 3)
+        out[f"{name}_p50_c1_ms"] = round(r["c1_p50_ms"], 3)
+        out[f"{name}_errors"] = r["errors"]
+        if name != "direct":
+            out[f"{name}_added_p50_c1_ms"] = round(r["c1_p50_ms"] - direct["c1_p50_ms"], 3)
+            out[f"{name}_added_p99_c1_ms"] = round(r["c1_p99_ms"] - direct["c1_p99_ms"], 3)
+            out[f"{name}_added_p50_c32_ms"] = round(r["c32_p50_ms"] - direct["c32_p50_ms"], 3)
+            out[f"{name}_added_p99_c32_ms"] = round(r["c32_p99_ms"] - direct["c32_p99_ms"], 3)
+            out[f"{name}_added_ttfb_ms"] = round(r["ttfb_ms"] - direct["ttfb_ms"], 3)
+    out["litellm"] = litellm_note
+    checks: dict[str, bool] = {}
+    if "llmgw" in results:
+        me = results["llmgw"]
+        if "bare" in results:
+            out["llmgw_vs_bare_rps"] = round(me["c32_rps"] / results["bare"]["c32_rps"], 3)
+            checks["rps >= 0.7 x bare"] = out["llmgw_vs_bare_rps"] >= 0.7
+        if "litellm" in results:
+            out["llmgw_vs_litellm_rps"] = round(me["c32_rps"] / results["litellm"]["c32_rps"], 1)
+            checks["rps >= 40 x litellm"] = out["llmgw_vs_litellm_rps"] >= 40
+            checks["added p50 c1 <= litellm/10"] = (out["llmgw_added_p50_c1_ms"]
+                                                    <= out["litellm_added_p50_c1_ms"] / 10)
+        checks["added ttfb < 1.5 ms"] = out["llmgw_added_ttfb_ms"] < 1.5
+        checks["no errors"] = me["errors"] == 0
+    out["checks"] = checks
+    out["elapsed_s"] = round(elapsed, 1)
+    out["goal"] = ("llmgw on one core: >= 40x LiteLLM's and >= 70% of a bare aiohttp pass-through's req/s at -c32; "
+                   "added p50 at -c1 <= 1/10 of LiteLLM's; added streamed TTFB < 1.5 ms")
+    out["met"] = bool(checks) and all(checks.values()) and "litellm" in results
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

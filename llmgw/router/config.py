@@ -1,0 +1,26 @@
+"""The router's knobs, with the defaults an operator gets when they set none."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    body_limit: int = 32 * 1024 * 1024  # bytes; larger bodies are 413 (images in chat can be big)
+    connect_timeout: float = 5.0        # seconds to open a connection to an engine
+    # Seconds without a byte from the engine: before the first (headers, or a streamed first token;
+    # a non-streamed answer arrives whole, so this bounds its whole generation) and between chunks.
+    first_byte_timeout: float = 600.0
+    hold_timeout: float = 180.0         # how long a request waits for a replica to be woken
+    max_held: int = 1024                # requests waiting at once; beyond, 503 at once
+    retries: int = 1                    # other replicas tried after a failure before the first byte
+    cooldown: float = 5.0               # seconds a failed replica is skipped while others remain
+    load_interval: float = 1.0          # seconds between reads of each engine's queue depth
+    max_idle: int = 512                 # idle keep-alive connections kept per replica
+    # Below the engines' own idle timeout (uvicorn's, which vLLM uses, is 5 s), so the router
+    # never sends a request on a connection the engine is closing.
+    keepalive_timeout: float = 4.0
+    retry_after: int = 5                # seconds, in Retry-After when waiting helps
+    wake_linger: float = 15.0
+    drain_timeout: float = 10.0         # on close, seconds in-flight requests get to finish
