@@ -17,6 +17,7 @@ from llmgw.admin import api
 from llmgw.admin.dashboard import dashboard
 from llmgw.admin.openapi import openapi_document
 from llmgw.gitops.webhook import webhook_handler
+from llmgw.router.feed import REPORT_PATH, WATCH_PATH, FeedHub
 
 if TYPE_CHECKING:
     from llmgw.control import Controller
@@ -73,9 +74,9 @@ def build_admin_app(
     *,
     token: str,
     webhook_secret: str = "",
-    extra_routes: Callable[[web.Application], None] | None = None,
+    hub: FeedHub | None = None,
 ) -> web.Application:
-    """The admin aiohttp app. ``extra_routes`` lets the router's feed mount its handlers."""
+    """The admin aiohttp app; with a ``hub``, also the watch stream standalone routers follow."""
     app = web.Application(middlewares=[json_errors, auth_middleware(token)], client_max_size=MAX_BODY)
     app[api.CONTROLLER] = controller
     r = app.router
@@ -99,10 +100,15 @@ def build_admin_app(
     r.add_get(f"{PREFIX}/openapi.json", openapi)
     r.add_post(WEBHOOK, webhook_handler(webhook_secret, controller.follower.trigger))
     r.add_get("/", dashboard)
-    if extra_routes is not None:
-        extra_routes(app)
+    if hub is not None:
+        r.add_get(WATCH_PATH, hub.watch)
+        r.add_post(REPORT_PATH, hub.report)
+    app[FEED] = hub is not None
     return app
 
 
-async def openapi(request: web.Request) -> web.Response:  # noqa: ARG001 - aiohttp handler signature
-    return web.json_response(openapi_document())
+FEED: web.AppKey[bool] = web.AppKey("feed")
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document(feed=request.app[FEED]))

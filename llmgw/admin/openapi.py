@@ -114,7 +114,7 @@ BAD = {"400": "malformed request"}
 
 
 @cache
-def openapi_document() -> dict[str, Any]:
+def openapi_document(*, feed: bool = True) -> dict[str, Any]:
     v = "/api/v1"
     paths = {
         f"{v}/summary": {"get": _op("Fleet summary", _json(_ref("Summary")))},
@@ -167,6 +167,15 @@ def openapi_document() -> dict[str, Any]:
             "responses": {"202": _json(_obj({"status": STR})), "401": _json(ERR, "bad or missing signature"),
                           "413": _json(ERR, "too large")}}},
     }
+    if feed:
+        paths[f"{v}/router/watch"] = {"get": _op(
+            "Watch stream for standalone routers: one JSON snapshot per line, resent on every change", {
+                "description": "a long-lived stream of JSON lines",
+                "content": {"application/x-ndjson": {"schema": STR}}})}
+        paths[f"{v}/router/report"] = {"post": _op(
+            "A standalone router's usage report (last use per replica, demand per model)",
+            _json(_obj({"ok": BOOL, "version": INT})), errors=BAD,
+            body=_obj({"router_id": STR, "last_used": _s("object"), "demand": _s("object")}))}
     return {
         "openapi": "3.0.3",
         "info": {"title": "llmgw admin API", "version": __version__},

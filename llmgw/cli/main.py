@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_parser(sub)
     serve.add_parsers(sub)
     up.add_parser(sub)
+    from llmgw.router import main as router_cmd
+
+    router_cmd.add_parser(sub)
     return parser
 
 
@@ -33,7 +36,10 @@ def main(argv: Sequence[str] | None = None, *, console: Console | None = None) -
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args, console or make_console()))
+    try:
+        return int(args.func(args, console or make_console()))
+    except KeyboardInterrupt:  # Ctrl-C before a command installed its own handling
+        return 130
 
 
 if __name__ == "__main__":

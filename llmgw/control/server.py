@@ -12,6 +12,7 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -39,6 +40,7 @@ def check_free(listen: Listen, what: str) -> None:
 @dataclass
 class Running:
     controller: Controller
+    router: Any
     runners: list[web.AppRunner]
     router_url: str
     admin_url: str
@@ -47,6 +49,7 @@ class Running:
         for runner in self.runners:
             await runner.cleanup()
         await self.controller.close()
+        await self.router.close()
 
 
 def controller_config(cfg: ServerConfig) -> ControllerConfig:
@@ -64,17 +67,29 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
         raise ConfigError("no admin token: set admin_token (or admin_token_file, or LLMGW_ADMIN_TOKEN)")
     check_free(cfg.admin_listen, admin_flag)
     check_free(cfg.router_listen, router_flag)
-    from llmgw.router.wiring import build_router  # the router is built against the controller's state
+    from llmgw.gitops.desired import ROUTER
+    from llmgw.router.app import Router
+    from llmgw.router.config import RouterConfig
+    from llmgw.router.feed import Fanout, FeedHub, MergedUsage
+    from llmgw.router.keys import KeyRing
 
-    router, router_app, feed_routes = build_router(cfg)
-    controller = Controller(controller_config(cfg), sink=router, usage=router)
-    router.attach(controller)
+    keys = KeyRing.from_entries(cfg.api_keys, where="api_keys")
+    router = Router(keys=keys, config=RouterConfig(**cfg.router))
+    # The hub serves routers running as their own processes: same endpoints, same catalog,
+    # and their usage merged with the in-process router's.
+    hub = FeedHub()
+    hub.set_api_keys(cfg.api_keys)
+    controller = Controller(controller_config(cfg), sink=Fanout(router, hub), usage=MergedUsage(router, hub))
+    wake = lambda _model: controller.reconciler.notify()  # noqa: E731 - one-line adapter
+    router.attach(controller.desired, wake=wake)
+    hub.wake = wake
+    controller.desired.subscribe(hub.set_catalog, order=ROUTER)
+    await router.start()
     await controller.start()
-    runners = []
+    runners: list[web.AppRunner] = []
     try:
-        admin_app = build_admin_app(controller, token=cfg.admin_token, webhook_secret=cfg.webhook_secret,
-                                    extra_routes=feed_routes)
-        for app, listen in ((router_app, cfg.router_listen), (admin_app, cfg.admin_listen)):
+        admin_app = build_admin_app(controller, token=cfg.admin_token, webhook_secret=cfg.webhook_secret, hub=hub)
+        for app, listen in ((router.app(), cfg.router_listen), (admin_app, cfg.admin_listen)):
             runner = web.AppRunner(app, access_log=None, handle_signals=False)
             await runner.setup()
             await web.TCPSite(runner, listen.host, listen.port).start()
@@ -83,8 +98,9 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
         for runner in runners:
             await runner.cleanup()
         await controller.close()
+        await router.close()
         raise
-    return Running(controller, runners, f"http://{cfg.router_listen.host}:{cfg.router_listen.port}",
+    return Running(controller, router, runners, f"http://{cfg.router_listen.host}:{cfg.router_listen.port}",
                    f"http://{cfg.admin_listen.host}:{cfg.admin_listen.port}")
 
 

@@ -244,9 +244,11 @@ class FeedHub:
             used = {_str(k): float(v) for k, v in (data.get("last_used") or {}).items()}
             dem = {_str(m): Demand(held=int(d.get("held", 0)), inflight=int(d.get("inflight", 0)))
                    for m, d in (data.get("demand") or {}).items()}
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            return web.json_response({"error": {"message": f"malformed router report: {exc!r}",
-                                                "type": "invalid_request_error", "code": "bad_report"}}, status=400)
+        except KeyError as exc:
+            # The admin API's error shape ({"error": "..."}), not the OpenAI one: this is an admin route.
+            return web.json_response({"error": f"malformed router report: {exc.args[0]} is missing"}, status=400)
+        except (ValueError, TypeError, AttributeError) as exc:
+            return web.json_response({"error": f"malformed router report: {exc}"}, status=400)
         self._reports[router_id] = (self.clock(), used, dem)
         if self.wake is not None:
             for model, d in dem.items():

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from llmgw.admin.app import build_admin_app
 from llmgw.control import Controller
+from llmgw.router.feed import FeedHub
 from tests.conftest import git
 from tests.fixtures.sshd_fleet import SshdFleet
 from tests.reconciler.fleet_e2e import CatalogRepo, Recorder, make_controller, make_repo, ready, sim_model
@@ -77,7 +78,7 @@ def running(sshd_fleet, tmp_path_factory) -> Iterator[Running]:
     async def main() -> None:
         c = make_controller(repo, tmp / "data", fleet, Recorder())
         await c.start()
-        app = build_admin_app(c, token=TOKEN, webhook_secret=SECRET)
+        app = build_admin_app(c, token=TOKEN, webhook_secret=SECRET, hub=FeedHub())
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
