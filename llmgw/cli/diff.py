@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from llmgw.catalog import read_directory
-from llmgw.cli.client import ApiError, resolve_client
+from llmgw.cli.client import ApiError, Client, resolve_client
 from llmgw.cli.output import fail, print_json
 from llmgw.errors import CatalogError, GitError
 from llmgw.plan import FleetSnapshot, build_report, render_json, render_markdown, render_text
@@ -56,6 +56,30 @@ def export(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _local_up(repo_root: Path) -> Client | None:
+    """The controller of a `llmgw up` whose catalog repository this is, if it runs."""
+    data = repo_root.parent
+    url_file, token_file = data / "admin.url", data / "admin.token"
+    if not (url_file.exists() and token_file.exists()):
+        return None
+    client = Client(url_file.read_text().strip(), token_file.read_text().strip(), timeout=5)
+    try:
+        client.request("GET", "/api/v1/healthz")
+    except ApiError:
+        return None
+    return client
+
+
+def _has_rev(repo, rev: str) -> bool:  # noqa: ANN001 - git.Repo
+    import git
+
+    try:
+        repo.commit(rev)
+    except (git.GitError, git.BadName, git.BadObject, ValueError):
+        return False
+    return True
+
+
 def run(args: argparse.Namespace, console: Console) -> int:
     import git
 
@@ -72,11 +96,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     try:
         if args.controller:
             client = resolve_client(args.controller, args.token, None)
+        elif not args.snapshot:
+            client = _local_up(root)
         base_rev = args.base
         if base_rev is None and client is not None:
             base_rev = client.request("GET", "/api/v1/sync")["applied_sha"]
         if base_rev is None:
             base_rev = f"origin/{args.branch}"
+            if not _has_rev(repo, base_rev):
+                base_rev = "HEAD"  # no remote to compare with: the last commit
         base_sha = resolve_commit(repo, base_rev).hexsha
         base_files = read_git_tree(repo, base_sha, subdir=subdir)
         if args.head:
@@ -95,7 +123,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
             note = f"live fleet at {client.url}"
     except (GitError, CatalogError, ApiError, OSError, ValueError, KeyError) as exc:
         return fail(console, str(exc))
-    base_name = base_rev if base_rev == base_sha[: len(base_rev)] else f"{base_rev} ({base_sha[:12]})"
+    base_name = (base_sha[:12] if base_rev == base_sha else base_rev if base_rev == base_sha[: len(base_rev)]
+                 else f"{base_rev} ({base_sha[:12]})")
     report = build_report(base_name, base_files, head_name, head_files, fleet, now=time.time(), fleet_note=note)
     if args.format == "json":
         print_json(console, render_json(report))

@@ -42,6 +42,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     async def main() -> None:
         running = await start(cfg, router_flag="--router-port", admin_flag="--admin-port")
+        # Lets `llmgw diff` in the catalog repository find this controller and its fleet.
+        (layout.data_dir / "admin.url").write_text(running.admin_url + "\n")
         try:
             _welcome(console, running.router_url, running.admin_url, layout, cfg.admin_token)
             await asyncio.Event().wait()

@@ -74,6 +74,7 @@ class Plan:
     node_use: tuple[NodeUse, ...] = ()
     without_ready: tuple[tuple[str, str], ...] = ()  # (model, why)
     prune: PruneVerdict | None = None
+    still_unplaced: dict[str, int] = field(default_factory=dict)  # unplaceable before the change too
 
     def count(self, action: str) -> int:
         return sum(1 for s in self.steps if s.action == action)
@@ -94,6 +95,10 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
     # Nothing looks idle in a plan: idleness is the tick's business, not the change's.
     busy = {r.id: now for r in replicas}
     d = decide(head, inv, replicas, last_used=busy, demand={}, now=now, with_reasons=True)
+    # What could not be placed before the change is not the change's doing: shown apart.
+    before = decide(base, inv, replicas, last_used=busy, demand={}, now=now).unplaced if base else {}
+    still = {m: n for m, n in d.unplaced.items() if before.get(m, 0) >= n}
+    new_unplaced = {m: n for m, n in d.unplaced.items() if m not in still}
     by_id = {r.id: r for r in replicas}
     replaced = {n.replaces for n in d.create if n.replaces}
     steps: list[Step] = []
@@ -151,7 +156,7 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
                       and r.id not in {rid for rid, _ in d.stop}]
         if ready_left:
             continue
-        if model.name in d.unplaced:
+        if model.name in new_unplaced:
             without.append((model.name, "cannot be placed"))
         elif any(n.placement.model == model.name for n in d.create):
             without.append((model.name, "until its new replica is ready"))
@@ -164,8 +169,9 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
     prune = judge_prune(base, head, ready) if base is not None else None
     return Plan(
         steps=tuple(steps),
-        unplaceable={m: tuple(x for x in d.rejections if x.model == m) for m in d.unplaced},
-        unplaced_counts=dict(d.unplaced),
+        unplaceable={m: tuple(x for x in d.rejections if x.model == m) for m in new_unplaced},
+        unplaced_counts=new_unplaced,
+        still_unplaced=still,
         fetches=tuple(fetches),
         new_orphans=tuple(orphans),
         node_use=tuple(u for u in use if u.gpus_before != u.gpus_after or u.disk_before_gb != u.disk_after_gb),

@@ -84,6 +84,9 @@ def render_text(r: DiffReport) -> str:
             out.append(f"  ! cannot place {model} ({n} replica{'s' * (n != 1)}):")
             for x in p.unplaceable.get(model, ()):
                 out.append(f"      {x.profile} on {x.node}: {x.reason}")
+        if p.still_unplaced:
+            names = ", ".join(f"{m} ({n})" for m, n in sorted(p.still_unplaced.items()))
+            out.append(f"  (still cannot be placed, as before this change: {names}; see `llmgw explain`)")
         for node, model, gb in p.fetches:
             out.append(f"  fetch   {node}: weights of {model} ({gb:g} GB)")
         for node, name, gb in p.new_orphans:
@@ -144,6 +147,9 @@ def render_markdown(r: DiffReport) -> str:
             out.append("")
             out += [f"- {_md(x.profile)} on {_md(x.node)}: {_md(x.reason)}" for x in p.unplaceable.get(model, ())]
             out += ["", "</details>", ""]
+        if p.still_unplaced:
+            names = ", ".join(f"{_md(m)} ({n})" for m, n in sorted(p.still_unplaced.items()))
+            out += [f"_Still cannot be placed, as before this change: {names}._", ""]
         if p.fetches:
             out += ["**Weights to fetch:** " + ", ".join(f"{_md(n)}: {_md(m)} ({gb:g} GB)" for n, m, gb in p.fetches),
                     ""]
@@ -190,6 +196,7 @@ def render_json(r: DiffReport) -> dict[str, Any]:
             "new_orphans": [{"node": n, "name": x, "gb": gb} for n, x, gb in p.new_orphans],
             "node_use": [u.__dict__ for u in p.node_use],
             "without_ready": [{"model": m, "why": w} for m, w in p.without_ready],
+            "still_unplaced": dict(sorted(p.still_unplaced.items())),
             "prune_guard": None if p.prune is None else {"held": p.prune.held, "reasons": list(p.prune.reasons)},
         },
     }

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 from pathlib import Path
 
 import openai
 import pytest
 
 from tests.conftest import git
-from tests.e2e.processes import free_port, start, stop, wait_for
+from tests.e2e.processes import LLMGW, free_port, start, stop, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +78,24 @@ def test_up_serves_applies_commits_and_stops_clean(tmp_path: Path) -> None:
         git(repo, "add", "-A")
         git(repo, "commit", "-q", "-m", "Add sim-extra")
         assert wait_for(lambda: answer("extra"), 60, "the new model served")
+
+        # The tour: `llmgw diff` in the repository plans an uncommitted edit against the live fleet,
+        # and the operator commands find the token of this `up` by themselves.
+        (repo / "models" / "sim-more.yaml").write_text(NEW_MODEL.replace("sim-extra", "sim-more").replace(
+            "[extra]", "[more]").replace("sim://extra", "sim://more"))
+        diff = subprocess.run([LLMGW, "diff", "--repo", str(repo)], capture_output=True, text=True, timeout=60,
+                              check=False)
+        assert diff.returncode == 2, diff.stdout + diff.stderr
+        assert re.search(r"llmgw diff [0-9a-f]{12} → working tree", diff.stdout)
+        assert "+ model sim-more" in diff.stdout and "(live fleet at http://127.0.0.1:" in diff.stdout
+        assert "+ start   sim-more/sim on local" in diff.stdout
+        # Models the local node can never hold are not this change's doing: shown apart, not counted.
+        assert "Plan: 1 to start, 0 to stop, 0 unplaceable." in diff.stdout
+        assert "still cannot be placed, as before this change: bge-large-en-v1.5 (1)" in diff.stdout
+        (repo / "models" / "sim-more.yaml").unlink()
+        status = subprocess.run([LLMGW, "status", "--data-dir", str(data), "--url", f"http://127.0.0.1:{admin_port}"],
+                                capture_output=True, text=True, timeout=60, check=False)
+        assert status.returncode == 0 and "sync      synced" in status.stdout, status.stdout + status.stderr
     finally:
         code = stop(proc, signal.SIGINT, timeout=60)
     assert code == 0, log.read_text()[-3000:]
