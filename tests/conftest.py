@@ -42,6 +42,21 @@ def git(cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
     return proc.stdout.strip()
 
 
+def commit_files(repo: Path, files: dict[str, str | None], message: str, *, author: str | None = None) -> str:
+    """Write (None: delete) files in a work tree and commit them as a person would; the new sha."""
+    for rel, content in files.items():
+        path = repo / rel
+        if content is None:
+            path.unlink()
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(content)
+    git(repo, "add", "-A")
+    extra = ["--author", author] if author else []
+    git(repo, "commit", "-q", "--allow-empty", *extra, "-m", message)
+    return git(repo, "rev-parse", "HEAD")
+
+
 @pytest.fixture
 def run_cli() -> Callable[..., tuple[int, str]]:
     """Run `llmgw ARGS` in-process, rendering rich output into a string."""

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.catalog.model import Engine, Task
 
@@ -148,10 +147,7 @@ async def read_load(
             text = await resp.text(errors="replace")
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return None
-    try:
-        return parse_load(text, engine)
-    except ValueError:
-        return None
+    return parse_load(text, engine)
 
 
 def parse_load(text: str, engine: Engine) -> Load | None:
@@ -160,20 +156,16 @@ def parse_load(text: str, engine: Engine) -> Load | None:
     Running and waiting are summed over every label set (an engine with several data-parallel
     ranks or models exports one series each). KV-cache usage is a share per cache, so the
     fullest one is reported, not a sum. None when neither running nor waiting is present, so
-    that "no metrics" is never mistaken for "idle". Raises ValueError on malformed text.
+    that "no metrics" is never mistaken for "idle". The router calls this every second per
+    replica on its own core, and vLLM's /metrics runs to ~100 KB of histograms, so the few
+    gauges are found by scanning for their names rather than parsing every family.
     """
     names = LOAD_METRICS[engine]
-    wanted = {*names.running, *names.waiting, *names.kv_cache_usage}
-    values: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                values.setdefault(sample.name, []).append(float(sample.value))
-    running = _first(values, names.running)
-    waiting = _first(values, names.waiting)
+    running = scan_samples(text, names.running)
+    waiting = scan_samples(text, names.waiting)
     if running is None and waiting is None:
         return None
-    kv = _first(values, names.kv_cache_usage)
+    kv = scan_samples(text, names.kv_cache_usage)
     return Load(
         running=round(sum(running or ())),
         waiting=round(sum(waiting or ())),
@@ -181,8 +173,28 @@ def parse_load(text: str, engine: Engine) -> Load | None:
     )
 
 
-def _first(values: dict[str, list[float]], names: tuple[str, ...]) -> list[float] | None:
-    return next((values[n] for n in names if n in values), None)
+def scan_samples(text: str, candidates: tuple[str, ...]) -> list[float] | None:
+    """Values of every sample of the first metric in ``candidates`` present in ``text``."""
+    for name in candidates:
+        values, start = [], 0
+        while True:
+            i = text.find(name, start)
+            if i < 0:
+                break
+            start = i + len(name)
+            if (i > 0 and text[i - 1] != "\n") or text[start:start + 1] not in ("{", " "):
+                continue  # inside a HELP/TYPE line, or a longer name with this prefix
+            end = text.find("\n", start)
+            line = text[start:] if end < 0 else text[start:end]
+            if line.startswith("{"):
+                line = line[line.rfind("}") + 1:]
+            try:
+                values.append(float(line.split()[0]))
+            except (IndexError, ValueError):
+                continue
+        if values:
+            return values
+    return None
 
 
 def _url(endpoint: str, path: str) -> str:

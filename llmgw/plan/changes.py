@@ -77,35 +77,30 @@ def _diff(before: dict[str, Any], after: dict[str, Any]) -> tuple[FieldChange, .
 
 def catalog_changes(base: Catalog | None, head: Catalog) -> list[Change]:
     """Models and nodes added, removed and changed between ``base`` and ``head``."""
-    out: list[Change] = []
-    old = {m.name: m for m in (base.models if base else ())}
-    new = {m.name: m for m in head.models}
-    for name in sorted(set(old) | set(new)):
-        if name not in old:
-            out.append(Change("model", name, "+", _added(model_fields(new[name]))))
-        elif name not in new:
-            out.append(Change("model", name, "-"))
-        else:
-            fields = _diff(model_fields(old[name]), model_fields(new[name]))
-            if fields:
-                out.append(Change("model", name, "~", fields))
-    old_n = {n.id: n for n in (base.nodes if base else ())}
-    new_n = {n.id: n for n in head.nodes}
-    for nid in sorted(set(old_n) | set(new_n)):
-        if nid not in old_n:
-            out.append(Change("node", nid, "+", _added(node_fields(new_n[nid]))))
-        elif nid not in new_n:
-            out.append(Change("node", nid, "-"))
-        else:
-            fields = _diff(node_fields(old_n[nid]), node_fields(new_n[nid]))
-            if fields:
-                out.append(Change("node", nid, "~", fields))
+    out = _entity_changes("model", {m.name: model_fields(m) for m in (base.models if base else ())},
+                          {m.name: model_fields(m) for m in head.models})
+    out += _entity_changes("node", {n.id: node_fields(n) for n in (base.nodes if base else ())},
+                           {n.id: node_fields(n) for n in head.nodes})
     if base is not None and base.settings != head.settings:
         before = asdict(base.settings)
         after = asdict(head.settings)
         flat_b = _flatten(before)
         flat_a = _flatten(after)
         out.append(Change("settings", "llmgw.yaml", "~", _diff(flat_b, flat_a)))
+    return out
+
+
+def _entity_changes(kind: str, old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]]) -> list[Change]:
+    out = []
+    for name in sorted(set(old) | set(new)):
+        if name not in old:
+            out.append(Change(kind, name, "+", _added(new[name])))
+        elif name not in new:
+            out.append(Change(kind, name, "-"))
+        else:
+            fields = _diff(old[name], new[name])
+            if fields:
+                out.append(Change(kind, name, "~", fields))
     return out
 
 

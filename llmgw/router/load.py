@@ -19,48 +19,20 @@ from collections.abc import Callable
 
 import aiohttp
 
-from llmgw.engines.health import LOAD_METRICS, METRICS_TIMEOUT, LoadMetrics
+from llmgw.engines.health import LOAD_METRICS, METRICS_TIMEOUT, parse_load
 from llmgw.router.table import EndpointTable, Upstream
 
 log = logging.getLogger(__name__)
 
 
-def scan_queue(text: str, names: LoadMetrics) -> tuple[int, int] | None:
+def scan_queue(text: str, engine: str) -> tuple[int, int] | None:
     """(running, waiting) summed over label sets, or None when neither gauge is present."""
-    running = _scan(text, names.running)
-    waiting = _scan(text, names.waiting)
-    if running is None and waiting is None:
-        return None
-    return round(running or 0), round(waiting or 0)
-
-
-def _scan(text: str, candidates: tuple[str, ...]) -> float | None:
-    for name in candidates:
-        total, found, start = 0.0, False, 0
-        while True:
-            i = text.find(name, start)
-            if i < 0:
-                break
-            start = i + len(name)
-            if (i > 0 and text[i - 1] != "\n") or text[start:start + 1] not in ("{", " "):
-                continue  # inside a HELP/TYPE line, or a longer name with this prefix
-            end = text.find("\n", start)
-            line = text[start:] if end < 0 else text[start:end]
-            if line.startswith("{"):
-                line = line[line.rfind("}") + 1:]
-            try:
-                total += float(line.split()[0])
-            except (IndexError, ValueError):
-                continue
-            found = True
-        if found:
-            return total
-    return None
+    load = parse_load(text, engine)  # type: ignore[arg-type]
+    return None if load is None else (load.running, load.waiting)
 
 
 async def read_queue(session: aiohttp.ClientSession, up: Upstream) -> tuple[int, int] | None:
-    names = LOAD_METRICS.get(up.endpoint.engine)  # type: ignore[call-overload]
-    if names is None:
+    if up.endpoint.engine not in LOAD_METRICS:
         return None
     try:
         async with session.get(up.url + "/metrics",
@@ -70,7 +42,7 @@ async def read_queue(session: aiohttp.ClientSession, up: Upstream) -> tuple[int,
             text = await resp.text(errors="replace")
     except (aiohttp.ClientError, TimeoutError, OSError):
         return None
-    return scan_queue(text, names)
+    return scan_queue(text, up.endpoint.engine)
 
 
 async def poll_loads(table: Callable[[], EndpointTable], session: aiohttp.ClientSession, interval: float) -> None:

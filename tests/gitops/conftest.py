@@ -9,7 +9,7 @@ import pytest
 
 from llmgw.gitops import DesiredState, GitMirror, GitOpsFollower, Store
 from tests.catalog.corpus import write_catalog
-from tests.conftest import git
+from tests.conftest import commit_files, git
 
 
 @dataclass
@@ -19,16 +19,7 @@ class Remote:
 
     def commit(self, files: dict[str, str | None], message: str, *, author: str | None = None) -> str:
         """Write (None: delete) files in the clone, commit, push; the new sha."""
-        for rel, content in files.items():
-            path = self.clone / rel
-            if content is None:
-                path.unlink()
-            else:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(content)
-        git(self.clone, "add", "-A")
-        extra = ["--author", author] if author else []
-        git(self.clone, "commit", "-q", *extra, "-m", message)
+        commit_files(self.clone, files, message, author=author)
         git(self.clone, "push", "-q", "origin", "HEAD:main")
         return git(self.clone, "rev-parse", "HEAD")
 

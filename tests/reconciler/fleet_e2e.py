@@ -10,7 +10,7 @@ from pathlib import Path
 
 from llmgw.control import Controller, ControllerConfig
 from llmgw.reconciler import Demand, Endpoint, ReconcilerConfig, ReplicaState
-from tests.conftest import git
+from tests.conftest import commit_files, git
 from tests.fixtures.sshd_fleet import SshdFleet
 
 LLMGW_YAML = "pools:\n  - name: default\n"
@@ -59,16 +59,7 @@ class CatalogRepo:
     path: Path
 
     def commit(self, files: dict[str, str | None], message: str) -> str:
-        for rel, content in files.items():
-            p = self.path / rel
-            if content is None:
-                p.unlink()
-            else:
-                p.parent.mkdir(parents=True, exist_ok=True)
-                p.write_text(content)
-        git(self.path, "add", "-A")
-        git(self.path, "commit", "-q", "--allow-empty", "-m", message)
-        return git(self.path, "rev-parse", "HEAD")
+        return commit_files(self.path, files, message)
 
 
 def make_repo(tmp: Path, fleet: SshdFleet, models: dict[str, str]) -> CatalogRepo:
