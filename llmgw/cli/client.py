@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmgw.control.config import default_data_dir
+from llmgw.paths import default_data_dir
 
 ENV_URL = "LLMGW_ADMIN_URL"
 ENV_TOKEN = "LLMGW_ADMIN_TOKEN"

@@ -13,11 +13,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from llmgw.catalog import read_directory
 from llmgw.cli.client import ApiError, Client, resolve_client
 from llmgw.cli.output import fail, print_json
 from llmgw.errors import CatalogError, GitError
-from llmgw.plan import FleetSnapshot, build_report, render_json, render_markdown, render_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -81,9 +79,12 @@ def _has_rev(repo, rev: str) -> bool:  # noqa: ANN001 - git.Repo
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    # Imported here, not at the top: every other command would pay for them at start-up.
     import git
 
+    from llmgw.catalog import read_directory
     from llmgw.catalog.gitread import read_git_tree, resolve_commit
+    from llmgw.plan import FleetSnapshot, build_report, render_json, render_markdown, render_text
 
     try:
         repo = git.Repo(args.repo, search_parent_directories=True)

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.panel import Panel
 
 from llmgw.cli.serve import run_until_signal
-from llmgw.control.config import default_data_dir
+from llmgw.paths import default_data_dir
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -16,6 +16,7 @@ import yaml
 
 from llmgw.catalog.durations import DurationError, parse_duration
 from llmgw.errors import ConfigError
+from llmgw.paths import default_data_dir
 from llmgw.reconciler import ReconcilerConfig
 
 ENV_ADMIN_TOKEN = "LLMGW_ADMIN_TOKEN"
@@ -85,11 +86,6 @@ def _seconds(raw: Any, what: str) -> float:
         return parse_duration(str(raw))
     except DurationError as exc:
         raise ConfigError(f"{what}: {exc}") from exc
-
-
-def default_data_dir() -> Path:
-    """The user's state directory (XDG), where `llmgw up` keeps its repository and database."""
-    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "llmgw"
 
 
 def load_config(path: str | Path) -> ServerConfig:

@@ -7,14 +7,24 @@
     catalog_view             the part of a catalog a router needs (and catalog_from_view, its inverse)
 """
 
-from llmgw.router.app import Router
-from llmgw.router.config import RouterConfig
-from llmgw.router.feed import Fanout, FeedHub, MergedUsage, catalog_from_view, catalog_view, endpoint_from_json
-from llmgw.router.follow import FeedClient
-from llmgw.router.keys import ApiKey, KeyRing, hash_key
-from llmgw.router.routes import RouteCatalog, RouteModel
+from typing import Any
 
-__all__ = [
-    "ApiKey", "Fanout", "FeedClient", "FeedHub", "KeyRing", "MergedUsage", "RouteCatalog", "RouteModel", "Router",
-    "RouterConfig", "catalog_from_view", "catalog_view", "endpoint_from_json", "hash_key",
-]
+# Resolved on first use: `llmgw validate` and the other commands import llmgw.router.main for
+# its argument parser, and must not pay for aiohttp's import to print their help.
+_EXPORTS = {
+    "Router": "llmgw.router.app", "RouterConfig": "llmgw.router.config", "Fanout": "llmgw.router.feed",
+    "FeedHub": "llmgw.router.feed", "MergedUsage": "llmgw.router.feed", "catalog_from_view": "llmgw.router.feed",
+    "catalog_view": "llmgw.router.feed", "endpoint_from_json": "llmgw.router.feed",
+    "FeedClient": "llmgw.router.follow", "ApiKey": "llmgw.router.keys", "KeyRing": "llmgw.router.keys",
+    "hash_key": "llmgw.router.keys", "RouteCatalog": "llmgw.router.routes", "RouteModel": "llmgw.router.routes",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'llmgw.router' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

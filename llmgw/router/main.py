@@ -19,13 +19,13 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmgw.errors import ConfigError
-from llmgw.router.app import Router
-from llmgw.router.config import RouterConfig
-from llmgw.router.follow import FeedClient
-from llmgw.router.keys import KeyRing
+from llmgw.router.config import RouterConfig  # a dataclass only: cheap for the CLI to import
+
+if TYPE_CHECKING:
+    from llmgw.router.keys import KeyRing
 
 log = logging.getLogger("llmgw.router")
 
@@ -77,6 +77,8 @@ def parse_listen(value: str) -> tuple[str, int]:
 def run(args: argparse.Namespace, console: Any = None) -> int:  # noqa: ARG001 - CLI convention
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from llmgw.router.keys import KeyRing
+
     token = args.admin_token or os.environ.get(TOKEN_ENV)
     try:
         if not token:
@@ -100,6 +102,9 @@ def run(args: argparse.Namespace, console: Any = None) -> int:  # noqa: ARG001 -
 
 async def _serve(args: argparse.Namespace, token: str, host: str, port: int, keys: KeyRing,
                  config: RouterConfig) -> None:
+    from llmgw.router.app import Router
+    from llmgw.router.follow import FeedClient
+
     router = Router(keys=keys, config=config)
     feed = FeedClient(router, args.controller, token, router_id=args.router_id,
                       report_interval=args.report_interval, backoff_max=args.reconnect_max,
