@@ -13,6 +13,7 @@ callers retry by type, never by message::
     │   ├── HostKeyRejected   unknown or changed host key: an operator must act (permanent)
     │   └── AgentError        the agent answered with an error for this request
     ├── PlacementError        no placement is possible (carries the rejections)
+    ├── EngineArgsError       a (model, profile, shard) an engine cannot be started with
     └── ConfigError           the controller's own configuration is unusable
 """
 
@@ -57,6 +58,11 @@ class AgentError(DispatchError):
 
 class PlacementError(LlmgwError):
     """No placement is possible."""
+
+
+class EngineArgsError(LlmgwError):
+    """An engine's argument builder refused a (model, profile, shard): a sharded profile
+    without its shard, llama.cpp across nodes or without a .gguf file."""
 
 
 class ConfigError(LlmgwError):

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from llmgw.catalog.model import Engine, Model, Profile, is_operator_path
-from llmgw.errors import LlmgwError
+from llmgw.errors import EngineArgsError
 
 PORT = "{port}"
 WEIGHTS = "{weights}"
@@ -38,14 +38,6 @@ HOST = "{host}"
 
 # vLLM's own default for --master-port (ParallelConfig.master_port, vllm/config/parallel.py).
 DEFAULT_DIST_PORT = 29501
-
-
-class EngineArgsError(LlmgwError):
-    """A (model, profile, shard) the engine cannot be started with: a builder refused it.
-
-    (Belongs in ``llmgw/errors.py`` beside the other catalog-level errors; defined here until
-    that file is next touched.)
-    """
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ import aiohttp
 
 from llmgw.catalog import Catalog, Model, Profile
 from llmgw.dispatch.base import Dispatcher
-from llmgw.engines.argv import EngineArgsError, engine_args
 from llmgw.engines.argv import Shard as EngineShard
+from llmgw.engines.argv import engine_args
 from llmgw.engines.health import check_health, probe_ready
-from llmgw.errors import DispatchError
+from llmgw.errors import DispatchError, EngineArgsError
 from llmgw.gitops.store import Store
 from llmgw.inventory import EngineRecord, Inventory
 from llmgw.reconciler.replica import Replica, ReplicaState, ShardStatus
