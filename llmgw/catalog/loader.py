@@ -7,6 +7,7 @@ whether a commit is valid.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,20 @@ def _parse(raw: RawFile, kind: str, problems: list[Problem]) -> Document | None:
 
 def validate_files(files: Mapping[str, RawFile], *, revision: str | None = None) -> ValidationResult:
     """Validate a whole catalog; every problem at once, the Catalog only when there are none."""
+    # Parsing and checking allocate millions of small objects and free them acyclically; the
+    # cyclic collector only runs over them again and again (12% of a 1,000-model validation).
+    # It is paused, not disabled for good: the previous state comes back, and any cycle made
+    # here is collected on the next pass after.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _validate_files(files, revision=revision)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _validate_files(files: Mapping[str, RawFile], *, revision: str | None) -> ValidationResult:
     problems: list[Problem] = []
     names = set(files)
 
