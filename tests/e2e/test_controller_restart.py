@@ -1,0 +1,78 @@
+"""`kill -9` the controller process and start it again: every engine is adopted, none restarted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.request
+
+import pytest
+
+from tests.conftest import git
+from tests.e2e.processes import free_port, start, stop, wait_for
+from tests.reconciler.fleet_e2e import nodes_yaml, sim_model
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "restart-admin-token"
+
+
+def replicas(admin: str) -> list[dict]:
+    req = urllib.request.Request(admin + "/api/v1/replicas", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_kill_9_then_restart_adopts_every_replica(sshd_fleet, tmp_path) -> None:
+    fleet = sshd_fleet(2)
+    repo = tmp_path / "catalog"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "models").mkdir()
+    (repo / "nodes.yaml").write_text(nodes_yaml(fleet))
+    (repo / "models" / "chat.yaml").write_text(sim_model("chat", "sim://chat", min_=3, max_=3))
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "Three chat replicas")
+    admin_port = free_port()
+    config = tmp_path / "controller.yaml"
+    config.write_text(json.dumps({
+        "repo": str(repo), "data_dir": str(tmp_path / "data"),
+        "listen": {"router": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{admin_port}"},
+        "ssh": {"key": str(fleet.client_key), "known_hosts": str(fleet.known_hosts)},
+        "admin_token": TOKEN, "reconciler": {"tick_interval": "300ms"},
+    }))
+    admin = f"http://127.0.0.1:{admin_port}"
+
+    def all_ready() -> list[dict] | None:
+        reps = replicas(admin)
+        return reps if len(reps) == 3 and all(r["state"] == "ready" for r in reps) else None
+
+    proc = start(["controller", "--config", str(config)], tmp_path / "first.log")
+    try:
+        before = wait_for(all_ready, 60, "3 ready replicas", proc)
+        os.kill(proc.pid, signal.SIGKILL)  # no cleanup of any kind
+        proc.wait(10)
+        pids = {r["id"]: [s["pid"] for s in r["shards"]] for r in before}
+        proc = start(["controller", "--config", str(config)], tmp_path / "second.log")
+        after = wait_for(all_ready, 60, "3 replicas adopted", proc)
+        assert {r["id"]: [s["pid"] for s in r["shards"]] for r in after} == pids
+        kinds = [e["kind"] for e in _events(admin)]
+        assert kinds.count("replica-starting") == 3  # the first life's starts only: nothing restarted
+        assert sum(1 for e in _events(admin) if e["kind"] == "replica-ready" and " adopted at " in e["message"]) == 3
+    finally:
+        (repo / "models" / "chat.yaml").unlink()
+        git(repo, "commit", "-qam", "Retire\n\nLlmgw-Allow-Prune: yes")
+        try:
+            req = urllib.request.Request(admin + "/api/v1/sync", data=b"{}", method="POST",
+                                         headers={"Authorization": f"Bearer {TOKEN}"})
+            urllib.request.urlopen(req, timeout=30).read()
+            wait_for(lambda: replicas(admin) == [], 60, "replicas stopped", proc)
+        finally:
+            stop(proc, signal.SIGTERM)
+
+
+def _events(admin: str) -> list[dict]:
+    req = urllib.request.Request(admin + "/api/v1/events?limit=1000", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
