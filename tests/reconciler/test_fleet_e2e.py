@@ -15,6 +15,7 @@ import pytest
 
 from llmgw.inventory import NodeState
 from llmgw.reconciler import Demand
+from tests.dispatch.helpers import pid_alive
 from tests.reconciler.fleet_e2e import Recorder, make_controller, make_repo, ready, sim_model, until
 
 pytestmark = pytest.mark.slow
@@ -151,9 +152,9 @@ async def test_node_loss_moves_replicas_and_stale_engines_stop_on_return(fleet, 
         await until(lambda: len(ready(c)) == 2 and all(r.nodes[0] != "n1" for r in ready(c)), timeout=40,
                     what="replicas placed elsewhere")
         # The old engines still run on the cut-off node.
-        assert all(_alive(p) for p in stale_pids)
+        assert all(pid_alive(p) for p in stale_pids)
         fleet.restart(fleet[0])
-        await until(lambda: not any(_alive(p) for p in stale_pids), timeout=40, what="stale engines stopped")
+        await until(lambda: not any(pid_alive(p) for p in stale_pids), timeout=40, what="stale engines stopped")
         assert "stale-engine-stopped" in [e.kind for e in c.store.events()]
         await stop_all(c, repo)
     finally:
@@ -198,15 +199,3 @@ async def test_removed_model_is_withdrawn_then_stopped_and_idle_and_zero_scaling
         await stop_all(c, repo)
     finally:
         await c.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split()[2] != "Z"
-    except OSError:
-        return False
