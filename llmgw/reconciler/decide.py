@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from llmgw.catalog import Catalog, Model, ModelName, NodeId
 from llmgw.inventory import Inventory, NodeState
-from llmgw.placement import Placement, Rejection, place
+from llmgw.placement import Placement, PlacementResult, Rejection, place
 from llmgw.reconciler.replica import Replica, ReplicaState, fingerprint
 
 
@@ -161,7 +161,11 @@ def decide(
         wanted[name] = wanted.get(name, 0) + len(olds)
     avoid = {by_id[o].model: [n for n in by_id[o].nodes] for olds in replacement_wanted.values() for o in olds
              if needs_replacement[o] == "its node is draining"}
-    result = place(catalog, inventory, holding, now=now, wanted=wanted, avoid=avoid, reasons=with_reasons)
+    # Most ticks want nothing new: skip building the fleet's free-capacity index then.
+    if any(wanted.values()):
+        result = place(catalog, inventory, holding, now=now, wanted=wanted, avoid=avoid, reasons=with_reasons)
+    else:
+        result = PlacementResult()
     create: list[NewReplica] = []
     queue = {name: list(olds) for name, olds in replacement_wanted.items()}
     for p in result.placements:

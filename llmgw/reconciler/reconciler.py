@@ -101,6 +101,7 @@ class Reconciler:
         self._tick_lock = asyncio.Lock()
         self.lifecycle: Lifecycle | None = None
         self._nodes_for: Catalog | None = None
+        self._saved: list[dict] | None = None
 
     # --- lifecycle ------------------------------------------------------------------
     async def start(self, *, loop: bool = True) -> None:
@@ -248,7 +249,11 @@ class Reconciler:
                 self.replicas[r.id] = r
 
     def _save(self) -> None:
-        self.store.put("replicas", [r.to_json() for r in self.replicas.values()])
+        """Persist the replica records, only when they changed (a tick usually changes nothing)."""
+        records = [r.to_json() for r in self.replicas.values()]
+        if records != self._saved:
+            self.store.put("replicas", records)
+            self._saved = records
 
     # --- the router's view ------------------------------------------------------------
     def endpoints(self, catalog: Catalog) -> list[Endpoint]:
@@ -293,6 +298,7 @@ class Reconciler:
                                    for r in self.replicas.values() for s in r.shards))
             self.replicas.clear()
             self._save()
+
             self._published = None
             self.publish()
 
