@@ -19,6 +19,7 @@ is how an engine learns to stop generating.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,8 @@ from llmgw.router.upstream import Conn, Origin, UpstreamFailed, UpstreamPool
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 MODEL_HEADER = "x-llmgw-model"
+_WS = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
 # Status recorded when the client went away before the answer was complete (nginx's convention).
 CLIENT_GONE = 499
 
@@ -60,7 +63,10 @@ def rewrite_model(raw: bytes, body: dict[str, Any], asked: str, served: str) -> 
     Fast path: when ``"model"`` occurs exactly once in the bytes and nothing is written with
     ``\\u`` escapes, that one occurrence is the top-level key (a JSON string *containing* the
     word has its quotes escaped, and the only other way to spell the key is with ``\\u``), so
-    its value is replaced in place. Anything else is re-serialised from the parsed body.
+    its value is replaced in place. Otherwise the top-level object is walked to find the value's
+    span, which is replaced in the same way. Only a body that is not UTF-8 is re-serialised from
+    the parsed body: re-serialising a UTF-8 one would turn ``1e400`` into ``Infinity`` (not JSON)
+    and fail to encode an escaped lone surrogate (``"\\ud83d"``, half an emoji cut by a client).
     """
     if asked == served:
         return raw
@@ -72,7 +78,49 @@ def rewrite_model(raw: bytes, body: dict[str, Any], asked: str, served: str) -> 
             if i >= 0:
                 j = i + len(key) + len(old)
                 return raw[:i] + key + new + raw[j:]
-    return json.dumps({**body, "model": served}, ensure_ascii=False, separators=(",", ":")).encode()
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:  # UTF-16/32, which json.loads also reads
+        text = ""
+    span = _top_level_span(text, "model") if text else None
+    if span is not None:
+        return (text[:span[0]] + json.dumps(served, ensure_ascii=False) + text[span[1]:]).encode()
+    try:
+        return json.dumps({**body, "model": served}, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:  # a lone surrogate: kept as its escape
+        return json.dumps({**body, "model": served}, separators=(",", ":")).encode()
+
+
+def _top_level_span(text: str, key: str) -> tuple[int, int] | None:
+    """Where the value of ``key`` in the JSON object ``text`` starts and ends (the last one when
+    the key repeats, as ``json.loads`` keeps the last); None when the text is not such an object."""
+    span = None
+    i = _WS.match(text).end()
+    if text[i:i + 1] != "{":
+        return None
+    i = _WS.match(text, i + 1).end()
+    if text[i:i + 1] == "}":
+        return None
+    try:
+        while True:
+            if text[i:i + 1] != '"':
+                return None
+            name, i = json.decoder.scanstring(text, i + 1)
+            i = _WS.match(text, i).end()
+            if text[i:i + 1] != ":":
+                return None
+            start = _WS.match(text, i + 1).end()
+            _, end = _DECODER.raw_decode(text, start)
+            if name == key:
+                span = (start, end)
+            i = _WS.match(text, end).end()
+            if text[i:i + 1] == "}":
+                return span
+            if text[i:i + 1] != ",":
+                return None
+            i = _WS.match(text, i + 1).end()
+    except ValueError:
+        return None
 
 
 async def _open(pool: UpstreamPool, origin: Origin, head: bytes, data: bytes) -> Conn:

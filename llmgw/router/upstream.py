@@ -32,6 +32,8 @@ PAUSE_ABOVE = 1024 * 1024  # buffered, unread body bytes before reading from the
 
 _HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE, _DONE = range(5)
 _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
+_DIGITS = frozenset(b"0123456789")
+_HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
 
 
 class UpstreamFailed(LlmgwError):
@@ -103,10 +105,12 @@ class Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.pool.forget(self)
-        if self._state == _UNTIL_CLOSE:
-            self._state = _DONE
+        if self._error is not None:
+            return  # already failed (a timeout, a malformed answer): that, not a clean end, is the news
+        if self._state == _UNTIL_CLOSE and exc is None:  # only an orderly close ends such a body;
+            self._state = _DONE                          # a reset cut it short
             self._wake()
-        elif self._state != _DONE and self._error is None:
+        elif self._state != _DONE:
             when = "before answering" if not self.received else "mid-answer"
             self._fail(UpstreamFailed("disconnect", f"{self.origin.label} closed the connection {when}"
                                       + (f": {exc}" if exc else "")))
@@ -150,18 +154,30 @@ class Conn(asyncio.Protocol):
                 self._parse_head()
             return
         headers: dict[bytes, bytes] = {}
+        name = b""
         for line in lines[1:]:
+            if line[:1] in (b" ", b"\t") and name:  # obs-fold: the previous header's value goes on
+                headers[name] = (headers[name] + b" " + line.strip()).strip()
+                continue
             name, _, value = line.partition(b":")
-            headers[name.strip().lower()] = value.strip()
+            name = name.strip().lower()
+            headers[name] = value.strip()
+        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        length = headers.get(b"content-length")
+        if length is not None and not chunked and not (length and _DIGITS.issuperset(length)):
+            # int() would take "-1", "+5" and "1_0"; "5, 5" (a repeated header) would raise in here
+            self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a malformed Content-Length: "
+                                                    f"{length[:40]!r}"))
+            return
         self.status, self.headers = status, headers
-        connection = headers.get(b"connection", b"").lower()
-        self.keep_alive = status_line.startswith(b"HTTP/1.1") and connection != b"close"
+        connection = {t.strip() for t in headers.get(b"connection", b"").lower().split(b",")}
+        self.keep_alive = status_line.startswith(b"HTTP/1.1") and b"close" not in connection
         if status in (204, 304):
             self._state = _DONE
-        elif b"chunked" in headers.get(b"transfer-encoding", b"").lower():
+        elif chunked:
             self._state = _CHUNKED
-        elif b"content-length" in headers:
-            self._left = int(headers[b"content-length"])
+        elif length is not None:
+            self._left = int(length)
             self._state = _LENGTH if self._left else _DONE
         else:
             self._state = _UNTIL_CLOSE
@@ -219,11 +235,13 @@ class Conn(asyncio.Protocol):
                         self._state = _DONE
                         break
                     continue
-                try:
-                    size = int(line.split(b";", 1)[0], 16)
-                except ValueError:
+                digits = line.split(b";", 1)[0].strip(b" \t")
+                # int(, 16) also takes "-5", "+5" and "5_0"; a negative size walked the parser
+                # backwards over the same line forever, freezing the event loop.
+                if not digits or not _HEX_DIGITS.issuperset(digits):
                     self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a malformed chunk"))
                     return
+                size = int(digits, 16)
                 if size == 0:
                     self._chunk_state = _TRAILER
                 else:
@@ -264,6 +282,12 @@ class Conn(asyncio.Protocol):
     def send(self, head: bytes, body: bytes) -> None:
         assert self.transport is not None
         self._reset()
+        if self.closed or self.transport.is_closing():
+            # The engine closed it between connect and now; writing would be silently dropped and
+            # the exchange would wait read_timeout for an answer that cannot come.
+            self._error = UpstreamFailed("disconnect", f"{self.origin.label} closed the connection before "
+                                                       "the request was sent")
+            return
         self._last_io = self.loop.time()
         self._timer = self.loop.call_at(self._last_io + self.pool.read_timeout, self._check_timeout)
         self.transport.write(b"%s%d\r\n\r\n%s" % (head, len(body), body))
@@ -296,6 +320,7 @@ class Conn(asyncio.Protocol):
                 self._buffered = 0
                 if self._paused and self.transport is not None:
                     self._paused = False
+                    self._last_io = self.loop.time()  # the engine's wait restarts now, not at the pause
                     self.transport.resume_reading()
                 return data
             if self._state == _DONE:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -10,7 +13,8 @@ from contextlib import asynccontextmanager
 import pytest
 
 from llmgw.engines.testing import free_port
-from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
+from llmgw.router.proxy import parse_body, rewrite_model
+from llmgw.router.upstream import PAUSE_ABOVE, Origin, UpstreamFailed, UpstreamPool
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
@@ -221,3 +225,154 @@ async def test_idle_connections_are_swept() -> None:
         p.sweep(origin)
         assert origin.idle == [] and server.connections == 2
         await p.close()
+
+
+def reset(w: asyncio.StreamWriter) -> None:
+    """Close with a TCP RST (SO_LINGER 0), as a crashed engine's kernel does."""
+    w.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    w.transport.abort()
+
+
+async def test_a_body_until_close_cut_by_a_reset_is_an_error_not_its_end() -> None:
+    async def crash(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: 1\n\n")
+        await w.drain()
+        await asyncio.sleep(0.1)
+        reset(w)
+
+    async with scripted(crash) as (_, origin):
+        p = pool()
+        conn = await p.request(origin, origin.head("/v1/completions"), b"{}")
+        assert await conn.read_chunk() == b"data: 1\n\n"
+        with pytest.raises(UpstreamFailed) as err:
+            await conn.read_chunk()
+        assert err.value.reason == "disconnect"
+        conn.release()
+        await p.close()
+
+
+async def test_a_body_until_close_cut_by_a_timeout_is_an_error_even_when_nobody_was_waiting() -> None:
+    async def stall(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(b"HTTP/1.0 200 OK\r\n\r\npart")
+        await asyncio.sleep(2)
+
+    async with scripted(stall) as (_, origin):
+        p = pool(read_timeout=0.2)
+        conn = await p.request(origin, origin.head("/v1/completions"), b"{}")
+        assert await conn.read_chunk() == b"part"
+        await asyncio.sleep(0.5)  # the router is busy writing to its client when the timeout passes
+        with pytest.raises(UpstreamFailed) as err:
+            await conn.read_chunk()
+        assert err.value.reason == "timeout"
+        conn.release()
+        await p.close()
+
+
+async def test_time_paused_for_a_slow_reader_is_not_counted_against_the_engine() -> None:
+    burst = b"x" * (PAUSE_ABOVE + 4096)
+
+    async def burst_then_think(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(burst) + 4, burst))
+        await asyncio.sleep(0.7)  # 0.2 s after the router resumed reading: within read_timeout
+        w.write(b"done")
+
+    async with scripted(burst_then_think) as (_, origin):
+        p = pool(read_timeout=0.3)
+        conn = await p.request(origin, origin.head("/v1/completions"), b"{}")
+        await asyncio.sleep(0.5)  # a slow client: the router paused reading the engine meanwhile
+        assert await conn.read_all() == burst + b"done"
+        conn.release()
+        await p.close()
+
+
+@pytest.mark.timeout(5)
+@pytest.mark.parametrize("size", [b"-5", b"+5", b"5_0", b""])
+async def test_a_chunk_size_that_is_not_hex_digits_fails_cleanly(size: bytes) -> None:
+    async def reply(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%s\r\nhello\r\n0\r\n\r\n" % size)
+
+    async with scripted(reply) as (_, origin):
+        p = pool(read_timeout=1.0)
+        with pytest.raises(UpstreamFailed, match="malformed chunk"):
+            await send(p, origin)
+        await p.close()
+
+
+@pytest.mark.parametrize("length", [b"abc", b"-1", b"5, 5"])
+async def test_a_malformed_content_length_fails_cleanly(length: bytes) -> None:
+    async def reply(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %s\r\n\r\nhello" % length)
+
+    async with scripted(reply) as (_, origin):
+        p = pool(read_timeout=1.0)
+        with pytest.raises(UpstreamFailed, match="Content-Length") as err:
+            await send(p, origin)
+        assert err.value.reason == "disconnect"
+        await p.close()
+
+
+async def test_a_folded_header_continues_the_one_before_it() -> None:
+    async def reply(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain;\r\n charset=utf-8\r\nTransfer-Encoding:\r\n\tchunked\r\n"
+                b"\r\n5\r\nhello\r\n0\r\n\r\n")
+
+    async with scripted(reply) as (server, origin):
+        p = pool(read_timeout=1.0)
+        conn = await p.request(origin, origin.head("/v1/completions"), b"{}")
+        assert await conn.read_all() == b"hello"
+        assert conn.headers[b"content-type"] == b"text/plain; charset=utf-8"
+        conn.release()
+        assert await send(p, origin) == (200, b"hello")
+        await p.close()
+    assert server.connections == 1
+
+
+async def test_connection_close_among_other_tokens_is_honoured() -> None:
+    async def reply(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nConnection: Keep-Alive, Close\r\nContent-Length: 2\r\n\r\nok")
+
+    async with scripted(reply) as (server, origin):
+        p = pool()
+        assert await send(p, origin) == (200, b"ok")
+        assert origin.idle == []
+        await p.close()
+    assert server.connections == 1
+
+
+async def test_a_fresh_connection_the_engine_closed_before_the_request_fails_at_once() -> None:
+    async def close_at_once(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.close()  # accepted, then closed unread: an engine shutting down
+
+    server = await asyncio.start_server(close_at_once, "127.0.0.1", 0)
+    origin = Origin(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    p = pool(read_timeout=5.0)
+    try:
+        conn = await p._connect(origin)
+        await asyncio.sleep(0.1)  # the close reaches the router before its request is written
+        conn.send(origin.head("/v1/completions"), b"{}")
+        t0 = time.monotonic()
+        with pytest.raises(UpstreamFailed) as err:
+            await conn.wait_head()
+        assert err.value.reason == "disconnect" and time.monotonic() - t0 < 1.0
+        conn.abort()
+    finally:
+        await p.close()
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "alias", "messages": [{"role": "user", "content": "half an emoji \\ud83d"}]}',
+    b'{"model": "alias", "prompt": "\\udc00 alone"}',
+])
+def test_a_rewrite_keeps_lone_surrogates_valid(raw: bytes) -> None:
+    body, asked, _ = parse_body(raw)
+    out = rewrite_model(raw, body, asked, "real")
+    assert json.loads(out) == {**json.loads(raw), "model": "real"}
+
+
+def test_a_rewrite_never_sends_invalid_json() -> None:
+    raw = b'{"model": "alias", "temperature": 1e400, "prompt": "\\u00e9"}'
+    body, asked, _ = parse_body(raw)
+    out = rewrite_model(raw, body, asked, "real")
+    assert b"Infinity" not in out and json.loads(out)["model"] == "real"
