@@ -54,7 +54,7 @@ import time
 import traceback
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 AGENT_VERSION = "0.1.0"
 PROTOCOL = 1
@@ -62,11 +62,12 @@ AGENT_PATH = os.path.abspath(__file__)
 DEFAULT_CONFIG = "/etc/llmgw/agent.json"
 
 MANIFEST_NAME = "llmgw-manifest.json"
-CACHE_NAME_RE = re.compile(r"^llmgw-[0-9a-f]{64}$")
+# \Z, not $: "$" also matches before a trailing newline, and "llmgw-<hex>\n" is not a cache name.
+CACHE_NAME_RE = re.compile(r"^llmgw-[0-9a-f]{64}\Z")
 TMP_PREFIX = ".tmp-"  # .tmp-llmgw-<hex>: a download in progress
 TRASH_PREFIX = ".trash-"  # .trash-llmgw-<hex>-<random>: an entry being deleted
-REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}\Z")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 # The same characters the catalog schema refuses in a source, so a source the catalog accepts is
 # never refused here; control characters are added because no URL or path needs them.
 SOURCE_FORBIDDEN_RE = re.compile(r"[\s;&|`$<>'\"\\(){}*?!#\x00-\x1f\x7f]")
@@ -76,12 +77,19 @@ SHARED_FSTYPES = frozenset({"nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "ce
 
 # Request env that would make the dynamic loader or an interpreter load code from a path the
 # caller picks: allowing it would let a tampered controller run any program through an allowed
-# engine. The node's own environment (inherited) may still set these.
-FORBIDDEN_ENV_PREFIXES = ("LD_", "DYLD_")
+# engine. The node's own environment (inherited) may still set these. A fetched entry is content
+# the caller chose, at a path it can predict, so any variable naming a file of code counts:
+# HOME (Python's user site runs its .pth files), SHELLOPTS=xtrace with PS4='$(...)' (any bash
+# wrapper script), OPENSSL_CONF (loads engine/provider .so files), CUDA/NVTX injection libraries.
+FORBIDDEN_ENV_PREFIXES = ("LD_", "DYLD_", "LUA_", "GIT_")
 FORBIDDEN_ENV = frozenset({
     "PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONEXECUTABLE",
-    "PYTHONPLATLIBDIR", "BASH_ENV", "ENV", "GCONV_PATH", "PERL5LIB", "PERL5OPT", "RUBYLIB",
-    "RUBYOPT", "NODE_OPTIONS",
+    "PYTHONPLATLIBDIR", "PYTHONPYCACHEPREFIX", "PYTHONBREAKPOINT", "HOME", "ZDOTDIR",
+    "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "PROMPT_COMMAND", "GCONV_PATH",
+    "PERL5LIB", "PERLLIB", "PERL5OPT", "PERL5DB", "RUBYLIB", "RUBYOPT", "NODE_OPTIONS", "NODE_PATH",
+    "JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS", "JDK_JAVA_OPTIONS", "CLASSPATH", "TCLLIBPATH",
+    "OPENSSL_CONF", "OPENSSL_ENGINES", "OPENSSL_MODULES",
+    "CUDA_INJECTION64_PATH", "CUDA_INJECTION32_PATH", "NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH",
 })
 
 NVIDIA_SMI_QUERY = "index,name,uuid,memory.total,memory.used,ecc.errors.uncorrected.volatile.total"
@@ -97,6 +105,10 @@ KILL_WAIT = 5.0
 EXIT_RECORD_WAIT = 2.0
 MAX_GRACE = 600.0
 SERVE_WORKERS = 8
+# One request line may not exceed this: a line without end must not grow the agent's memory.
+SERVE_MAX_LINE = 64 << 20
+# A manifest is a few hundred bytes; anything bigger is not one of ours.
+MAX_MANIFEST_BYTES = 1 << 20
 # A dead engine's record, exit file and log are dropped this long after it ended, so state_dir
 # does not grow with every replica the fleet ever ran.
 ENGINE_RECORD_TTL = 24 * 3600.0
@@ -391,22 +403,38 @@ def read_manifest_at(dir_fd: int, name: str) -> Tuple[Optional[JsonDict], Option
 
     Neither the entry nor its manifest may be a symlink: a link could make a file outside the
     cache vouch for an entry."""
+    manifest, problem, _ = read_entry_at(dir_fd, name)
+    return manifest, problem
+
+
+def read_entry_at(dir_fd: int, name: str) -> Tuple[Optional[JsonDict], Optional[str], Optional[os.stat_result]]:
+    """read_manifest_at, plus the stat of the very directory the manifest was read from, so a
+    caller can tell whether that is the directory it looked at before (and will act on after).
+
+    The manifest must be a regular file and is opened non-blocking: a FIFO named like a manifest
+    would otherwise block the open forever, holding the engines lock of every call on the node."""
     try:
         entry_fd = _open_dir_nofollow(name, dir_fd)
     except OSError as exc:
         return None, "is not a directory or is a symlink" if exc.errno in (errno.ELOOP, errno.ENOTDIR) \
-            else f"cannot be opened: {exc.strerror}"
+            else f"cannot be opened: {exc.strerror}", None
     try:
-        fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=entry_fd)
+        entry_stat = os.fstat(entry_fd)
+        fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=entry_fd)
         with os.fdopen(fd, "rb") as fh:
-            manifest = json.loads(fh.read(1 << 20).decode("utf-8"))
-    except (OSError, ValueError):
-        return None, "has no readable manifest"
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                return None, "has no readable manifest (it is not a regular file)", entry_stat
+            data = fh.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            return None, f"has no readable manifest (it is larger than {MAX_MANIFEST_BYTES} bytes)", entry_stat
+        manifest = json.loads(data.decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None, "has no readable manifest", None
     finally:
         os.close(entry_fd)
     if not isinstance(manifest, dict) or not isinstance(manifest.get("source"), str):
-        return None, "has no readable manifest"
-    return manifest, None
+        return None, "has no readable manifest", entry_stat
+    return manifest, None, entry_stat
 
 
 MISSING = "does not exist"
@@ -671,6 +699,10 @@ def parse_source(text: Any) -> Source:
         raise AgentError("fetch: source must be a non-empty string")
     if SOURCE_FORBIDDEN_RE.search(text):
         raise AgentError("fetch: source contains whitespace or shell metacharacters; refused")
+    try:
+        text.encode("utf-8")
+    except UnicodeError as exc:  # a lone surrogate: it has no cache name and no file name
+        raise AgentError("fetch: source is not valid Unicode text") from exc
     if text.startswith("hf://"):
         match = HF_SOURCE_RE.match(text)
         if not match:
@@ -874,6 +906,12 @@ def verb_fetch_worker(cfg: NodeConfig, request: JsonDict) -> JsonDict:
 
 def download(source: Source, tmp: str, progress: FetchProgress) -> None:
     """Bring the source's content into the directory tmp (which may hold a partial earlier try)."""
+    try:
+        planted = not stat.S_ISDIR(os.lstat(tmp).st_mode)
+    except FileNotFoundError:
+        planted = False
+    if planted:  # a link (or file) under our temporary name: writing through it would leave the cache
+        _remove_any(tmp)
     if source.kind == "file":
         copy_local(source.location, tmp, progress)
     elif source.kind == "http":
@@ -991,7 +1029,14 @@ def _http_attempt(url: str, dest: str, progress: FetchProgress) -> None:
     import urllib.error
     import urllib.request
 
-    offset = os.path.getsize(dest) if os.path.isfile(dest) else 0
+    try:
+        info = os.lstat(dest)
+    except FileNotFoundError:
+        info = None
+    if info is not None and not stat.S_ISREG(info.st_mode):
+        _remove_any(dest)  # a link (or directory) is no partial download: never write through it
+        info = None
+    offset = info.st_size if info is not None else 0
     headers = {"User-Agent": f"llmgw-agent/{AGENT_VERSION}"}
     if offset:
         headers["Range"] = f"bytes={offset}-"
@@ -1016,7 +1061,8 @@ def _http_attempt(url: str, dest: str, progress: FetchProgress) -> None:
         total = _expected_total(response, done)
         progress.update(done, total, force=True)
         first = True
-        with open(dest, "ab" if resumed else "wb") as out:
+        mode = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if resumed else os.O_TRUNC)
+        with os.fdopen(os.open(dest, mode, 0o666), "ab" if resumed else "wb") as out:
             while True:
                 chunk = response.read1(CHUNK)  # read1: whatever has arrived, so progress moves
                 if not chunk:
@@ -1505,27 +1551,29 @@ def verb_remove_weights(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     if cache_fd is None:  # nothing can be removed; every path gets its own refusal all the same
         return {"results": [_refusal(raw, cache_problem) for raw in paths]}
     results: List[JsonDict] = []
-    trash: List[Tuple[JsonDict, str, str]] = []
+    trash: List[Tuple[JsonDict, str, str, os.stat_result]] = []
     try:
         with _locked(_engines_lock(cfg)):
             # An engine whose leader died but whose workers live on still has its weights open.
             in_use = {r.get("weights"): r["replica_id"] for r in all_records(cfg) if record_alive(r) or _orphans(r)}
             moved: Set[str] = set()
+            mounts = read_mounts(cfg.mounts_file)
             for raw in paths:
                 result: JsonDict = {"path": raw, "removed": False}
                 results.append(result)
-                reason, candidate = check_removable(raw, cfg=cfg, cache_fd=cache_fd, in_use=in_use, already=moved)
+                reason, candidate = check_removable(raw, cfg=cfg, cache_fd=cache_fd, in_use=in_use, already=moved,
+                                                    mounts=mounts)
                 if candidate is not None:
                     name, checked = candidate
                     trash_name, reason = move_to_trash(cache_fd, name, checked)
                     if trash_name is not None:
                         moved.add(name)
-                        trash.append((result, name, trash_name))
+                        trash.append((result, name, trash_name, checked))
                 if reason is not None:
                     result["reason"] = reason
         # Deleting may take a while; it happens outside the lock, on names only we know.
-        for result, name, trash_name in trash:
-            _delete_trash(cfg, cache_fd, name, trash_name, result)
+        for result, name, trash_name, checked in trash:
+            _delete_trash(cfg, cache_fd, name, trash_name, result, checked)
     finally:
         os.close(cache_fd)
     return {"results": results}
@@ -1561,7 +1609,8 @@ Candidate = Tuple[str, os.stat_result]  # (entry name, lstat of the entry when i
 
 
 def check_removable(raw: Any, *, cfg: NodeConfig, cache_fd: int, in_use: Dict[Any, str],
-                    already: Set[str]) -> Tuple[Optional[str], Optional[Candidate]]:
+                    already: Set[str], mounts: Sequence[Tuple[str, str]] = ()
+                    ) -> Tuple[Optional[str], Optional[Candidate]]:
     """(None, (name, stat of the entry)) when raw may be removed, else (reason, None)."""
     reason = _path_text_problem(raw)
     if reason is not None:
@@ -1587,12 +1636,22 @@ def check_removable(raw: Any, *, cfg: NodeConfig, cache_fd: int, in_use: Dict[An
         return "path is a symlink", None
     if not stat.S_ISDIR(info.st_mode):
         return "not a directory", None
-    manifest, problem = read_manifest_at(cache_fd, name)
+    manifest, problem, read_from = read_entry_at(cache_fd, name)
     if manifest is None:
         return str(problem), None
+    if read_from is None or (read_from.st_dev, read_from.st_ino) != (info.st_dev, info.st_ino):
+        # Another directory was swapped in for the manifest read: what vouched is not what was
+        # looked at, and the rename's identity check would only compare against the latter.
+        return "changed while being checked (swapped for something else); left alone", None
     if source_name(manifest["source"]) != name:
         return "manifest source does not hash to the entry name", None
-    user = in_use.get(os.path.join(cfg.cache_dir, name))
+    entry_path = os.path.join(cfg.cache_dir, name)
+    mount = next((point for point, _ in mounts if _inside(point, entry_path)), None)
+    if mount is not None:
+        # The deletion walk does not follow links, but a mount is no link: deleting would empty
+        # whatever is mounted there.
+        return f"is or holds a mount point ({mount}); left alone", None
+    user = in_use.get(entry_path)
     if user is not None:
         return f"in use by running engine {user}", None
     return None, (name, info)
@@ -1609,6 +1668,10 @@ def _path_text_problem(raw: Any) -> Optional[str]:
         return "path is not absolute"
     if ".." in raw.split("/"):
         return "path contains '..' components"
+    try:
+        os.fsencode(raw)
+    except UnicodeError:  # a lone surrogate from JSON: no file can have this name
+        return "path cannot be encoded as a file name"
     return None
 
 
@@ -1655,9 +1718,11 @@ def _put_back(cache_fd: int, trash_name: str, name: str) -> None:
         os.rename(trash_name, name, src_dir_fd=cache_fd, dst_dir_fd=cache_fd)
 
 
-def _delete_trash(cfg: NodeConfig, cache_fd: int, name: str, trash_name: str, result: JsonDict) -> None:
+def _delete_trash(cfg: NodeConfig, cache_fd: int, name: str, trash_name: str, result: JsonDict,
+                  checked: os.stat_result) -> None:
     try:
-        rmtree_at(cache_fd, trash_name)
+        # Outside the lock, so the trash name is opened again: it must still be what was checked.
+        rmtree_at(cache_fd, trash_name, expected=checked)
     except OSError as exc:
         result["reason"] = f"moved aside to {trash_name} but deleting it failed: {exc}"
         return
@@ -1668,17 +1733,27 @@ def _delete_trash(cfg: NodeConfig, cache_fd: int, name: str, trash_name: str, re
         _remove_file(state_path)  # a "done" fetch of an entry that is gone would mislead
 
 
-def rmtree_at(parent_fd: int, name: str) -> None:
+def rmtree_at(parent_fd: int, name: str, *, expected: Optional[os.stat_result] = None,
+              device: Optional[int] = None) -> None:
     """Delete the directory parent_fd/name and everything in it without following a symlink:
     every directory is opened with O_NOFOLLOW relative to its parent's descriptor, so swapping a
-    component for a link makes the walk fail instead of leaving the tree. Links are unlinked."""
+    component for a link makes the walk fail instead of leaving the tree. Links are unlinked.
+
+    The walk never leaves the filesystem it started on (a mount inside the tree is no link, so
+    O_NOFOLLOW would not stop it), and when `expected` is given the top directory must be that
+    very directory (device and inode), or nothing is deleted."""
     fd = _open_dir_nofollow(name, parent_fd)
     try:
+        here = os.fstat(fd)
+        if expected is not None and (here.st_dev, here.st_ino) != (expected.st_dev, expected.st_ino):
+            raise OSError(errno.ESTALE, f"{name} is no longer the directory that was checked")
+        if device is not None and here.st_dev != device:
+            raise OSError(errno.EXDEV, f"{name} is on another filesystem (a mount); not deleting through it")
         with os.scandir(fd) as it:
             entries = list(it)
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
-                rmtree_at(fd, entry.name)
+                rmtree_at(fd, entry.name, device=here.st_dev)
             else:
                 os.unlink(entry.name, dir_fd=fd)
     finally:
@@ -1760,7 +1835,7 @@ def parse_request(data: bytes) -> JsonDict:
     try:
         text = data.decode("utf-8")
         request = json.loads(text) if text.strip() else {}
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise AgentError(f"request is not valid JSON: {exc}") from exc
     if not isinstance(request, dict):
         raise AgentError("request must be a JSON object")
@@ -1788,7 +1863,19 @@ def serve(config_path: str, stdin: Any, stdout: Any) -> int:
         finally:
             slots.release()
 
-    for line in iter(stdin.readline, b""):
+    def refuse(message: JsonDict) -> None:
+        with out_lock, contextlib.suppress(BrokenPipeError):
+            stdout.write(json.dumps(message).encode("utf-8") + b"\n")
+            stdout.flush()
+
+    while True:
+        line = stdin.readline(SERVE_MAX_LINE + 1)
+        if not line:
+            break
+        if len(line) > SERVE_MAX_LINE:
+            _skip_rest_of_line(stdin, line)
+            refuse({"id": None, "error": f"bad request line: longer than {SERVE_MAX_LINE} bytes"})
+            continue
         if not line.strip():
             continue  # blank lines (keep-alives) get no answer
         slots.acquire()
@@ -1800,13 +1887,20 @@ def serve(config_path: str, stdin: Any, stdout: Any) -> int:
     return 0
 
 
+def _skip_rest_of_line(stdin: Any, start: bytes) -> None:
+    """Read and drop the rest of an overlong line, a bounded piece at a time."""
+    chunk = start
+    while chunk and not chunk.endswith(b"\n"):
+        chunk = stdin.readline(CHUNK)
+
+
 SERVE_VERBS = tuple(v for v in PUBLIC_VERBS if v != "serve")
 
 
 def serve_line(config_path: str, line: bytes) -> JsonDict:
     try:
         message = json.loads(line.decode("utf-8"))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
         return {"id": None, "error": f"bad request line: {exc}"}
     if not isinstance(message, dict):
         return {"id": None, "error": "a request line must be a JSON object {id, verb, request}"}
