@@ -170,6 +170,15 @@ def check_scaling(entries: Iterable[ModelEntry]) -> list[Problem]:
     return out
 
 
+def refused_env(key: str) -> bool:
+    """Whether every node's agent refuses this env name: the agent's own list, so a profile is
+    refused at commit time for what nodes would refuse at start time. Imported on use: the
+    agent module costs 45 ms to import and most catalogs set no env."""
+    from llmgw.agent.llmgw_agent import FORBIDDEN_ENV, FORBIDDEN_ENV_PREFIXES
+
+    return key in FORBIDDEN_ENV or key.startswith(FORBIDDEN_ENV_PREFIXES)
+
+
 def check_profiles(entries: Iterable[ModelEntry]) -> list[Problem]:
     out = []
     for e in entries:
@@ -184,6 +193,13 @@ def check_profiles(entries: Iterable[ModelEntry]) -> list[Problem]:
                     f'profile "{p.name}" spans {p.nodes} nodes but names no fabric; '
                     "a sharded replica needs an interconnect such as infiniband",
                 ))
+            for key, _ in p.env:
+                if refused_env(key):
+                    out.append(e.doc.problem(
+                        ("profiles", i, "env", key),
+                        f'env "{key}" is refused by every node\'s agent (it could make an engine load other '
+                        "code); set it in the node's environment instead",
+                    ))
             if p.gpus == 0 and p.gpu_class:
                 out.append(e.doc.problem(
                     ("profiles", i, "gpu_class"), f'profile "{p.name}" asks for 0 GPUs but names a gpu_class'

@@ -72,6 +72,8 @@ CASES = [
          "models/big.yaml", 2, ("source", '"s3://bucket/big" is not valid')),
     Case("duplicate-alias-in-list", {"models/small.yaml": sub(SMALL, "[tiny]", "[tiny, tiny]")},
          "models/small.yaml", 2, ("aliases", '"tiny" more than once')),
+    Case("env-refused-by-agents", {"models/big.yaml": BIG + "    env: {LD_PRELOAD: /tmp/x.so}\n"},
+         "models/big.yaml", 10, ('env "LD_PRELOAD" is refused by every node\'s agent',)),
     Case("env-key", {"models/big.yaml": BIG + "    env: {cuda_home: /usr}\n"},
          "models/big.yaml", 10, ('key "cuda_home" is not valid',)),
     Case("args-not-strings", {"models/big.yaml": sub(BIG, '"4"]', "4]")},
