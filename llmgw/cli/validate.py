@@ -30,8 +30,10 @@ def _display_prefix(path: str) -> str:
 
 
 def validate_path(path: str, rev: str | None) -> ValidationResult:
+    # The CLI is single-threaded, so it may fork: a big catalog is parsed on every core.
+    workers = os.cpu_count() or 1
     if rev is None:
-        return validate_files(read_directory(path))
+        return validate_files(read_directory(path), workers=workers)
     # Imported here: git costs 60 ms of start-up that validating files on disk never needs.
     import git
 
@@ -44,7 +46,7 @@ def validate_path(path: str, rev: str | None) -> ValidationResult:
     root = Path(repo.working_tree_dir or ".").resolve()
     subdir = Path(path).resolve().relative_to(root).as_posix()
     files = read_git_tree(repo, rev, subdir="" if subdir == "." else subdir)
-    return validate_files(files, revision=resolve_commit(repo, rev).hexsha)
+    return validate_files(files, revision=resolve_commit(repo, rev).hexsha, workers=workers)
 
 
 def run(args: argparse.Namespace, console: Console) -> int:

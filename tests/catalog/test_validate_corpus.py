@@ -167,3 +167,19 @@ def test_the_base_of_the_corpus_is_valid(tmp_path: Path) -> None:
     assert result.catalog is not None
     assert result.catalog.resolve("tiny").name == "small"
     assert result.catalog.model("big").fallbacks == ("small",)
+
+
+def test_a_big_catalog_gives_the_same_answer_on_several_processes(tmp_path: Path) -> None:
+    files: dict[str, str | bytes | None] = {}
+    for i in range(260):
+        text = SMALL.replace("name: small", f"name: m{i}").replace("[tiny]", f"[t{i}]")
+        if i % 50 == 7:
+            text = text.replace("engine: vllm", "engine: vlm")
+        if i % 90 == 11:
+            text = text.replace("size_gb: 16", "size_gb: [16")
+        files[f"models/m{i:03d}.yaml"] = text
+    raw = read_directory(write_catalog(tmp_path, files))
+    serial = validate_files(raw)
+    parallel = validate_files(raw, workers=2)
+    assert len(serial.problems) == 9  # 6 bad engines (i % 50 == 7), 3 YAML errors (i % 90 == 11)
+    assert parallel.problems == serial.problems
