@@ -58,7 +58,7 @@ def run_controller(args: argparse.Namespace, console: Console) -> int:
         return fail(console, str(exc))
 
     def ready(running) -> None:  # noqa: ANN001 - server.Running
-        console.print(f"llmgw controller following {cfg.repo} ({cfg.branch})")
+        console.print(f"llmgw controller following {cfg.controller.repo} ({cfg.controller.branch})")
         console.print(f"  router:    {running.router_url}/v1")
         console.print(f"  admin API: {running.admin_url}/api/v1  dashboard: {running.admin_url}/")
 

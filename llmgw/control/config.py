@@ -41,27 +41,37 @@ class Listen:
 
 
 @dataclass
-class ServerConfig:
+class ControllerConfig:
+    """What the control plane itself needs: the repository it follows and how it reaches nodes."""
+
     repo: str
     data_dir: Path
     branch: str = "main"
-    path: str = ""
+    subdir: str = ""
     fetch_interval: float = 15.0
     watch: bool = True
-    router_listen: Listen = field(default_factory=lambda: Listen("127.0.0.1", 8080))
-    admin_listen: Listen = field(default_factory=lambda: Listen("127.0.0.1", 8081))
     ssh_key: Path | None = None
     known_hosts: Path | None = None
     local_agent_config: Path | None = None
+    transports: tuple[str, ...] = ("ssh", "local")  # `llmgw up` manages only its local node
+    reconciler: ReconcilerConfig = field(default_factory=ReconcilerConfig)
+
+
+@dataclass
+class ServerConfig:
+    """A whole controller process: the control plane plus its listeners, secrets and router."""
+
+    controller: ControllerConfig
+    router_listen: Listen = field(default_factory=lambda: Listen("127.0.0.1", 8080))
+    admin_listen: Listen = field(default_factory=lambda: Listen("127.0.0.1", 8081))
     admin_token: str = ""
     webhook_secret: str = ""
     api_keys: list[dict[str, Any]] = field(default_factory=list)
-    reconciler: ReconcilerConfig = field(default_factory=ReconcilerConfig)
     router: dict[str, Any] = field(default_factory=dict)
-    transports: tuple[str, ...] = ("ssh", "local")
 
     def __repr__(self) -> str:  # never print a secret by accident
-        return f"ServerConfig(repo={self.repo!r}, data_dir={str(self.data_dir)!r}, branch={self.branch!r})"
+        c = self.controller
+        return f"ServerConfig(repo={c.repo!r}, data_dir={str(c.data_dir)!r}, branch={c.branch!r})"
 
 
 def _secret(raw: dict[str, Any], key: str, env: str, base: Path) -> str:
@@ -121,20 +131,22 @@ def load_config(path: str | Path) -> ServerConfig:
 
     data_dir = rel(raw.get("data_dir")) or default_data_dir()
     return ServerConfig(
-        repo=str(raw["repo"]),
-        data_dir=data_dir,
-        branch=str(raw.get("branch", "main")),
-        path=str(raw.get("path", "")),
-        fetch_interval=_seconds(raw.get("fetch_interval", 15), "fetch_interval"),
-        watch=bool(raw.get("watch", True)),
+        controller=ControllerConfig(
+            repo=str(raw["repo"]),
+            data_dir=data_dir,
+            branch=str(raw.get("branch", "main")),
+            subdir=str(raw.get("path", "")),
+            fetch_interval=_seconds(raw.get("fetch_interval", 15), "fetch_interval"),
+            watch=bool(raw.get("watch", True)),
+            ssh_key=rel(ssh.get("key")),
+            known_hosts=rel(ssh.get("known_hosts")),
+            local_agent_config=rel(raw.get("local_agent_config")),
+            reconciler=reconciler,
+        ),
         router_listen=Listen.parse(listen.get("router", "127.0.0.1:8080"), "router"),
         admin_listen=Listen.parse(listen.get("admin", "127.0.0.1:8081"), "admin"),
-        ssh_key=rel(ssh.get("key")),
-        known_hosts=rel(ssh.get("known_hosts")),
-        local_agent_config=rel(raw.get("local_agent_config")),
         admin_token=_secret(raw, "admin_token", ENV_ADMIN_TOKEN, base),
         webhook_secret=_secret(raw, "webhook_secret", ENV_WEBHOOK_SECRET, base),
         api_keys=list(raw.get("api_keys") or []),
-        reconciler=reconciler,
         router=dict(raw.get("router") or {}),
     )

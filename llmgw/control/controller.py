@@ -8,12 +8,12 @@ toward the nodes), so the router can run in another process and nothing here cha
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog
+from llmgw.control.config import ControllerConfig
 from llmgw.control.fleet_dispatch import FleetDispatcher
 from llmgw.dispatch.base import Dispatcher
 from llmgw.gitops import DesiredState, GitMirror, GitOpsFollower, Store
@@ -21,24 +21,9 @@ from llmgw.gitops.desired import RECONCILER
 from llmgw.gitops.repo import normalise_url
 from llmgw.gitops.writer import CommitWriter
 from llmgw.inventory.live import LiveInventory
-from llmgw.reconciler import EndpointSink, Reconciler, ReconcilerConfig, UsageSource
+from llmgw.reconciler import EndpointSink, Reconciler, UsageSource
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ControllerConfig:
-    repo: str
-    data_dir: Path
-    branch: str = "main"
-    subdir: str = ""
-    fetch_interval: float = 15.0
-    watch: bool = True
-    ssh_key: Path | None = None
-    known_hosts: Path | None = None
-    local_agent_config: Path | None = None
-    transports: tuple[str, ...] = ("ssh", "local")  # `llmgw up` manages only its local node
-    reconciler: ReconcilerConfig = field(default_factory=ReconcilerConfig)
 
 
 class Controller:

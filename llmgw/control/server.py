@@ -18,7 +18,7 @@ from aiohttp import web
 
 from llmgw.admin.app import build_admin_app
 from llmgw.control.config import Listen, ServerConfig
-from llmgw.control.controller import Controller, ControllerConfig
+from llmgw.control.controller import Controller
 from llmgw.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -52,14 +52,6 @@ class Running:
         await self.router.close()
 
 
-def controller_config(cfg: ServerConfig) -> ControllerConfig:
-    return ControllerConfig(
-        repo=cfg.repo, data_dir=cfg.data_dir, branch=cfg.branch, subdir=cfg.path,
-        fetch_interval=cfg.fetch_interval, watch=cfg.watch, ssh_key=cfg.ssh_key, known_hosts=cfg.known_hosts,
-        local_agent_config=cfg.local_agent_config, reconciler=cfg.reconciler, transports=cfg.transports,
-    )
-
-
 async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
                 admin_flag: str = "admin listener") -> Running:
     """Start every part and both listeners; the caller awaits its stop signal, then ``close()``."""
@@ -79,7 +71,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     # and their usage merged with the in-process router's.
     hub = FeedHub()
     hub.set_api_keys(cfg.api_keys)
-    controller = Controller(controller_config(cfg), sink=Fanout(router, hub), usage=MergedUsage(router, hub))
+    controller = Controller(cfg.controller, sink=Fanout(router, hub), usage=MergedUsage(router, hub))
     wake = lambda _model: controller.reconciler.notify()  # noqa: E731 - one-line adapter
     router.attach(controller.desired, wake=wake)
     hub.wake = wake

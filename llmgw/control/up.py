@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from llmgw.catalog.schema import SCHEMA_DIR
-from llmgw.control.config import Listen, ServerConfig
+from llmgw.control.config import ControllerConfig, Listen, ServerConfig
 from llmgw.errors import ConfigError
 from llmgw.reconciler import ReconcilerConfig
 
@@ -137,14 +137,14 @@ def prepare(data_dir: Path, *, catalog: Path | None, router_port: int, admin_por
     init_catalog(layout, catalog or EXAMPLES)
     write_agent_config(layout)
     return ServerConfig(
-        repo=str(layout.catalog),
-        data_dir=layout.controller_dir,
-        fetch_interval=15.0,
-        watch=True,
+        controller=ControllerConfig(
+            repo=str(layout.catalog),
+            data_dir=layout.controller_dir,
+            local_agent_config=layout.agent_config,
+            transports=("local",),
+            reconciler=ReconcilerConfig(tick_interval=1.0, stop_grace=5.0),
+        ),
         router_listen=Listen("127.0.0.1", router_port),
         admin_listen=Listen("127.0.0.1", admin_port),
-        local_agent_config=layout.agent_config,
         admin_token=admin_token(layout),
-        transports=("local",),
-        reconciler=ReconcilerConfig(tick_interval=1.0, stop_grace=5.0),
     )
