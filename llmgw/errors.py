@@ -12,7 +12,6 @@ callers retry by type, never by message::
     │   ├── NodeUnreachable   connect / transport failure: worth retrying later (temporary)
     │   ├── HostKeyRejected   unknown or changed host key: an operator must act (permanent)
     │   └── AgentError        the agent answered with an error for this request
-    ├── PlacementError        no placement is possible (carries the rejections)
     ├── EngineArgsError       a (model, profile, shard) an engine cannot be started with
     └── ConfigError           the controller's own configuration is unusable
 """
@@ -54,10 +53,6 @@ class HostKeyRejected(DispatchError):
 
 class AgentError(DispatchError):
     """The agent ran and answered with an error for this request."""
-
-
-class PlacementError(LlmgwError):
-    """No placement is possible."""
 
 
 class EngineArgsError(LlmgwError):

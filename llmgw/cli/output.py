@@ -7,7 +7,6 @@ command into a StringIO and compare the text a person would see.
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 from rich.console import Console
@@ -33,6 +32,3 @@ def _escape(text: str) -> str:
 
     return escape(text)
 
-
-def stdout_is_tty() -> bool:
-    return sys.stdout.isatty()

@@ -104,6 +104,3 @@ class GitMirror:
         out = run_git(["show", "-s", "--format=%H%x00%an%x00%ae%x00%ct%x00%s%x00%B", sha], cwd=self.path)
         full, author, email, ctime, subject, body = out.split("\x00", 5)
         return CommitInfo(full, author, email, subject, body.strip(), float(ctime))
-
-    def changed_files(self, old: str, new: str) -> list[str]:
-        return run_git(["diff", "--name-only", old, new], cwd=self.path).split()

@@ -51,6 +51,3 @@ class PlacementResult:
     placements: tuple[Placement, ...] = ()
     rejections: tuple[Rejection, ...] = ()
     unplaced: Mapping[str, int] = field(default_factory=dict)
-
-    def for_model(self, model: str) -> tuple[Placement, ...]:
-        return tuple(p for p in self.placements if p.model == model)

@@ -19,30 +19,18 @@ from collections.abc import Callable
 
 import aiohttp
 
-from llmgw.engines.health import LOAD_METRICS, METRICS_TIMEOUT, parse_load
+from llmgw.engines.health import LOAD_METRICS, read_load
 from llmgw.router.table import EndpointTable, Upstream
 
 log = logging.getLogger(__name__)
 
 
-def scan_queue(text: str, engine: str) -> tuple[int, int] | None:
-    """(running, waiting) summed over label sets, or None when neither gauge is present."""
-    load = parse_load(text, engine)  # type: ignore[arg-type]
-    return None if load is None else (load.running, load.waiting)
-
-
 async def read_queue(session: aiohttp.ClientSession, up: Upstream) -> tuple[int, int] | None:
+    """(running, waiting) on one replica's engine, through the same reader the probes use."""
     if up.endpoint.engine not in LOAD_METRICS:
         return None
-    try:
-        async with session.get(up.url + "/metrics",
-                               timeout=aiohttp.ClientTimeout(total=METRICS_TIMEOUT)) as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text(errors="replace")
-    except (aiohttp.ClientError, TimeoutError, OSError):
-        return None
-    return scan_queue(text, up.endpoint.engine)
+    load = await read_load(session, up.url, up.endpoint.engine)  # type: ignore[arg-type]
+    return None if load is None else (load.running, load.waiting)
 
 
 async def poll_loads(table: Callable[[], EndpointTable], session: aiohttp.ClientSession, interval: float) -> None:

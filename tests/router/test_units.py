@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 
 from llmgw.catalog.model import Catalog
-from llmgw.engines.health import LOAD_METRICS
+from llmgw.engines.health import LOAD_METRICS, parse_load
 from llmgw.errors import ConfigError
 from llmgw.reconciler.decide import Demand
 from llmgw.router import FeedHub, KeyRing, MergedUsage, Router, catalog_from_view, catalog_view, hash_key
 from llmgw.router.feed import endpoint_from_json
-from llmgw.router.load import scan_queue
 from llmgw.router.proxy import BadBody, parse_body, rewrite_model
 from llmgw.router.table import EMPTY, build_table, pick
 from tests.router.conftest import endpoint
@@ -176,8 +175,9 @@ def test_queue_scan_agrees_with_prometheus_clients_parser(engine: str) -> None:
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
     reference = (round(sum(s.value for s in samples if s.name == names.running[0])),
                  round(sum(s.value for s in samples if s.name == names.waiting[0])))
-    assert scan_queue(text, engine) == reference == (5, 4)
-    assert scan_queue("# nothing here\n", engine) is None
+    load = parse_load(text, engine)
+    assert load is not None and (load.running, load.waiting) == reference == (5, 4)
+    assert parse_load("# nothing here\n", engine) is None
 
 
 # --- the catalog view and the snapshot wire shapes ---------------------------------------------
