@@ -41,6 +41,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import pwd
 import re
 import secrets
 import shutil
@@ -54,7 +55,7 @@ import time
 import traceback
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
 
 AGENT_VERSION = "0.1.0"
 PROTOCOL = 1
@@ -75,22 +76,32 @@ HF_SOURCE_RE = re.compile(r"^hf://([A-Za-z0-9._-]+/[A-Za-z0-9._-]+)(?:@([A-Za-z0
 HF_MISSING = "hf:// sources need the huggingface_hub package on the node: pip install huggingface_hub"
 SHARED_FSTYPES = frozenset({"nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "ceph", "glusterfs", "beegfs"})
 
-# Request env that would make the dynamic loader or an interpreter load code from a path the
-# caller picks: allowing it would let a tampered controller run any program through an allowed
-# engine. The node's own environment (inherited) may still set these. A fetched entry is content
-# the caller chose, at a path it can predict, so any variable naming a file of code counts:
-# HOME (Python's user site runs its .pth files), SHELLOPTS=xtrace with PS4='$(...)' (any bash
-# wrapper script), OPENSSL_CONF (loads engine/provider .so files), CUDA/NVTX injection libraries.
-FORBIDDEN_ENV_PREFIXES = ("LD_", "DYLD_", "LUA_", "GIT_")
-FORBIDDEN_ENV = frozenset({
-    "PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONEXECUTABLE",
-    "PYTHONPLATLIBDIR", "PYTHONPYCACHEPREFIX", "PYTHONBREAKPOINT", "HOME", "ZDOTDIR",
-    "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "PROMPT_COMMAND", "GCONV_PATH",
-    "PERL5LIB", "PERLLIB", "PERL5OPT", "PERL5DB", "RUBYLIB", "RUBYOPT", "NODE_OPTIONS", "NODE_PATH",
-    "JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS", "JDK_JAVA_OPTIONS", "CLASSPATH", "TCLLIBPATH",
-    "OPENSSL_CONF", "OPENSSL_ENGINES", "OPENSSL_MODULES",
-    "CUDA_INJECTION64_PATH", "CUDA_INJECTION32_PATH", "NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH",
+# Request env is an allow-list the node owns (DESIGN §4, "The node boundary"): a deny-list of the
+# names that make an interpreter or loader run code cannot be complete (PYTHONWARNINGS naming a
+# module with import side effects, BROWSER, LLAMA_ARG_* mirroring every llama-server flag,
+# VLLM_PLUGINS, HF_HOME...). The default holds knobs that only tune threads, allocators, NCCL
+# transport choice and log verbosity: none names a file, a module or a library. The node config's
+# `env_allow` adds names; nothing else is set from a request.
+DEFAULT_ENV_ALLOW = frozenset({
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+    "TOKENIZERS_PARALLELISM", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING",
+    "PYTORCH_CUDA_ALLOC_CONF", "NCCL_DEBUG", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_P2P_DISABLE",
+    "NCCL_P2P_LEVEL", "NCCL_SOCKET_IFNAME", "NCCL_CUMEM_ENABLE", "VLLM_ATTENTION_BACKEND",
+    "VLLM_LOGGING_LEVEL", "VLLM_WORKER_MULTIPROC_METHOD", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
 })
+# What an engine inherits from the agent's own environment: only what programs need to find
+# their tools and speak the locale. Anything else the agent's environment holds (SSH_AUTH_SOCK,
+# cloud credentials of root's login shell) is not the engine's; `engine_env` sets more.
+INHERITED_ENV = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "TZ")
+SANDBOX_MODES = ("auto", "bwrap", "none")
+# Directories a sandboxed engine never sees (each becomes an empty tmpfs): homes hold keys and
+# shell histories; the agent's cache, state and config and the operator's model dirs are
+# hidden as a whole and only the one weights entry and the engine's own area are bound back.
+SANDBOX_HIDDEN = ("/root", "/home", "/tmp", "/var/tmp", "/run/user")
+BWRAP_CANDIDATES = ("/usr/bin/bwrap", "/usr/local/bin/bwrap", "/bin/bwrap")
+SETPRIV_CANDIDATES = ("/usr/bin/setpriv", "/bin/setpriv")
+GPU_DEVICE_GLOBS = ("/dev/nvidia", "/dev/dri", "/dev/kfd")
+PROBE_TIMEOUT = 10.0
 
 NVIDIA_SMI_QUERY = "index,name,uuid,memory.total,memory.used,ecc.errors.uncorrected.volatile.total"
 NVIDIA_SMI_TIMEOUT = 15.0
@@ -153,6 +164,14 @@ class NodeConfig:
     gpus: Tuple[JsonDict, ...]
     mounts_file: str
     hostname: str
+    # The node boundary (DESIGN §4): who engines run as, in what sandbox, with which env.
+    engine_user: Optional[str] = None
+    engines_as_root: bool = False
+    sandbox: str = "auto"
+    bwrap: Optional[str] = None
+    sandbox_paths: Tuple[str, ...] = ()
+    env_allow: FrozenSet[str] = DEFAULT_ENV_ALLOW
+    engine_env: Tuple[Tuple[str, str], ...] = ()
 
 
 def load_config(path: str) -> NodeConfig:
@@ -181,6 +200,13 @@ def load_config(path: str) -> NodeConfig:
         gpus=tuple(_config_gpu(path, g) for g in _config_list(path, raw, "gpus")),
         mounts_file=_config_str(path, raw, "mounts_file") if "mounts_file" in raw else "/proc/mounts",
         hostname=_config_str(path, raw, "hostname") if "hostname" in raw else socket.gethostname(),
+        engine_user=_config_str(path, raw, "engine_user") if raw.get("engine_user") is not None else None,
+        engines_as_root=_config_bool(path, raw, "engines_as_root"),
+        sandbox=_config_choice(path, raw, "sandbox", SANDBOX_MODES),
+        bwrap=_config_abs(path, raw["bwrap"], "bwrap") if raw.get("bwrap") is not None else None,
+        sandbox_paths=tuple(_config_abs(path, d, "sandbox_paths[]") for d in _config_list(path, raw, "sandbox_paths")),
+        env_allow=DEFAULT_ENV_ALLOW | frozenset(_config_env_names(path, raw)),
+        engine_env=tuple(sorted(_config_env_map(path, raw).items())),
     )
 
 
@@ -229,6 +255,36 @@ def _config_gpu(path: str, value: Any) -> JsonDict:
           and isinstance(value.get("memory_gb"), (int, float)))
     if not ok:
         raise AgentError(f"node config {path}: each of gpus needs index, class and memory_gb")
+    return value
+
+
+def _config_bool(path: str, raw: JsonDict, key: str) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise AgentError(f"node config {path}: {key} must be true or false")
+    return value
+
+
+def _config_choice(path: str, raw: JsonDict, key: str, choices: Tuple[str, ...]) -> str:
+    value = raw.get(key, choices[0])
+    if value not in choices:
+        raise AgentError(f"node config {path}: {key} must be one of {', '.join(choices)}")
+    return value
+
+
+def _config_env_names(path: str, raw: JsonDict) -> List[str]:
+    names = _config_list(path, raw, "env_allow")
+    if not all(isinstance(n, str) and ENV_NAME_RE.match(n) for n in names):
+        raise AgentError(f"node config {path}: env_allow must list environment variable names")
+    return names
+
+
+def _config_env_map(path: str, raw: JsonDict) -> Dict[str, str]:
+    value = raw.get("engine_env", {})
+    ok = isinstance(value, dict) and all(
+        isinstance(k, str) and ENV_NAME_RE.match(k) and isinstance(v, str) and "\0" not in v for k, v in value.items())
+    if not ok:
+        raise AgentError(f"node config {path}: engine_env must map variable names to strings")
     return value
 
 
@@ -500,6 +556,9 @@ def verb_inventory(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
         "foreign": foreign,
         "engines": engines,
         "fetches": fetch_views(cfg),
+        # Which confinement this node gives engines (user, sandbox): shown by `llmgw nodes`.
+        "confinement": confinement(cfg).view(),
+        "env_allow": sorted(cfg.env_allow),
     }
 
 
@@ -1173,24 +1232,404 @@ def verb_engine_monitor(_cfg: NodeConfig, request: JsonDict) -> JsonDict:
     Without a parent of our own the exit code of an engine started by an earlier (now gone)
     agent process would be lost."""
     _detach()
-    env = dict(os.environ)
-    env.update(request["env"])
+    user = request.get("user") or {}
+    switch = {"user": user["uid"], "group": user["gid"], "extra_groups": user["groups"]} if user else {}
     try:
         with open(request["log"], "ab") as log:
             log.write(f"=== llmgw-agent {AGENT_VERSION}: starting {request['argv']!r}\n".encode("utf-8"))
             log.flush()
+            # The env is exactly the one the agent built (no inheritance): see engine_environment.
             engine = subprocess.Popen(request["argv"], stdin=subprocess.DEVNULL, stdout=log,
-                                      stderr=subprocess.STDOUT, env=env, cwd=request["cwd"],
-                                      start_new_session=True)
+                                      stderr=subprocess.STDOUT, env=request["env"], cwd=request["cwd"],
+                                      start_new_session=True, **switch)
     except (OSError, ValueError) as exc:
         _reply_and_release_stdio({"error": f"could not start {request['argv'][0]}: {exc}"})
         return {}
     started = pid_start_time(engine.pid)
     _reply_and_release_stdio({"pid": engine.pid, "pid_start": started})
     code = engine.wait()
+    if request.get("sandboxed") and 128 < code <= 128 + 64:
+        # bwrap reports its child's death by signal N as exit 128+N, as a shell does; report it
+        # as Popen would for an unsandboxed engine (-N), so a stop reads the same either way.
+        code = 128 - code
     write_json_atomic(request["exit_file"], {"pid": engine.pid, "pid_start": started, "exit_code": code,
                                              "ended_at": time.time()})
     return {}
+
+
+# ----------------------------------------------------------------------------------------------
+# The node boundary: who an engine runs as, what it sees, what its env and args may name
+# (DESIGN §4). A start request can only ask; everything below is decided by the node config.
+
+
+class Refused(AgentError):
+    """A start the node's owner does not allow. `setting` names the node config key that would
+    allow it, so the controller can show the operator which knob to turn (or not turn)."""
+
+    def __init__(self, message: str, *, setting: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
+@dataclass(frozen=True)
+class Confinement:
+    user: str
+    uid: int
+    gid: int
+    groups: Tuple[int, ...]
+    sandbox: str  # "bwrap" or "none"
+    detail: str  # why, in the words `llmgw nodes` shows
+    bwrap: Optional[str] = None
+    setpriv: Optional[str] = None  # set when bwrap runs as root and drops to the user inside
+    problem: Optional[str] = None  # set: every start is refused with this reason
+    problem_setting: Optional[str] = None
+
+    def view(self) -> JsonDict:
+        return {"user": self.user, "uid": self.uid, "sandbox": self.sandbox, "detail": self.detail,
+                "problem": self.problem}
+
+
+_PROBES: Dict[Tuple[str, Optional[str], int], Optional[str]] = {}
+
+
+def confinement(cfg: NodeConfig) -> Confinement:
+    """How this node runs engines, from its config and what the machine can do."""
+    user, problem, setting = _engine_user(cfg)
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        return Confinement(user, -1, -1, (), "none", f"engine_user {user} does not exist on this node",
+                           problem=f"engine_user {user!r} does not exist on this node (useradd --system {user})",
+                           problem_setting="engine_user")
+    uid, gid = entry.pw_uid, entry.pw_gid
+    groups = tuple(sorted(set(os.getgrouplist(user, gid))))
+    base = Confinement(user, uid, gid, groups, "none", "", problem=problem, problem_setting=setting)
+    if problem is None and uid == 0 and not cfg.engines_as_root:
+        base = _with(base, problem=f"engine_user {user} is root; engines run as root only with engines_as_root: true",
+                     problem_setting="engines_as_root")
+    if cfg.sandbox == "none":
+        return _with(base, detail=f"no sandbox (sandbox: none); engines run as {user}")
+    bwrap = cfg.bwrap or next((p for p in BWRAP_CANDIDATES if os.access(p, os.X_OK)), None)
+    setpriv = None
+    # As root, bwrap makes the namespaces and setpriv drops to the user inside; a non-root agent
+    # runs bwrap as itself, which needs unprivileged user namespaces.
+    if os.geteuid() == 0 and uid != 0:
+        setpriv = next((p for p in SETPRIV_CANDIDATES if os.access(p, os.X_OK)), None)
+    why = None
+    if bwrap is None or not os.access(bwrap, os.X_OK):
+        why = "bubblewrap is not installed (apt-get install bubblewrap)"
+    elif os.geteuid() == 0 and uid != 0 and setpriv is None:
+        why = "setpriv (util-linux) is missing, so bwrap cannot drop to the engine user"
+    else:
+        why = _probe_bwrap(bwrap, setpriv, uid, gid)
+    if why is None:
+        return _with(base, sandbox="bwrap", bwrap=bwrap, setpriv=setpriv, detail=f"bubblewrap as {user}")
+    if cfg.sandbox == "bwrap" and base.problem is None:
+        base = _with(base, problem=f"sandbox is bwrap but {why}", problem_setting="sandbox")
+    return _with(base, detail=f"no sandbox: {why}; engines run as {user}")
+
+
+def _with(conf: Confinement, **changes: Any) -> Confinement:
+    fields = dict(conf.__dict__)
+    fields.update(changes)
+    return Confinement(**fields)
+
+
+def _engine_user(cfg: NodeConfig) -> Tuple[str, Optional[str], Optional[str]]:
+    """(user name, problem, setting): who engines run as, and why starts are refused if so."""
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    if os.geteuid() != 0:
+        if cfg.engine_user not in (None, me):
+            return me, (f"engine_user {cfg.engine_user} needs an agent running as root; this agent runs as {me}"), \
+                "engine_user"
+        return me, None, None
+    if cfg.engine_user is not None:
+        return cfg.engine_user, None, None
+    if cfg.engines_as_root:
+        return "root", None, None
+    return "root", ("this agent runs as root and the node config names no engine_user; engines are never "
+                    "started as root unless engines_as_root is true"), "engine_user"
+
+
+def _probe_bwrap(bwrap: str, setpriv: Optional[str], uid: int, gid: int) -> Optional[str]:
+    """None when bwrap runs here (cached per process), else its first line of complaint."""
+    key = (bwrap, setpriv, uid)
+    if key not in _PROBES:
+        argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid",
+                "--unshare-ipc", "--"] + _drop_argv(setpriv, uid, gid, ()) + [sys.executable or "python3", "-c", ""]
+        try:
+            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  timeout=PROBE_TIMEOUT, check=False)
+            complaint = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+            _PROBES[key] = None if proc.returncode == 0 else \
+                f"bubblewrap cannot run here ({complaint[0] if complaint else f'exit {proc.returncode}'})"
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _PROBES[key] = f"bubblewrap cannot run here ({exc})"
+    return _PROBES[key]
+
+
+def _drop_argv(setpriv: Optional[str], uid: int, gid: int, groups: Tuple[int, ...]) -> List[str]:
+    if setpriv is None:
+        return []
+    group_args = ["--groups", ",".join(str(g) for g in groups)] if groups else ["--clear-groups"]
+    return [setpriv, f"--reuid={uid}", f"--regid={gid}", *group_args, "--inh-caps=-all", "--bounding-set=-all",
+            "--no-new-privs", "--"]
+
+
+def check_env(cfg: NodeConfig, env: Dict[str, str]) -> None:
+    for key in sorted(env):
+        if key not in cfg.env_allow:
+            raise Refused(f"start: env {key} is not allowed on this node; a request may set only "
+                          f"{', '.join(sorted(cfg.env_allow))} (the node's owner allows more with env_allow "
+                          f"in {cfg.path})", setting="env_allow")
+
+
+# Flags known to take a file or directory, per engine: "r" read, "w" written (or a directory
+# written into). A value must resolve inside the engine's own area (both) or the weights
+# entry and the owner's sandbox_paths (read only). Defence in depth behind the sandbox and
+# the unprivileged user, which make whatever a list like this misses harmless.
+PATH_FLAGS: Dict[str, Dict[str, str]] = {}
+
+
+def engine_kind(name: str, prefix: Tuple[str, ...]) -> Optional[str]:
+    """Which engine's flag table applies: by the node's engine name, else by its executable."""
+    if name in PATH_FLAGS:
+        return name
+    words = " ".join(os.path.basename(p) for p in prefix)
+    for kind, marker in (("llama.cpp", "llama-server"), ("vllm", "vllm"), ("sglang", "sglang")):
+        if marker in words:
+            return kind
+    return None
+
+
+def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: Tuple[str, ...]) -> None:
+    """Refuse args that would make the engine read or write outside what it was given."""
+    flags = PATH_FLAGS.get(kind or "", {})
+    argparse_style = kind in ("vllm", "sglang")
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, inline = arg.partition("=") if arg.startswith("-") else (arg, "", "")
+        mode = _path_flag_mode(flags, name, argparse_style) if arg.startswith("-") else None
+        if mode is not None:
+            if eq:
+                value = inline
+            elif i + 1 < len(args):
+                i += 1
+                value = args[i]
+            else:
+                break
+            _check_path(name, value, mode, area=area, read_roots=read_roots)
+        else:
+            for value in _absolute_parts(arg):
+                _check_path(name if eq else "argument", value, "r", area=area, read_roots=read_roots)
+        i += 1
+
+
+def _path_flag_mode(flags: Dict[str, str], name: str, argparse_style: bool) -> Optional[str]:
+    if name in flags:
+        return flags[name]
+    if not argparse_style or not name.startswith("--") or len(name) < 4:
+        return None
+    # Python's argparse takes --chat_template for --chat-template and (unless disabled) any
+    # unambiguous abbreviation, --chat-templ: so must this check.
+    normal = "--" + name[2:].replace("_", "-")
+    if normal in flags:
+        return flags[normal]
+    modes = {m for f, m in flags.items() if f.startswith(normal)}
+    if modes:
+        return "w" if "w" in modes else "r"
+    return None
+
+
+def _absolute_parts(arg: str) -> List[str]:
+    """Values inside one argument that name an absolute path: the argument itself, what follows
+    `=` (--flag=/x, name=/x), and strings inside a JSON argument."""
+    found = []
+    for part in (arg, arg.partition("=")[2]):
+        if _looks_like_path(part):
+            found.append(part)
+    if arg[:1] in ("{", "["):
+        try:
+            found.extend(s for s in _json_strings(json.loads(arg)) if _looks_like_path(s))
+        except (ValueError, RecursionError):
+            pass
+    return found
+
+
+def _looks_like_path(value: str) -> bool:
+    return value.startswith(("/", "~", "file:"))
+
+
+def _json_strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in list(value.keys()) + list(value.values()):
+            yield from _json_strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _json_strings(item)
+
+
+def _check_path(flag: str, value: str, mode: str, *, area: str, read_roots: Tuple[str, ...]) -> None:
+    if value.startswith("file:"):
+        value = urllib.parse.unquote(urllib.parse.urlsplit(value).path)
+    if value.startswith("~"):
+        value = area + value[1:]  # HOME is the engine's area
+    path = os.path.realpath(os.path.join(area, value))  # relative values are relative to the engine's cwd
+    allowed = (area,) if mode == "w" else (area,) + read_roots
+    if not any(_inside(path, os.path.realpath(root)) for root in allowed):
+        where = "the engine's own area" if mode == "w" else "the engine's own area, its weights or sandbox_paths"
+        raise Refused(f"start: {flag} {value} is refused: it names a path outside {where} ({area})",
+                      setting="sandbox_paths")
+
+
+def engine_area(cfg: NodeConfig, replica_id: str) -> str:
+    return os.path.join(cfg.state_dir, "run", replica_id)
+
+
+def prepare_area(cfg: NodeConfig, conf: Confinement, replica_id: str) -> str:
+    """A fresh, empty directory the engine owns: its cwd, HOME and the one place it may write.
+
+    Made anew at every start, so nothing a previous run left (a symlink planted by an engine)
+    is there to be followed by the next."""
+    run = os.path.join(cfg.state_dir, "run")
+    os.makedirs(run, mode=0o711, exist_ok=True)
+    if conf.uid != os.geteuid():
+        # The engine user must pass through state_dir and run/ (only traverse, not list: every
+        # other directory in state_dir stays 0700).
+        for path in (cfg.state_dir, run):
+            os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) | 0o011)
+    run_fd = _open_dir_nofollow(run)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            rmtree_at(run_fd, replica_id)
+        os.mkdir(replica_id, 0o700, dir_fd=run_fd)
+        area = os.path.join(run, replica_id)
+        os.mkdir(os.path.join(area, "tmp"), 0o700)
+        if os.geteuid() == 0 and conf.uid != 0:
+            os.chown(area, conf.uid, conf.gid)
+            os.chown(os.path.join(area, "tmp"), conf.uid, conf.gid)
+    finally:
+        os.close(run_fd)
+    return area
+
+
+def _hidden_paths(cfg: NodeConfig) -> List[str]:
+    """The tmpfs mounts of a sandbox, parents only (a path under a hidden one is hidden already)."""
+    wanted = [os.path.realpath(p) for p in SANDBOX_HIDDEN + (cfg.cache_dir, cfg.state_dir) + cfg.model_dirs]
+    out: List[str] = []
+    for path in sorted(set(wanted), key=len):
+        if os.path.isdir(path) and path != "/" and not any(_inside(path, h) for h in out):
+            out.append(path)
+    return out
+
+
+def sandbox_argv(cfg: NodeConfig, conf: Confinement, argv: List[str], *, area: str,
+                 weights: Optional[str]) -> List[str]:
+    """bwrap around argv: a read-only system, the hidden paths empty, only the weights entry
+    (read-only) and the engine's area (writable) bound back, its own pid/ipc/uts namespaces."""
+    assert conf.bwrap is not None
+    out = [conf.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/dev/shm"]
+    for device in _gpu_devices():
+        out += ["--dev-bind", device, device]
+    hidden = _hidden_paths(cfg)
+    for path in hidden:
+        out += ["--tmpfs", path]
+    config = os.path.realpath(cfg.path)
+    if not any(_inside(config, h) for h in hidden):
+        out += ["--ro-bind", "/dev/null", config]  # the node's config is the owner's business only
+    binds = [("--ro-bind", p) for p in cfg.sandbox_paths if os.path.exists(p)]
+    binds += [("--ro-bind", weights)] if weights is not None else []
+    for kind, path in binds + [("--bind", area)]:
+        out += _mount_point_parents(path, hidden) + [kind, path, path]
+    out += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--chdir", area, "--"]
+    return out + _drop_argv(conf.setpriv, conf.uid, conf.gid, conf.groups) + argv
+
+
+def _mount_point_parents(path: str, hidden: List[str]) -> List[str]:
+    """Create a bind's parent directories inside a hidden tmpfs as 0755: bwrap would otherwise
+    copy the host's modes (a 0700 /tmp/pytest-of-root), and the engine could not reach its own
+    area by name."""
+    out: List[str] = []
+    root = next((h for h in hidden if _inside(path, h) and path != h), None)
+    if root is None:
+        return out
+    current = root
+    for part in os.path.relpath(os.path.dirname(path), root).split("/"):
+        if part in ("", "."):
+            continue
+        current = os.path.join(current, part)
+        out += ["--perms", "0755", "--dir", current]
+    return out
+
+
+def _gpu_devices() -> List[str]:
+    found = []
+    for prefix in GPU_DEVICE_GLOBS:
+        parent, base = os.path.split(prefix)
+        for name in sorted(_listdir(parent)):
+            if name.startswith(base):
+                found.append(os.path.join(parent, name))
+    return found
+
+
+def check_visible(cfg: NodeConfig, conf: Confinement, prefix: List[str], *, weights: Optional[str],
+                  area: str) -> None:
+    """The engine's executable must be visible in the sandbox, and what it needs reachable by its
+    user: a start that would only fail inside is refused with the setting that fixes it."""
+    exe = prefix[0] if os.path.isabs(prefix[0]) else shutil.which(prefix[0])
+    real = os.path.realpath(exe) if exe is not None else None  # None: the launch reports it missing
+    if conf.sandbox == "bwrap":
+        exposed = tuple(os.path.realpath(p) for p in cfg.sandbox_paths)
+        for hidden in _hidden_paths(cfg) if real is not None else ():
+            if _inside(real, hidden) and not any(_inside(real, p) for p in exposed):
+                raise Refused(f"start: the engine executable {real} is under {hidden}, which the sandbox hides; "
+                              f"list its directory in sandbox_paths in {cfg.path}", setting="sandbox_paths")
+        return
+    if conf.uid == os.geteuid():
+        return
+    for path in (real, weights, area):
+        blocked = _first_unsearchable(path, conf) if path is not None else None
+        if blocked is not None:
+            raise Refused(f"start: engine user {conf.user} cannot reach {path} ({blocked} is not searchable "
+                          "by it; without a sandbox the user needs search permission on every parent)",
+                          setting="engine_user")
+
+
+def _first_unsearchable(path: str, conf: Confinement) -> Optional[str]:
+    """The first directory on the way to path that conf's user may not pass through."""
+    current = "/"
+    for part in [p for p in os.path.dirname(path).split("/") if p]:
+        current = os.path.join(current, part)
+        try:
+            info = os.stat(current)
+        except OSError:
+            return current
+        if info.st_uid == conf.uid:
+            bit = stat.S_IXUSR
+        elif info.st_gid in conf.groups:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not info.st_mode & bit:
+            return current
+    return None
+
+
+def engine_environment(cfg: NodeConfig, conf: Confinement, spec: "StartSpec", area: str) -> Dict[str, str]:
+    """A clean environment: the locale and PATH, the owner's engine_env, the allowed request env,
+    then what no one may override (HOME, TMPDIR, the user, CUDA_VISIBLE_DEVICES)."""
+    env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+    env["PYTHONUNBUFFERED"] = "1"  # a Python engine's log lines reach its log (and `llmgw replicas`) as written
+    env.update(spec.env)
+    env.update(cfg.engine_env)  # the owner's word wins over a request's
+    env.update(HOME=area, USER=conf.user, LOGNAME=conf.user, XDG_CACHE_HOME=os.path.join(area, ".cache"),
+               TMPDIR="/tmp" if conf.sandbox == "bwrap" else os.path.join(area, "tmp"),
+               CUDA_VISIBLE_DEVICES=",".join(str(g) for g in spec.gpus))
+    return env
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1295,8 +1734,6 @@ def _start_env(env: Any) -> Dict[str, str]:
     for key, value in env.items():
         if not ENV_NAME_RE.match(key) or not isinstance(value, str) or "\0" in value:
             raise AgentError(f"start: env {key!r} must be a variable name with a string value")
-        if key in FORBIDDEN_ENV or key.startswith(FORBIDDEN_ENV_PREFIXES):
-            raise AgentError(f"start: env {key} is refused: it would let the caller load code of its choosing")
     return dict(env)
 
 
@@ -1371,6 +1808,10 @@ def _endpoint(address: str, port: int) -> str:
 
 def verb_start(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     spec = parse_start(cfg, request)
+    check_env(cfg, spec.env)
+    conf = confinement(cfg)
+    if conf.problem is not None:
+        raise Refused(f"start: {conf.problem}", setting=conf.problem_setting or "engine_user")
     with _locked(_engines_lock(cfg)):
         existing = load_record(cfg, spec.replica_id)
         if existing is not None and record_alive(existing):
@@ -1378,24 +1819,34 @@ def verb_start(cfg: NodeConfig, request: JsonDict) -> JsonDict:
         weights = resolve_weights(cfg, spec.weights)
         if weights is None and any("{weights}" in a for a in spec.args):
             raise AgentError("start: args use {weights} but the request names no weights")
+        area = engine_area(cfg, spec.replica_id)
         port = choose_port(cfg, spec.port)
-        argv = build_argv(cfg.engines[spec.engine], spec.args,
-                          {"port": str(port), "weights": weights or "", "host": cfg.bind_address})
-        record = _launch(cfg, spec, argv, port=port, weights=weights)
+        prefix = cfg.engines[spec.engine]
+        args = build_argv((), spec.args, {"port": str(port), "weights": weights or "", "host": cfg.bind_address})
+        read_roots = tuple(p for p in (weights,) if p is not None) + cfg.sandbox_paths
+        check_args(engine_kind(spec.engine, prefix), args, area=area, read_roots=read_roots)
+        check_visible(cfg, conf, list(prefix), weights=weights, area=area)
+        prepare_area(cfg, conf, spec.replica_id)
+        record = _launch(cfg, spec, list(prefix) + args, conf=conf, area=area, port=port, weights=weights)
     return _start_answer(record, already_running=False)
 
 
-def _launch(cfg: NodeConfig, spec: StartSpec, argv: List[str], *, port: int, weights: Optional[str]) -> JsonDict:
+def _launch(cfg: NodeConfig, spec: StartSpec, argv: List[str], *, conf: Confinement, area: str, port: int,
+            weights: Optional[str]) -> JsonDict:
     log = _log_path(cfg, spec.replica_id)
     _ensure_dir(os.path.dirname(log))
     if os.path.exists(log) and os.path.getsize(log) > LOG_ROTATE_BYTES:
         os.replace(log, log + ".1")
     _remove_file(_exit_path(cfg, spec.replica_id))
     _ensure_dir(os.path.join(cfg.state_dir, "exits"))
-    # The request env wins over the node's; CUDA_VISIBLE_DEVICES always comes from gpus.
-    env = dict(spec.env, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in spec.gpus))
+    env = engine_environment(cfg, conf, spec, area)
+    sandboxed = conf.sandbox == "bwrap"
+    launch = sandbox_argv(cfg, conf, argv, area=area, weights=weights) if sandboxed else argv
+    # Without a sandbox the monitor switches to the engine user itself (bwrap's setpriv does it inside).
+    user = None if sandboxed or conf.uid == os.geteuid() else {"uid": conf.uid, "gid": conf.gid,
+                                                                "groups": list(conf.groups)}
     reply = spawn_detached(cfg, "_engine-monitor", {
-        "argv": argv, "env": env, "log": log, "cwd": cfg.state_dir,
+        "argv": launch, "env": env, "log": log, "cwd": area, "user": user, "sandboxed": sandboxed,
         "exit_file": _exit_path(cfg, spec.replica_id)}, log_path=log)
     if "error" in reply or not _is_int(reply.get("pid")):
         raise AgentError(f"start: {reply.get('error', 'the engine did not start')}")
@@ -1403,6 +1854,7 @@ def _launch(cfg: NodeConfig, spec: StartSpec, argv: List[str], *, port: int, wei
         "replica_id": spec.replica_id, "pid": reply["pid"], "pid_start": reply.get("pid_start"), "boot_id": boot_id(),
         "port": port, "endpoint": _endpoint(cfg.advertise_address, port), "engine": spec.engine,
         "argv": argv, "env_keys": sorted(spec.env), "gpus": list(spec.gpus), "weights": weights,
+        "user": conf.user, "sandbox": conf.sandbox, "area": area,
         "labels": spec.labels, "started_at": time.time(), "log": log, "agent_version": AGENT_VERSION,
     }
     write_json_atomic(_record_path(cfg, spec.replica_id), record)
@@ -1429,7 +1881,7 @@ def verb_stop(cfg: NodeConfig, request: JsonDict) -> JsonDict:
         return answer
     was_running = record_alive(record)
     if was_running or _orphans(record):
-        terminate_group(record["pid"], float(grace))
+        terminate_group(record["pid"], float(grace), spare_leader=record.get("sandbox") == "bwrap" and was_running)
     info = _wait_exit_info(cfg, record, EXIT_RECORD_WAIT if was_running else 0.0)
     if info is None:  # the monitor is gone too: note the end ourselves so the record ages out
         _note_unknown_exit(cfg, record, time.time())
@@ -1462,8 +1914,18 @@ def _orphans(record: JsonDict) -> bool:
     return bool(group_members(record["pid"]))
 
 
-def terminate_group(pgid: int, grace: float) -> None:
-    _signal_group(pgid, signal.SIGTERM)
+def terminate_group(pgid: int, grace: float, *, spare_leader: bool = False) -> None:
+    """SIGTERM, then SIGKILL after grace. A sandboxed engine's leader is bwrap, which SIGTERM
+    would kill at once, losing the engine's exit code while the engine still runs: then TERM
+    goes to the members only (the namespace's init ignores it; the engine gets it), and the
+    leader follows its child out."""
+    if spare_leader:
+        for pid in group_members(pgid):
+            if pid != pgid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+    else:
+        _signal_group(pgid, signal.SIGTERM)
     if _wait_group_gone(pgid, grace):
         return
     _signal_group(pgid, signal.SIGKILL)
@@ -1912,10 +2374,18 @@ def serve_line(config_path: str, line: bytes) -> JsonDict:
     try:
         return {"id": request_id, "answer": run_verb(verb, config_path, request)}
     except AgentError as exc:
-        return {"id": request_id, "error": str(exc)}
+        return dict(error_answer(exc), id=request_id)
     except Exception as exc:  # noqa: BLE001 - a bug in one verb must not end the channel every call shares
         traceback.print_exc(file=sys.stderr)
         return {"id": request_id, "error": f"internal error in {verb}: {exc!r}"}
+
+
+def error_answer(exc: AgentError) -> JsonDict:
+    """The error object of the protocol; a refusal also names the node setting that decides it."""
+    answer: JsonDict = {"error": str(exc)}
+    if isinstance(exc, Refused):
+        answer["refused"] = {"setting": exc.setting}
+    return answer
 
 
 def _emit(answer: JsonDict) -> None:
@@ -1932,7 +2402,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return serve(config_path, sys.stdin.buffer, sys.stdout.buffer)
         answer = run_verb(verb, config_path, parse_request(sys.stdin.buffer.read()))
     except AgentError as exc:
-        _emit({"error": str(exc)})
+        _emit(error_answer(exc))
         return exc.exit_code
     except Exception as exc:  # noqa: BLE001 - the caller still gets a JSON answer; the traceback goes to stderr
         traceback.print_exc(file=sys.stderr)

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.agent.helpers import AGENT, ECHO_ENGINE, Node
+from tests.agent.helpers import AGENT, ECHO_ENGINE, Node, confined_settings
 
 
 def _port_block(size: int = 12) -> tuple[int, int]:
@@ -40,6 +40,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
             "pysleep": [sys.executable, "-c", "import time; time.sleep(120)"],
         },
         gpus=[{"index": 0, "class": "h100", "memory_gb": 80}, {"index": 1, "class": "h100", "memory_gb": 80}],
+        env_allow=["LLMGW_TEST_VALUE"], **confined_settings(),
     )
     yield made
     _kill_leftover_engines(made.state)
