@@ -12,6 +12,7 @@ callers retry by type, never by message::
     │   ├── NodeUnreachable   connect / transport failure: worth retrying later (temporary)
     │   ├── HostKeyRejected   unknown or changed host key: an operator must act (permanent)
     │   └── AgentError        the agent answered with an error for this request
+    │       └── StartRefused  the node's owner does not allow what a start asked (env, args, user)
     ├── EngineArgsError       a (model, profile, shard) an engine cannot be started with
     └── ConfigError           the controller's own configuration is unusable
 """
@@ -53,6 +54,16 @@ class HostKeyRejected(DispatchError):
 
 class AgentError(DispatchError):
     """The agent ran and answered with an error for this request."""
+
+
+class StartRefused(AgentError):
+    """The node refused a start by its own config (DESIGN §4, the node boundary): retrying the
+    same request cannot help until the catalog or the node config changes. ``setting`` is the
+    node config key that decides it (``env_allow``, ``sandbox_paths``, ``engine_user``...)."""
+
+    def __init__(self, message: str, *, setting: str) -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 class EngineArgsError(LlmgwError):

@@ -1379,16 +1379,51 @@ def _drop_argv(setpriv: Optional[str], uid: int, gid: int, groups: Tuple[int, ..
 def check_env(cfg: NodeConfig, env: Dict[str, str]) -> None:
     for key in sorted(env):
         if key not in cfg.env_allow:
-            raise Refused(f"start: env {key} is not allowed on this node; a request may set only "
-                          f"{', '.join(sorted(cfg.env_allow))} (the node's owner allows more with env_allow "
-                          f"in {cfg.path})", setting="env_allow")
+            raise Refused(f"start: env {key} is not allowed on this node: a request may set only the agents' "
+                          f"default names and the node's env_allow (its owner allows more with env_allow in "
+                          f"{cfg.path}; `llmgw nodes -o json` lists what each node allows)", setting="env_allow")
 
 
 # Flags known to take a file or directory, per engine: "r" read, "w" written (or a directory
 # written into). A value must resolve inside the engine's own area (both) or the weights
 # entry and the owner's sandbox_paths (read only). Defence in depth behind the sandbox and
 # the unprivileged user, which make whatever a list like this misses harmless.
-PATH_FLAGS: Dict[str, Dict[str, str]] = {}
+# "x": refused outright, whatever the value: the flag hands clients of the engine a shell or
+# lets it delete what it loaded. Lists checked against llama-server 0.5.0's --help, vLLM
+# 0.11's arg_utils.py/cli_args.py and SGLang 0.5's server_args.py (README, real-fleet guide).
+def _flag_table(**groups: str) -> Dict[str, str]:
+    return {flag: mode for mode, flags in groups.items() for flag in flags.split()}
+
+
+PATH_FLAGS: Dict[str, Dict[str, str]] = {
+    "llama.cpp": _flag_table(
+        r="-m --model -md --model-draft --spec-draft-model -mm --mmproj --lora --lora-scaled --control-vector "
+          "--control-vector-scaled --grammar-file -jf --json-schema-file --chat-template-file -lcs "
+          "--lookup-cache-static --api-key-file --ssl-key-file --ssl-cert-file --media-path --path --models-dir "
+          "--models-preset --ui-config-file --webui-config-file --video-ffmpeg-dir",
+        w="-lcd --lookup-cache-dynamic --log-file --slot-save-path --log-prompts-dir --host",
+        x="--tools --tools-runtime -ag --agent --mcp-servers-config --mcp-servers-json --ui-mcp-proxy --rpc"),
+    "vllm": _flag_table(
+        r="--model --tokenizer --hf-config-path --generation-config --allowed-local-media-path --lora-modules "
+          "--default-mm-loras --chat-template --ssl-keyfile --ssl-certfile --ssl-ca-certs --config --spec-model "
+          "--tool-parser-plugin --reasoning-parser-plugin --speculative-config -sc --model-loader-extra-config "
+          "--log-config-file --kv-transfer-config --ec-transfer-config --additional-config",
+        w="--download-dir --uds --compilation-config -cc -O --profiler-config",
+        x="--tool-server"),
+    "sglang": _flag_table(
+        r="--model-path --model --tokenizer-path --chat-template --completion-template --quantization-param-path "
+          "--rl-quant-profile --modelopt-checkpoint-restore-path --speculative-draft-model-path "
+          "--speculative-draft-model --speculative-token-map --speculative-adaptive-config "
+          "--speculative-ngram-external-corpus-path --lora-paths --ssl-keyfile --ssl-certfile --ssl-ca-certs "
+          "--debug-tensor-dump-input-file --decrypted-config-file --decrypted-draft-config-file --model-checksum "
+          "--deepep-config --init-expert-location --hicache-storage-backend-extra-config --lmcache-config-file "
+          "--flexkv-config-file --pdmux-config-path --dllm-algorithm-config --msprobe-dump-config --kt-weight-path "
+          "--config --model-loader-extra-config",
+        w="--download-dir --modelopt-checkpoint-save-path --modelopt-export-path --spec-trace-dir "
+          "--file-storage-path --log-requests-target --crash-dump-folder --export-metrics-to-file-dir "
+          "--debug-tensor-dump-output-folder --weight-cache-socket",
+        x="--delete-ckpt-after-loading"),
+}
 
 
 def engine_kind(name: str, prefix: Tuple[str, ...]) -> Optional[str]:
@@ -1405,12 +1440,14 @@ def engine_kind(name: str, prefix: Tuple[str, ...]) -> Optional[str]:
 def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: Tuple[str, ...]) -> None:
     """Refuse args that would make the engine read or write outside what it was given."""
     flags = PATH_FLAGS.get(kind or "", {})
-    argparse_style = kind in ("vllm", "sglang")
     i = 0
     while i < len(args):
         arg = args[i]
         name, eq, inline = arg.partition("=") if arg.startswith("-") else (arg, "", "")
-        mode = _path_flag_mode(flags, name, argparse_style) if arg.startswith("-") else None
+        mode = _path_flag_mode(flags, name, kind) if arg.startswith("-") else None
+        if mode == "x":
+            raise Refused(f"start: {name} is refused on every node: it would give the engine's clients tools "
+                          "that run commands or change files", setting="engine args")
         if mode is not None:
             if eq:
                 value = inline
@@ -1426,19 +1463,26 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
         i += 1
 
 
-def _path_flag_mode(flags: Dict[str, str], name: str, argparse_style: bool) -> Optional[str]:
+def _path_flag_mode(flags: Dict[str, str], name: str, kind: Optional[str]) -> Optional[str]:
     if name in flags:
         return flags[name]
-    if not argparse_style or not name.startswith("--") or len(name) < 4:
+    if not name.startswith("--") or len(name) < 4:
         return None
-    # Python's argparse takes --chat_template for --chat-template and (unless disabled) any
-    # unambiguous abbreviation, --chat-templ: so must this check.
-    normal = "--" + name[2:].replace("_", "-")
+    # llama-server and vLLM take --log_file for --log-file; vLLM sets a key of a JSON flag
+    # with --compilation-config.cache_dir; Python's argparse (vLLM, SGLang) takes any
+    # unambiguous abbreviation, --chat-templ. So must this check, or it is walked around.
+    head, dot, _ = name.partition(".")
+    normal = "--" + head[2:].replace("_", "-")
+    if dot and (normal in flags or kind == "vllm"):
+        return "w"  # a JSON key: only the engine's own area is safe for whatever it names
     if normal in flags:
         return flags[normal]
+    if kind not in ("vllm", "sglang"):
+        return None
     modes = {m for f, m in flags.items() if f.startswith(normal)}
-    if modes:
-        return "w" if "w" in modes else "r"
+    for strongest in ("x", "w", "r"):
+        if strongest in modes:
+            return strongest
     return None
 
 

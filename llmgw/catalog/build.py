@@ -65,6 +65,7 @@ def build_settings(doc: Document | None, problems: list[Problem]) -> Settings:
             max_model_share=float(guard.get("max_model_share", 0.5)),
             max_replica_share=float(guard.get("max_replica_share", 0.5)),
         ),
+        env_allow=tuple(raw.get("env_allow") or ()),
     )
 
 

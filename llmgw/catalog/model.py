@@ -139,6 +139,7 @@ class Settings:
     pools: tuple[str, ...] = ()
     default_scaling: Scaling = field(default_factory=Scaling)
     prune_guard: PruneGuard = field(default_factory=PruneGuard)
+    env_allow: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

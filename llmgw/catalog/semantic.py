@@ -170,16 +170,24 @@ def check_scaling(entries: Iterable[ModelEntry]) -> list[Problem]:
     return out
 
 
-def refused_env(key: str) -> bool:
-    """Whether every node's agent refuses this env name: the agent's own list, so a profile is
-    refused at commit time for what nodes would refuse at start time. Imported on use: the
+def default_env_allow() -> frozenset[str]:
+    """The env names every node's agent allows by default: the agent's own list, so a profile
+    is refused at commit time for what nodes would refuse at start time. Imported on use: the
     agent module costs 45 ms to import and most catalogs set no env."""
-    from llmgw.agent.llmgw_agent import FORBIDDEN_ENV, FORBIDDEN_ENV_PREFIXES
+    from llmgw.agent.llmgw_agent import DEFAULT_ENV_ALLOW
 
-    return key in FORBIDDEN_ENV or key.startswith(FORBIDDEN_ENV_PREFIXES)
+    return DEFAULT_ENV_ALLOW
 
 
-def check_profiles(entries: Iterable[ModelEntry]) -> list[Problem]:
+def _env_refusal(key: str) -> str:
+    # The node decides; the catalog can only ask. So the message names both settings: the
+    # node's (which allows) and the catalog's (which only declares, for validation).
+    return (f'env "{key}" is not on the agents\' default allow-list: a node allows it only with "env_allow" in '
+            'its agent config (then declare it in llmgw.yaml "env_allow"); a name that loads files or code '
+            'belongs in the node\'s own "engine_env", not in the catalog')
+
+
+def check_profiles(entries: Iterable[ModelEntry], settings: Settings) -> list[Problem]:
     out = []
     for e in entries:
         seen: set[str] = set()
@@ -194,12 +202,8 @@ def check_profiles(entries: Iterable[ModelEntry]) -> list[Problem]:
                     "a sharded replica needs an interconnect such as infiniband",
                 ))
             for key, _ in p.env:
-                if refused_env(key):
-                    out.append(e.doc.problem(
-                        ("profiles", i, "env", key),
-                        f'env "{key}" is refused by every node\'s agent (it could make an engine load other '
-                        "code); set it in the node's environment instead",
-                    ))
+                if key not in settings.env_allow and key not in default_env_allow():
+                    out.append(e.doc.problem(("profiles", i, "env", key), _env_refusal(key)))
             if p.gpus == 0 and p.gpu_class:
                 out.append(e.doc.problem(
                     ("profiles", i, "gpu_class"), f'profile "{p.name}" asks for 0 GPUs but names a gpu_class'
@@ -325,7 +329,7 @@ def check_catalog(
         *check_unique_names(entries),
         *check_fallbacks(entries, other_model_names),
         *check_scaling(entries),
-        *check_profiles(entries),
+        *check_profiles(entries, settings),
         *check_pools(entries, nodes, settings),
         *check_nodes(nodes),
         *check_fit(entries, nodes, settings),

@@ -24,7 +24,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal, NewType, Protocol, TypedDict, runtime_checkable
 
-from llmgw.errors import AgentError, ConfigError
+from llmgw.errors import AgentError, ConfigError, StartRefused
 
 NodeId = NewType("NodeId", str)
 Answer = dict[str, Any]
@@ -182,6 +182,9 @@ def encode_request(request_id: int, verb: str, request: Answer) -> bytes:
 def decode_answer(node_id: str, verb: str, message: Answer) -> Answer:
     """The answer of one ``serve`` reply, or ``AgentError`` carrying the agent's reason."""
     if "error" in message:
+        refused = message.get("refused")
+        if isinstance(refused, dict) and isinstance(refused.get("setting"), str):
+            raise StartRefused(f"{node_id}: {verb}: {message['error']}", setting=refused["setting"])
         raise AgentError(f"{node_id}: {verb}: {message['error']}")
     answer = message.get("answer")
     if not isinstance(answer, dict):

@@ -19,7 +19,7 @@ from llmgw.dispatch.base import Dispatcher
 from llmgw.engines.argv import Shard as EngineShard
 from llmgw.engines.argv import engine_args
 from llmgw.engines.health import check_health, probe_ready
-from llmgw.errors import DispatchError, EngineArgsError
+from llmgw.errors import DispatchError, EngineArgsError, StartRefused
 from llmgw.gitops.store import Store
 from llmgw.inventory import EngineRecord, Inventory
 from llmgw.reconciler.replica import Replica, ReplicaState, ShardStatus
@@ -83,6 +83,11 @@ class Lifecycle:
                 await self._stop_shards(r)
                 fresh = tuple(replace(s, pid=None, port=None, endpoint=None, state="pending") for s in r.shards)
                 return r.moved(S.PENDING, now, shards=fresh, retry_at=None)
+        except StartRefused as exc:
+            # The node's owner said no (DESIGN §4): an event and the replica's error name what
+            # was refused and the node setting that decides; retried with backoff, since the
+            # node config may change without a commit.
+            return self._failed(r, now, f"refused by the node ({exc.setting}): {exc}")
         except DispatchError as exc:
             # A node that does not answer is the inventory's business (unreachable, then
             # lost); here the step simply happens again next tick.

@@ -19,19 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.fixtures.confinement import confined_settings  # noqa: F401 - re-exported for the agent tests
+
 AGENT = Path(__file__).resolve().parents[2] / "llmgw" / "agent" / "llmgw_agent.py"
-REPO = AGENT.parents[2]
-
-
-def confined_settings() -> dict[str, Any]:
-    """Node config keys that confine test engines as a production node would: as root, engines
-    run as `nobody`; the interpreter and this checkout (possibly under /root or /tmp, which the
-    sandbox hides) are exposed read-only so Python engines can start."""
-    exposed = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, REPO)})
-    settings: dict[str, Any] = {"sandbox_paths": exposed}
-    if os.geteuid() == 0:
-        settings["engine_user"] = "nobody"
-    return settings
 
 # Prints its argv, CUDA_VISIBLE_DEVICES and one env var as JSON, then exits 0.
 ECHO_ENGINE = (

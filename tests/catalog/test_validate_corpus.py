@@ -73,7 +73,13 @@ CASES = [
     Case("duplicate-alias-in-list", {"models/small.yaml": sub(SMALL, "[tiny]", "[tiny, tiny]")},
          "models/small.yaml", 2, ("aliases", '"tiny" more than once')),
     Case("env-refused-by-agents", {"models/big.yaml": BIG + "    env: {LD_PRELOAD: /tmp/x.so}\n"},
-         "models/big.yaml", 10, ('env "LD_PRELOAD" is refused by every node\'s agent',)),
+         "models/big.yaml", 10, ('env "LD_PRELOAD" is not on the agents\' default allow-list', '"env_allow"')),
+    # The vector seen from outside: a warnings filter importing a stdlib module that "opens a
+    # browser" with BROWSER as the command. Neither is a tuning knob, so neither passes.
+    Case("env-warnings-import", {"models/big.yaml": BIG + "    env: {PYTHONWARNINGS: 'ignore::antigravity.X'}\n"},
+         "models/big.yaml", 10, ('env "PYTHONWARNINGS" is not on the agents\' default allow-list',)),
+    Case("env-llama-arg", {"models/big.yaml": BIG + "    env: {LLAMA_ARG_LOG_FILE: /etc/cron.d/x}\n"},
+         "models/big.yaml", 10, ('env "LLAMA_ARG_LOG_FILE" is not on',)),
     Case("env-key", {"models/big.yaml": BIG + "    env: {cuda_home: /usr}\n"},
          "models/big.yaml", 10, ('key "cuda_home" is not valid',)),
     Case("args-not-strings", {"models/big.yaml": sub(BIG, '"4"]', "4]")},
