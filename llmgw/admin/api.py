@@ -103,16 +103,23 @@ async def explain_placement(request: web.Request) -> web.Response:
     catalog = c.desired.catalog
     if catalog is None or catalog.resolve(name) is None:
         return error(404, f'model "{name}" is not in the catalog')
-    placements = [r.placement for r in c.reconciler.snapshot() if r.state.live]
+    replicas = c.reconciler.snapshot()
+    placements = [r.placement for r in replicas if r.state.live]
     e = explain(catalog, c.inventory.snapshot(), placements, name)
+    model = catalog.resolve(name)
+    # Placed is not running: a node may have refused the start (its env allow-list, its
+    # sandbox), and that reason is the answer to "why does it not run".
+    errors = [{"replica": r.id, "state": r.state.value, "error": r.error}
+              for r in replicas if model is not None and r.model == model.name and r.error]
     return web.json_response({
+        "errors": errors,
         "model": e.model,
         "placed": bool(e.running),
         "running": [{"profile": p.profile, "shards": [{"node": s.node, "rank": s.rank, "gpus": list(s.gpus)}
                                                       for s in p.shards]} for p in e.running],
         "candidates": [{"profile": x.profile, "node": x.node, "fits": x.fits, "reasons": list(x.reasons)}
                        for x in e.candidates],
-        "text": e.lines(),
+        "text": e.lines() + [f"replica {x['replica']} ({x['state']}): {x['error']}" for x in errors],
     })
 
 

@@ -7,6 +7,7 @@ does not say.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,6 +52,9 @@ def node_view(node: Node, replicas: Sequence[Replica], now: float) -> dict[str, 
         "weights_on_disk": [w.name for w in (r.weights if r else ()) if w.name],
         "last_seen_seconds_ago": _ago(node.last_seen, now),
         "agent_version": r.agent_version if r else None,
+        # How the node confines engines (DESIGN §4): user and sandbox; null from an older agent.
+        "confinement": dataclasses.asdict(r.confinement) if r and r.confinement else None,
+        "env_allow": list(r.env_allow) if r else [],
         "locked": node.locked,
         "error": node.error,
         "replicas": len([rep for rep in replicas if node.id in rep.nodes and rep.state != ReplicaState.STOPPED]),

@@ -75,6 +75,16 @@ class EngineRecord:
 
 
 @dataclass(frozen=True)
+class Confinement:
+    """How a node runs engines, as its agent reports it: the user, the sandbox, and why."""
+
+    user: str
+    sandbox: str  # "bwrap" or "none"
+    detail: str = ""
+    problem: str | None = None  # set: the node refuses every start, for this reason
+
+
+@dataclass(frozen=True)
 class NodeReport:
     """One agent inventory answer, typed."""
 
@@ -87,6 +97,8 @@ class NodeReport:
     weights: tuple[WeightEntry, ...] = ()
     foreign: tuple[str, ...] = ()
     engines: tuple[EngineRecord, ...] = ()
+    confinement: Confinement | None = None
+    env_allow: tuple[str, ...] = ()
 
     @property
     def cache_fs(self) -> Filesystem | None:
@@ -170,6 +182,8 @@ def _node_from_json(raw: Mapping[str, Any]) -> Node:
             weights=tuple(WeightEntry(**w) for w in r.get("weights", ())),
             foreign=tuple(r.get("foreign", ())),
             engines=tuple(_engine_from_json(e) for e in r.get("engines", ())),
+            confinement=Confinement(**r["confinement"]) if r.get("confinement") else None,
+            env_allow=tuple(r.get("env_allow", ())),
         )
     return Node(
         spec=spec, state=NodeState(raw.get("state", "unknown")), report=report,
@@ -240,4 +254,15 @@ def parse_report(raw: Mapping[str, Any]) -> NodeReport:
         ),
         foreign=tuple(raw.get("foreign") or ()),
         engines=tuple(parse_engine(e) for e in raw.get("engines") or ()),
+        confinement=parse_confinement(raw.get("confinement")),
+        env_allow=tuple(str(n) for n in raw.get("env_allow") or ()),
     )
+
+
+def parse_confinement(raw: Any) -> Confinement | None:
+    """None for an agent older than the node boundary (it reports none): shown as unknown."""
+    if not isinstance(raw, Mapping):
+        return None
+    problem = raw.get("problem")
+    return Confinement(user=str(raw.get("user", "")), sandbox=str(raw.get("sandbox", "none")),
+                       detail=str(raw.get("detail", "")), problem=str(problem) if problem else None)

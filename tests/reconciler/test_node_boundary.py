@@ -1,0 +1,55 @@
+"""A catalog commit can only ask; the node decides (DESIGN §4). Seen through the real control
+plane: a start a node refuses is an event and the replica's error naming what was refused and
+the node setting that decides; no engine runs for it; once the node's owner allows it, the
+retry starts the engine without a new commit."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from llmgw.reconciler import ReplicaState
+from tests.reconciler.fleet_e2e import LLMGW_YAML, Recorder, make_controller, make_repo, ready, sim_model, until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fleet(sshd_fleet):
+    return sshd_fleet(1)
+
+
+async def test_a_refused_start_names_the_variable_and_the_setting_until_the_owner_allows_it(
+        fleet, tmp_path: Path) -> None:
+    source = tmp_path / "w.bin"
+    source.write_bytes(os.urandom(64))
+    model = sim_model("chat", f"file://{source}", min_=1, max_=1) + "    env: " + json.dumps({"SIM_KNOB": "1"}) + "\n"
+    repo = make_repo(tmp_path, fleet, {})
+    # The catalog declares the name, so the commit validates; only the node's config allows it.
+    repo.commit({"llmgw.yaml": LLMGW_YAML + "env_allow: [SIM_KNOB]\n", "models/chat.yaml": model}, "Add chat")
+    [node] = list(fleet)
+    c = make_controller(repo, tmp_path / "data", fleet, Recorder(), backoff_base=0.5, backoff_cap=1.0)
+    await c.start()
+    try:
+        await until(lambda: any("refused by the node" in (r.error or "") for r in c.reconciler.snapshot()),
+                    timeout=30, what="a refused start")
+        [r] = c.reconciler.snapshot()
+        assert r.state == ReplicaState.FAILED
+        assert "env SIM_KNOB is not allowed on this node" in r.error and "(env_allow)" in r.error
+        events = [e for e in c.store.events() if e.kind == "replica-failed"]
+        assert any("SIM_KNOB" in e.message and "env_allow" in e.message for e in events), events
+        # Refused before anything ran: the node holds no engine record at all.
+        assert not list((node.state_dir / "engines").glob("*.json"))
+
+        # The owner allows it in the node's own config: the next retry starts the engine.
+        config = json.loads(node.config_path.read_text())
+        config["env_allow"] = [*config.get("env_allow", []), "SIM_KNOB"]
+        node.config_path.write_text(json.dumps(config))
+        await until(lambda: ready(c, "chat"), timeout=40, what="chat ready once the node allows SIM_KNOB")
+        [record] = [json.loads(p.read_text()) for p in (node.state_dir / "engines").glob("*.json")]
+        assert record["env_keys"] == ["SIM_KNOB"] and record["user"] != "root"
+    finally:
+        await c.close()
