@@ -2,15 +2,18 @@
 
 The controller must judge exactly what was committed: a file edited but not committed
 in the clone, or left over from a previous checkout, is not part of the desired state.
+A symlink is a blob (mode 120000) whose content is its target's path; it is refused by
+mode and its blob never read, so neither the target nor its path reaches an error message.
 """
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import git
 
-from llmgw.catalog.loader import MAX_FILE_BYTES, RawFile, is_catalog_file
+from llmgw.catalog.loader import MAX_FILE_BYTES, MODELS_DIR, MODELS_DIR_SYMLINK, RawFile, is_catalog_file, refusal
 from llmgw.errors import GitError
 
 
@@ -23,25 +26,43 @@ def resolve_commit(repo: git.Repo, rev: str) -> git.Commit:
 
 
 def read_git_tree(repo: str | Path | git.Repo, rev: str, *, subdir: str = "") -> dict[str, RawFile]:
-    """The catalog files in ``rev``'s tree under ``subdir``, keyed by path relative to it."""
+    """The catalog files in ``rev``'s tree under ``subdir``, keyed by path relative to it.
+
+    A catalog file that is not a regular blob (a symlink, a submodule) comes back refused
+    with its content unread; so does a symlinked ``models`` directory.
+    """
+    prefix = subdir.strip("/")
     try:
         r = repo if isinstance(repo, git.Repo) else git.Repo(str(repo))
-        commit = r.commit(rev)
-        tree = commit.tree
-        prefix = subdir.strip("/")
-        if prefix:
-            tree = tree / prefix
+        tree = _subtree(r.commit(rev).tree, prefix, rev)
     except (git.GitError, git.BadName, git.BadObject, ValueError, KeyError) as exc:
         raise GitError(f"cannot read {rev!r}{' under ' + subdir if subdir else ''}: {exc}") from exc
     out = {}
     for item in tree.traverse():
-        if item.type != "blob":
-            continue
         rel = item.path[len(prefix) + 1:] if prefix else item.path
-        if not is_catalog_file(rel):
+        if rel == MODELS_DIR and stat.S_ISLNK(item.mode):
+            out[rel] = RawFile(rel, b"", 0, refused=MODELS_DIR_SYMLINK)
+            continue
+        if item.type == "tree" or not is_catalog_file(rel):
+            continue
+        if reason := refusal(item.mode):
+            out[rel] = RawFile(rel, b"", 0, refused=reason)
             continue
         size = item.size
         # A huge blob is reported, not read: its size alone is the problem.
         data = b"" if size > MAX_FILE_BYTES else item.data_stream.read()
         out[rel] = RawFile(rel, data, size)
     return out
+
+
+def _subtree(tree: git.Tree, prefix: str, rev: str) -> git.Tree:
+    """The tree at ``prefix``, walked one component at a time so a symlink on the way is named."""
+    parts = [p for p in prefix.split("/") if p]
+    for i, part in enumerate(parts):
+        entry = tree / part
+        if entry.type != "tree":
+            where = "/".join(parts[: i + 1])
+            what = "a symbolic link (symlinks are not followed)" if stat.S_ISLNK(entry.mode) else "not a directory"
+            raise GitError(f"cannot read {rev!r} under {prefix}: {where} is {what}")
+        tree = entry
+    return tree

@@ -7,8 +7,11 @@ whether a commit is valid.
 
 from __future__ import annotations
 
+import errno
 import gc
 import multiprocessing as mp
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +35,43 @@ MODELS_DIR = "models"
 
 @dataclass(frozen=True)
 class RawFile:
-    """A catalog file's bytes; ``size`` is the real size even when ``data`` was cut short."""
+    """A catalog file's bytes; ``size`` is the real size even when ``data`` was cut short.
+
+    ``refused`` says why a reader would not read the entry (a symlink, a FIFO); ``data`` is
+    then empty, so nothing downstream can print what the entry points at.
+    """
 
     path: str
     data: bytes
     size: int
+    refused: str | None = None
+
+
+# A symlink in a pull request can point at any file on the CI runner or the controller
+# (a token, a key); following it would print that file in the errors posted on the PR.
+# Links that stay inside the repository are refused too: one rule is simpler to trust,
+# and an in-repo link can be re-pointed outside by the next commit.
+_MUST_BE_REGULAR = "catalog files must be regular files in the repository"
+_SYMLINK = f"is a symbolic link; {_MUST_BE_REGULAR} (symlinks are not followed)"
+MODELS_DIR_SYMLINK = (
+    "is a symbolic link; the models directory must be a real directory in the repository "
+    "(symlinks are not followed)"
+)
+
+
+def refusal(mode: int) -> str | None:
+    """Why an entry of this mode (``st_mode``, or a git tree entry's mode) is not read; None if regular."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        return _SYMLINK
+    if stat.S_ISFIFO(mode):
+        return f"is a named pipe (FIFO); {_MUST_BE_REGULAR}"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return f"is a device file; {_MUST_BE_REGULAR}"
+    if stat.S_ISSOCK(mode):
+        return f"is a socket; {_MUST_BE_REGULAR}"
+    return f"is not a regular file; {_MUST_BE_REGULAR}"
 
 
 @dataclass(frozen=True)
@@ -59,26 +94,87 @@ def is_catalog_file(rel: str) -> bool:
 
 
 def read_directory(root: str | Path) -> dict[str, RawFile]:
-    """The catalog files under ``root``, read at most MAX_FILE_BYTES + 1 each."""
+    """The catalog files under ``root``, read at most MAX_FILE_BYTES + 1 each.
+
+    ``root`` itself is trusted (the caller named it). Below it nothing is followed: a symlinked
+    file or ``models`` directory, a FIFO or a device comes back refused, never opened, so no
+    file whose real path is outside ``root`` is read. Entries are opened relative to the
+    directory already opened, with O_NOFOLLOW, so a link swapped in after the check is refused
+    too; O_NONBLOCK keeps a FIFO swapped in from hanging the open.
+    """
     root = Path(root)
-    if not root.is_dir():
-        raise CatalogError(f"{root}: not a directory")
-    candidates = [root / n for n in (SETTINGS_FILE, "llmgw.yml", NODES_FILE, "nodes.yml")]
-    models = root / MODELS_DIR
-    if models.is_dir():
-        candidates += sorted(p for p in models.iterdir() if p.suffix in (".yaml", ".yml"))
-    out = {}
-    for p in candidates:
-        if not p.is_file():
-            continue
-        rel = p.relative_to(root).as_posix()
-        with p.open("rb") as fh:
-            data = fh.read(MAX_FILE_BYTES + 1)
-        out[rel] = RawFile(rel, data, p.stat().st_size)
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise CatalogError(f"{root}: not a directory") from exc
+    out: dict[str, RawFile] = {}
+    try:
+        for name in (SETTINGS_FILE, "llmgw.yml", NODES_FILE, "nodes.yml"):
+            _read_entry(root_fd, name, name, out)
+        models_fd = _open_models_dir(root_fd, out)
+        if models_fd is not None:
+            try:
+                for name in sorted(os.listdir(models_fd)):
+                    if Path(name).suffix in (".yaml", ".yml"):
+                        _read_entry(models_fd, name, f"{MODELS_DIR}/{name}", out)
+            finally:
+                os.close(models_fd)
+    finally:
+        os.close(root_fd)
     return out
 
 
+_NO_FOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _open_models_dir(root_fd: int, out: dict[str, RawFile]) -> int | None:
+    try:
+        mode = os.stat(MODELS_DIR, dir_fd=root_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(mode):
+        out[MODELS_DIR] = RawFile(MODELS_DIR, b"", 0, refused=MODELS_DIR_SYMLINK)
+        return None
+    if not stat.S_ISDIR(mode):
+        return None  # a file named `models` holds no model files, as in a git tree
+    try:
+        return os.open(MODELS_DIR, _NO_FOLLOW | os.O_DIRECTORY, dir_fd=root_fd)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        out[MODELS_DIR] = RawFile(MODELS_DIR, b"", 0, refused=MODELS_DIR_SYMLINK)
+        return None
+
+
+def _read_entry(dir_fd: int, name: str, rel: str, out: dict[str, RawFile]) -> None:
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        return  # a directory named like a catalog file is not one, as in a git tree
+    # A device is refused on its mode alone: opening one can have effects (a tape rewinds).
+    if reason := refusal(mode):
+        out[rel] = RawFile(rel, b"", 0, refused=reason)
+        return
+    try:
+        fd = os.open(name, _NO_FOLLOW, dir_fd=dir_fd)
+    except OSError as exc:
+        # ELOOP: replaced by a symlink since the stat. Otherwise (permissions) say why, not what.
+        why = _SYMLINK if exc.errno == errno.ELOOP else f"cannot be read: {exc.strerror}"
+        out[rel] = RawFile(rel, b"", 0, refused=why)
+        return
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if reason := refusal(st.st_mode):  # replaced by a FIFO or a device since the stat
+            out[rel] = RawFile(rel, b"", 0, refused=reason)
+            return
+        out[rel] = RawFile(rel, fh.read(MAX_FILE_BYTES + 1), st.st_size)
+
+
 def _decode(raw: RawFile) -> tuple[str | None, Problem | None]:
+    if raw.refused:
+        return None, Problem(raw.path, 1, 1, raw.refused)
     if raw.size > MAX_FILE_BYTES:
         mb = raw.size / (1024 * 1024)
         return None, Problem(raw.path, 1, 1, f"file is {mb:.1f} MiB; a catalog file may be at most 1 MiB")
@@ -163,6 +259,9 @@ def _validate_files(files: Mapping[str, RawFile], *, revision: str | None, worke
             unusable_names.update(_names_in_broken_file(files[name]))
             continue
         entries.append(ModelEntry(build_model(doc, settings, problems), doc))
+    # Refused entries that are no file of their own kind (a symlinked `models` directory).
+    handled = {settings_name, nodes_name, *model_files}
+    problems += [Problem(n, 1, 1, f.refused) for n, f in files.items() if f.refused and n not in handled]
 
     problems += check_catalog(entries, node_entries, settings, other_model_names=unusable_names)
     problems = sorted(set(problems))
@@ -240,7 +339,7 @@ def _names_in_broken_file(raw: RawFile) -> set[str]:
     that does not even parse has no readable name.
     """
     out = {raw.path.rsplit("/", 1)[-1].rsplit(".", 1)[0]}
-    if raw.size > MAX_FILE_BYTES:
+    if raw.refused or raw.size > MAX_FILE_BYTES:
         return out
     doc, _ = parse_yaml(raw.path, raw.data.decode("utf-8", errors="replace"))
     if doc is None or not isinstance(doc.data, dict):

@@ -91,7 +91,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
         return fail(console, f"{args.repo}: not inside a git repository")
     root = Path(repo.working_tree_dir or ".").resolve()
-    subdir = Path(args.repo).resolve().relative_to(root).as_posix()
+    catalog_dir = Path(args.repo).resolve()
+    if not catalog_dir.is_relative_to(root):
+        # A symlink that leaves the repository: reading through it would publish that
+        # directory's files in the comment CI posts.
+        return fail(console, f"{args.repo}: resolves outside the repository {root}")
+    subdir = catalog_dir.relative_to(root).as_posix()
     subdir = "" if subdir == "." else subdir
     client = None
     try:
@@ -113,7 +118,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             head_files = read_git_tree(repo, resolve_commit(repo, args.head).hexsha, subdir=subdir)
         else:
             head_name = "working tree"
-            head_files = read_directory(Path(args.repo))
+            head_files = read_directory(catalog_dir)  # checked above to be inside the repository
         fleet, note = None, ""
         if args.snapshot:
             raw = json.loads(Path(args.snapshot).read_text())

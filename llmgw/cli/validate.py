@@ -44,7 +44,10 @@ def validate_path(path: str, rev: str | None) -> ValidationResult:
     except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
         raise GitError(f"{path}: not inside a git repository") from exc
     root = Path(repo.working_tree_dir or ".").resolve()
-    subdir = Path(path).resolve().relative_to(root).as_posix()
+    try:
+        subdir = Path(path).resolve().relative_to(root).as_posix()
+    except ValueError as exc:  # reached through a symlink that leaves the repository
+        raise GitError(f"{path}: resolves outside the repository {root}") from exc
     files = read_git_tree(repo, rev, subdir="" if subdir == "." else subdir)
     return validate_files(files, revision=resolve_commit(repo, rev).hexsha, workers=workers)
 

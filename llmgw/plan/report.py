@@ -28,8 +28,8 @@ def build_report(
         # Plan what is valid: a broken file counts as unchanged (its base version), so a typo
         # in one model shows as a problem, not as that model being removed from the fleet.
         broken = {p.file for p in checked.problems}
-        merged = {k: v for k, v in head_files.items() if k not in broken}
-        merged.update({k: v for k, v in (base_files or {}).items() if k in broken})
+        merged = {k: v for k, v in head_files.items() if not _within(k, broken)}
+        merged.update({k: v for k, v in (base_files or {}).items() if _within(k, broken)})
         best = validate_best_effort(merged)
         head = type(checked)(best.catalog, checked.problems, checked.files)
     if head.catalog is None:
@@ -37,3 +37,9 @@ def build_report(
     plan = make_plan(base, head.catalog, fleet, now=now) if fleet is not None else None
     return DiffReport(base_name, head_name, tuple(catalog_changes(base, head.catalog)), head.problems, plan,
                       fleet_note)
+
+
+def _within(path: str, broken: set[str]) -> bool:
+    # A broken directory (a symlinked `models`) breaks every file under it: they count as
+    # unchanged too, not as every model being removed.
+    return path in broken or path.split("/", 1)[0] in broken
