@@ -28,6 +28,7 @@ from llmgw.router.load import read_queue
 from llmgw.router.table import Upstream
 from tests.conftest import git
 from tests.e2e.processes import LLMGW, free_port, start, stop, wait_for
+from tests.fixtures.confinement import confined_settings
 from tests.reconciler.fleet_e2e import nodes_yaml
 
 pytestmark = pytest.mark.slow
@@ -87,7 +88,11 @@ def admin(url: str, path: str, method: str = "GET", body: dict | None = None):  
 
 @requires_engine
 def test_llama_cpp_replica_through_fetch_start_probe_router_removal_and_collection(sshd_fleet, tmp_path) -> None:
-    fleet = sshd_fleet(1, agent_extra={"engines": {"llama.cpp": str(BINARY)}})
+    # Confined as a production node would: llama-server lives under ~/.cache here, which the
+    # sandbox hides, so the node's owner exposes its install directory read-only.
+    confined = confined_settings()
+    fleet = sshd_fleet(1, agent_extra={"engines": {"llama.cpp": str(BINARY)},
+                                       "sandbox_paths": [*confined["sandbox_paths"], str(BINARY.parents[1])]})
     node = fleet[0]
     source = f"file://{GGUF}"
     repo = tmp_path / "catalog"
@@ -139,6 +144,17 @@ def test_llama_cpp_replica_through_fetch_start_probe_router_removal_and_collecti
         events = admin(admin_url, "/api/v1/events")
         kinds = [e["kind"] for e in events]
         assert kinds.index("replica-starting") < kinds.index("replica-ready")
+
+        # The engine runs confined: never as root, and inside bubblewrap where the node has it
+        # (CI installs it). The node reports the same through the admin API.
+        [record] = [json.loads(p.read_text()) for p in (node.state_dir / "engines").glob("*.json")]
+        [reported] = admin(admin_url, "/api/v1/nodes")
+        assert reported["confinement"]["user"] == record["user"]
+        assert reported["confinement"]["sandbox"] == record["sandbox"]
+        if os.geteuid() == 0:
+            assert record["user"] == "nobody"
+        if os.environ.get("CI") or os.path.exists("/usr/bin/bwrap"):
+            assert record["sandbox"] == "bwrap", reported["confinement"]
 
         # The agent fetched the weights into the hash-named cache on the node.
         entry = node.cache_dir / cache_name(source)
