@@ -7,6 +7,7 @@ a port, a key or a firewall rule.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
 PREFIX = "/api/v1"
 WEBHOOK = f"{PREFIX}/hooks/git"
-COOKIE = "llmgw_admin_token"
+DASHBOARD = "/"
+COOKIE = "llmgw_dashboard"
 MAX_BODY = 2 * 1024 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -34,24 +36,62 @@ def _token_ok(expected: str, given: str) -> bool:
     return bool(expected) and hmac.compare_digest(expected.encode(), given.encode())
 
 
+def _session(token: str) -> str:
+    """The dashboard cookie's value: derived from the admin token, not the token itself.
+
+    A cookie that leaked (a shared browser profile, a proxy log) then opens the dashboard's
+    read-only page and nothing else: it is no bearer token for the API. Changing the admin
+    token ends every session.
+    """
+    return hmac.new(token.encode(), b"llmgw dashboard session", hashlib.sha256).hexdigest()
+
+
+def _unauthorized() -> web.Response:
+    return web.json_response({"error": "missing or invalid admin token (Authorization: Bearer ...)"},
+                             status=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+def _sign_in(request: web.Request, token: str) -> web.Response:
+    """``/?token=T``: trade the token for a cookie and 303 to the same page without it.
+
+    The redirect is what keeps the token out of the address bar, the history and the page's
+    own refresh; the cookie is HttpOnly (no script reads it), SameSite=Strict (no other
+    site's page sends it) and Secure when the dashboard is served over https. A wrong token
+    sets nothing.
+    """
+    if request.method not in ("GET", "HEAD") or not _token_ok(token, request.query.get("token", "")):
+        return _unauthorized()
+    target = request.rel_url.with_query([(k, v) for k, v in request.query.items() if k != "token"])
+    response = web.Response(status=303, headers={
+        "Location": str(target), "Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+    response.set_cookie(COOKIE, _session(token), path="/", httponly=True, samesite="Strict",
+                        secure=request.secure or None)
+    return response
+
+
 def auth_middleware(token: str) -> Any:
+    session = _session(token) if token else ""
+
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path == WEBHOOK:
             return await handler(request)  # signed by the git host, checked in the handler
+        if request.path == DASHBOARD and "token" in request.query:
+            return _sign_in(request, token)
         header = request.headers.get("Authorization", "")
         given = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        if request.path == "/" and not given:
-            # A browser cannot send a bearer header: the dashboard takes ?token= once and
-            # keeps it in an HttpOnly cookie.
-            given = request.query.get("token") or request.cookies.get(COOKIE, "")
-        if not _token_ok(token, given):
-            return web.json_response({"error": "missing or invalid admin token (Authorization: Bearer ...)"},
-                                     status=401, headers={"WWW-Authenticate": "Bearer"})
-        response = await handler(request)
-        if request.path == "/" and request.query.get("token"):
-            response.set_cookie(COOKIE, given, httponly=True, samesite="Strict")
-        return response
+        if given:
+            ok = _token_ok(token, given)
+        elif request.path == DASHBOARD and request.method in ("GET", "HEAD"):
+            # A browser cannot send a bearer header, hence the cookie; and only here: a cookie
+            # rides along on requests another page makes the browser send, so it authorizes
+            # reading the dashboard and never a request that changes state (no CSRF to defend).
+            ok = _token_ok(session, request.cookies.get(COOKIE, ""))
+        else:
+            ok = False
+        if not ok:
+            return _unauthorized()
+        return await handler(request)
 
     return check
 
@@ -99,7 +139,7 @@ def build_admin_app(
     r.add_get(f"{PREFIX}/healthz", api.healthz)
     r.add_get(f"{PREFIX}/openapi.json", openapi)
     r.add_post(WEBHOOK, webhook_handler(webhook_secret, controller.follower.trigger))
-    r.add_get("/", dashboard)
+    r.add_get(DASHBOARD, dashboard)
     if hub is not None:
         r.add_get(WATCH_PATH, hub.watch)
         r.add_post(REPORT_PATH, hub.report)

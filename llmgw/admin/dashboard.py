@@ -9,6 +9,7 @@ import jinja2
 from aiohttp import web
 
 from llmgw.admin import api, views
+from llmgw.cli.output import confinement_label, node_problems
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
@@ -26,6 +27,9 @@ def _since(t: float | None, now: float) -> str:
 
 
 _ENV.filters["short"] = lambda sha: (sha or "")[:12]
+# The CLI's words for it, so `llmgw nodes` and this page never describe a node differently.
+_ENV.filters["confinement"] = confinement_label
+_ENV.filters["problems"] = node_problems
 
 
 async def dashboard(request: web.Request) -> web.Response:
@@ -36,6 +40,8 @@ async def dashboard(request: web.Request) -> web.Response:
     catalog = c.desired.catalog
     unplaced = c.reconciler.last_decisions.unplaced
     page = _ENV.get_template("dashboard.html").render(
+        # The refresh names its target: the bare path, never whatever query this request had.
+        refresh=request.path,
         now=now,
         since=lambda t: _since(t, now),
         sync=c.follower.status.to_json(),
@@ -45,7 +51,9 @@ async def dashboard(request: web.Request) -> web.Response:
         events=list(reversed(c.store.events(limit=30))),
         unplaced_reasons=_unplaced_reasons(c, unplaced),
     )
-    return web.Response(text=page, content_type="text/html")
+    # No copy of the fleet's state in caches, and no address of this page sent to a link's target.
+    return web.Response(text=page, content_type="text/html",
+                        headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
 
 
 def _unplaced_reasons(c, unplaced) -> dict[str, list[str]]:  # noqa: ANN001 - internal helper

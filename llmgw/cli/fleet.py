@@ -16,16 +16,19 @@ from rich.markup import escape
 from rich.table import Table
 
 from llmgw.cli.client import ApiError, Client, resolve_client
-from llmgw.cli.output import fail, print_json
+from llmgw.cli.output import confinement_label, fail, node_problems, print_json
 
 Command = Callable[[argparse.Namespace, Client, Console], int]
 
 
 def common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--url", help="admin API address (default: $LLMGW_ADMIN_URL or http://127.0.0.1:8081)")
-    p.add_argument("--token", help="admin token (default: $LLMGW_ADMIN_TOKEN or a local `llmgw up`'s)")
-    p.add_argument("--data-dir", help="data dir of a local `llmgw up` (to find its admin token)")
+    # URL and token always come from one place; llmgw/cli/client.py has the rule.
+    p.add_argument("--url", help="admin API address, given with --token (alone, it must match the address "
+                                 "of wherever the token comes from)")
+    p.add_argument("--token", help="admin token for --url")
+    p.add_argument("--data-dir", help="a local `llmgw up`'s data dir: its admin URL and token (without any of "
+                                      "these flags: $LLMGW_ADMIN_URL with $LLMGW_ADMIN_TOKEN, else `up`'s default)")
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     return p
 
@@ -89,13 +92,15 @@ def nodes(args: argparse.Namespace, client: Client, console: Console) -> int:
         print_json(console, data)
         return 0
     t = _table("nodes", ["NODE", "STATE", "GPUS FREE/TOTAL", "CLASSES", "DISK FREE/TOTAL GB", "REPLICAS",
-                         "AGENT", "SEEN", "PROBLEMS"])
+                         "AGENT", "CONFINEMENT", "SEEN", "PROBLEMS"])
     for n in data:
         disk = f"{n['disk_free_gb']:g}/{n['disk_total_gb']:g}" if n["disk_total_gb"] is not None else "shared"
         seen = "never" if n["last_seen_seconds_ago"] is None else f"{n['last_seen_seconds_ago']:.0f}s ago"
+        conf = confinement_label(n.get("confinement"))
         t.add_row(_e(n["id"]), _e(n["state"]), f"{n['gpu_free']}/{n['gpu_total']}", _e(",".join(n["gpu_classes"])),
-                  disk, str(n["replicas"]), _e(n["agent_version"]), seen,
-                  _e("; ".join(n["unhealthy_gpus"] + ([n["error"]] if n["error"] else []))))
+                  disk, str(n["replicas"]), _e(n["agent_version"]),
+                  f"[bold red]{_e(conf)}[/]" if conf.endswith("root!") else _e(conf), seen,
+                  _e("; ".join(node_problems(n))))
     console.print(t)
     return 0
 

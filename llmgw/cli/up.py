@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.panel import Panel
 
+from llmgw.cli.client import URL_FILE
 from llmgw.cli.serve import run_until_signal
 from llmgw.paths import default_data_dir
+
+if TYPE_CHECKING:
+    from llmgw.control.up import UpLayout
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,8 +49,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     async def main() -> None:
         running = await start(cfg, router_flag="--router-port", admin_flag="--admin-port")
-        # Lets `llmgw diff` in the catalog repository find this controller and its fleet.
-        (layout.data_dir / "admin.url").write_text(running.admin_url + "\n")
+        # With admin.token, the address operator commands (`--data-dir`, or none) and `llmgw diff`
+        # in the catalog repository send that token to: written only once this controller listens.
+        url_file = layout.data_dir / URL_FILE
+        _write_atomically(url_file, running.admin_url + "\n")
         try:
             _welcome(console, running.router_url, running.admin_url, layout, cfg.admin_token)
             await asyncio.Event().wait()
@@ -52,12 +61,46 @@ def run(args: argparse.Namespace, console: Console) -> int:
             # Unlike a fleet controller, `up` owns its engines: none outlives it.
             await running.controller.reconciler.stop_all()
             await running.close()
+            # A stopped `up`'s port may be anyone's next: no command should send the token there.
+            with contextlib.suppress(OSError):
+                if url_file.read_text().strip() == running.admin_url:
+                    url_file.unlink()
             console.print("stopped; `llmgw up` again comes back on the same catalog and state.")
 
     return run_until_signal(main(), console)
 
 
-def _welcome(console: Console, router: str, admin: str, layout, token: str) -> None:  # noqa: ANN001
+def _write_atomically(path: Path, text: str) -> None:
+    """Readers see the old file or the new one, never half of a URL."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _dashboard_link(console: Console, admin: str, layout: UpLayout, token: str) -> str:
+    """The dashboard link a newcomer can click, carrying the token only to a terminal.
+
+    A newcomer should get in with one click, and the terminal is the user's own, already
+    next to the token file it can read. The dashboard trades `?token=` for a cookie and
+    redirects to the bare URL, so the token leaves the address bar and the history at once;
+    the link stays valid (it is the admin token) but is only needed once per browser.
+    When stdout is a log file or a journal instead, a token printed there would outlive the
+    session for anyone who reads logs: say where the token is instead.
+    """
+    if _is_tty(console):
+        return f"{admin}/?token={token}   (one click signs this browser in; the token leaves the URL)"
+    return f"{admin}/   (first visit: add ?token= and the token in {layout.token_file})"
+
+
+def _is_tty(console: Console) -> bool:
+    # Not console.is_terminal: FORCE_COLOR makes rich claim a terminal while writing to a log.
+    try:
+        return os.isatty(console.file.fileno())
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _welcome(console: Console, router: str, admin: str, layout: UpLayout, token: str) -> None:
     model = "gpt-4o-mini"
     curl = (f"curl -s {router}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"  -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
@@ -66,12 +109,13 @@ def _welcome(console: Console, router: str, admin: str, layout, token: str) -> N
           f"messages=[{{\"role\": \"user\", \"content\": \"Hello\"}}]).choices[0].message.content)")
     console.print(Panel.fit(
         f"[bold]router[/]     {router}/v1   (OpenAI API)\n"
-        f"[bold]dashboard[/]  {admin}/?token={token}\n"
+        f"[bold]dashboard[/]  {_dashboard_link(console, admin, layout, token)}\n"
         f"[bold]admin API[/]  {admin}/api/v1   token in {layout.token_file}\n"
         f"[bold]catalog[/]    {layout.catalog}   edit, `git commit`, and it is applied live\n",
         title="llmgw is up", border_style="green"))
     console.print("Ask a model:", style="bold")
     console.print(curl, markup=False, highlight=False)
     console.print(py, markup=False, highlight=False)
-    console.print(f"Operator commands find the token by themselves: [bold]llmgw status --data-dir {layout.data_dir}[/]")
+    console.print("Operator commands find this controller and its token by themselves: "
+                  f"[bold]llmgw status --data-dir {layout.data_dir}[/]")
     console.print("Ctrl-C stops everything, engines included.", style="dim")
