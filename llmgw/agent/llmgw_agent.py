@@ -1456,7 +1456,12 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
                 value = args[i]
             else:
                 break
-            _check_path(name, value, mode, area=area, read_roots=read_roots)
+            # The value itself (relative to the engine's cwd), and any path inside it: a
+            # name=/path pair (--lora-modules) or the strings of a JSON config.
+            if value[:1] not in ("{", "["):
+                _check_path(name, value, mode, area=area, read_roots=read_roots)
+            for part in _absolute_parts(value):
+                _check_path(name, part, mode, area=area, read_roots=read_roots)
         else:
             for value in _absolute_parts(arg):
                 _check_path(name if eq else "argument", value, "r", area=area, read_roots=read_roots)
