@@ -26,6 +26,7 @@ from llmgw.errors import ConfigError
 from llmgw.reconciler import ReconcilerConfig
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "catalog"
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the llmgw checkout or site-packages
 TOKEN_FILE = "admin.token"
 ENGINE_PORTS = (39000, 39199)
 GIT_ENV = {"GIT_AUTHOR_NAME": "llmgw up", "GIT_AUTHOR_EMAIL": "up@llmgw.invalid",
@@ -97,6 +98,17 @@ def local_node_spec(catalog_dir: Path) -> dict:
     return local[0]
 
 
+def local_confinement(needed: list[Path]) -> dict:
+    """The local node's engine confinement (DESIGN §4): as root, engines run as `nobody` (a
+    single-machine try-out has no dedicated user; the README's real-fleet guide creates one),
+    in bubblewrap where it runs. What the sim engine needs to start (this Python, this
+    package) is exposed read-only, since the sandbox hides /root, /home and /tmp."""
+    settings: dict = {"sandbox_paths": sorted({str(p.resolve()) for p in needed})}
+    if os.geteuid() == 0:
+        settings["engine_user"] = "nobody"
+    return settings
+
+
 def write_agent_config(layout: UpLayout) -> None:
     """The local node's own config (rewritten each run: it only describes this machine)."""
     spec = local_node_spec(layout.catalog)
@@ -115,6 +127,8 @@ def write_agent_config(layout: UpLayout) -> None:
     llama = shutil.which("llama-server")
     if llama:
         config["engines"]["llama.cpp"] = llama
+    config.update(local_confinement([Path(p) for p in (sys.prefix, sys.base_prefix, PACKAGE_ROOT)]
+                                    + ([Path(llama).resolve().parents[1]] if llama else [])))
     for d in (layout.node_dir / "cache", layout.node_dir / "state"):
         d.mkdir(parents=True, exist_ok=True)
     layout.agent_config.write_text(json.dumps(config, indent=2))
