@@ -43,6 +43,7 @@ from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.load import poll_loads
 from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
 from llmgw.router.proxy import CLIENT_GONE, BadBody, forward_stream, forward_whole, parse_body, rewrite_model
+from llmgw.router.retry import RetryBudget, next_step
 from llmgw.router.routes import RouteCatalog, RouteModel
 from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, pick
 from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
@@ -80,6 +81,7 @@ class Router:
         self._demand = DemandBook(self._changes, clock=clock, linger=config.wake_linger)
         self._demand.wake = wake
         self._last_used: dict[str, float] = {}
+        self._budget = RetryBudget()
         self._retired: list[Origin] = []
         self._pool: UpstreamPool | None = None
         self._load_session: aiohttp.ClientSession | None = None
@@ -293,9 +295,22 @@ class Router:
 
     async def _route(self, request: web.Request, path: str, raw: bytes, body: dict, asked: str,
                      model: RouteModel, stream: bool, t0: float) -> web.StreamResponse:
+        budget = self._budget
+        budget.live += 1
+        held = [False]  # whether this request holds one of the budget's retries
+        try:
+            return await self._route_attempts(request, path, raw, body, asked, model, stream, t0, held)
+        finally:
+            budget.live -= 1
+            if held[0]:
+                budget.retrying -= 1
+
+    async def _route_attempts(self, request: web.Request, path: str, raw: bytes, body: dict, asked: str,
+                              model: RouteModel, stream: bool, t0: float, held: list[bool]) -> web.StreamResponse:
         chain = self._chains.get(model.name, (model,))
         tried: tuple[Upstream, ...] = ()
         failure: UpstreamFailed | None = None
+        deliveries = 0  # attempts that reached an engine (DESIGN §6: at most two, each engine once)
         while True:
             table = self.table
             now = self._clock()
@@ -341,7 +356,16 @@ class Router:
                                 self.config.cooldown)
                 up.cooldown_until = now + self.config.cooldown
                 up.failures += 1
-                if len(tried) > self.config.retries:
+                deliveries += exc.reason != "connect"
+                step = next_step(exc.reason, deliveries=deliveries, attempts=len(tried), retries=self.config.retries)
+                if step == "spend" and not held[0]:
+                    if not self._budget.allows():
+                        self.metrics.retry_denied(model.name)
+                        step = "stop"
+                    else:
+                        held[0] = True
+                        self._budget.retrying += 1
+                if step == "stop":
                     return self._refuse(self._failed(model, chain, failure, len(tried)), model.name, t0)
                 self.metrics.retry(model.name, exc.reason)
 

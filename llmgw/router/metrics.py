@@ -45,6 +45,8 @@ class RouterMetrics:
                                  ("model", "fallback"), registry=registry)
         self.retries = Counter("llmgw_router_retries", "Attempts retried on another replica, by reason.",
                                ("model", "reason"), registry=registry)
+        self.retries_denied = Counter("llmgw_router_retries_denied", "Retries not made because the retry budget "
+                                      "(a share of live requests) was spent.", ("model",), registry=registry)
         self.held = Counter("llmgw_router_held", "Requests held for want of a ready replica (scale from zero).",
                             ("model",), registry=registry)
         self._children: dict[tuple[Any, ...], Any] = {}
@@ -75,6 +77,9 @@ class RouterMetrics:
 
     def retry(self, model: str, reason: str) -> None:
         self._counter(self.retries, "x", model, reason)
+
+    def retry_denied(self, model: str) -> None:
+        self._counter(self.retries_denied, "d", model)
 
     def hold(self, model: str) -> None:
         self._counter(self.held, "h", model)

@@ -10,10 +10,13 @@ the body handed over as the bytes arrive. What it does not do — redirects, coo
 compression, HTTP/2 — engines do not need.
 
 Failure semantics, which the router's retry depends on: every failure raises
-:class:`UpstreamFailed` with a ``reason`` (``connect``, ``timeout``, ``disconnect``). A request
-sent on a reused keep-alive connection that is closed before any answer byte is sent again once
-on a fresh connection (the engine closed an idle connection as the request crossed it — the
-standard idempotency-free case every HTTP client retries). ``read_timeout`` bounds every wait for
+:class:`UpstreamFailed` with a ``reason`` (``connect``, ``timeout``, ``disconnect``). ``connect``
+means the request provably never reached the engine (no connection, or the connection was seen
+closed before the request was written): only then is it sent again, on a fresh connection. A
+connection that closes after the request was written is ``disconnect`` and is never resent
+here: the engine may have read it and worked on it (a POST is not idempotent; aiohttp's client
+never resends one either), so whether to try elsewhere is the router's decision, on its retry
+budget (DESIGN §6). ``read_timeout`` bounds every wait for
 bytes — the response head, and each piece of the body — except while the router itself has
 paused reading because its client is slow.
 """
@@ -86,6 +89,7 @@ class Conn(asyncio.Protocol):
         self.headers: dict[bytes, bytes] = {}
         self.keep_alive = True
         self.received = False  # any byte of this exchange's answer
+        self.unsent = False  # the request was never written: the engine cannot have seen it
         self._state = _HEAD
         self._buf = bytearray()
         self._left = 0
@@ -111,7 +115,8 @@ class Conn(asyncio.Protocol):
             self._state = _DONE                          # a reset cut it short
             self._wake()
         elif self._state != _DONE:
-            when = "before answering" if not self.received else "mid-answer"
+            when = ("after the request was sent, before answering (it may have worked on it)"
+                    if not self.received else "mid-answer")
             self._fail(UpstreamFailed("disconnect", f"{self.origin.label} closed the connection {when}"
                                       + (f": {exc}" if exc else "")))
 
@@ -285,8 +290,9 @@ class Conn(asyncio.Protocol):
         if self.closed or self.transport.is_closing():
             # The engine closed it between connect and now; writing would be silently dropped and
             # the exchange would wait read_timeout for an answer that cannot come.
-            self._error = UpstreamFailed("disconnect", f"{self.origin.label} closed the connection before "
-                                                       "the request was sent")
+            self._error = UpstreamFailed("connect", f"{self.origin.label} closed the connection before "
+                                                    "the request was sent")
+            self.unsent = True
             return
         self._last_io = self.loop.time()
         self._timer = self.loop.call_at(self._last_io + self.pool.read_timeout, self._check_timeout)
@@ -389,11 +395,11 @@ class UpstreamPool:
             try:
                 await conn.wait_head()
                 return conn
-            except UpstreamFailed as exc:
+            except UpstreamFailed:
                 conn.abort()
-                if conn.received or exc.reason == "timeout":
+                if not conn.unsent:
                     raise
-                # The engine closed this idle connection as the request crossed it: once more, fresh.
+                # Seen closed before the request was written: it never reached the engine.
             except BaseException:
                 conn.abort()
                 raise
@@ -425,7 +431,8 @@ class UpstreamPool:
                 self.loop.create_connection(lambda: Conn(self, origin), origin.host, origin.port, ssl=ssl),
                 self.connect_timeout)
         except TimeoutError as exc:
-            raise UpstreamFailed("timeout", f"{origin.label}: no connection within {self.connect_timeout:g} s",
+            # "connect", not "timeout": nothing was sent, so trying another replica costs no work.
+            raise UpstreamFailed("connect", f"{origin.label}: no connection within {self.connect_timeout:g} s",
                                  timeout=True) from exc
         except OSError as exc:
             raise UpstreamFailed("connect", f"cannot connect to {origin.label}: {exc.strerror or exc}") from exc

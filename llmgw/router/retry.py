@@ -1,0 +1,38 @@
+"""Which failed attempts may be tried again elsewhere: at most two deliveries per request, and
+retries that reached an engine spend a budget shared by all live requests (DESIGN §6).
+
+A failing fleet must not see its load multiplied by retries: as in Envoy's retry budgets and
+gRPC's retry throttling, at most a share of the requests in flight may be retrying at once
+(with a small floor, so a quiet router can still retry one). Pure bookkeeping, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_DELIVERIES = 2  # a client request reaches engines at most twice
+
+
+@dataclass
+class RetryBudget:
+    ratio: float = 0.2
+    floor: int = 3
+    live: int = 0  # requests being routed now
+    retrying: int = 0  # of those, the ones on a retry that reached an engine before
+
+    def allows(self) -> bool:
+        return self.retrying < max(self.floor, self.ratio * self.live)
+
+
+def next_step(reason: str, *, deliveries: int, attempts: int, retries: int) -> str:
+    """After a failed attempt: "retry" (free: it never reached an engine), "spend" (retry, if the
+    budget allows), or "stop". ``deliveries`` counts attempts that reached an engine, this one
+    included; ``attempts`` every attempt so far."""
+    if reason == "timeout":
+        return "stop"  # the engine may still be generating: a second one would double the work
+    if reason == "connect":
+        # Never reached an engine; bounded all the same, so a dead fleet answers fast.
+        return "retry" if attempts <= retries + 2 else "stop"
+    if deliveries >= MAX_DELIVERIES or deliveries > retries:
+        return "stop"
+    return "spend"
