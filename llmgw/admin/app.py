@@ -33,7 +33,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _token_ok(expected: str, given: str) -> bool:
-    return bool(expected) and hmac.compare_digest(expected.encode(), given.encode())
+    # surrogateescape: aiohttp hands a header's non-UTF-8 bytes over as surrogates, which a plain
+    # encode() refuses with a traceback (a 500) instead of a 401.
+    return bool(expected) and hmac.compare_digest(expected.encode(), given.encode("utf-8", "surrogateescape"))
 
 
 def _session(token: str) -> str:

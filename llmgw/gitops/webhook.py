@@ -28,7 +28,10 @@ def signature_ok(secret: bytes, body: bytes, headers: "web.BaseRequest | dict[st
     if gitea:
         candidates.append(gitea)
     # compare_digest on every candidate: constant time in the secret's digest.
-    return any(hmac.compare_digest(expected, c.strip().lower()) for c in candidates)
+    # Bytes, not str: compare_digest raises TypeError on a non-ASCII str (a header with such
+    # bytes would have been a 500, not a 401).
+    return any(hmac.compare_digest(expected.encode(), c.strip().lower().encode("utf-8", "surrogateescape"))
+               for c in candidates)
 
 
 def webhook_handler(secret: str, trigger: Callable[[], None]) -> Callable[[web.Request], object]:

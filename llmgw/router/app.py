@@ -207,7 +207,23 @@ class Router:
         app.router.add_post(EMBEDDINGS, self.embeddings)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/health", self.health)
+        # Last, so it only sees what no route above took: 404 and 405 in the OpenAI error format
+        # (aiohttp's own are plain text, which OpenAI clients cannot read), at no cost per request.
+        app.router.add_route("*", "/{tail:.*}", self.no_route)
         return app
+
+    async def no_route(self, request: web.Request) -> web.Response:
+        allowed = {CHAT: "POST", COMPLETIONS: "POST", EMBEDDINGS: "POST", "/v1/models": "GET", "/metrics": "GET",
+                   "/health": "GET"}.get(request.path)
+        if allowed is None and request.path.startswith("/v1/models/"):
+            allowed = "GET"
+        if allowed is not None:
+            resp = respond.error(405, f"{request.method} is not allowed on {request.path}: use {allowed}.",
+                                 code="method_not_allowed")
+            resp.headers["Allow"] = allowed
+            return resp
+        return respond.error(404, f"There is no {request.path} here: this router serves /v1/models, "
+                                  f"{CHAT}, {COMPLETIONS} and {EMBEDDINGS}.", code="unknown_url")
 
     # --- read-only endpoints -------------------------------------------------------------
     async def list_models(self, request: web.Request) -> web.Response:

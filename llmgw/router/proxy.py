@@ -49,12 +49,18 @@ def parse_body(raw: bytes) -> tuple[dict[str, Any], str, bool]:
         body = json.loads(raw)
     except ValueError as exc:  # includes UnicodeDecodeError
         raise BadBody(f"The request body is not valid JSON: {exc}", "invalid_json") from None
+    except RecursionError:  # nesting deeper than the parser goes: no engine takes that either
+        raise BadBody("The request body is nested too deeply to be a request.", "invalid_json") from None
     if type(body) is not dict:
         raise BadBody("The request body must be a JSON object.", "invalid_json")
     model = body.get("model")
     if type(model) is not str or not model:
         raise BadBody("The request body must name a `model` (a string).", "missing_model")
-    return body, model, bool(body.get("stream"))
+    stream = body.get("stream")
+    # Strict: "stream": "no" is truthy, and guessing would answer SSE to a client expecting JSON.
+    if stream is not None and type(stream) is not bool:
+        raise BadBody("`stream` must be true or false.", "invalid_stream")
+    return body, model, stream is True
 
 
 def rewrite_model(raw: bytes, body: dict[str, Any], asked: str, served: str) -> bytes:
