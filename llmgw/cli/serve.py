@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 from pathlib import Path
 
 from rich.console import Console
 
 from llmgw.cli.output import fail
 from llmgw.errors import ConfigError, DispatchError, LlmgwError
+from llmgw.serving import STOP_SIGNALS
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -66,12 +66,12 @@ def run_controller(args: argparse.Namespace, console: Console) -> int:
 
 
 def run_until_signal(main, console: Console) -> int:  # noqa: ANN001 - a coroutine
-    """Run ``main`` until SIGINT/SIGTERM, then let it clean up; errors as messages, not tracebacks."""
+    """Run ``main`` until SIGINT/SIGTERM/SIGHUP, then let it clean up; errors as messages, not tracebacks."""
 
     async def runner() -> None:
         task = asyncio.ensure_future(main)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, task.cancel)
         try:
             await task

@@ -57,10 +57,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
             _welcome(console, running.router_url, running.admin_url, layout, cfg.admin_token)
             await asyncio.Event().wait()
         finally:
-            console.print("stopping: engines first, then the control plane…")
+            console.print("stopping: in-flight requests, the control plane, then the engines…")
             # Unlike a fleet controller, `up` owns its engines: none outlives it.
-            await running.controller.reconciler.stop_all()
-            await running.close()
+            await running.close(stop_engines=True)
             # A stopped `up`'s port may be anyone's next: no command should send the token there.
             with contextlib.suppress(OSError):
                 if url_file.read_text().strip() == running.admin_url:

@@ -67,9 +67,17 @@ class Controller:
         self.desired.subscribe(self._on_catalog, order=RECONCILER)
         await self.follower.start()
 
-    async def close(self) -> None:
+    async def quiesce(self) -> None:
+        """Stop following git and reconciling: from here on nothing is started or stopped."""
         await self.follower.close()
         await self.reconciler.close()
+
+    async def stop_engines(self) -> None:
+        """Stop every engine this controller runs (for `up`, whose engines end with it)."""
+        await self.reconciler.stop_all()
+
+    async def close(self) -> None:
+        await self.quiesce()
         await self.fleet.close()
         self.store.close()
 

@@ -10,6 +10,7 @@ import asyncio
 import errno
 import logging
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from llmgw.admin.app import build_admin_app
 from llmgw.control.config import Listen, ServerConfig
 from llmgw.control.controller import Controller
 from llmgw.errors import ConfigError
+from llmgw.serving import listen, raise_fd_limit
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +47,24 @@ class Running:
     router_url: str
     admin_url: str
 
-    async def close(self) -> None:
+    async def close(self, *, stop_engines: bool = False) -> None:
+        """Shutdown in the order that starts nothing and leaves nothing (DESIGN §6): stop
+        accepting and let in-flight requests finish (bounded), stop the follower and the
+        reconciler, then, for `up`, which owns its engines, stop them; the admin API answers
+        until the end."""
+        t0 = time.monotonic()
+        log.info("stopping: %d requests in flight", self.router.inflight())
+        await self.router.drain()
+        log.info("router drained in %.1f s", time.monotonic() - t0)
+        await self.controller.quiesce()
+        if stop_engines:
+            await self.controller.stop_engines()
+            log.info("engines stopped at %.1f s", time.monotonic() - t0)
         for runner in self.runners:
             await runner.cleanup()
         await self.controller.close()
         await self.router.close()
+        log.info("stopped in %.1f s", time.monotonic() - t0)
 
 
 async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
@@ -59,6 +74,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
         raise ConfigError("no admin token: set admin_token (or admin_token_file, or LLMGW_ADMIN_TOKEN)")
     check_free(cfg.admin_listen, admin_flag)
     check_free(cfg.router_listen, router_flag)
+    raise_fd_limit()
     from llmgw.gitops.desired import ROUTER
     from llmgw.router.app import Router
     from llmgw.router.config import RouterConfig
@@ -81,11 +97,8 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     runners: list[web.AppRunner] = []
     try:
         admin_app = build_admin_app(controller, token=cfg.admin_token, webhook_secret=cfg.webhook_secret, hub=hub)
-        for app, listen in ((router.app(), cfg.router_listen), (admin_app, cfg.admin_listen)):
-            runner = web.AppRunner(app, access_log=None, handle_signals=False)
-            await runner.setup()
-            await web.TCPSite(runner, listen.host, listen.port).start()
-            runners.append(runner)
+        runners.append(await listen(admin_app, cfg.admin_listen.host, cfg.admin_listen.port, drain_timeout=5.0))
+        await router.listen(cfg.router_listen.host, cfg.router_listen.port)
     except BaseException:
         for runner in runners:
             await runner.cleanup()

@@ -158,6 +158,8 @@ def prepare(data_dir: Path, *, catalog: Path | None, router_port: int, admin_por
             transports=("local",),
             reconciler=ReconcilerConfig(tick_interval=1.0, stop_grace=5.0),
         ),
+        # A terminal's Ctrl-C should end `up` within seconds: in-flight requests get 5 s.
+        router={"drain_timeout": 5.0},
         router_listen=Listen("127.0.0.1", router_port),
         admin_listen=Listen("127.0.0.1", admin_port),
         admin_token=admin_token(layout),

@@ -20,6 +20,7 @@ import aiohttp
 
 from llmgw.catalog import Catalog, NodeSpec
 from llmgw.dispatch.base import Dispatcher
+from llmgw.errors import DispatchError
 from llmgw.gitops.desired import DesiredState
 from llmgw.gitops.store import Store
 from llmgw.inventory import Inventory
@@ -296,6 +297,16 @@ class Reconciler:
         async with self._tick_lock:
             await asyncio.gather(*(self.lifecycle.stop_engine(s.node, s.agent_id)
                                    for r in self.replicas.values() for s in r.shards))
+            # A start cut short by shutdown may have run on the node without its answer reaching
+            # us: ask each node what it runs under our labels, so nothing is left behind.
+            for node_id in self.inventory.snapshot().nodes:
+                try:
+                    engines = (await self.dispatcher.status(node_id)).get("engines") or []
+                except DispatchError as exc:
+                    log.info("stop all: %s did not answer: %s", node_id, exc)
+                    continue
+                await asyncio.gather(*(self.lifecycle.stop_engine(node_id, e["replica_id"]) for e in engines
+                                       if e.get("alive") and "llmgw.replica" in (e.get("labels") or {})))
             self.replicas.clear()
             self._save()
 

@@ -47,6 +47,7 @@ from llmgw.router.retry import RetryBudget, next_step
 from llmgw.router.routes import RouteCatalog, RouteModel
 from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, pick
 from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
+from llmgw.serving import listen
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class Router:
         self._demand.wake = wake
         self._last_used: dict[str, float] = {}
         self._budget = RetryBudget()
+        self._handlers: set[asyncio.Task[object]] = set()  # requests being routed, for the drain
         self._retired: list[Origin] = []
         self._pool: UpstreamPool | None = None
         self._load_session: aiohttp.ClientSession | None = None
@@ -173,17 +175,29 @@ class Router:
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve :meth:`app` on ``host:port``; returns the port (useful with 0)."""
-        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=self.config.drain_timeout)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_address=True, backlog=1024)
-        await site.start()
+        # The drain is ours (see drain()); aiohttp's own only cancels reading the request body.
+        self._runner = await listen(self.app(), host, port, drain_timeout=1.0)
         return int(self._runner.addresses[0][1])
 
+    async def drain(self) -> None:
+        """Stop accepting; in-flight requests get ``drain_timeout`` to finish, then are cancelled
+        (and with them the engines' work). aiohttp's shutdown waits its timeout twice and does not
+        cancel a handler waiting on an engine: a request in flight held `up`'s exit for 22 s."""
+        if self._runner is None:
+            return
+        for site in list(self._runner.sites):
+            await site.stop()
+        if self._handlers:
+            await asyncio.wait(set(self._handlers), timeout=self.config.drain_timeout)
+        for task in set(self._handlers):
+            task.cancel()
+        if self._handlers:
+            await asyncio.wait(set(self._handlers), timeout=1.0)
+        await self._runner.cleanup()
+        self._runner = None
+
     async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self.drain()
         if self._poller is not None:
             self._poller.cancel()
             try:
@@ -314,12 +328,16 @@ class Router:
         budget = self._budget
         budget.live += 1
         held = [False]  # whether this request holds one of the budget's retries
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
         try:
             return await self._route_attempts(request, path, raw, body, asked, model, stream, t0, held)
         finally:
             budget.live -= 1
             if held[0]:
                 budget.retrying -= 1
+            self._handlers.discard(task)  # type: ignore[arg-type]
 
     async def _route_attempts(self, request: web.Request, path: str, raw: bytes, body: dict, asked: str,
                               model: RouteModel, stream: bool, t0: float, held: list[bool]) -> web.StreamResponse:

@@ -16,13 +16,13 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from llmgw.errors import ConfigError
 from llmgw.router.config import RouterConfig  # a dataclass only: cheap for the CLI to import
+from llmgw.serving import STOP_SIGNALS, raise_fd_limit
 
 if TYPE_CHECKING:
     from llmgw.router.keys import KeyRing
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace, console: Any = None) -> int:  # noqa: ARG001 -
     except ConfigError as exc:
         print(f"llmgw router: {exc}", file=sys.stderr)
         return 2
-    _raise_fd_limit()
+    raise_fd_limit()
     config = RouterConfig(hold_timeout=args.hold_timeout, connect_timeout=args.connect_timeout,
                           first_byte_timeout=args.first_byte_timeout, body_limit=args.body_limit,
                           drain_timeout=args.drain_timeout)
@@ -112,7 +112,7 @@ async def _serve(args: argparse.Namespace, token: str, host: str, port: int, key
     router.wake = feed.report_soon
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     await router.start()
     try:
@@ -135,15 +135,6 @@ def _run(coro: Any) -> None:
         asyncio.run(coro)
     else:
         uvloop.run(coro)
-
-
-def _raise_fd_limit() -> None:
-    """Each proxied request holds two sockets (client and engine): take every descriptor allowed."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
