@@ -51,3 +51,27 @@ def explain(catalog: Catalog, inventory: Inventory, replicas: Iterable[Placement
             candidates.append(Candidate(profile.name, node_id, not reasons, tuple(reasons)))
     running = tuple(p for p in placements if p.model == model.name)
     return Explanation(model.name, running, tuple(candidates))
+
+
+def unrunnable(catalog: Catalog, inventory: Inventory, names: Iterable[str]) -> dict[str, str]:
+    """The models among ``names`` that no node could run even with the fleet idle, each with
+    the reason in `llmgw explain`'s words; the router answers those at once instead of holding
+    a request for a replica that cannot come (DESIGN §6).
+
+    A busy fleet is not "cannot run": capacity frees up, so such a model still holds. Before
+    any node has reported, nothing is judged (a controller that just started knows nothing yet).
+    """
+    if not any(n.report is not None for n in inventory.nodes.values()):
+        return {}
+    out: dict[str, str] = {}
+    for name in names:
+        e = explain(catalog, inventory, (), name)
+        if any(c.fits for c in e.candidates):
+            continue
+        if not e.candidates:
+            out[name] = "no node of this controller can run it (it manages none)"
+            continue
+        shown = [f"{c.profile} on {c.node}: {'; '.join(c.reasons)}" for c in e.candidates[:3]]
+        more = f" (and {len(e.candidates) - 3} more)" if len(e.candidates) > 3 else ""
+        out[name] = "no node can run it: " + " | ".join(shown) + more
+    return out

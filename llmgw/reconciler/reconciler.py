@@ -25,6 +25,7 @@ from llmgw.gitops.desired import DesiredState
 from llmgw.gitops.store import Store
 from llmgw.inventory import Inventory
 from llmgw.inventory.live import LiveInventory
+from llmgw.placement import unrunnable
 from llmgw.reconciler.decide import Decisions, Demand, Settings, decide
 from llmgw.reconciler.lifecycle import Lifecycle
 from llmgw.reconciler.replica import Endpoint, Replica, ReplicaState, fingerprint, replica_id, shard_agent_id
@@ -37,6 +38,9 @@ class EndpointSink(Protocol):
     """Receives the endpoint list (only ready replicas). The router implements it."""
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None: ...
+
+    def set_unrunnable(self, reasons: Mapping[str, str]) -> None:
+        """Models no node can run (model name → placement reason): answered at once."""
 
 
 class UsageSource(Protocol):
@@ -96,6 +100,7 @@ class Reconciler:
         self.replicas: dict[str, Replica] = {}
         self.last_decisions = Decisions()
         self._published: tuple | None = None
+        self._unrunnable: dict[str, str] | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -165,6 +170,7 @@ class Reconciler:
                 settings=Settings(unreachable_grace=self.config.unreachable_grace),
             )
             self.last_decisions = decisions
+            self._publish_unrunnable(catalog, inventory)
             self._apply_decisions(catalog, decisions, now)
             # Withdrawn from the router before anything is stopped.
             self.publish(catalog)
@@ -282,6 +288,17 @@ class Reconciler:
             return
         self._published = key
         self.sink.set_endpoints(eps)
+
+    def _publish_unrunnable(self, catalog: Catalog, inventory: Inventory) -> None:
+        """Tell the router which models no node can run, so it answers them at once."""
+        if self.sink is None:
+            return
+        ready = {r.model for r in self.replicas.values() if r.state == ReplicaState.READY}
+        names = [m.name for m in catalog.models if m.name not in ready and m.scaling.max > 0]
+        reasons = unrunnable(catalog, inventory, names)
+        if reasons != self._unrunnable:
+            self._unrunnable = reasons
+            self.sink.set_unrunnable(reasons)
 
     def ready_counts(self) -> dict[str, int]:
         """Ready replicas per model, for the prune guard."""

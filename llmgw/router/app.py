@@ -24,7 +24,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -83,7 +83,8 @@ class Router:
         self._demand.wake = wake
         self._last_used: dict[str, float] = {}
         self._budget = RetryBudget()
-        self._handlers: set[asyncio.Task[object]] = set()  # requests being routed, for the drain
+        self._handlers: set[asyncio.Task[object]] = set()
+        self._unrunnable: dict[str, str] = {}  # requests being routed, for the drain
         self._retired: list[Origin] = []
         self._pool: UpstreamPool | None = None
         self._load_session: aiohttp.ClientSession | None = None
@@ -131,6 +132,12 @@ class Router:
                 origin = old.upstreams[rid].origin
                 origin.retired = True  # its connections close as they come back...
                 self._retired.append(origin)  # ...and the idle ones at the next sweep
+        self._changes.notify()
+
+    def set_unrunnable(self, reasons: Mapping[str, str]) -> None:
+        """Models no node can run, with the placement reason: answered at once, and held
+        requests for them released with it (DESIGN §6)."""
+        self._unrunnable = dict(reasons)
         self._changes.notify()
 
     def last_used(self) -> dict[str, float]:
@@ -450,6 +457,9 @@ class Router:
         if not model.wakeable:
             return respond.unavailable(f"No ready replica of `{model.name}`{tried}, and it is switched off "
                                        "(scaling.max is 0).", retry)
+        stuck = self._cannot_run(chain)
+        if stuck is not None:
+            return stuck
         if self._demand.held_total >= self.config.max_held:
             return respond.unavailable(f"No ready replica of `{model.name}`{tried}, and {self._demand.held_total} "
                                        "requests are already waiting for replicas to start.", retry)
@@ -458,7 +468,9 @@ class Router:
         def ready() -> bool:
             if self.routes.model(name) is None:
                 return True  # left the catalog: the caller answers 404
-            return any(self.table.has(m.name) for m in self._chains.get(name, chain))
+            links = self._chains.get(name, chain)
+            # Placement said it cannot be woken: the caller answers with the reason at once.
+            return any(self.table.has(m.name) for m in links) or all(m.name in self._unrunnable for m in links)
 
         self.metrics.hold(name)
         start = self._clock()
@@ -467,6 +479,14 @@ class Router:
         return respond.unavailable(
             f"No ready replica of `{name}`{tried}: waited {self._clock() - start:.0f} s for one to start "
             "and none became ready. Retry later.", retry)
+
+    def _cannot_run(self, chain: tuple[RouteModel, ...]) -> web.Response | None:
+        """503 now when neither the model nor any fallback can be placed on any node."""
+        if not all(m.name in self._unrunnable for m in chain):
+            return None
+        reasons = "; ".join(f"`{m.name}`: {self._unrunnable[m.name]}" for m in chain)
+        return respond.unavailable(f"No replica of `{chain[0].name}` can start: {reasons} "
+                                   f"(llmgw explain {chain[0].name}).", self.config.retry_after)
 
     # --- metrics -------------------------------------------------------------------------
     def _gauges(self) -> GaugeSnapshot:

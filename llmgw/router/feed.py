@@ -139,6 +139,7 @@ class FeedHub:
         self._catalog: CatalogView | None = None
         self._endpoints: list[dict[str, Any]] | None = None
         self._api_keys: list[dict[str, Any]] | None = None
+        self._unrunnable: dict[str, str] = {}
         self._line: bytes | None = None
         self._changes = Changes()
         self._reports: dict[str, tuple[float, dict[str, float], dict[str, Demand]]] = {}
@@ -159,6 +160,12 @@ class FeedHub:
             self._endpoints = eps
             self._publish()
 
+    def set_unrunnable(self, reasons: Mapping[str, str]) -> None:
+        """Models no node can run, with the reason: routers answer them at once."""
+        if dict(reasons) != self._unrunnable:
+            self._unrunnable = dict(reasons)
+            self._publish()
+
     def set_api_keys(self, entries: Sequence[Mapping[str, Any]]) -> None:
         """The controller config's API keys (``{"name", "sha256", "models"}`` each), for every router."""
         keys = [{"name": e.get("name"), "sha256": e["sha256"], "models": list(e.get("models", ["*"]))}
@@ -174,6 +181,8 @@ class FeedHub:
         snap = {"version": self.version, "catalog": self._catalog, "endpoints": self._endpoints}
         if self._api_keys is not None:
             snap["api_keys"] = self._api_keys
+        if self._unrunnable:
+            snap["unrunnable"] = self._unrunnable
         return snap
 
     def _publish(self) -> None:
@@ -270,6 +279,10 @@ class Fanout:
     def set_catalog(self, catalog: Catalog) -> None:
         for t in self.targets:
             t.set_catalog(catalog)
+
+    def set_unrunnable(self, reasons: Mapping[str, str]) -> None:
+        for t in self.targets:
+            t.set_unrunnable(reasons)
 
 
 class MergedUsage:

@@ -135,6 +135,9 @@ class FeedClient:
                 return
             routes = catalog_from_view(snap["catalog"])
             endpoints = [endpoint_from_json(e) for e in snap["endpoints"]]
+            unrunnable = snap.get("unrunnable") or {}
+            if not (isinstance(unrunnable, dict) and all(isinstance(v, str) for v in unrunnable.values())):
+                raise TypeError("unrunnable must map model names to reasons")
             keys = None
             if self.follow_keys and snap.get("api_keys") is not None:
                 keys = KeyRing.from_entries(snap["api_keys"], where="the controller's api_keys")
@@ -145,6 +148,7 @@ class FeedClient:
             self.router.keys = keys
         self.router.set_routes(routes)
         self.router.set_endpoints(endpoints)
+        self.router.set_unrunnable(unrunnable)
         self.version = snap.get("version")
         self.snapshots += 1
 

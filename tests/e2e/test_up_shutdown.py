@@ -13,6 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.e2e.processes import free_port, start, stop, wait_for
@@ -70,10 +71,22 @@ def test_a_client_that_leaves_cancels_the_engine_and_sighup_stops_everything(tmp
 
         endpoint = wait_for(slow_endpoint, 60, "the slow model ready", proc)
         before = cancelled(endpoint)
-        body = json.dumps({"model": "slow", "max_tokens": 200, "messages": [{"role": "user", "content": "hi"}]}).encode()
+        hi = [{"role": "user", "content": "hi"}]
+        body = json.dumps({"model": "slow", "max_tokens": 200, "messages": hi}).encode()
         post_and_leave(router_port, body, after=0.5)
         # Without handler cancellation the engine would generate its 200 tokens (40 s) for nobody.
         wait_for(lambda: cancelled(endpoint) > before, 5, "the engine saw its request cancelled", proc)
+
+        # A model no node of `up` can run (it wants 16 H100s): answered at once with the reason,
+        # not held for the 180 s hold timeout.
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="x", max_retries=0,
+                               timeout=30)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as err:
+            client.chat.completions.create(model="llama-3.1-405b-instruct", messages=hi)
+        assert time.monotonic() - t0 < 2.0
+        assert err.value.status_code == 503 and "no node can run it" in err.value.message, err.value.message
+        assert "llmgw explain llama-3.1-405b-instruct" in err.value.message
 
         # A request in flight, then the terminal closes.
         worker = threading.Thread(target=post_and_leave, args=(router_port, body, 20), daemon=True)

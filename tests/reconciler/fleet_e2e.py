@@ -39,9 +39,13 @@ class Recorder:
     history: list[list[Endpoint]] = field(default_factory=list)
     used: dict[str, float] = field(default_factory=dict)
     wanted: dict[str, Demand] = field(default_factory=dict)
+    unrunnable: dict[str, str] = field(default_factory=dict)
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         self.history.append(list(endpoints))
+
+    def set_unrunnable(self, reasons: Mapping[str, str]) -> None:
+        self.unrunnable = dict(reasons)
 
     @property
     def current(self) -> list[Endpoint]:
