@@ -21,7 +21,7 @@ from llmgw.admin.app import build_admin_app
 from llmgw.control.config import Listen, ServerConfig
 from llmgw.control.controller import Controller
 from llmgw.errors import ConfigError
-from llmgw.serving import listen, raise_fd_limit
+from llmgw.serving import connection_cap, listen, raise_fd_limit, throttle_loop_errors
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     check_free(cfg.admin_listen, admin_flag)
     check_free(cfg.router_listen, router_flag)
     raise_fd_limit()
+    throttle_loop_errors()
     from llmgw.gitops.desired import ROUTER
     from llmgw.router.app import Router
     from llmgw.router.config import RouterConfig
@@ -97,7 +98,8 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     runners: list[web.AppRunner] = []
     try:
         admin_app = build_admin_app(controller, token=cfg.admin_token, webhook_secret=cfg.webhook_secret, hub=hub)
-        runners.append(await listen(admin_app, cfg.admin_listen.host, cfg.admin_listen.port, drain_timeout=5.0))
+        runners.append(await listen(admin_app, cfg.admin_listen.host, cfg.admin_listen.port, drain_timeout=5.0,
+                                    max_connections=connection_cap(0.1)))
         await router.listen(cfg.router_listen.host, cfg.router_listen.port)
     except BaseException:
         for runner in runners:

@@ -47,7 +47,7 @@ from llmgw.router.retry import RetryBudget, next_step
 from llmgw.router.routes import RouteCatalog, RouteModel
 from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, pick
 from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
-from llmgw.serving import listen
+from llmgw.serving import connection_cap, listen
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,9 @@ class Router:
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve :meth:`app` on ``host:port``; returns the port (useful with 0)."""
         # The drain is ours (see drain()); aiohttp's own only cancels reading the request body.
-        self._runner = await listen(self.app(), host, port, drain_timeout=1.0)
+        # Each proxied request holds two descriptors (client and engine): the router's clients
+        # may use at most 40% of them, so engines, the admin API and git always have some.
+        self._runner = await listen(self.app(), host, port, drain_timeout=1.0, max_connections=connection_cap(0.4))
         return int(self._runner.addresses[0][1])
 
     async def drain(self) -> None:

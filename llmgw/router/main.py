@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmgw.errors import ConfigError
 from llmgw.router.config import RouterConfig  # a dataclass only: cheap for the CLI to import
-from llmgw.serving import STOP_SIGNALS, raise_fd_limit
+from llmgw.serving import STOP_SIGNALS, raise_fd_limit, throttle_loop_errors
 
 if TYPE_CHECKING:
     from llmgw.router.keys import KeyRing
@@ -111,6 +111,7 @@ async def _serve(args: argparse.Namespace, token: str, host: str, port: int, key
                       follow_keys=not args.api_keys)
     router.wake = feed.report_soon
     stop = asyncio.Event()
+    throttle_loop_errors()
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)

@@ -28,7 +28,7 @@ def raw_request(url: str, request: bytes) -> bytes:
 
 @pytest.mark.parametrize("value", [b"Bearer \xff\xfe\xe9t\xc3", b"Bearer \xe2\x82\xac-token", b"\xff"])
 def test_a_non_latin1_bearer_token_is_401(running: Running, value: bytes) -> None:
-    answer = raw_request(running.url, b"GET /api/v1/status HTTP/1.1\r\nHost: x\r\nAuthorization: " + value
+    answer = raw_request(running.url, b"GET /api/v1/summary HTTP/1.1\r\nHost: x\r\nAuthorization: " + value
                          + b"\r\nConnection: close\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
 
