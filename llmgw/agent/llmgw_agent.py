@@ -67,7 +67,9 @@ MANIFEST_NAME = "llmgw-manifest.json"
 CACHE_NAME_RE = re.compile(r"^llmgw-[0-9a-f]{64}\Z")
 TMP_PREFIX = ".tmp-"  # .tmp-llmgw-<hex>: a download in progress
 TRASH_PREFIX = ".trash-"  # .trash-llmgw-<hex>-<random>: an entry being deleted
-REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}\Z")
+# Not starting with ".": "." and ".." are names every path join takes for a directory (a replica
+# ".." once made the engine's area the state dir itself, emptied at start).
+REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 # The same characters the catalog schema refuses in a source, so a source the catalog accepts is
 # never refused here; control characters are added because no URL or path needs them.
@@ -98,9 +100,9 @@ SANDBOX_MODES = ("auto", "bwrap", "none")
 # shell histories; the agent's cache, state and config and the operator's model dirs are
 # hidden as a whole and only the one weights entry and the engine's own area are bound back.
 SANDBOX_HIDDEN = ("/root", "/home", "/tmp", "/var/tmp", "/run/user")
+SYSTEM_DIRS = frozenset({"/", "/etc", "/usr", "/opt", "/var", "/var/lib", "/srv", "/home", "/root", "/tmp"})
 BWRAP_CANDIDATES = ("/usr/bin/bwrap", "/usr/local/bin/bwrap", "/bin/bwrap")
 SETPRIV_CANDIDATES = ("/usr/bin/setpriv", "/bin/setpriv")
-GPU_DEVICE_GLOBS = ("/dev/nvidia", "/dev/dri", "/dev/kfd")
 PROBE_TIMEOUT = 10.0
 
 NVIDIA_SMI_QUERY = "index,name,uuid,memory.total,memory.used,ecc.errors.uncorrected.volatile.total"
@@ -172,6 +174,8 @@ class NodeConfig:
     sandbox_paths: Tuple[str, ...] = ()
     env_allow: FrozenSet[str] = DEFAULT_ENV_ALLOW
     engine_env: Tuple[Tuple[str, str], ...] = ()
+    local_sources: Tuple[str, ...] = ()
+    sandbox_hide: Tuple[str, ...] = ()
 
 
 def load_config(path: str) -> NodeConfig:
@@ -207,6 +211,8 @@ def load_config(path: str) -> NodeConfig:
         sandbox_paths=tuple(_config_abs(path, d, "sandbox_paths[]") for d in _config_list(path, raw, "sandbox_paths")),
         env_allow=DEFAULT_ENV_ALLOW | frozenset(_config_env_names(path, raw)),
         engine_env=tuple(sorted(_config_env_map(path, raw).items())),
+        local_sources=tuple(_config_abs(path, d, "local_sources[]") for d in _config_list(path, raw, "local_sources")),
+        sandbox_hide=tuple(_config_abs(path, d, "sandbox_hide[]") for d in _config_list(path, raw, "sandbox_hide")),
     )
 
 
@@ -803,6 +809,8 @@ def verb_fetch(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     plain_path = source.kind == "file" and source.text.startswith("/")
     if plain_path and any(_inside(source.location, d) for d in cfg.model_dirs):
         return _operator_copy(source)
+    if source.kind == "file":
+        check_local_source(cfg, source.location)
     name = source_name(source.text)
     final = os.path.join(cfg.cache_dir, name)
     state_path, lock_path, log_path = _fetch_paths(cfg, name)
@@ -950,7 +958,7 @@ def verb_fetch_worker(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     tmp = os.path.join(cfg.cache_dir, TMP_PREFIX + name)
     try:
         os.makedirs(cfg.cache_dir, exist_ok=True)  # the umask's mode: engines may run as another user
-        download(source, tmp, progress)
+        download(source, tmp, progress, local_roots=local_source_roots(cfg))
         size = finalize_entry(source, tmp, final)
         progress.finish("done", size=size)
     except FetchFailed as exc:
@@ -963,7 +971,7 @@ def verb_fetch_worker(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     return {}
 
 
-def download(source: Source, tmp: str, progress: FetchProgress) -> None:
+def download(source: Source, tmp: str, progress: FetchProgress, *, local_roots: Tuple[str, ...]) -> None:
     """Bring the source's content into the directory tmp (which may hold a partial earlier try)."""
     try:
         planted = not stat.S_ISDIR(os.lstat(tmp).st_mode)
@@ -972,7 +980,7 @@ def download(source: Source, tmp: str, progress: FetchProgress) -> None:
     if planted:  # a link (or file) under our temporary name: writing through it would leave the cache
         _remove_any(tmp)
     if source.kind == "file":
-        copy_local(source.location, tmp, progress)
+        copy_local(source.location, tmp, progress, local_roots)
     elif source.kind == "http":
         download_http(source.location, tmp, progress)
     else:
@@ -992,8 +1000,22 @@ def finalize_entry(source: Source, tmp: str, final: str) -> int:
     return size
 
 
-def copy_local(src: str, tmp: str, progress: FetchProgress) -> None:
-    files = _local_files(src)
+def local_source_roots(cfg: NodeConfig) -> Tuple[str, ...]:
+    return tuple(os.path.realpath(d) for d in cfg.local_sources + cfg.model_dirs)
+
+
+def check_local_source(cfg: NodeConfig, location: str) -> None:
+    """A file:// source is copied by root into a cache entry the engine reads: only from the
+    directories the node's owner lists (local_sources, model_dirs), or a catalog line like
+    file:///root/.ssh/id_ed25519 hands any file on the node to the engine."""
+    real = os.path.realpath(location)
+    if not any(_inside(real, root) for root in local_source_roots(cfg)):
+        raise Refused(f"fetch: {location} is outside the directories this node copies local sources from "
+                      f"(local_sources and model_dirs in {cfg.path})", setting="local_sources")
+
+
+def copy_local(src: str, tmp: str, progress: FetchProgress, roots: Tuple[str, ...] = ("/",)) -> None:
+    files = _local_files(src, roots)
     # A partial copy of a local file is cheaper to redo than to trust.
     _remove_any(tmp)
     os.makedirs(tmp)
@@ -1015,19 +1037,26 @@ def copy_local(src: str, tmp: str, progress: FetchProgress) -> None:
         raise FetchFailed(f"copying {src} failed: {exc}") from exc
 
 
-def _local_files(src: str) -> List[Tuple[str, str, int]]:
+def _local_files(src: str, roots: Tuple[str, ...] = ("/",)) -> List[Tuple[str, str, int]]:
     """(relative path, absolute path, size) of the files to copy. Symlinks to files are copied as
-    their content, so an entry never holds a link; symlinked directories are skipped."""
+    their content, so an entry never holds a link, but only when they point inside ``roots``
+    (a link in an allowed directory to /root/.ssh is skipped); symlinked directories are skipped."""
     if os.path.isfile(src):
-        return [(os.path.basename(src), src, os.path.getsize(src))]
-    if not os.path.isdir(src):
+        files = [(os.path.basename(src), src, os.path.getsize(src))]
+    elif not os.path.isdir(src):
         raise FetchFailed(f"{src} does not exist on this node (or is not a file or directory)")
-    files = []
-    for root, _dirs, names in os.walk(src):
+    else:
+        files = []
+    for root, _dirs, names in os.walk(src) if not files else ():
         for name in sorted(names):
             path = os.path.join(root, name)
-            if os.path.isfile(path):
+            if os.path.isfile(path) and any(_inside(os.path.realpath(path), r) for r in roots):
                 files.append((os.path.relpath(path, src), path, os.path.getsize(path)))
+    for _, path, _ in files:
+        # The copy lands in an entry every engine may read: a fetch never widens who can read a
+        # file (a 0600 key in an allowed directory stays where it is).
+        if not os.stat(path).st_mode & stat.S_IROTH:
+            raise FetchFailed(f"{path} is not readable by every user; a fetch copies only what any user may read")
     return files
 
 
@@ -1226,12 +1255,57 @@ def _reply_and_release_stdio(reply: JsonDict) -> None:
     os.close(devnull)
 
 
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> None:
+    """Descendants that leave the engine's process group (setsid) are reparented to this monitor
+    instead of init, so when the engine ends they are found and ended too: without a sandbox's
+    pid namespace, an engine's grandchild could otherwise outlive `stop` holding GPU and port."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the process group is all there is
+
+
+def _kill_orphans() -> None:
+    """SIGKILL and reap every remaining child of this monitor (orphans it adopted as subreaper)."""
+    me = os.getpid()
+    for _ in range(100):
+        children = [pid for pid in _pids() if _parent_of(pid) == me]
+        if not children:
+            return
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in children:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+def _pids() -> List[int]:
+    return [int(name) for name in _listdir("/proc") if name.isdigit()]
+
+
+def _parent_of(pid: int) -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = data[data.rfind(")") + 2:].split()
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
 def verb_engine_monitor(_cfg: NodeConfig, request: JsonDict) -> JsonDict:
     """Internal: launch the engine and stay its parent, to record its exit code when it ends.
 
     Without a parent of our own the exit code of an engine started by an earlier (now gone)
     agent process would be lost."""
     _detach()
+    _become_subreaper()
     user = request.get("user") or {}
     switch = {"user": user["uid"], "group": user["gid"], "extra_groups": user["groups"]} if user else {}
     try:
@@ -1248,6 +1322,7 @@ def verb_engine_monitor(_cfg: NodeConfig, request: JsonDict) -> JsonDict:
     started = pid_start_time(engine.pid)
     _reply_and_release_stdio({"pid": engine.pid, "pid_start": started})
     code = engine.wait()
+    _kill_orphans()
     if request.get("sandboxed") and 128 < code <= 128 + 64:
         # bwrap reports its child's death by signal N as exit 128+N, as a shell does; report it
         # as Popen would for an unsandboxed engine (-N), so a stop reads the same either way.
@@ -1397,8 +1472,8 @@ def _flag_table(**groups: str) -> Dict[str, str]:
 
 PATH_FLAGS: Dict[str, Dict[str, str]] = {
     "llama.cpp": _flag_table(
-        r="-m --model -md --model-draft --spec-draft-model -mm --mmproj --lora --lora-scaled --control-vector "
-          "--control-vector-scaled --grammar-file -jf --json-schema-file --chat-template-file -lcs "
+        r="-m --model -md --model-draft --spec-draft-model -mv --model-vocoder -mm --mmproj --lora --lora-scaled "
+          "--control-vector --control-vector-scaled --grammar-file -jf --json-schema-file --chat-template-file -lcs "
           "--lookup-cache-static --api-key-file --ssl-key-file --ssl-cert-file --media-path --path --models-dir "
           "--models-preset --ui-config-file --webui-config-file --video-ffmpeg-dir",
         w="-lcd --lookup-cache-dynamic --log-file --slot-save-path --log-prompts-dir --host",
@@ -1443,46 +1518,53 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
     i = 0
     while i < len(args):
         arg = args[i]
-        name, eq, inline = arg.partition("=") if arg.startswith("-") else (arg, "", "")
-        mode = _path_flag_mode(flags, name, kind) if arg.startswith("-") else None
-        if mode == "x":
-            raise Refused(f"start: {name} is refused on every node: it would give the engine's clients tools "
-                          "that run commands or change files", setting="engine args")
-        if mode is not None:
-            if eq:
-                value = inline
-            elif i + 1 < len(args):
-                i += 1
-                value = args[i]
-            else:
-                break
-            # The value itself (relative to the engine's cwd), and any path inside it: a
-            # name=/path pair (--lora-modules) or the strings of a JSON config.
-            if value[:1] not in ("{", "["):
-                _check_path(name, value, mode, area=area, read_roots=read_roots)
-            for part in _absolute_parts(value):
-                _check_path(name, part, mode, area=area, read_roots=read_roots)
-        else:
-            for value in _absolute_parts(arg):
-                _check_path(name if eq else "argument", value, "r", area=area, read_roots=read_roots)
+        mode = None
+        if arg.startswith("-"):
+            name, value = _flag_and_value(flags, kind, arg)
+            mode = _path_flag_mode(flags, name, kind)
+            if mode == "x":
+                raise Refused(f"start: {name} is refused on every node: it would give the engine's clients tools "
+                              "that run commands or change files", setting="args")
+            if mode is not None:
+                if value is None:
+                    if i + 1 >= len(args):
+                        break
+                    i += 1
+                    value = args[i]
+                _check_value(name, value, mode, area=area, read_roots=read_roots, every=True)
+        if mode is None:
+            # Any other argument (a positional model path, a flag this table does not know): its
+            # absolute paths and its ".." escapes are checked all the same.
+            _check_value("argument", arg, "r", area=area, read_roots=read_roots, every=False)
         i += 1
+
+
+def _flag_and_value(flags: Dict[str, str], kind: Optional[str], arg: str) -> Tuple[str, Optional[str]]:
+    """(flag, attached value or None): --flag=value, and argparse's short option with its
+    value attached (-O3, -O{"cache_dir": ...}), which vLLM and SGLang accept."""
+    name, eq, inline = arg.partition("=")
+    if eq:
+        return name, inline
+    if kind in ("vllm", "sglang") and not arg.startswith("--"):
+        for flag in sorted((f for f in flags if not f.startswith("--")), key=len, reverse=True):
+            if arg.startswith(flag) and len(arg) > len(flag) and arg[len(flag)] != ".":
+                return flag, arg[len(flag):]
+    return arg, None
 
 
 def _path_flag_mode(flags: Dict[str, str], name: str, kind: Optional[str]) -> Optional[str]:
     if name in flags:
         return flags[name]
-    if not name.startswith("--") or len(name) < 4:
-        return None
     # llama-server and vLLM take --log_file for --log-file; vLLM sets a key of a JSON flag
-    # with --compilation-config.cache_dir; Python's argparse (vLLM, SGLang) takes any
-    # unambiguous abbreviation, --chat-templ. So must this check, or it is walked around.
+    # with --compilation-config.cache_dir (or -O.cache_dir); Python's argparse (vLLM, SGLang)
+    # takes any unambiguous abbreviation, --chat-templ: so must this check, or it is walked around.
     head, dot, _ = name.partition(".")
-    normal = "--" + head[2:].replace("_", "-")
+    normal = head if not head.startswith("--") else "--" + head[2:].replace("_", "-")
     if dot and (normal in flags or kind == "vllm"):
         return "w"  # a JSON key: only the engine's own area is safe for whatever it names
     if normal in flags:
         return flags[normal]
-    if kind not in ("vllm", "sglang"):
+    if kind not in ("vllm", "sglang") or not normal.startswith("--") or len(normal) < 4:
         return None
     modes = {m for f, m in flags.items() if f.startswith(normal)}
     for strongest in ("x", "w", "r"):
@@ -1491,23 +1573,27 @@ def _path_flag_mode(flags: Dict[str, str], name: str, kind: Optional[str]) -> Op
     return None
 
 
-def _absolute_parts(arg: str) -> List[str]:
-    """Values inside one argument that name an absolute path: the argument itself, what follows
-    `=` (--flag=/x, name=/x), and strings inside a JSON argument."""
-    found = []
-    for part in (arg, arg.partition("=")[2]):
-        if _looks_like_path(part):
-            found.append(part)
-    if arg[:1] in ("{", "["):
+def _check_value(flag: str, value: str, mode: str, *, area: str, read_roots: Tuple[str, ...], every: bool) -> None:
+    """Check the paths in one value: the value itself (``every``: it is a path flag's), what
+    follows `=` (name=path pairs), or, when it parses as JSON, each of its strings."""
+    parsed: Any = None
+    if value[:1] in ("{", "["):
         try:
-            found.extend(s for s in _json_strings(json.loads(arg)) if _looks_like_path(s))
+            parsed = json.loads(value)
         except (ValueError, RecursionError):
-            pass
-    return found
+            parsed = None
+    if parsed is not None:
+        candidates = [v for v in _json_strings(parsed) if _suspicious(v)]
+    else:
+        after = value.partition("=")[2]
+        candidates = [v for v in (value, after) if v and (every or _suspicious(v))]
+    for candidate in candidates:
+        _check_path(flag, candidate, mode, area=area, read_roots=read_roots)
 
 
-def _looks_like_path(value: str) -> bool:
-    return value.startswith(("/", "~", "file:"))
+def _suspicious(value: str) -> bool:
+    """Whether a value not known to be a path could still name one outside the engine's area."""
+    return value.startswith(("/", "~", "file:")) or ".." in value.replace("\\", "/").split("/")
 
 
 def _json_strings(value: Any) -> Iterator[str]:
@@ -1523,7 +1609,11 @@ def _json_strings(value: Any) -> Iterator[str]:
 
 def _check_path(flag: str, value: str, mode: str, *, area: str, read_roots: Tuple[str, ...]) -> None:
     if value.startswith("file:"):
-        value = urllib.parse.unquote(urllib.parse.urlsplit(value).path)
+        try:
+            value = urllib.parse.unquote(urllib.parse.urlsplit(value).path)
+        except ValueError as exc:  # file://[::1/x: not a URL at all
+            raise Refused(f"start: {flag} {value!r} is refused: not a usable file URL ({exc})",
+                          setting="args") from None
     if value.startswith("~"):
         value = area + value[1:]  # HOME is the engine's area
     path = os.path.realpath(os.path.join(area, value))  # relative values are relative to the engine's cwd
@@ -1538,11 +1628,7 @@ def engine_area(cfg: NodeConfig, replica_id: str) -> str:
     return os.path.join(cfg.state_dir, "run", replica_id)
 
 
-def prepare_area(cfg: NodeConfig, conf: Confinement, replica_id: str) -> str:
-    """A fresh, empty directory the engine owns: its cwd, HOME and the one place it may write.
-
-    Made anew at every start, so nothing a previous run left (a symlink planted by an engine)
-    is there to be followed by the next."""
+def ensure_run_dir(cfg: NodeConfig, conf: Confinement) -> str:
     run = os.path.join(cfg.state_dir, "run")
     os.makedirs(run, mode=0o711, exist_ok=True)
     if conf.uid != os.geteuid():
@@ -1550,24 +1636,43 @@ def prepare_area(cfg: NodeConfig, conf: Confinement, replica_id: str) -> str:
         # other directory in state_dir stays 0700).
         for path in (cfg.state_dir, run):
             os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) | 0o011)
+    return run
+
+
+def prepare_area(cfg: NodeConfig, conf: Confinement, replica_id: str) -> str:
+    """A fresh, empty directory the engine owns: its cwd, HOME and the one place it may write.
+
+    Made anew at every start, so nothing a previous run left (a symlink planted by an engine)
+    is there to be followed by the next."""
+    run = ensure_run_dir(cfg, conf)
     run_fd = _open_dir_nofollow(run)
     try:
         with contextlib.suppress(FileNotFoundError):
             rmtree_at(run_fd, replica_id)
         os.mkdir(replica_id, 0o700, dir_fd=run_fd)
-        area = os.path.join(run, replica_id)
-        os.mkdir(os.path.join(area, "tmp"), 0o700)
-        if os.geteuid() == 0 and conf.uid != 0:
-            os.chown(area, conf.uid, conf.gid)
-            os.chown(os.path.join(area, "tmp"), conf.uid, conf.gid)
+        area_fd = _open_dir_nofollow(replica_id, run_fd)
+        try:
+            os.mkdir("tmp", 0o700, dir_fd=area_fd)
+            if os.geteuid() == 0 and conf.uid != 0:
+                # tmp first, by descriptor and never through a link, the area last: until the area
+                # is the engine user's, no process of that user can swap tmp for a symlink.
+                os.chown("tmp", conf.uid, conf.gid, dir_fd=area_fd, follow_symlinks=False)
+                os.fchown(area_fd, conf.uid, conf.gid)
+        finally:
+            os.close(area_fd)
     finally:
         os.close(run_fd)
-    return area
+    return os.path.join(run, replica_id)
 
 
 def _hidden_paths(cfg: NodeConfig) -> List[str]:
     """The tmpfs mounts of a sandbox, parents only (a path under a hidden one is hidden already)."""
-    wanted = [os.path.realpath(p) for p in SANDBOX_HIDDEN + (cfg.cache_dir, cfg.state_dir) + cfg.model_dirs]
+    config_dir = os.path.dirname(os.path.realpath(cfg.path))
+    # The config's directory holds what sits next to it (a controller.yaml with its token, on a
+    # machine that runs both); a system directory itself (/etc) is hidden file by file instead.
+    own = (config_dir,) if config_dir not in SYSTEM_DIRS else ()
+    wanted = [os.path.realpath(p) for p in SANDBOX_HIDDEN + (cfg.cache_dir, cfg.state_dir) + cfg.model_dirs
+              + own + cfg.sandbox_hide]
     out: List[str] = []
     for path in sorted(set(wanted), key=len):
         if os.path.isdir(path) and path != "/" and not any(_inside(path, h) for h in out):
@@ -1576,12 +1681,12 @@ def _hidden_paths(cfg: NodeConfig) -> List[str]:
 
 
 def sandbox_argv(cfg: NodeConfig, conf: Confinement, argv: List[str], *, area: str,
-                 weights: Optional[str]) -> List[str]:
+                 weights: Optional[str], gpus: Tuple[int, ...] = ()) -> List[str]:
     """bwrap around argv: a read-only system, the hidden paths empty, only the weights entry
     (read-only) and the engine's area (writable) bound back, its own pid/ipc/uts namespaces."""
     assert conf.bwrap is not None
     out = [conf.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/dev/shm"]
-    for device in _gpu_devices():
+    for device in _gpu_devices(gpus):
         out += ["--dev-bind", device, device]
     hidden = _hidden_paths(cfg)
     for path in hidden:
@@ -1615,13 +1720,18 @@ def _mount_point_parents(path: str, hidden: List[str]) -> List[str]:
     return out
 
 
-def _gpu_devices() -> List[str]:
+def _gpu_devices(gpus: Tuple[int, ...]) -> List[str]:
+    """The device nodes an engine given ``gpus`` needs: /dev/nvidia<N> for those alone (the
+    index is the device's minor number, as nvidia-smi's index is on a standard install), the
+    shared control devices, and AMD's /dev/dri and /dev/kfd when present."""
     found = []
-    for prefix in GPU_DEVICE_GLOBS:
-        parent, base = os.path.split(prefix)
-        for name in sorted(_listdir(parent)):
-            if name.startswith(base):
-                found.append(os.path.join(parent, name))
+    for name in sorted(_listdir("/dev")):
+        if name.startswith("nvidia"):
+            minor = name[len("nvidia"):]
+            if not minor.isdigit() or int(minor) in gpus:
+                found.append(os.path.join("/dev", name))
+        elif name in ("dri", "kfd") and gpus:
+            found.append(os.path.join("/dev", name))
     return found
 
 
@@ -1789,7 +1899,7 @@ def _start_env(env: Any) -> Dict[str, str]:
 def _replica_id(request: JsonDict) -> str:
     replica_id = _field(request, "replica_id")
     if not isinstance(replica_id, str) or not REPLICA_ID_RE.match(replica_id):
-        raise AgentError("replica_id must match ^[A-Za-z0-9._-]{1,128}$")
+        raise AgentError("replica_id must match ^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
     return replica_id
 
 
@@ -1874,6 +1984,7 @@ def verb_start(cfg: NodeConfig, request: JsonDict) -> JsonDict:
         args = build_argv((), spec.args, {"port": str(port), "weights": weights or "", "host": cfg.bind_address})
         read_roots = tuple(p for p in (weights,) if p is not None) + cfg.sandbox_paths
         check_args(engine_kind(spec.engine, prefix), args, area=area, read_roots=read_roots)
+        ensure_run_dir(cfg, conf)
         check_visible(cfg, conf, list(prefix), weights=weights, area=area)
         prepare_area(cfg, conf, spec.replica_id)
         record = _launch(cfg, spec, list(prefix) + args, conf=conf, area=area, port=port, weights=weights)
@@ -1890,7 +2001,7 @@ def _launch(cfg: NodeConfig, spec: StartSpec, argv: List[str], *, conf: Confinem
     _ensure_dir(os.path.join(cfg.state_dir, "exits"))
     env = engine_environment(cfg, conf, spec, area)
     sandboxed = conf.sandbox == "bwrap"
-    launch = sandbox_argv(cfg, conf, argv, area=area, weights=weights) if sandboxed else argv
+    launch = sandbox_argv(cfg, conf, argv, area=area, weights=weights, gpus=spec.gpus) if sandboxed else argv
     # Without a sandbox the monitor switches to the engine user itself (bwrap's setpriv does it inside).
     user = None if sandboxed or conf.uid == os.geteuid() else {"uid": conf.uid, "gid": conf.gid,
                                                                 "groups": list(conf.groups)}

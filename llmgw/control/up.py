@@ -129,6 +129,9 @@ def write_agent_config(layout: UpLayout) -> None:
         config["engines"]["llama.cpp"] = llama
     config.update(local_confinement([Path(p) for p in (sys.prefix, sys.base_prefix, PACKAGE_ROOT)]
                                     + ([Path(llama).resolve().parents[1]] if llama else [])))
+    # The controller's data (its database, the admin token) lives beside the node here: hidden
+    # from engines as a whole; the node's own cache and state are bound back one entry at a time.
+    config["sandbox_hide"] = [str(layout.data_dir.resolve())]
     for d in (layout.node_dir / "cache", layout.node_dir / "state"):
         d.mkdir(parents=True, exist_ok=True)
     layout.agent_config.write_text(json.dumps(config, indent=2))

@@ -51,7 +51,9 @@ class Store:
     def open(self) -> Store:
         if self._db is None:
             if str(self.path) != ":memory:":
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                # 0700: the database holds the fleet's events and state; on a machine that also
+                # runs engines or other users, it is the controller's business only.
+                Path(self.path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(SCHEMA)

@@ -40,7 +40,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
             "pysleep": [sys.executable, "-c", "import time; time.sleep(120)"],
         },
         gpus=[{"index": 0, "class": "h100", "memory_gb": 80}, {"index": 1, "class": "h100", "memory_gb": 80}],
-        env_allow=["LLMGW_TEST_VALUE"], **confined_settings(),
+        env_allow=["LLMGW_TEST_VALUE"], **{**confined_settings(), "local_sources": [str(root)]},
     )
     yield made
     _kill_leftover_engines(made.state)
@@ -50,7 +50,7 @@ def _kill_leftover_engines(state: Path) -> None:
     """Tests stop what they start; this only keeps a failed test from leaking engines."""
     for record_file in (state / "engines").glob("*.json"):
         record = json.loads(record_file.read_text())
-        if record["pid"] == os.getpid():
+        if not isinstance(record.get("pid"), int) or record["pid"] == os.getpid():
             continue  # the guard tests stand this test process in for a running engine
         stat_file = Path(f"/proc/{record['pid']}/stat")
         if stat_file.exists() and int(stat_file.read_text().rsplit(")", 1)[1].split()[19]) == record["pid_start"]:
