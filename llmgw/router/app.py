@@ -84,7 +84,8 @@ class Router:
         self._last_used: dict[str, float] = {}
         self._budget = RetryBudget()
         self._handlers: set[asyncio.Task[object]] = set()
-        self._unrunnable: dict[str, str] = {}  # requests being routed, for the drain
+        self._unrunnable: dict[str, str] = {}
+        self._buffered = 0  # bytes of request bodies held by requests in flight  # requests being routed, for the drain
         self._retired: list[Origin] = []
         self._pool: UpstreamPool | None = None
         self._load_session: aiohttp.ClientSession | None = None
@@ -311,10 +312,28 @@ class Router:
         length = request.content_length
         if length is not None and length > limit:
             return self._refuse(respond.too_large(limit), UNKNOWN, t0)
+        # A total over every request in flight, not only a cap per request: 32 MB each times a
+        # thousand slow uploads is 32 GB of a router's memory.
+        if self._buffered + (length or 0) > self.config.buffered_limit:
+            return self._refuse(self._buffers_full(), UNKNOWN, t0)
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._refuse(respond.too_large(limit), UNKNOWN, t0)
+        if self._buffered + len(raw) > self.config.buffered_limit:
+            return self._refuse(self._buffers_full(), UNKNOWN, t0)
+        self._buffered += len(raw)
+        try:
+            return await self._handle_body(request, path, raw, key, t0)
+        finally:
+            self._buffered -= len(raw)
+
+    def _buffers_full(self) -> web.Response:
+        return respond.unavailable(f"The router holds {self._buffered} bytes of request bodies in flight, its limit "
+                                   f"({self.config.buffered_limit}); retry shortly.", self.config.retry_after)
+
+    async def _handle_body(self, request: web.Request, path: str, raw: bytes, key: ApiKey | None,
+                           t0: float) -> web.StreamResponse:
         try:
             body, asked, stream = parse_body(raw)
         except BadBody as exc:
