@@ -343,15 +343,22 @@ def _locked(path: str) -> Iterator[None]:
         os.close(fd)
 
 
-def proc_stat(pid: int) -> Optional[Tuple[str, int, int]]:
-    """(state, process group, start time in clock ticks) from /proc/<pid>/stat, None if gone."""
+def stat_fields(pid: int) -> Optional[List[str]]:
+    """The fields of /proc/<pid>/stat from field 3 (state) on, None if the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             data = fh.read().decode("ascii", "replace")
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = data[data.rfind(")") + 2:].split()
+    return data[data.rfind(")") + 2:].split()
+
+
+def proc_stat(pid: int) -> Optional[Tuple[str, int, int]]:
+    """(state, process group, start time in clock ticks) from /proc/<pid>/stat, None if gone."""
+    fields = stat_fields(pid)
+    if fields is None:
+        return None
     try:
         return fields[0], int(fields[2]), int(fields[19])  # fields 3, 5 and 22
     except (IndexError, ValueError):
@@ -1290,13 +1297,8 @@ def _pids() -> List[int]:
 
 
 def _parent_of(pid: int) -> Optional[int]:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    fields = data[data.rfind(")") + 2:].split()
-    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+    fields = stat_fields(pid)
+    return int(fields[1]) if fields is not None and len(fields) > 1 and fields[1].isdigit() else None
 
 
 def verb_engine_monitor(_cfg: NodeConfig, request: JsonDict) -> JsonDict:
