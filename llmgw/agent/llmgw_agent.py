@@ -54,7 +54,7 @@ import threading
 import time
 import traceback
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
 
 AGENT_VERSION = "0.1.0"
@@ -1021,7 +1021,7 @@ def check_local_source(cfg: NodeConfig, location: str) -> None:
                       f"(local_sources and model_dirs in {cfg.path})", setting="local_sources")
 
 
-def copy_local(src: str, tmp: str, progress: FetchProgress, roots: Tuple[str, ...] = ("/",)) -> None:
+def copy_local(src: str, tmp: str, progress: FetchProgress, roots: Tuple[str, ...]) -> None:
     files = _local_files(src, roots)
     # A partial copy of a local file is cheaper to redo than to trust.
     _remove_any(tmp)
@@ -1044,26 +1044,28 @@ def copy_local(src: str, tmp: str, progress: FetchProgress, roots: Tuple[str, ..
         raise FetchFailed(f"copying {src} failed: {exc}") from exc
 
 
-def _local_files(src: str, roots: Tuple[str, ...] = ("/",)) -> List[Tuple[str, str, int]]:
+def _local_files(src: str, roots: Tuple[str, ...]) -> List[Tuple[str, str, int]]:
     """(relative path, absolute path, size) of the files to copy. Symlinks to files are copied as
     their content, so an entry never holds a link, but only when they point inside ``roots``
-    (a link in an allowed directory to /root/.ssh is skipped); symlinked directories are skipped."""
+    (a link in an allowed directory to /root/.ssh is skipped); symlinked directories are skipped.
+    The worker checks the roots again itself: the source may have changed since `fetch` did."""
     if os.path.isfile(src):
-        files = [(os.path.basename(src), src, os.path.getsize(src))]
-    elif not os.path.isdir(src):
-        raise FetchFailed(f"{src} does not exist on this node (or is not a file or directory)")
+        candidates = [(os.path.basename(src), src)]
+    elif os.path.isdir(src):
+        candidates = [(os.path.relpath(os.path.join(root, name), src), os.path.join(root, name))
+                      for root, _dirs, names in os.walk(src) for name in sorted(names)]
     else:
-        files = []
-    for root, _dirs, names in os.walk(src) if not files else ():
-        for name in sorted(names):
-            path = os.path.join(root, name)
-            if os.path.isfile(path) and any(_inside(os.path.realpath(path), r) for r in roots):
-                files.append((os.path.relpath(path, src), path, os.path.getsize(path)))
-    for _, path, _ in files:
+        raise FetchFailed(f"{src} does not exist on this node (or is not a file or directory)")
+    files = []
+    for rel, path in candidates:
+        if not os.path.isfile(path) or not any(_inside(os.path.realpath(path), r) for r in roots):
+            continue
+        info = os.stat(path)
         # The copy lands in an entry every engine may read: a fetch never widens who can read a
         # file (a 0600 key in an allowed directory stays where it is).
-        if not os.stat(path).st_mode & stat.S_IROTH:
+        if not info.st_mode & stat.S_IROTH:
             raise FetchFailed(f"{path} is not readable by every user; a fetch copies only what any user may read")
+        files.append((rel, path, info.st_size))
     return files
 
 
@@ -1382,17 +1384,16 @@ def confinement(cfg: NodeConfig) -> Confinement:
     groups = tuple(sorted(set(os.getgrouplist(user, gid))))
     base = Confinement(user, uid, gid, groups, "none", "", problem=problem, problem_setting=setting)
     if problem is None and uid == 0 and not cfg.engines_as_root:
-        base = _with(base, problem=f"engine_user {user} is root; engines run as root only with engines_as_root: true",
+        base = replace(base, problem=f"engine_user {user} is root; engines run as root only with engines_as_root: true",
                      problem_setting="engines_as_root")
     if cfg.sandbox == "none":
-        return _with(base, detail=f"no sandbox (sandbox: none); engines run as {user}")
+        return replace(base, detail=f"no sandbox (sandbox: none); engines run as {user}")
     bwrap = cfg.bwrap or next((p for p in BWRAP_CANDIDATES if os.access(p, os.X_OK)), None)
     setpriv = None
     # As root, bwrap makes the namespaces and setpriv drops to the user inside; a non-root agent
     # runs bwrap as itself, which needs unprivileged user namespaces.
     if os.geteuid() == 0 and uid != 0:
         setpriv = next((p for p in SETPRIV_CANDIDATES if os.access(p, os.X_OK)), None)
-    why = None
     if bwrap is None or not os.access(bwrap, os.X_OK):
         why = "bubblewrap is not installed (apt-get install bubblewrap)"
     elif os.geteuid() == 0 and uid != 0 and setpriv is None:
@@ -1400,16 +1401,10 @@ def confinement(cfg: NodeConfig) -> Confinement:
     else:
         why = _probe_bwrap(bwrap, setpriv, uid, gid)
     if why is None:
-        return _with(base, sandbox="bwrap", bwrap=bwrap, setpriv=setpriv, detail=f"bubblewrap as {user}")
+        return replace(base, sandbox="bwrap", bwrap=bwrap, setpriv=setpriv, detail=f"bubblewrap as {user}")
     if cfg.sandbox == "bwrap" and base.problem is None:
-        base = _with(base, problem=f"sandbox is bwrap but {why}", problem_setting="sandbox")
-    return _with(base, detail=f"no sandbox: {why}; engines run as {user}")
-
-
-def _with(conf: Confinement, **changes: Any) -> Confinement:
-    fields = dict(conf.__dict__)
-    fields.update(changes)
-    return Confinement(**fields)
+        base = replace(base, problem=f"sandbox is bwrap but {why}", problem_setting="sandbox")
+    return replace(base, detail=f"no sandbox: {why}; engines run as {user}")
 
 
 def _engine_user(cfg: NodeConfig) -> Tuple[str, Optional[str], Optional[str]]:
@@ -1599,14 +1594,17 @@ def _suspicious(value: str) -> bool:
 
 
 def _json_strings(value: Any) -> Iterator[str]:
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for item in list(value.keys()) + list(value.values()):
-            yield from _json_strings(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _json_strings(item)
+    """Every string in a parsed JSON value, keys included; iterative, so depth costs no stack."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _check_path(flag: str, value: str, mode: str, *, area: str, read_roots: Tuple[str, ...]) -> None:
@@ -1622,8 +1620,9 @@ def _check_path(flag: str, value: str, mode: str, *, area: str, read_roots: Tupl
     allowed = (area,) if mode == "w" else (area,) + read_roots
     if not any(_inside(path, os.path.realpath(root)) for root in allowed):
         where = "the engine's own area" if mode == "w" else "the engine's own area, its weights or sandbox_paths"
+        # sandbox_paths can widen what an engine reads; nothing widens where it writes.
         raise Refused(f"start: {flag} {value} is refused: it names a path outside {where} ({area})",
-                      setting="sandbox_paths")
+                      setting="args" if mode == "w" else "sandbox_paths")
 
 
 def engine_area(cfg: NodeConfig, replica_id: str) -> str:

@@ -129,6 +129,19 @@ def test_a_fetched_local_source_does_not_hand_a_root_only_file_to_the_engine(nod
     assert not (node.cache / cache_name("file:///etc/passwd")).exists()
 
 
+def test_the_copy_checks_the_roots_itself_not_only_fetch(node: Node, agent_module: ModuleType) -> None:
+    """The worker copies later than `fetch` checked: a source file swapped for a link out of the
+    allowed directories in between is not copied (the single-file case included)."""
+    allowed = node.root / "allowed"
+    allowed.mkdir()
+    outside = node.models.parent / "outside-secret"
+    outside.write_text("OUTSIDE")
+    (allowed / "model.bin").symlink_to(outside)
+    roots = (os.path.realpath(allowed),)
+    assert agent_module._local_files(str(allowed / "model.bin"), roots) == []
+    assert agent_module._local_files(str(allowed), roots) == []
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. prepare_area chowns <area>/tmp by path after the area already belongs to the engine user
 
