@@ -131,11 +131,8 @@ def test_a_name_the_owner_allows_even_a_dangerous_one_stays_inside_the_sandbox(n
 
 @pytest.mark.skipif(not ROOT, reason="switching users needs an agent running as root")
 def test_a_root_agent_without_engine_user_refuses_to_start_engines_as_root(node: Node) -> None:
-    settings = dict(node.settings)
-    settings.pop("engine_user")
-    node.write_config(**{k: v for k, v in settings.items() if k != "engine_user"})
-    node.settings.pop("engine_user", None)
-    node.config.write_text(json.dumps(node.settings))
+    node.settings.pop("engine_user")
+    node.write_config()
     code, answer = node.run("start", {"replica_id": "r", "engine": "pyecho"})
     assert code != 0 and answer["refused"] == {"setting": "engine_user"}, answer
     assert "engines_as_root" in answer["error"]
@@ -245,7 +242,29 @@ def test_paths_inside_the_engine_area_and_its_weights_are_allowed(node: Node) ->
         "--slot-save-path", "slots", "--host", "{host}", "--port", "{port}"]})
 
 
-@pytest.mark.parametrize(("kind", "args"), [
+# Spellings an adversarial review found past an earlier version of the check.
+ARG_BYPASSES = [
+    # argparse short option with its value attached: -O<json> is --compilation-config <json>.
+    ("vllm", ['-O{"cache_dir": "/root/.cache/x"}']),
+    # vLLM's dotted form for -O: not a "--" name, so only an absolute value after "=" is seen.
+    ("vllm", ["-O.cache_dir=../../../../../root/x"]),
+    # Relative paths inside a JSON value are not checked at all (cwd is the area).
+    ("vllm", ["--compilation-config", '{"cache_dir": "../../../../../root/x"}']),
+    ("vllm", ["--speculative-config", '{"model": "../../../../../root/secret-model"}']),
+    # A value starting with "[" or "{" that is not JSON skips the path check entirely.
+    ("llama.cpp", ["--log-file", "[/../../../../../../etc/cron.d/x"]),
+    ("llama.cpp", ["--chat-template-file", "{/../../../../../../etc/shadow"]),
+    # name=path: the checker resolves "a=../x" as <area>/a=../x = <area>/x; the engine, as ../x.
+    ("vllm", ["--lora-modules", "a=../victim/adapter"]),
+    ("sglang", ["--lora-paths", "a=../victim/adapter"]),
+    # vLLM's positional model (serve MODEL) reads a path, relative ones are never checked.
+    ("vllm", ["serve", "../../../../../root/models/private"]),
+    # llama-server flags that read a file and are missing from the table.
+    ("llama.cpp", ["--model-vocoder", "../../../../../root/x.gguf"]),
+    ("llama.cpp", ["-mv", "../../../../../root/x.gguf"]),
+]
+
+ARG_VECTORS = [
     ("vllm", ["serve", "{weights}", "--chat-template", "/etc/shadow"]),
     ("vllm", ["--chat-templ", "/etc/shadow"]),  # argparse abbreviation
     ("vllm", ["--chat_template=/etc/shadow"]),  # underscores and =
@@ -261,7 +280,11 @@ def test_paths_inside_the_engine_area_and_its_weights_are_allowed(node: Node) ->
     ("sglang", ["--delete-ckpt-after-loading"]),
     (None, ["--any-flag-at-all", "/etc/shadow"]),  # unknown engines: absolute paths are still checked
     (None, ["--x=file:///etc/shadow"]),
-])
+]
+
+
+@pytest.mark.parametrize(("kind", "args"), ARG_VECTORS + ARG_BYPASSES,
+                         ids=[f"{k}:{' '.join(a)}" for k, a in ARG_VECTORS + ARG_BYPASSES])
 def test_vllm_and_sglang_path_flags_are_checked_in_every_spelling(node: Node, agent_module: ModuleType,
                                                                   kind: str | None, args: list) -> None:
     """vLLM and SGLang cannot run here (no GPU): their flag tables are checked in-process, on the

@@ -263,34 +263,7 @@ def test_the_sandbox_passes_only_the_requested_gpus(node: Node, agent_module: Mo
 # 6. Spellings the args check misses (defence in depth; the sandbox bounds the damage)
 
 
-ARG_BYPASSES = [
-    # argparse short option with its value attached: -O<json> is --compilation-config <json>.
-    ("vllm", ['-O{"cache_dir": "/root/.cache/x"}']),
-    # vLLM's dotted form for -O: not a "--" name, so only an absolute value after "=" is seen.
-    ("vllm", ["-O.cache_dir=../../../../../root/x"]),
-    # Relative paths inside a JSON value are not checked at all (cwd is the area).
-    ("vllm", ["--compilation-config", '{"cache_dir": "../../../../../root/x"}']),
-    ("vllm", ["--speculative-config", '{"model": "../../../../../root/secret-model"}']),
-    # A value starting with "[" or "{" that is not JSON skips the path check entirely.
-    ("llama.cpp", ["--log-file", "[/../../../../../../etc/cron.d/x"]),
-    ("llama.cpp", ["--chat-template-file", "{/../../../../../../etc/shadow"]),
-    # name=path: the checker resolves "a=../x" as <area>/a=../x = <area>/x; the engine, as ../x.
-    ("vllm", ["--lora-modules", "a=../victim/adapter"]),
-    ("sglang", ["--lora-paths", "a=../victim/adapter"]),
-    # vLLM's positional model (serve MODEL) reads a path, relative ones are never checked.
-    ("vllm", ["serve", "../../../../../root/models/private"]),
-    # llama-server flags that read a file and are missing from the table.
-    ("llama.cpp", ["--model-vocoder", "../../../../../root/x.gguf"]),
-    ("llama.cpp", ["-mv", "../../../../../root/x.gguf"]),
-]
-
-
-@pytest.mark.parametrize(("kind", "args"), ARG_BYPASSES, ids=[f"{k}:{' '.join(a)}" for k, a in ARG_BYPASSES])
-def test_args_check_spellings_that_reach_outside_are_refused(node: Node, agent_module: ModuleType,
-                                                            kind: str, args: list) -> None:
-    area, weights = str(node.state / "run" / "x"), str(node.cache / ("llmgw-" + "a" * 64))
-    with pytest.raises(agent_module.Refused):
-        agent_module.check_args(kind, args, area=area, read_roots=(weights,))
+# The spellings found here are cases of test_agent_boundary.py's args test (ARG_BYPASSES there).
 
 
 # ---------------------------------------------------------------------------------------------

@@ -95,6 +95,22 @@ def run_every_way(run_cli: RunCli, repo: Path, rel: str) -> None:
     assert data["changes"] == []
 
 
+def refused_in_tree_commit_and_diff(run_cli: RunCli, repo: Path, rel: str, *, rev_args: tuple[str, ...] = ()) -> str:
+    """``rel`` refused by `validate DIR`, `validate --rev HEAD` and `diff` (markdown, json); the
+    working tree's output is returned for the caller's own checks."""
+    code, tree_out = run_cli("validate", str(repo))
+    assert code == 1
+    assert_refused(tree_out, f"{repo}/{rel}")
+    code, out = run_cli("validate", str(repo), "--rev", "HEAD", *rev_args)
+    assert code == 1
+    assert_refused(out, f"{repo}/{rel}")
+    for fmt in ("markdown", "json"):
+        code, out = run_cli("diff", "base", "HEAD", "--repo", str(repo), "--format", fmt)
+        assert code == 1, out
+        assert_refused(out, rel)
+    return tree_out
+
+
 def test_model_file_symlinked_to_a_secret_outside(run_cli: RunCli, repo: Path, secret: Path) -> None:
     (repo / "models/x.yaml").symlink_to(secret)
     commit_all(repo, "Add x")
@@ -113,33 +129,15 @@ def test_nodes_file_symlinked_outside(run_cli: RunCli, repo: Path, secret: Path)
     (repo / "nodes.yaml").unlink()
     (repo / "nodes.yaml").symlink_to(secret)
     commit_all(repo, "Nodes from elsewhere")
-    code, out = run_cli("validate", str(repo))
-    assert code == 1
-    assert_refused(out, f"{repo}/nodes.yaml")
+    out = refused_in_tree_commit_and_diff(run_cli, repo, "nodes.yaml")
     assert "missing" not in out  # refused, not silently absent
-    code, out = run_cli("validate", str(repo), "--rev", "HEAD")
-    assert code == 1
-    assert_refused(out, f"{repo}/nodes.yaml")
-    for fmt in ("markdown", "json"):
-        code, out = run_cli("diff", "base", "HEAD", "--repo", str(repo), "--format", fmt)
-        assert code == 1, out
-        assert_refused(out, "nodes.yaml")
 
 
 def test_models_directory_symlinked_outside(run_cli: RunCli, repo: Path, secret: Path) -> None:
     git(repo, "rm", "-q", "-r", "models")
     (repo / "models").symlink_to(secret.parent)
     commit_all(repo, "Models from elsewhere")
-    code, out = run_cli("validate", str(repo))
-    assert code == 1
-    assert_refused(out, f"{repo}/models")
-    code, out = run_cli("validate", str(repo), "--rev", "HEAD", "-o", "json")
-    assert code == 1
-    assert_refused(out, f"{repo}/models")
-    for fmt in ("markdown", "json"):
-        code, out = run_cli("diff", "base", "HEAD", "--repo", str(repo), "--format", fmt)
-        assert code == 1, out
-        assert_refused(out, "models")
+    refused_in_tree_commit_and_diff(run_cli, repo, "models", rev_args=("-o", "json"))
     data = json.loads(run_cli("diff", "base", "HEAD", "--repo", str(repo), "--format", "json")[1])
     # Every model under the broken directory counts as unchanged, not as removed.
     assert data["changes"] == []
