@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from llmgw.catalog import Catalog
+from llmgw.catalog import Catalog, Model, NodeId
 from llmgw.inventory import Inventory
-from llmgw.placement.capacity import free_capacity, node_reasons
+from llmgw.placement.capacity import NodeFree, free_capacity, node_reasons
 from llmgw.placement.types import Placement
 
 
@@ -43,14 +43,15 @@ def explain(catalog: Catalog, inventory: Inventory, replicas: Iterable[Placement
     if model is None:
         raise KeyError(model_name)
     placements = list(replicas)
-    free = free_capacity(inventory, placements)
-    candidates = []
-    for profile in model.profiles_by_priority():
-        for node_id in sorted(free):
-            reasons = node_reasons(model, profile, free[node_id])
-            candidates.append(Candidate(profile.name, node_id, not reasons, tuple(reasons)))
+    candidates = _candidates(model, free_capacity(inventory, placements))
     running = tuple(p for p in placements if p.model == model.name)
-    return Explanation(model.name, running, tuple(candidates))
+    return Explanation(model.name, running, candidates)
+
+
+def _candidates(model: Model, free: Mapping[NodeId, NodeFree]) -> tuple[Candidate, ...]:
+    return tuple(Candidate(profile.name, node_id, not reasons, tuple(reasons))
+                 for profile in model.profiles_by_priority() for node_id in sorted(free)
+                 for reasons in (node_reasons(model, profile, free[node_id]),))
 
 
 def unrunnable(catalog: Catalog, inventory: Inventory, names: Iterable[str]) -> dict[str, str]:
@@ -63,15 +64,17 @@ def unrunnable(catalog: Catalog, inventory: Inventory, names: Iterable[str]) -> 
     """
     if not any(n.report is not None for n in inventory.nodes.values()):
         return {}
+    idle = free_capacity(inventory, ())  # once per call: this runs on every reconcile tick
     out: dict[str, str] = {}
     for name in names:
-        e = explain(catalog, inventory, (), name)
-        if any(c.fits for c in e.candidates):
+        model = catalog.resolve(name)
+        candidates = _candidates(model, idle) if model is not None else ()
+        if any(c.fits for c in candidates):
             continue
-        if not e.candidates:
+        if not candidates:
             out[name] = "no node of this controller can run it (it manages none)"
             continue
-        shown = [f"{c.profile} on {c.node}: {'; '.join(c.reasons)}" for c in e.candidates[:3]]
-        more = f" (and {len(e.candidates) - 3} more)" if len(e.candidates) > 3 else ""
+        shown = [f"{c.profile} on {c.node}: {'; '.join(c.reasons)}" for c in candidates[:3]]
+        more = f" (and {len(candidates) - 3} more)" if len(candidates) > 3 else ""
         out[name] = "no node can run it: " + " | ".join(shown) + more
     return out

@@ -43,7 +43,7 @@ from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.load import poll_loads
 from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
 from llmgw.router.proxy import CLIENT_GONE, BadBody, forward_stream, forward_whole, parse_body, rewrite_model
-from llmgw.router.retry import RetryBudget, next_step
+from llmgw.router.retry import RetryBudget, RetryTicket, next_step
 from llmgw.router.routes import RouteCatalog, RouteModel
 from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, pick
 from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
@@ -83,9 +83,9 @@ class Router:
         self._demand.wake = wake
         self._last_used: dict[str, float] = {}
         self._budget = RetryBudget()
-        self._handlers: set[asyncio.Task[object]] = set()
-        self._unrunnable: dict[str, str] = {}
-        self._buffered = 0  # bytes of request bodies held by requests in flight  # requests being routed, for the drain
+        self._handlers: set[asyncio.Task[object]] = set()  # requests being routed, for the drain
+        self._unrunnable: dict[str, str] = {}  # model -> why no node can run it (from placement)
+        self._buffered = 0  # bytes of request bodies held by requests in flight
         self._retired: list[Origin] = []
         self._pool: UpstreamPool | None = None
         self._load_session: aiohttp.ClientSession | None = None
@@ -353,22 +353,17 @@ class Router:
 
     async def _route(self, request: web.Request, path: str, raw: bytes, body: dict, asked: str,
                      model: RouteModel, stream: bool, t0: float) -> web.StreamResponse:
-        budget = self._budget
-        budget.live += 1
-        held = [False]  # whether this request holds one of the budget's retries
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
         try:
-            return await self._route_attempts(request, path, raw, body, asked, model, stream, t0, held)
+            with self._budget.ticket() as ticket:
+                return await self._route_attempts(request, path, raw, body, asked, model, stream, t0, ticket)
         finally:
-            budget.live -= 1
-            if held[0]:
-                budget.retrying -= 1
             self._handlers.discard(task)  # type: ignore[arg-type]
 
     async def _route_attempts(self, request: web.Request, path: str, raw: bytes, body: dict, asked: str,
-                              model: RouteModel, stream: bool, t0: float, held: list[bool]) -> web.StreamResponse:
+                              model: RouteModel, stream: bool, t0: float, ticket: RetryTicket) -> web.StreamResponse:
         chain = self._chains.get(model.name, (model,))
         tried: tuple[Upstream, ...] = ()
         failure: UpstreamFailed | None = None
@@ -420,13 +415,9 @@ class Router:
                 up.failures += 1
                 deliveries += exc.reason != "connect"
                 step = next_step(exc.reason, deliveries=deliveries, attempts=len(tried), retries=self.config.retries)
-                if step == "spend" and not held[0]:
-                    if not self._budget.allows():
-                        self.metrics.retry_denied(model.name)
-                        step = "stop"
-                    else:
-                        held[0] = True
-                        self._budget.retrying += 1
+                if step == "spend" and not ticket.spend():
+                    self.metrics.retry_denied(model.name)
+                    step = "stop"
                 if step == "stop":
                     return self._refuse(self._failed(model, chain, failure, len(tried)), model.name, t0)
                 self.metrics.retry(model.name, exc.reason)

@@ -23,6 +23,38 @@ class RetryBudget:
     def allows(self) -> bool:
         return self.retrying < max(self.floor, self.ratio * self.live)
 
+    def ticket(self) -> RetryTicket:
+        """One request's share of the budget: ``with budget.ticket() as t:`` counts it live."""
+        return RetryTicket(self)
+
+
+class RetryTicket:
+    """A request while it is routed: live in its budget, holding at most one retry."""
+
+    __slots__ = ("budget", "holding")
+
+    def __init__(self, budget: RetryBudget) -> None:
+        self.budget = budget
+        self.holding = False
+
+    def __enter__(self) -> RetryTicket:
+        self.budget.live += 1
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.budget.live -= 1
+        if self.holding:
+            self.budget.retrying -= 1
+
+    def spend(self) -> bool:
+        """Whether this request may retry after reaching an engine; it holds the retry from then."""
+        if not self.holding:
+            if not self.budget.allows():
+                return False
+            self.holding = True
+            self.budget.retrying += 1
+        return True
+
 
 def next_step(reason: str, *, deliveries: int, attempts: int, retries: int) -> str:
     """After a failed attempt: "retry" (free: it never reached an engine), "spend" (retry, if the

@@ -122,3 +122,14 @@ def test_explanation_text() -> None:
         "  gpu on a100: rejected: needs 4 free GPUs of class h100, has 0 (of 4: 4 free but of class a100 or too small)",
         "  gpu on h100: fits",
     ]
+
+
+def test_unrunnable_names_the_models_no_node_could_ever_hold() -> None:
+    from llmgw.placement import unrunnable
+
+    cat = catalog(model("huge", profile(gpus=16, gpu_class=("h100",))), model("fits", profile(gpus=2)))
+    reasons = unrunnable(cat, inventory(node("h100")), ["huge", "fits"])
+    assert set(reasons) == {"huge"}
+    assert reasons["huge"].startswith("no node can run it: gpu on h100:") and "needs 16 free GPUs" in reasons["huge"]
+    # Before any node has reported, nothing is judged.
+    assert unrunnable(cat, inventory(node("h100", reported=False)), ["huge"]) == {}

@@ -102,6 +102,15 @@ def test_the_retry_budget_is_a_share_of_live_requests_with_a_floor() -> None:
     assert not quiet.allows()
 
 
+def test_a_ticket_counts_its_request_live_and_gives_its_retry_back() -> None:
+    budget = RetryBudget(ratio=0.0, floor=1)
+    with budget.ticket() as first, budget.ticket() as second:
+        assert budget.live == 2
+        assert first.spend() and first.spend()  # one request holds one retry, however often it asks
+        assert not second.spend()  # the floor of one is taken
+    assert (budget.live, budget.retrying) == (0, 0)
+
+
 def test_next_step_never_delivers_three_times_and_never_retries_a_timeout() -> None:
     assert next_step("timeout", deliveries=1, attempts=1, retries=5) == "stop"
     assert next_step("disconnect", deliveries=1, attempts=1, retries=5) == "spend"
