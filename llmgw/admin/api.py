@@ -101,16 +101,16 @@ async def explain_placement(request: web.Request) -> web.Response:
     if not name:
         return error(400, "the model query parameter is required")
     catalog = c.desired.catalog
-    if catalog is None or catalog.resolve(name) is None:
+    model = catalog.resolve(name) if catalog is not None else None
+    if catalog is None or model is None:
         return error(404, f'model "{name}" is not in the catalog')
     replicas = c.reconciler.snapshot()
     placements = [r.placement for r in replicas if r.state.live]
     e = explain(catalog, c.inventory.snapshot(), placements, name)
-    model = catalog.resolve(name)
     # Placed is not running: a node may have refused the start (its env allow-list, its
     # sandbox), and that reason is the answer to "why does it not run".
     errors = [{"replica": r.id, "state": r.state.value, "error": r.error}
-              for r in replicas if model is not None and r.model == model.name and r.error]
+              for r in replicas if r.model == model.name and r.error]
     return web.json_response({
         "errors": errors,
         "model": e.model,

@@ -9,7 +9,7 @@ import jinja2
 from aiohttp import web
 
 from llmgw.admin import api, views
-from llmgw.cli.output import confinement_label, node_problems
+from llmgw.admin.labels import confinement_label, node_problems
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),

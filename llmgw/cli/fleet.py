@@ -15,8 +15,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from llmgw.admin.labels import confinement_label, node_problems
 from llmgw.cli.client import ApiError, Client, resolve_client
-from llmgw.cli.output import confinement_label, fail, node_problems, print_json
+from llmgw.cli.output import fail, print_json
 
 Command = Callable[[argparse.Namespace, Client, Console], int]
 

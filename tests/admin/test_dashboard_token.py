@@ -17,7 +17,7 @@ import pytest
 
 from llmgw.admin import views
 from llmgw.admin.app import COOKIE
-from llmgw.cli.output import confinement_label
+from llmgw.admin.labels import confinement_label
 from tests.admin.conftest import TOKEN, Running
 
 pytestmark = pytest.mark.slow

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.admin.labels import confinement_label
 from llmgw.cli.client import ApiError, resolve_client
-from llmgw.cli.output import confinement_label
 
 SUMMARY = {
     "sync": {"state": "synced", "applied_sha": "a" * 40, "head_sha": "a" * 40, "branch": "main", "url": "repo"},

@@ -9,12 +9,33 @@ import json
 import os
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
 
+from llmgw.admin.app import build_admin_app
 from llmgw.reconciler import ReplicaState
+from llmgw.router.feed import FeedHub
 from tests.reconciler.fleet_e2e import LLMGW_YAML, Recorder, make_controller, make_repo, ready, sim_model, until
 
 pytestmark = pytest.mark.slow
+
+
+async def explain_through_the_admin_api(c, model: str) -> dict:  # noqa: ANN001 - a Controller
+    app = build_admin_app(c, token="t", webhook_secret="s", hub=FeedHub())
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession() as s, s.get(
+                f"http://127.0.0.1:{port}/api/v1/explain-placement", params={"model": model},
+                headers={"Authorization": "Bearer t"}, timeout=aiohttp.ClientTimeout(total=10)) as r:
+            assert r.status == 200
+            return await r.json()
+    finally:
+        await runner.cleanup()
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +64,9 @@ async def test_a_refused_start_names_the_variable_and_the_setting_until_the_owne
         assert any("SIM_KNOB" in e.message and "env_allow" in e.message for e in events), events
         # Refused before anything ran: the node holds no engine record at all.
         assert not list((node.state_dir / "engines").glob("*.json"))
+        # `llmgw explain chat` (the admin API it reads) names the variable and the setting.
+        explained = await explain_through_the_admin_api(c, "chat")
+        assert any("SIM_KNOB" in line and "env_allow" in line for line in explained["text"]), explained
 
         # The owner allows it in the node's own config: the next retry starts the engine.
         config = json.loads(node.config_path.read_text())
