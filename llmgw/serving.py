@@ -10,10 +10,13 @@ process is how `up` once kept an engine busy for a client that had left.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import signal
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 # A closed terminal (HUP) stops a process as INT and TERM do: `up` under a terminal that goes
 # away must not leave its engines behind.
@@ -22,7 +25,10 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # protocol: with 1,024, a burst of idle clients took every descriptor before the cap below could
 # turn one away. 128 is Linux's old somaxconn: deep enough for a burst, shallow enough for that.
 BACKLOG = 128
-# Idle keep-alive connections are closed after this: each one holds a descriptor.
+# Idle connections are closed after this: each one holds a descriptor. aiohttp starts the timer
+# when a connection opens and restarts it only after an answer, so it is also the bound on the
+# time a client has to send a complete request head (a slowloris sending a byte every few
+# seconds is cut at this many seconds, not kept forever).
 KEEPALIVE_TIMEOUT = 15.0
 
 
@@ -43,12 +49,76 @@ class _Busy(asyncio.Protocol):
         transport.close()
 
 
+_log = logging.getLogger("llmgw.serving")
+
+
+class _RateLimited:
+    """Repeats of one message let through once per ``interval`` seconds, with the count held back
+    (seen: asyncio logs every failed accept, ~300 MB in 15 s under a descriptor flood)."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self.last: dict[str, tuple[float, int]] = {}
+
+    def allow(self, key: str, now: float) -> int | None:
+        """The number of repeats held back since the last one let through, or None to hold this one."""
+        last, skipped = self.last.get(key, (-self.interval, 0))
+        if now - last < self.interval:
+            self.last[key] = (last, skipped + 1)
+            return None
+        self.last[key] = (now, 0)
+        return skipped
+
+
+_bad_requests = _RateLimited()
+
+
+class _Handler(RequestHandler):
+    """aiohttp's connection handler, with its own error answers in the OpenAI format.
+
+    aiohttp answers what its HTTP parser rejects (a garbage request line, a header over 8 KiB, a
+    bad chunk in an upload) and what a handler raised in plain text, and logs each with a
+    traceback: a client sending junk in a loop filled the log.
+    """
+
+    __slots__ = ("_openai_errors",)
+
+    def __init__(self, server: web.Server, *, openai_errors: bool, **kwargs: Any) -> None:
+        super().__init__(server, **kwargs)
+        self._openai_errors = openai_errors  # else the admin API's {"error": "..."}
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # an answer is under way: nothing to add but a close
+            raise ConnectionError("the answer was under way when the request failed")
+        if status >= 500:
+            text, code, kind = "The server failed while answering; the error is in its log.", "internal_error", \
+                "server_error"
+        else:
+            reason = (message or (str(exc) if exc else "")).strip().splitlines()
+            text = "The request is not valid HTTP/1.1" + (f": {reason[0][:200].rstrip(':')}" if reason else ".")
+            code, kind = "bad_http", "invalid_request_error"
+        key = f"{status} {type(exc).__name__}"
+        skipped = _bad_requests.allow(key, self._loop.time())
+        if skipped is not None:
+            more = f" ({skipped} more like it not logged)" if skipped else ""
+            # A traceback only for our own failures; a client's bad bytes are one line.
+            _log.warning("%s from %s: %s%s", status, getattr(request, "remote", "?"), text, more,
+                         exc_info=exc if status >= 500 else None)
+        error = {"message": text, "type": kind, "param": None, "code": code} if self._openai_errors else text
+        resp = web.Response(status=status, body=json.dumps({"error": error}).encode(), content_type="application/json")
+        resp.force_close()
+        return resp
+
+
 class _CappedSite(web.TCPSite):
     """A TCP site that accepts at most ``max_connections`` open connections at once."""
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, *, max_connections: int) -> None:
+    def __init__(self, runner: web.AppRunner, host: str, port: int, *, max_connections: int,
+                 openai_errors: bool) -> None:
         super().__init__(runner, host, port, reuse_address=True, backlog=BACKLOG)
         self.max_connections = max_connections
+        self.openai_errors = openai_errors
 
     async def start(self) -> None:
         await web.BaseSite.start(self)
@@ -56,29 +126,29 @@ class _CappedSite(web.TCPSite):
         assert server is not None
         cap = self.max_connections
 
-        def factory() -> asyncio.Protocol:
-            return _Busy() if len(server.connections) >= cap else server()
+        loop = asyncio.get_running_loop()
 
-        self._server = await asyncio.get_running_loop().create_server(
+        def factory() -> asyncio.Protocol:
+            if len(server.connections) >= cap:
+                return _Busy()
+            # What web.Server() builds, with our handler class; _kwargs are the runner's options.
+            return _Handler(server, loop=loop, openai_errors=self.openai_errors, **server._kwargs)
+
+        self._server = await loop.create_server(
             factory, self._host, self._port, backlog=self._backlog, reuse_address=True)
 
 
 class _Throttle:
-    """The event loop's exception handler, with repeats of one message logged once per interval
-    (seen: asyncio logs every failed accept, ~300 MB in 15 s under a descriptor flood)."""
+    """The event loop's exception handler, with repeats of one message logged once per interval."""
 
-    def __init__(self, interval: float = 10.0) -> None:
-        self.interval = interval
-        self.last: dict[str, tuple[float, int]] = {}
+    def __init__(self) -> None:
+        self.limit = _RateLimited()
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         key = str(context.get("message")) + type(context.get("exception")).__name__
-        now = loop.time()
-        last, skipped = self.last.get(key, (-self.interval, 0))
-        if now - last < self.interval:
-            self.last[key] = (last, skipped + 1)
+        skipped = self.limit.allow(key, loop.time())
+        if skipped is None:
             return
-        self.last[key] = (now, 0)
         if skipped:
             context = dict(context, message=f"{context.get('message')} ({skipped} more like it not logged)")
         loop.default_exception_handler(context)
@@ -98,13 +168,13 @@ def connection_cap(share: float) -> int:
 
 
 async def listen(app: web.Application, host: str, port: int, *, drain_timeout: float,
-                 max_connections: int) -> web.AppRunner:
+                 max_connections: int, openai_errors: bool = True) -> web.AppRunner:
     """Serve ``app`` on ``host:port``; ``runner.cleanup()`` stops accepting, then drains."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
                            shutdown_timeout=drain_timeout, keepalive_timeout=KEEPALIVE_TIMEOUT)
     await runner.setup()
     try:
-        await _CappedSite(runner, host, port, max_connections=max_connections).start()
+        await _CappedSite(runner, host, port, max_connections=max_connections, openai_errors=openai_errors).start()
     except BaseException:
         await runner.cleanup()
         raise

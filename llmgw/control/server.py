@@ -99,7 +99,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     try:
         admin_app = build_admin_app(controller, token=cfg.admin_token, webhook_secret=cfg.webhook_secret, hub=hub)
         runners.append(await listen(admin_app, cfg.admin_listen.host, cfg.admin_listen.port, drain_timeout=5.0,
-                                    max_connections=connection_cap(0.1)))
+                                    max_connections=connection_cap(0.1), openai_errors=False))
         await router.listen(cfg.router_listen.host, cfg.router_listen.port)
     except BaseException:
         for runner in runners:

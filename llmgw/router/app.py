@@ -317,9 +317,12 @@ class Router:
         if self._buffered + (length or 0) > self.config.buffered_limit:
             return self._refuse(self._buffers_full(), UNKNOWN, t0)
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.config.body_timeout):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._refuse(respond.too_large(limit), UNKNOWN, t0)
+        except TimeoutError:
+            return self._refuse(respond.body_timeout(self.config.body_timeout), UNKNOWN, t0)
         if self._buffered + len(raw) > self.config.buffered_limit:
             return self._refuse(self._buffers_full(), UNKNOWN, t0)
         self._buffered += len(raw)

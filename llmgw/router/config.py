@@ -9,6 +9,9 @@ from dataclasses import dataclass
 class RouterConfig:
     body_limit: int = 32 * 1024 * 1024  # bytes; larger bodies are 413 (images in chat can be big)
     buffered_limit: int = 1024 * 1024 * 1024  # bytes of bodies held by all requests in flight; beyond, 503
+    # Seconds a client has to send its whole body once the head is in: a slow upload holds a
+    # connection and a handler, and the listener's idle timeout stops counting once a head is read.
+    body_timeout: float = 30.0
     connect_timeout: float = 5.0        # seconds to open a connection to an engine
     # Seconds without a byte from the engine: before the first (headers, or a streamed first token;
     # a non-streamed answer arrives whole, so this bounds its whole generation) and between chunks.

@@ -45,6 +45,12 @@ def too_large(limit: int) -> web.Response:
                  code="request_too_large")
 
 
+def body_timeout(seconds: float) -> web.Response:
+    resp = error(408, f"The request body did not arrive within {seconds:g} s.", code="request_timeout")
+    resp.force_close()  # the rest of the body may still come; the connection cannot be reused
+    return resp
+
+
 def unavailable(message: str, retry_after: int) -> web.Response:
     return error(503, message, kind="service_unavailable", code="no_ready_replica", retry_after=retry_after)
 

@@ -24,19 +24,101 @@ paused reading because its client is slow.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl as _ssl
 from collections import deque
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from llmgw.errors import LlmgwError
 
-MAX_HEAD = 64 * 1024
+# The limits of what the router reads from an engine. Engines send a few short headers and
+# small chunk lines; anything past these is a broken or hostile engine, and without a bound one
+# could grow the router's memory without end (a size line that never ends, a 10 GB answer).
+MAX_HEAD = 64 * 1024  # one response head, and all trailers of a chunked body together
+MAX_HEADERS = 100
+MAX_CHUNK_LINE = 4096  # a chunk-size line with its extensions, or one trailer line
+MAX_CHUNK_DIGITS = 15  # hex digits of one chunk size: under 2**60 bytes
+MAX_INFORMATIONAL = 8  # 1xx heads before the real one
+MAX_WHOLE_ANSWER = 256 * 1024 * 1024  # a non-streamed answer, held whole before it is passed on
 PAUSE_ABOVE = 1024 * 1024  # buffered, unread body bytes before reading from the engine pauses
 
 _HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE, _DONE = range(5)
 _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
 _DIGITS = frozenset(b"0123456789")
 _HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: |$)")
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A response head as the body reader needs it."""
+
+    status: int
+    headers: dict[bytes, bytes]  # names lower-cased; a repeated header's values joined by ", "
+    length: int | None
+    chunked: bool
+    keep_alive: bool
+
+
+def parse_head(raw: bytes) -> Head | str:
+    """The head (without its final blank line), or what is wrong with it.
+
+    Ambiguous framing is refused, not guessed at: a repeated or comma-listed Content-Length,
+    Content-Length together with Transfer-Encoding, a transfer coding other than a lone
+    ``chunked`` (``chunked`` as a substring of another token once counted), bare LF or NUL in a
+    line, a header name with spaces. A proxy and an engine that disagree on where an answer ends
+    hand one client the start of the next client's answer.
+    """
+    lines = raw.split(b"\r\n")
+    status_line = _STATUS_LINE.match(lines[0])
+    if status_line is None:
+        return f"sent no HTTP/1.x status line: {lines[0][:40]!r}"
+    if len(lines) - 1 > MAX_HEADERS:
+        return f"sent more than {MAX_HEADERS} header lines"
+    headers: dict[bytes, bytes] = {}
+    lengths: list[bytes] = []
+    codings: list[bytes] = []
+    name = b""
+    for line in lines[1:]:
+        if b"\n" in line or b"\r" in line or b"\0" in line:
+            return "sent a header line with a bare CR, LF or NUL"
+        if line[:1] in (b" ", b"\t"):  # obs-fold: the previous header's value goes on
+            if not name:
+                return "sent a continuation line before any header"
+            value = line.strip(b" \t")
+            headers[name] = (headers[name] + b" " + value).strip()
+            if name == b"content-length":
+                lengths[-1] = (lengths[-1] + b" " + value).strip()
+            elif name == b"transfer-encoding":
+                codings.append(value)
+            continue
+        raw_name, colon, value = line.partition(b":")
+        if not colon or _TOKEN.fullmatch(raw_name) is None:
+            return f"sent a malformed header line: {line[:40]!r}"
+        name = raw_name.lower()
+        value = value.strip(b" \t")
+        headers[name] = headers[name] + b", " + value if name in headers else value
+        if name == b"content-length":
+            lengths.append(value)
+        elif name == b"transfer-encoding":
+            codings.append(value)
+    tokens = [t.strip(b" \t").lower() for v in codings for t in v.split(b",") if t.strip(b" \t")]
+    chunked = bool(codings)
+    if codings and tokens != [b"chunked"]:
+        return f"sent Transfer-Encoding {headers[b'transfer-encoding'][:40]!r}; only a lone chunked is read"
+    length = None
+    if lengths:
+        if chunked:
+            return "sent both Content-Length and Transfer-Encoding"
+        # int() would take "-1", "+5" and "1_0"; "5, 5" or two headers leave the end ambiguous
+        if len(lengths) > 1 or not lengths[0] or not _DIGITS.issuperset(lengths[0]) or len(lengths[0]) > 18:
+            return f"sent a malformed Content-Length: {headers[b'content-length'][:40]!r}"
+        length = int(lengths[0])
+    connection = {t.strip() for t in headers.get(b"connection", b"").lower().split(b",")}
+    keep_alive = status_line.group(1) == b"1" and b"close" not in connection
+    return Head(int(status_line.group(2)), headers, length, chunked, keep_alive)
 
 
 class UpstreamFailed(LlmgwError):
@@ -94,6 +176,7 @@ class Conn(asyncio.Protocol):
         self._buf = bytearray()
         self._left = 0
         self._chunk_state = _SIZE
+        self._trailers = 0
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._paused = False
@@ -138,51 +221,40 @@ class Conn(asyncio.Protocol):
 
     # --- parsing --------------------------------------------------------------------------------
     def _parse_head(self) -> None:
-        buf = self._buf
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > MAX_HEAD:
-                self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a response head over 64 KiB"))
+        for _ in range(MAX_INFORMATIONAL + 1):
+            buf = self._buf
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > MAX_HEAD:
+                    self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a response head over "
+                                                            f"{MAX_HEAD // 1024} KiB"))
+                return
+            if end > MAX_HEAD:
+                self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a response head over "
+                                                        f"{MAX_HEAD // 1024} KiB"))
+                return
+            head = parse_head(bytes(buf[:end]))
+            rest = bytes(buf[end + 4:])
+            self._buf = bytearray()
+            if isinstance(head, str):
+                self._fail(UpstreamFailed("disconnect", f"{self.origin.label} {head}"))
+                return
+            if not 100 <= head.status < 200:
+                break
+            self._buf += rest  # 100 Continue and friends: the real head follows
+        else:
+            self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent more than "
+                                                    f"{MAX_INFORMATIONAL} informational (1xx) heads"))
             return
-        lines = bytes(buf[:end]).split(b"\r\n")
-        rest = bytes(buf[end + 4:])
-        self._buf = bytearray()
-        status_line = lines[0]
-        try:
-            status = int(status_line[9:12])
-        except ValueError:
-            self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent no HTTP status line"))
-            return
-        if 100 <= status < 200:  # 100 Continue and friends: the real head follows
-            if rest:
-                self._buf += rest
-                self._parse_head()
-            return
-        headers: dict[bytes, bytes] = {}
-        name = b""
-        for line in lines[1:]:
-            if line[:1] in (b" ", b"\t") and name:  # obs-fold: the previous header's value goes on
-                headers[name] = (headers[name] + b" " + line.strip()).strip()
-                continue
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            headers[name] = value.strip()
-        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
-        length = headers.get(b"content-length")
-        if length is not None and not chunked and not (length and _DIGITS.issuperset(length)):
-            # int() would take "-1", "+5" and "1_0"; "5, 5" (a repeated header) would raise in here
-            self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a malformed Content-Length: "
-                                                    f"{length[:40]!r}"))
-            return
-        self.status, self.headers = status, headers
-        connection = {t.strip() for t in headers.get(b"connection", b"").lower().split(b",")}
-        self.keep_alive = status_line.startswith(b"HTTP/1.1") and b"close" not in connection
+        status = head.status
+        self.status, self.headers = status, head.headers
+        self.keep_alive = head.keep_alive
         if status in (204, 304):
             self._state = _DONE
-        elif chunked:
+        elif head.chunked:
             self._state = _CHUNKED
-        elif length is not None:
-            self._left = int(length)
+        elif head.length is not None:
+            self._left = head.length
             self._state = _LENGTH if self._left else _DONE
         else:
             self._state = _UNTIL_CLOSE
@@ -232,18 +304,31 @@ class Conn(asyncio.Protocol):
             else:
                 nl = buf.find(b"\r\n", pos)
                 if nl < 0:
+                    if len(buf) - pos > MAX_CHUNK_LINE:
+                        self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a chunk line over "
+                                                                f"{MAX_CHUNK_LINE} bytes"))
+                        return
                     break
+                if nl - pos > MAX_CHUNK_LINE:
+                    self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a chunk line over "
+                                                            f"{MAX_CHUNK_LINE} bytes"))
+                    return
                 line = bytes(buf[pos:nl])
                 pos = nl + 2
                 if cs == _TRAILER:
                     if not line:
                         self._state = _DONE
                         break
+                    self._trailers += len(line) + 2
+                    if self._trailers > MAX_HEAD:
+                        self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent trailers over "
+                                                                f"{MAX_HEAD // 1024} KiB"))
+                        return
                     continue
                 digits = line.split(b";", 1)[0].strip(b" \t")
                 # int(, 16) also takes "-5", "+5" and "5_0"; a negative size walked the parser
                 # backwards over the same line forever, freezing the event loop.
-                if not digits or not _HEX_DIGITS.issuperset(digits):
+                if not digits or not _HEX_DIGITS.issuperset(digits) or len(digits) > MAX_CHUNK_DIGITS:
                     self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a malformed chunk"))
                     return
                 size = int(digits, 16)
@@ -333,9 +418,16 @@ class Conn(asyncio.Protocol):
                 return b""
             await self._wait()
 
-    async def read_all(self) -> bytes:
+    async def read_all(self, limit: int = MAX_WHOLE_ANSWER) -> bytes:
+        """The whole body, or :class:`UpstreamFailed` once it passes ``limit`` bytes."""
         parts = []
+        size = 0
         while chunk := await self.read_chunk():
+            size += len(chunk)
+            if size > limit:
+                self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent an answer over "
+                                                        f"{limit // (1024 * 1024)} MiB; it is not buffered"))
+                raise self._error  # type: ignore[misc]
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 

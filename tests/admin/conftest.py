@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 from llmgw.admin.app import build_admin_app
 from llmgw.control import Controller
 from llmgw.router.feed import FeedHub
+from llmgw.serving import listen
 from tests.conftest import git
 from tests.fixtures.sshd_fleet import SshdFleet
 from tests.reconciler.fleet_e2e import CatalogRepo, Recorder, make_controller, make_repo, ready, sim_model
@@ -79,10 +79,8 @@ def running(sshd_fleet, tmp_path_factory) -> Iterator[Running]:
         c = make_controller(repo, tmp / "data", fleet, Recorder())
         await c.start()
         app = build_admin_app(c, token=TOKEN, webhook_secret=SECRET, hub=FeedHub())
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        # The admin listener's own wiring, as `llmgw controller` serves it.
+        runner = await listen(app, "127.0.0.1", 0, drain_timeout=5.0, max_connections=256, openai_errors=False)
         state.update(controller=c, runner=runner, url=f"http://127.0.0.1:{runner.addresses[0][1]}")
         started.set()
 

@@ -18,10 +18,7 @@ def raw_request(url: str, request: bytes) -> bytes:
     with socket.create_connection((parts.hostname, parts.port), timeout=5) as sock:
         sock.sendall(request)
         data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
+        while chunk := sock.recv(65536):  # every request here ends with the connection closed
             data += chunk
     return data
 
@@ -40,3 +37,11 @@ def test_a_webhook_signature_with_non_ascii_bytes_is_401(running: Running, heade
                          + b"\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n"
                          + body)
     assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+
+
+def test_bytes_the_http_parser_rejects_get_the_admin_apis_json_error(running: Running) -> None:
+    answer = raw_request(running.url, b"GET /api/v1/summary HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000
+                         + b"\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head[9:12] == b"400" and b"application/json" in head, answer[:300]
+    assert b'"error": "The request is not valid HTTP/1.1' in body

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import time
+
 import aiohttp
 import pytest
 
+import llmgw.serving as serving_module
 from llmgw.engines.testing import SimProcess
 from tests.router.conftest import serving
 from tests.router.test_serving import make_router
@@ -42,3 +48,102 @@ async def test_unknown_paths_and_wrong_methods_answer_in_the_openai_format(chat_
         ok = b'{"model": "chat", "stream": false, "messages": [{"role": "user", "content": "hi"}]}'
         status, body = await post(base, "/v1/chat/completions", ok)
         assert status == 200 and body["choices"][0]["message"]["content"]
+
+
+async def raw_exchange(base: str, data: bytes, *, wait: float = 5.0) -> bytes:
+    """``data`` sent on a fresh socket; everything the router answered before closing it."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    await writer.drain()
+    try:
+        async with asyncio.timeout(wait):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(("data", "status"), [
+    (b"GARBAGE\x00\x01 / HTTP/1.1\r\n\r\n", 400),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n", 400),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello", 400),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+])
+async def test_what_the_http_parser_rejects_is_answered_in_the_openai_format(
+        chat_sim: SimProcess, data: bytes, status: int, caplog: pytest.LogCaptureFixture) -> None:
+    async with serving(make_router(chat_sim)) as base:
+        answer = await raw_exchange(base, data)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.") and head[9:12] == b"%d" % status, answer[:200]
+        assert b"application/json" in head.lower()
+        error = json.loads(body)["error"]
+        assert error["code"] == "bad_http" and error["message"].startswith("The request is not valid HTTP/1.1")
+        # The router still serves after it.
+        ok = b'{"model": "chat", "stream": false, "messages": [{"role": "user", "content": "hi"}]}'
+        assert (await post(base, "/v1/chat/completions", ok))[0] == 200
+    assert "Traceback" not in caplog.text
+
+
+async def test_junk_in_a_loop_is_logged_once_not_per_request(chat_sim: SimProcess,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    serving_module._bad_requests.last.clear()  # the limit is per process: earlier tests used it up
+    async with serving(make_router(chat_sim)) as base:
+        for _ in range(50):
+            await raw_exchange(base, b"\x16\x03\x01 TLS hello to a plain port\r\n\r\n")
+    lines = [r for r in caplog.records if "not valid HTTP" in r.getMessage()]
+    assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
+
+
+@pytest.mark.timeout(20)
+async def test_a_client_trickling_its_head_is_cut_off(chat_sim: SimProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serving_module, "KEEPALIVE_TIMEOUT", 1.0)
+    async with serving(make_router(chat_sim)) as base:
+        host, port = base.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        t0 = time.monotonic()
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+        closed_after = None
+        for byte in head:  # one byte every 0.1 s: 20 s for the whole head if nobody cut it
+            try:
+                writer.write(bytes([byte]))
+                await writer.drain()
+            except ConnectionError:
+                closed_after = time.monotonic() - t0
+                break
+            if reader.at_eof() or (await _readable(reader)):
+                closed_after = time.monotonic() - t0
+                break
+            await asyncio.sleep(0.1)
+        writer.close()
+    assert closed_after is not None and closed_after < 5, closed_after
+
+
+async def _readable(reader: asyncio.StreamReader) -> bool:
+    try:
+        async with asyncio.timeout(0.01):
+            await reader.read(1)
+        return True  # EOF (b"") or bytes: either way the router is done with this connection
+    except TimeoutError:
+        return False
+
+
+async def test_a_body_that_does_not_arrive_in_time_is_408(chat_sim: SimProcess) -> None:
+    router = make_router(chat_sim, body_timeout=1.0)
+    async with serving(router) as base:
+        host, port = base.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        await writer.drain()
+        t0 = time.monotonic()
+        async with asyncio.timeout(5):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            body = await reader.readexactly(length)
+        writer.close()
+        assert time.monotonic() - t0 < 3
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert b"connection: close" in head.lower()
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert router._buffered == 0

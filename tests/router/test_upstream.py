@@ -302,16 +302,63 @@ async def test_a_chunk_size_that_is_not_hex_digits_fails_cleanly(size: bytes) ->
         await p.close()
 
 
-@pytest.mark.parametrize("length", [b"abc", b"-1", b"5, 5"])
-async def test_a_malformed_content_length_fails_cleanly(length: bytes) -> None:
+OK = b"HTTP/1.1 200 OK\r\n"
+
+
+@pytest.mark.timeout(5)
+@pytest.mark.parametrize(("answer", "error"), [
+    (OK + b"Content-Length: abc\r\n\r\nhello", "malformed Content-Length"),
+    (OK + b"Content-Length: -1\r\n\r\nhello", "malformed Content-Length"),
+    (OK + b"Content-Length: 5, 5\r\n\r\nhello", "malformed Content-Length"),
+    (OK + b"Content-Length: 5\r\nContent-Length: 3\r\n\r\nhello", "malformed Content-Length"),
+    (OK + b"Content-Length: 5\r\nContent-Length: 5\r\n\r\nhello", "malformed Content-Length"),
+    (OK + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+     "both Content-Length and Transfer-Encoding"),
+    (OK + b"Transfer-Encoding: notchunked\r\n\r\nhello", "only a lone chunked"),
+    (OK + b"Transfer-Encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", "only a lone chunked"),
+    (OK + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "only a lone chunked"),
+    (OK + b"Content-Length : 5\r\n\r\nhello", "malformed header line"),
+    (OK + b"no colon here\r\n\r\n", "malformed header line"),
+    (OK + b"X-A: 1\nContent-Length: 5\r\n\r\nhello", "bare CR, LF or NUL"),
+    (b"HTTP/1.1 20 OK\r\nContent-Length: 0\r\n\r\n", "no HTTP/1.x status line"),
+    (b"ICY 200 OK\r\n\r\n", "no HTTP/1.x status line"),
+    (OK + b"".join(b"X-%d: v\r\n" % i for i in range(101)) + b"\r\n", "more than 100 header lines"),
+    (OK + b"X-Big: " + b"v" * 70_000 + b"\r\n\r\n", "head over 64 KiB"),
+    (b"HTTP/1.1 100 Continue\r\n\r\n" * 9 + OK + b"Content-Length: 0\r\n\r\n", "informational"),
+    (OK + b"Transfer-Encoding: chunked\r\n\r\n" + b"5;" + b"x" * 5000, "chunk line over 4096 bytes"),
+    (OK + b"Transfer-Encoding: chunked\r\n\r\n" + b"f" * 16 + b"\r\nhello", "malformed chunk"),
+    (OK + b"Transfer-Encoding: chunked\r\n\r\n0\r\n" + b"X-T: v\r\n" * 10_000, "trailers over 64 KiB"),
+])
+async def test_ambiguous_or_oversized_framing_fails_cleanly(answer: bytes, error: str) -> None:
     async def reply(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
-        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %s\r\n\r\nhello" % length)
+        w.write(answer)
+        await w.drain()
+        await asyncio.sleep(0.5)  # keep the connection open: the parser, not the close, must decide
 
     async with scripted(reply) as (_, origin):
-        p = pool(read_timeout=1.0)
-        with pytest.raises(UpstreamFailed, match="Content-Length") as err:
+        p = pool(read_timeout=3.0)
+        with pytest.raises(UpstreamFailed, match=error) as err:
             await send(p, origin)
         assert err.value.reason == "disconnect"
+        assert origin.idle == []  # never reused
+        await p.close()
+
+
+@pytest.mark.timeout(10)
+async def test_a_whole_answer_over_the_limit_is_refused_not_buffered() -> None:
+    async def reply(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+        w.write(OK + b"Content-Length: 3000000\r\n\r\n")
+        for _ in range(30):
+            w.write(b"x" * 100_000)
+            await w.drain()
+
+    async with scripted(reply) as (_, origin):
+        p = pool(read_timeout=3.0)
+        conn = await p.request(origin, origin.head("/v1/embeddings"), b"{}")
+        with pytest.raises(UpstreamFailed, match="answer over 1 MiB"):
+            await conn.read_all(limit=1024 * 1024)
+        conn.release()
+        assert origin.idle == []
         await p.close()
 
 
