@@ -193,8 +193,8 @@ def test_llama_cpp_replica_through_fetch_start_probe_router_removal_and_collecti
             model="smollm2", messages=[{"role": "user", "content": "Tell a short story about a boat."}],
             max_tokens=48, stream=True)
         for chunk in stream:
-            if not reader.is_alive() and not chunks:
-                reader.start()
+            if reader.ident is None:  # once, at the first chunk (not "while no content yet": the
+                reader.start()        # reader may finish before a chunk with content arrives)
             if chunk.choices and chunk.choices[0].delta.content:
                 chunks.append(chunk.choices[0].delta.content)
         reader.join(10)
