@@ -63,6 +63,9 @@ class SimConfig:
     max_tokens_default: int = 16
     max_running: int = 0  # 0 = no limit: nothing ever waits
     embedding_dim: int = 64
+    # A file that gets the `user` field of each accepted generation request, one per line: how a
+    # benchmark counts how many times one client request reached an engine (bench/soak_bench.py).
+    request_log: str | None = None
 
 
 class Rejected(Exception):
@@ -109,6 +112,7 @@ class Simulator:
         self.interval = 1.0 / config.tokens_per_second if config.tokens_per_second > 0 else 0.0
         self._slots = asyncio.Semaphore(config.max_running) if config.max_running > 0 else None
         self._ids = itertools.count(1)
+        self._log = open(config.request_log, "a", buffering=1) if config.request_log else None  # noqa: SIM115
         self._models_body = json.dumps({"object": "list", "data": [
             {"id": n, "object": "model", "created": int(time.time()), "owned_by": "llmgw-sim"}
             for n in (config.model, *config.aliases)]}).encode()
@@ -224,6 +228,8 @@ class Simulator:
         finish = "length" if requested is not None else "stop"
         words = prompt_words(seed, count)
         self.requests_total += 1
+        if self._log is not None:
+            self._log.write(f"{str(body.get('user', '')).replace(chr(10), ' ')}\n")
         resp: web.StreamResponse | None = None
         try:
             if self._slots is not None:
@@ -365,6 +371,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str, int]:
     p.add_argument("--max-tokens-default", type=int, default=16, help="tokens when a request sets no max_tokens")
     p.add_argument("--max-running", type=int, default=0, help="concurrent generations; beyond it requests wait")
     p.add_argument("--embedding-dim", type=int, default=64)
+    p.add_argument("--request-log", default=None, help="append each generation request's `user` field here")
     # Accepted so sharded profiles can be exercised without GPUs; every rank serves on its own.
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
@@ -374,7 +381,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str, int]:
     config = SimConfig(model=a.model, aliases=tuple(a.alias), task=task, startup_delay=a.startup_delay,
                        ttft=a.ttft, tokens_per_second=a.tokens_per_second,
                        max_tokens_default=a.max_tokens_default, max_running=a.max_running,
-                       embedding_dim=a.embedding_dim)
+                       embedding_dim=a.embedding_dim, request_log=a.request_log)
     return config, a.host, a.port
 
 
