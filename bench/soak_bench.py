@@ -384,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         print(log.read_text()[-3000:], file=sys.stderr)
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"requests {tally.sent} in {soak_seconds:.1f} s: {tally.complete} complete, {tally.errors} errors answered, "
-          f"{tally.left} left by their client, {tally.lost} lost (one engine killed half way: {tally.killed}); {delivered} reached an engine, most deliveries "
+          f"{tally.left} left by their client, {tally.lost} lost (engines killed half way: {tally.killed}); "
+          f"{delivered} reached an engine, most deliveries "
           f"of one request: {per_engine} per engine, {per_request} in all", file=sys.stderr)
     print(f"router RSS {rss_before / 1024:.1f} MiB before, {rss_after / 1024:.1f} MiB after ({growth:+.1%}); "
           f"admin p50 {statistics.median(tally.admin_ms) if tally.admin_ms else float('nan'):.1f} ms, "
@@ -399,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         "rss_growth": round(growth, 4),
         "admin_p50_ms": round(statistics.median(tally.admin_ms), 2) if tally.admin_ms else None,
         "admin_p99_ms": round(admin_p99, 2), "admin_failures": tally.admin_failures,
-        "idle_connections": tally.idle_open, "engines_killed": tally.killed, "log_bytes": log_bytes, "fd_limit": FD_LIMIT,
+        "idle_connections": tally.idle_open, "engines_killed": tally.killed, "log_bytes": log_bytes,
+        "fd_limit": FD_LIMIT,
         "clean_exit": proc.returncode == 0,
         "goal": "0 lost; <=1 delivery per engine, <=2 per request; RSS within 10%; admin p99 < 1 s, no failures",
         "met": met,
