@@ -8,6 +8,7 @@ toward the nodes), so the router can run in another process and nothing here cha
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -21,6 +22,7 @@ from llmgw.gitops.desired import RECONCILER
 from llmgw.gitops.repo import normalise_url
 from llmgw.gitops.writer import CommitWriter
 from llmgw.inventory.live import LiveInventory
+from llmgw.plan.guard import PruneVerdict, judge_prune
 from llmgw.reconciler import EndpointSink, Reconciler, UsageSource
 
 log = logging.getLogger(__name__)
@@ -52,13 +54,17 @@ class Controller:
         watch = Path(url) if config.watch and Path(url).exists() else None
         self.follower = GitOpsFollower(
             GitMirror(url, config.branch, data / "mirror.git", subdir=config.subdir), self.desired, self.store,
-            interval=config.fetch_interval, ready_replicas=self.reconciler.ready_counts, watch_path=watch,
+            interval=config.fetch_interval, judge=self._judge_prune, watch_path=watch,
             registry=self.registry,
         )
         self.writer = CommitWriter(url, config.branch, data / "writer", subdir=config.subdir)
         from llmgw.admin.fleet_metrics import FleetCollector
 
         self.registry.register(FleetCollector(self))
+
+    def _judge_prune(self, old: Catalog | None, new: Catalog) -> PruneVerdict:
+        """The guard on the live fleet: the ready replicas ``new`` would stop, by decide()."""
+        return judge_prune(old, new, self.inventory.snapshot(), tuple(self.reconciler.snapshot()), now=time.time())
 
     async def start(self) -> None:
         self.store.open()

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -21,14 +21,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from llmgw.catalog import Catalog, validate_files
 from llmgw.errors import GitError, LlmgwError
 from llmgw.gitops.desired import DesiredState
-from llmgw.gitops.prune import allows_prune, judge_prune
 from llmgw.gitops.repo import CommitInfo, GitMirror
 from llmgw.gitops.status import PendingPrune, Rejection, SyncState, SyncStatus
 from llmgw.gitops.store import Store
+from llmgw.inventory import Inventory
+from llmgw.plan.guard import PruneVerdict, allows_prune, judge_prune
 
 log = logging.getLogger(__name__)
 
-ReadyCounts = Callable[[], Mapping[str, int]]
+# The prune guard's judgement of applied → new against the live fleet (the controller's).
+Judge = Callable[[Catalog | None, Catalog], PruneVerdict]
+
+
+def judge_without_a_fleet(old: Catalog | None, new: Catalog) -> PruneVerdict:
+    """The guard with no replicas to count: only the share of models removed can hold a commit."""
+    return judge_prune(old, new, Inventory(), (), now=0.0)
 
 
 class GitOpsMetrics:
@@ -54,7 +61,7 @@ class GitOpsFollower:
         store: Store,
         *,
         interval: float = 15.0,
-        ready_replicas: ReadyCounts = dict,
+        judge: Judge = judge_without_a_fleet,
         watch_path: Path | None = None,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.time,
@@ -63,7 +70,7 @@ class GitOpsFollower:
         self.desired = desired
         self.store = store
         self.interval = interval
-        self.ready_replicas = ready_replicas
+        self.judge = judge
         self.watch_path = watch_path
         self.clock = clock
         self.metrics = GitOpsMetrics(registry or CollectorRegistry())
@@ -186,7 +193,7 @@ class GitOpsFollower:
         if result.catalog is None:
             self._reject(info, result.problems)
             return
-        verdict = judge_prune(self.desired.catalog, result.catalog, self.ready_replicas())
+        verdict = self.judge(self.desired.catalog, result.catalog)
         if verdict.held and not allows_prune(info.message):
             pending = PendingPrune(sha, info.author, info.subject, verdict.reasons)
             self.store.put("pending", pending.to_json())

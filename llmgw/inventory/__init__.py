@@ -9,6 +9,7 @@ from llmgw.inventory.model import (
     NodeReport,
     NodeState,
     WeightEntry,
+    follow_nodes,
     parse_engine,
     parse_report,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "NodeReport",
     "NodeState",
     "WeightEntry",
+    "follow_nodes",
     "parse_engine",
     "parse_report",
 ]

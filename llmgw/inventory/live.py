@@ -18,7 +18,7 @@ from llmgw.catalog import NodeSpec
 from llmgw.dispatch.base import Dispatcher
 from llmgw.errors import DispatchError
 from llmgw.gitops.store import Store
-from llmgw.inventory.model import Inventory, Node, NodeState, parse_report
+from llmgw.inventory.model import Inventory, Node, NodeState, follow_nodes, parse_report
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,7 @@ class LiveInventory:
     # --- the fleet's shape ----------------------------------------------------------
     def set_nodes(self, specs: Iterable[NodeSpec]) -> None:
         """Follow nodes.yaml: keep what is known of nodes that stay, forget nodes that left."""
-        fresh: dict[str, Node] = {}
-        for spec in specs:
-            old = self._nodes.get(spec.id)
-            fresh[spec.id] = replace(old, spec=spec) if old else Node(spec=spec)
-        self._nodes = fresh
+        self._nodes = follow_nodes(self._nodes, specs)
 
     def operator_state(self, node_id: str) -> NodeState:
         states = self.store.get("node_states", {})

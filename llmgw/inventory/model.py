@@ -8,8 +8,8 @@ round-trips through JSON so CI without access to the fleet can plan against an e
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -153,6 +153,16 @@ class Inventory:
             node = _node_from_json(raw)
             nodes[node.id] = node
         return cls(nodes, data.get("taken_at"))
+
+
+def follow_nodes(nodes: Mapping[str, Node], specs: Iterable[NodeSpec]) -> dict[str, Node]:
+    """The nodes of ``specs`` (nodes.yaml): what is known of a node that stays is kept under its
+    new spec, a node that left is forgotten, a new one is known by its spec alone."""
+    fresh: dict[str, Node] = {}
+    for spec in specs:
+        old = nodes.get(spec.id)
+        fresh[spec.id] = replace(old, spec=spec) if old else Node(spec=spec)
+    return fresh
 
 
 def _node_json(n: Node) -> dict[str, Any]:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmgw.catalog import Catalog
-from llmgw.gitops.prune import PruneVerdict, judge_prune
-from llmgw.inventory import Inventory
+from llmgw.inventory import Inventory, follow_nodes
 from llmgw.placement import Rejection
+from llmgw.plan.guard import PruneVerdict, judge_prune
 from llmgw.reconciler.decide import decide
 from llmgw.reconciler.replica import Replica, ReplicaState
 
@@ -91,12 +91,15 @@ def _live(replicas: Sequence[Replica]) -> list[Replica]:
 def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now: float) -> Plan:
     """Steps, unplaceable models, fetches, orphans and per-node use for ``base`` → ``head``."""
     replicas = list(fleet.replicas)
-    inv = fleet.inventory
+    # The fleet as each catalog's nodes.yaml has it: a node the head removes is gone, and its
+    # replicas with it (a plan against the live node list once showed `nodes: []` stopping nothing).
+    inv = Inventory(follow_nodes(fleet.inventory.nodes, head.nodes), fleet.inventory.taken_at)
     # Nothing looks idle in a plan: idleness is the tick's business, not the change's.
     busy = {r.id: now for r in replicas}
     d = decide(head, inv, replicas, last_used=busy, demand={}, now=now, with_reasons=True)
     # What could not be placed before the change is not the change's doing: shown apart.
-    before = decide(base, inv, replicas, last_used=busy, demand={}, now=now).unplaced if base else {}
+    before = decide(base, Inventory(follow_nodes(fleet.inventory.nodes, base.nodes)), replicas, last_used=busy,
+                    demand={}, now=now).unplaced if base else {}
     still = {m: n for m, n in d.unplaced.items() if before.get(m, 0) >= n}
     new_unplaced = {m: n for m, n in d.unplaced.items() if m not in still}
     by_id = {r.id: r for r in replicas}
@@ -108,7 +111,7 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
             steps.append(Step("replace", new.placement.model, new.placement.profile, where, new.reason, new.replaces))
         else:
             steps.append(Step("start", new.placement.model, new.placement.profile, where, new.reason))
-    for rid, why in d.stop:
+    for rid, why in (*d.lost, *d.stop):
         r = by_id[rid]
         if rid in replaced:
             continue
@@ -133,9 +136,10 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
                 orphans.append((node.id, w.name, round(w.bytes / GB, 2)))
 
     # GPU and disk use per node, before and after.
-    stopping = {rid for rid, _ in d.stop} | replaced
+    stopping = {rid for rid, _ in (*d.stop, *d.lost)} | replaced
     use = []
-    for node in sorted(inv.nodes.values(), key=lambda n: n.id):
+    # Nodes the head removes are shown too: their GPUs going to nothing is the change's doing.
+    for node in sorted({**inv.nodes, **fleet.inventory.nodes}.values(), key=lambda n: n.id):
         before = sum(len(s.gpus) for r in _live(replicas) for s in r.placement.shards if s.node == node.id)
         gone = sum(len(s.gpus) for rid in stopping if rid in by_id for s in by_id[rid].placement.shards
                    if s.node == node.id)
@@ -153,7 +157,7 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
     without = []
     for model in head.models:
         ready_left = [r for r in replicas if r.model == model.name and r.state == ReplicaState.READY
-                      and r.id not in {rid for rid, _ in d.stop}]
+                      and r.id not in {rid for rid, _ in (*d.stop, *d.lost)}]
         if ready_left:
             continue
         if model.name in new_unplaced:
@@ -162,11 +166,7 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
             without.append((model.name, "until its new replica is ready"))
         elif model.scaling.min == 0:
             continue  # scaled to zero by design; woken by the first request
-    ready = {}
-    for r in replicas:
-        if r.state == ReplicaState.READY:
-            ready[r.model] = ready.get(r.model, 0) + 1
-    prune = judge_prune(base, head, ready) if base is not None else None
+    prune = judge_prune(base, head, fleet.inventory, fleet.replicas, now=now) if base is not None else None
     return Plan(
         steps=tuple(steps),
         unplaceable={m: tuple(x for x in d.rejections if x.model == m) for m in new_unplaced},

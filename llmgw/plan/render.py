@@ -47,11 +47,19 @@ def _plan_summary(report: DiffReport) -> str:
     return "Plan: " + ", ".join(parts) + "."
 
 
+NO_CANDIDATE = "no node in nodes.yaml to try"
+
+
 def prune_line(plan: Plan | None) -> str | None:
-    if plan is None or plan.prune is None or not plan.prune.held:
+    """The guard's verdict when the commit stops a ready replica (or removes a model), else None."""
+    v = plan.prune if plan is not None else None
+    if v is None or not (v.held or v.replicas_stopped or v.models_removed):
         return None
-    return ("Prune guard: this commit would be held for confirmation (" + "; ".join(plan.prune.reasons)
-            + "); add the trailer `Llmgw-Allow-Prune: yes` or run `llmgw sync --allow-prune` after it lands.")
+    if v.held:
+        return ("Prune guard: this commit would be held for confirmation (" + "; ".join(v.reasons)
+                + "); add the trailer `Llmgw-Allow-Prune: yes` or run `llmgw sync --allow-prune` after it lands.")
+    return (f"Prune guard: passes (stops {v.replicas_stopped} of {v.replicas_ready} ready replicas, "
+            f"removes {len(v.models_removed)} model(s): within the limits).")
 
 
 # --- text --------------------------------------------------------------------------------
@@ -84,6 +92,8 @@ def render_text(r: DiffReport) -> str:
             out.append(f"  ! cannot place {model} ({n} replica{'s' * (n != 1)}):")
             for x in p.unplaceable.get(model, ()):
                 out.append(f"      {x.profile} on {x.node}: {x.reason}")
+            if not p.unplaceable.get(model):
+                out.append(f"      {NO_CANDIDATE}")
         if p.still_unplaced:
             names = ", ".join(f"{m} ({n})" for m, n in sorted(p.still_unplaced.items()))
             out.append(f"  (still cannot be placed, as before this change: {names}; see `llmgw explain`)")
@@ -145,7 +155,8 @@ def render_markdown(r: DiffReport) -> str:
         for model, n in sorted(p.unplaced_counts.items()):
             out.append(f"<details><summary>:x: cannot place <b>{_md(model)}</b> ({n})</summary>")
             out.append("")
-            out += [f"- {_md(x.profile)} on {_md(x.node)}: {_md(x.reason)}" for x in p.unplaceable.get(model, ())]
+            out += [f"- {_md(x.profile)} on {_md(x.node)}: {_md(x.reason)}" for x in p.unplaceable.get(model, ())] \
+                or [f"- {NO_CANDIDATE}"]
             out += ["", "</details>", ""]
         if p.still_unplaced:
             names = ", ".join(f"{_md(m)} ({n})" for m, n in sorted(p.still_unplaced.items()))
@@ -197,6 +208,9 @@ def render_json(r: DiffReport) -> dict[str, Any]:
             "node_use": [u.__dict__ for u in p.node_use],
             "without_ready": [{"model": m, "why": w} for m, w in p.without_ready],
             "still_unplaced": dict(sorted(p.still_unplaced.items())),
-            "prune_guard": None if p.prune is None else {"held": p.prune.held, "reasons": list(p.prune.reasons)},
+            "prune_guard": None if p.prune is None else {
+                "held": p.prune.held, "reasons": list(p.prune.reasons),
+                "replicas_stopped": p.prune.replicas_stopped, "replicas_ready": p.prune.replicas_ready,
+                "causes": [{"replica": rid, "cause": why} for rid, why in p.prune.causes]},
         },
     }

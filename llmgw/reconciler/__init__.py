@@ -1,10 +1,28 @@
-"""The reconciler: makes the fleet match the desired state, tick by tick (DESIGN §5)."""
+"""The reconciler: makes the fleet match the desired state, tick by tick (DESIGN §5).
 
-from llmgw.reconciler.decide import Decisions, Demand, decide
-from llmgw.reconciler.reconciler import EndpointSink, Reconciler, ReconcilerConfig, UsageSource
-from llmgw.reconciler.replica import Endpoint, Replica, ReplicaState
+    decide, Decisions, Demand     the pure decision of one tick (what `llmgw diff` also runs)
+    Replica, ReplicaState         the replica records
+    Reconciler, ReconcilerConfig  the loop that applies decisions through the dispatcher
+"""
 
-__all__ = [
-    "Decisions", "Demand", "Endpoint", "EndpointSink", "Reconciler", "ReconcilerConfig", "Replica",
-    "ReplicaState", "UsageSource", "decide",
-]
+from typing import Any
+
+# Resolved on first use: the pure decision (and the prune guard and plan built on it) must not
+# load the reconciler's I/O (aiohttp, the dispatcher, the store) just by being imported.
+_EXPORTS = {
+    "Decisions": "llmgw.reconciler.decide", "Demand": "llmgw.reconciler.decide", "decide": "llmgw.reconciler.decide",
+    "Endpoint": "llmgw.reconciler.replica", "Replica": "llmgw.reconciler.replica",
+    "ReplicaState": "llmgw.reconciler.replica", "EndpointSink": "llmgw.reconciler.reconciler",
+    "Reconciler": "llmgw.reconciler.reconciler", "ReconcilerConfig": "llmgw.reconciler.reconciler",
+    "UsageSource": "llmgw.reconciler.reconciler",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'llmgw.reconciler' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

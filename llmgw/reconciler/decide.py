@@ -96,7 +96,9 @@ def decide(
             continue
         gone = [n for n in r.nodes if _node_lost(inventory, n, now, settings.unreachable_grace)]
         if gone:
-            lost.append((r.id, f"node {', '.join(gone)} unreachable past the grace period"))
+            left = [n for n in gone if inventory.node(n) is None]
+            lost.append((r.id, f"node {', '.join(left)} left nodes.yaml" if left
+                         else f"node {', '.join(gone)} unreachable past the grace period"))
             continue
         profile = model.profile(r.profile)
         if profile is None or fingerprint(model, profile) != r.fingerprint:

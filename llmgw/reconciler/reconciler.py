@@ -300,14 +300,6 @@ class Reconciler:
             self._unrunnable = reasons
             self.sink.set_unrunnable(reasons)
 
-    def ready_counts(self) -> dict[str, int]:
-        """Ready replicas per model, for the prune guard."""
-        out: dict[str, int] = {}
-        for r in self.replicas.values():
-            if r.state == ReplicaState.READY:
-                out[r.model] = out.get(r.model, 0) + 1
-        return out
-
     async def stop_all(self) -> None:
         """Stop every replica's engines now (for `llmgw up`, whose engines end with it)."""
         assert self.lifecycle is not None

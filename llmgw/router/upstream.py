@@ -27,7 +27,7 @@ import asyncio
 import re
 import ssl as _ssl
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from llmgw.errors import LlmgwError
@@ -51,9 +51,8 @@ _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: |$)")
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
-@dataclass(frozen=True, slots=True)
-class Head:
-    """A response head as the body reader needs it."""
+class Head(NamedTuple):
+    """A response head as the body reader needs it (a tuple: built once per answer, on the hot path)."""
 
     status: int
     headers: dict[bytes, bytes]  # names lower-cased; a repeated header's values joined by ", "
@@ -71,6 +70,9 @@ def parse_head(raw: bytes) -> Head | str:
     line, a header name with spaces. A proxy and an engine that disagree on where an answer ends
     hand one client the start of the next client's answer.
     """
+    crlf = raw.count(b"\r\n")
+    if raw.count(b"\n") != crlf or raw.count(b"\r") != crlf or b"\0" in raw:
+        return "sent a header line with a bare CR, LF or NUL"
     lines = raw.split(b"\r\n")
     status_line = _STATUS_LINE.match(lines[0])
     if status_line is None:
@@ -82,8 +84,6 @@ def parse_head(raw: bytes) -> Head | str:
     codings: list[bytes] = []
     name = b""
     for line in lines[1:]:
-        if b"\n" in line or b"\r" in line or b"\0" in line:
-            return "sent a header line with a bare CR, LF or NUL"
         if line[:1] in (b" ", b"\t"):  # obs-fold: the previous header's value goes on
             if not name:
                 return "sent a continuation line before any header"
@@ -116,8 +116,9 @@ def parse_head(raw: bytes) -> Head | str:
         if len(lengths) > 1 or not lengths[0] or not _DIGITS.issuperset(lengths[0]) or len(lengths[0]) > 18:
             return f"sent a malformed Content-Length: {headers[b'content-length'][:40]!r}"
         length = int(lengths[0])
-    connection = {t.strip() for t in headers.get(b"connection", b"").lower().split(b",")}
-    keep_alive = status_line.group(1) == b"1" and b"close" not in connection
+    connection = headers.get(b"connection")
+    keep_alive = status_line.group(1) == b"1" and not (
+        connection and b"close" in {t.strip() for t in connection.lower().split(b",")})
     return Head(int(status_line.group(2)), headers, length, chunked, keep_alive)
 
 

@@ -42,6 +42,8 @@ SCENARIOS = [
     Scenario("orphans", {"models/embed.yaml": None}, "Remove embed"),
     Scenario("prune-guard", {"models/chat.yaml": None, "models/embed.yaml": None, "models/old.yaml": None},
              "Remove every model"),
+    # Every node gone from nodes.yaml: every replica stops, so the guard holds it (seen: applied).
+    Scenario("empty-nodes", {"nodes.yaml": "nodes: []\n"}, "Empty nodes.yaml"),
     Scenario("no-change", {}, "Nothing", exit_code=0),
     Scenario("uncommitted", {"models/chat.yaml": CHAT.replace("max: 2", "max: 3")}, commit=False),
 ]

@@ -13,10 +13,11 @@ from pathlib import Path
 import openai
 import pytest
 
+from llmgw.gitops.status import SyncState
 from llmgw.inventory import NodeState
 from llmgw.reconciler import Demand
 from tests.dispatch.helpers import pid_alive
-from tests.reconciler.fleet_e2e import Recorder, make_controller, make_repo, ready, sim_model, until
+from tests.reconciler.fleet_e2e import Recorder, make_controller, make_repo, nodes_yaml, ready, sim_model, until
 
 pytestmark = pytest.mark.slow
 
@@ -156,6 +157,36 @@ async def test_node_loss_moves_replicas_and_stale_engines_stop_on_return(fleet, 
         fleet.restart(fleet[0])
         await until(lambda: not any(pid_alive(p) for p in stale_pids), timeout=40, what="stale engines stopped")
         assert "stale-engine-stopped" in [e.kind for e in c.store.events()]
+        await stop_all(c, repo)
+    finally:
+        await c.close()
+
+
+async def test_a_commit_emptying_nodes_yaml_is_held_and_serving_goes_on(fleet, tmp_path, weights) -> None:
+    repo = make_repo(tmp_path, fleet, {"chat": sim_model("chat", weights, min_=2)})
+    c = make_controller(repo, tmp_path / "data", fleet, Recorder())
+    await c.start()
+    try:
+        await until(lambda: len(ready(c)) == 2, what="2 ready")
+        pids = engine_pids(c)
+        good = c.follower.status.applied_sha
+        repo.commit({"nodes.yaml": "nodes: []\n"}, "Tidy nodes.yaml")
+        c.follower.trigger()
+        await until(lambda: c.follower.status.state == SyncState.NEEDS_CONFIRMATION, what="held")
+        (reason,) = c.follower.status.pending.reasons
+        assert reason == "stops 2 of 2 ready replicas (more than 50%): 2 because node n1 left nodes.yaml", reason
+        for _ in range(3):  # three ticks later nothing has moved
+            await c.reconciler.tick()
+        assert c.follower.status.applied_sha == good
+        assert engine_pids(c) == pids and all(pid_alive(p) for p in pids.values())
+        for r in ready(c):
+            client = openai.OpenAI(base_url=f"{r.endpoint}/v1", api_key="x", timeout=10)
+            assert client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}]).choices
+        # A commit that puts the nodes back supersedes the held one and changes nothing.
+        back = repo.commit({"nodes.yaml": nodes_yaml(fleet)}, "Put the nodes back")
+        c.follower.trigger()
+        await until(lambda: c.follower.status.applied_sha == back, what="applied")
+        assert engine_pids(c) == pids
         await stop_all(c, repo)
     finally:
         await c.close()
