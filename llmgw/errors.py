@@ -36,6 +36,10 @@ class GitError(LlmgwError):
     """A git operation on the catalog repository failed."""
 
 
+class BranchMissing(GitError):
+    """The remote answered, but the followed branch is not on it."""
+
+
 class PushRejected(GitError):
     """The remote refused a push."""
 

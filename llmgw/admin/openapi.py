@@ -38,13 +38,16 @@ SCHEMAS: dict[str, Any] = {
     "Error": {"type": "object", "properties": {"error": STR}, "required": ["error"]},
     "Problem": _obj({"file": STR, "line": INT, "col": INT, "message": STR}),
     "Sync": _obj({
-        "state": _s("string", enum=["pending", "synced", "rejected", "needs-confirmation", "fetch-failed"]),
+        "state": _s("string", enum=["pending", "synced", "rejected", "needs-confirmation", "fetch-failed",
+                                    "branch-missing"]),
         "url": STR, "branch": STR, "applied_sha": NSTR, "applied_at": NNUM, "head_sha": NSTR, "fetched_at": NNUM,
         "last_error": NSTR,
         "rejected": {**_obj({"sha": STR, "author": STR, "subject": STR, "time": NUM,
                              "problems": _arr(_ref("Problem"))}), "nullable": True},
         "pending_confirmation": {**_obj({"sha": STR, "author": STR, "subject": STR, "reasons": _arr(STR)}),
                                  "nullable": True},
+        "last_rewrite": {**_obj({"kind": _s("string", enum=["rewind", "force-push"]), "from_sha": STR,
+                                 "to_sha": STR, "time": NUM}), "nullable": True},
     }),
     "Summary": _obj({
         "sync": _ref("Sync"), "models": INT, "nodes": INT, "nodes_by_state": _s("object"), "nodes_ready": INT,

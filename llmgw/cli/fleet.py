@@ -76,6 +76,11 @@ def status(args: argparse.Namespace, client: Client, console: Console) -> int:
                       "(confirm: llmgw sync --allow-prune)")
     if sync.get("last_error"):
         console.print(f"[red]error[/]     {_e(sync['last_error'])}")
+    if sync.get("last_rewrite"):
+        w = sync["last_rewrite"]
+        what = "rewound" if w["kind"] == "rewind" else "force-pushed"
+        console.print(f"[yellow]history[/]   {what} from {_e(w['from_sha'][:12])} to {_e(w['to_sha'][:12])} "
+                      f"at {_e(time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(w['time'])))}")
     console.print(f"[bold]nodes[/]     {s['nodes_ready']}/{s['nodes']} ready  "
                   + _e(", ".join(f"{k} {v}" for k, v in sorted(s["nodes_by_state"].items()))))
     console.print(f"[bold]gpus[/]      {s['gpus_total']} total, {s['gpus_unhealthy']} unhealthy")

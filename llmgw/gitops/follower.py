@@ -19,10 +19,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from llmgw.catalog import Catalog, validate_files
-from llmgw.errors import GitError, LlmgwError
+from llmgw.errors import BranchMissing, GitError, LlmgwError
 from llmgw.gitops.desired import DesiredState
 from llmgw.gitops.repo import CommitInfo, GitMirror
-from llmgw.gitops.status import PendingPrune, Rejection, SyncState, SyncStatus
+from llmgw.gitops.status import History, PendingPrune, Rejection, Rewrite, SyncState, SyncStatus
 from llmgw.gitops.store import Store
 from llmgw.inventory import Inventory
 from llmgw.plan.guard import PruneVerdict, allows_prune, judge_prune
@@ -46,9 +46,32 @@ class GitOpsMetrics:
         self.applied = Counter("llmgw_catalog_applied", "Catalog commits applied", registry=registry)
         self.rejected = Counter("llmgw_catalog_rejected", "Catalog commits rejected as invalid", registry=registry)
         self.held = Counter("llmgw_catalog_held", "Catalog commits held by the prune guard", registry=registry)
+        self.rewrites = Counter("llmgw_catalog_history_rewrites", "Fetched heads that went back in history "
+                                "(rewind) or rewrote it (force-push)", ["kind"], registry=registry)
         self.fetch_failures = Counter("llmgw_git_fetch_failures", "Failed fetches of the catalog repository",
                                       registry=registry)
         self.state = Gauge("llmgw_catalog_sync_state", "1 for the current sync state", ["state"], registry=registry)
+
+
+def git_dirs(path: Path) -> list[Path]:
+    """Where the refs of the repository at ``path`` live: its ``.git`` (or where a ``.git`` file
+    points, and that one's common dir for a worktree), or ``path`` itself when it is bare."""
+    dot = path / ".git"
+    gitdir = None
+    if dot.is_dir():
+        gitdir = dot
+    elif dot.is_file():  # a worktree or submodule: "gitdir: <path>"
+        text = dot.read_text(errors="replace").strip()
+        if text.startswith("gitdir:"):
+            gitdir = (path / text.removeprefix("gitdir:").strip()).resolve()
+    elif (path / "HEAD").is_file() and (path / "refs").is_dir():
+        gitdir = path
+    if gitdir is None:
+        return []
+    common = gitdir / "commondir"  # a worktree's branches are in the main repository's refs
+    if common.is_file():
+        return [gitdir, (gitdir / common.read_text(errors="replace").strip()).resolve()]
+    return [gitdir]
 
 
 class GitOpsFollower:
@@ -76,6 +99,7 @@ class GitOpsFollower:
         self.metrics = GitOpsMetrics(registry or CollectorRegistry())
         self._status = SyncStatus(branch=mirror.branch, url=mirror.url)
         self._judged: str | None = None  # the head last judged, so a bad commit is judged once
+        self._history_note = ""  # "rewound from … to …", for the event of the commit then applied
         self._lock = asyncio.Lock()
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -131,13 +155,32 @@ class GitOpsFollower:
                 pass
 
     async def _watch(self, path: Path) -> None:
-        """Trigger a fetch when a local repository changes on disk (a commit, a push into it)."""
+        """Fetch when a local repository's refs change (a commit, a reset, a push into it, a branch
+        deleted), or its working tree does.
+
+        watchfiles' default filter ignores ``.git``: a commit made a moment after the last edit was
+        seen only at the next poll (12–13 s), and a reset not at all until then. So the repository's
+        own refs are watched, by a filter of ours.
+        """
         import watchfiles
 
         assert self._stop is not None
+        gitdirs = git_dirs(path)
+        paths = [path, *(d for d in gitdirs if not d.is_relative_to(path))]
+        tree_filter = watchfiles.DefaultFilter()
+
+        def relevant(change: watchfiles.Change, name: str) -> bool:
+            p = Path(name)
+            for d in gitdirs:
+                if p.is_relative_to(d):
+                    rel = p.relative_to(d).parts
+                    # refs/heads/main, main.lock renamed over it, packed-refs(.lock), HEAD
+                    return bool(rel) and (rel[0] in ("refs", "HEAD") or rel[0].startswith("packed-refs"))
+            return tree_filter(change, name)
+
         try:
-            async for _ in watchfiles.awatch(path, stop_event=self._stop, debounce=200, step=50,
-                                             recursive=True, rust_timeout=1000):
+            async for _ in watchfiles.awatch(*paths, watch_filter=relevant, stop_event=self._stop, debounce=100,
+                                             step=20, recursive=True, rust_timeout=1000):
                 self.trigger()
         except (OSError, RuntimeError) as exc:
             log.warning("not watching %s for changes (%s); polling every %ss", path, exc, self.interval)
@@ -147,9 +190,17 @@ class GitOpsFollower:
         async with self._lock:
             try:
                 head = await asyncio.to_thread(self.mirror.fetch)
+            except BranchMissing as exc:
+                self._fetch_failed(str(exc), state=SyncState.BRANCH_MISSING)
+                return self._status
             except GitError as exc:
                 self._fetch_failed(str(exc))
                 return self._status
+            previous = self._status.head_sha or self._status.applied_sha
+            if previous and previous != head:
+                kind = await asyncio.to_thread(self.mirror.history, previous, head)
+                if kind in (History.REWIND, History.FORCE_PUSH):
+                    self._rewritten(Rewrite(kind, previous, head, self.clock()))
             self._set(head_sha=head, fetched_at=self.clock(), last_error=None)
             if head == self._status.applied_sha:
                 # Back on the applied commit (e.g. a bad commit force-pushed away): whatever
@@ -157,6 +208,7 @@ class GitOpsFollower:
                 self._clear_judgement()
             elif head != self._judged:
                 await asyncio.to_thread(self._judge, head)
+            self._history_note = ""  # it belongs to this head's judgement only
             self._set(state=self._state())
             return self._status
 
@@ -232,18 +284,34 @@ class GitOpsFollower:
         self.desired.set(catalog)
         self.metrics.applied.inc()
         self.metrics.applied_time.set(now)
-        suffix = f"; {note}" if note else ""
+        suffix = "".join(f"; {n}" for n in (self._history_note, note) if n)
         self.store.add_event("applied", info.sha[:12],
                              f"{info.subject} ({info.author}): {len(catalog.models)} models{suffix}")
         log.info("applied %s: %s", info.sha[:12], info.subject)
 
-    def _fetch_failed(self, error: str) -> None:
+    def _fetch_failed(self, error: str, *, state: SyncState = SyncState.FETCH_FAILED) -> None:
         was = self._status.state
-        self._set(state=SyncState.FETCH_FAILED, last_error=error)
+        self._set(state=state, last_error=error)
         self.metrics.fetch_failures.inc()
-        if was != SyncState.FETCH_FAILED:  # one event per outage, not one per poll
-            self.store.add_event("fetch-failed", self.mirror.url, f"{error}; the last good state stays in force")
+        if was != state:  # one event per outage, not one per poll
+            self.store.add_event(state.value, self.mirror.url, f"{error}; the last good state stays in force")
         log.warning("fetch failed: %s", error)
+
+    def _rewritten(self, rewrite: Rewrite) -> None:
+        """The branch went back or its history was rewritten: said so, whatever is then applied
+        (seen: a reset to an older commit was applied as an ordinary commit, silently)."""
+        self.store.put("rewrite", rewrite.to_json())
+        self._set(rewrite=rewrite)
+        self.metrics.rewrites.labels(rewrite.kind.value).inc()
+        try:
+            subject = self.mirror.info(rewrite.to_sha).subject
+        except GitError:
+            subject = "?"
+        kind = "history-rewound" if rewrite.kind == History.REWIND else "history-rewritten"
+        self.store.add_event(kind, rewrite.to_sha[:12], f"branch {self.mirror.branch} {rewrite.describe()} "
+                                                        f"({subject})")
+        self._history_note = rewrite.describe()
+        log.warning("branch %s %s", self.mirror.branch, rewrite.describe())
 
     def _set(self, **changes: object) -> None:
         self._status = dataclasses.replace(self._status, **changes)  # type: ignore[arg-type]
@@ -258,6 +326,7 @@ class GitOpsFollower:
         at once) but no "applied" event is written and no prune judgement runs.
         """
         applied = self.store.get("applied")
+        rewrite = self.store.get("rewrite")
         pending = self.store.get("pending")
         rejected = self.store.get("rejected")
         self._judged = self.store.get("judged")
@@ -266,6 +335,8 @@ class GitOpsFollower:
             changes["pending"] = PendingPrune.from_json(pending)
         if rejected:
             changes["rejected"] = Rejection.from_json(rejected)
+        if rewrite:
+            changes["rewrite"] = Rewrite.from_json(rewrite)
         if applied:
             sha = applied["sha"]
             try:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from llmgw.catalog.gitread import read_git_tree
 from llmgw.catalog.loader import RawFile
-from llmgw.errors import GitError
+from llmgw.errors import BranchMissing, GitError
+from llmgw.gitops.status import History
 
 GIT_TIMEOUT = 30.0
 
@@ -81,11 +82,34 @@ class GitMirror:
             run_git(["remote", "set-url", "origin", self.url], cwd=self.path)
 
     def fetch(self, *, timeout: float = GIT_TIMEOUT) -> str:
-        """Fetch the branch (forced: a rewritten history is simply the new desired state); its sha."""
+        """Fetch the branch (forced: a rewritten history is simply the new desired state); its sha.
+
+        :class:`BranchMissing` when the remote answers but has no such branch (deleted, renamed).
+        """
         self.ensure()
         refspec = f"+refs/heads/{self.branch}:{self.ref}"
-        run_git(["fetch", "-q", "--no-tags", "origin", refspec], cwd=self.path, timeout=timeout, env=self.env)
+        try:
+            run_git(["fetch", "-q", "--no-tags", "origin", refspec], cwd=self.path, timeout=timeout, env=self.env)
+        except GitError as exc:
+            if "couldn't find remote ref" in str(exc):
+                raise BranchMissing(f"the remote has no branch {self.branch!r} (deleted or renamed?)") from None
+            raise
         return self.head()
+
+    def history(self, old: str, new: str) -> History | None:
+        """How ``new`` follows ``old``, or None when ``old`` is not in the mirror (a fresh mirror)."""
+        if old == new or not self.has(old):
+            return None if old != new else History.FORWARD
+        if self._is_ancestor(old, new):
+            return History.FORWARD
+        return History.REWIND if self._is_ancestor(new, old) else History.FORCE_PUSH
+
+    def _is_ancestor(self, a: str, b: str) -> bool:
+        try:
+            run_git(["merge-base", "--is-ancestor", a, b], cwd=self.path)
+        except GitError:
+            return False  # exit 1 is "no"; a real failure (a missing object) is no as well
+        return True
 
     def head(self) -> str:
         return run_git(["rev-parse", "--verify", "-q", self.ref + "^{commit}"], cwd=self.path).strip()

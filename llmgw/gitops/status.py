@@ -15,6 +15,36 @@ class SyncState(str, Enum):
     REJECTED = "rejected"
     NEEDS_CONFIRMATION = "needs-confirmation"
     FETCH_FAILED = "fetch-failed"
+    BRANCH_MISSING = "branch-missing"  # the followed branch is gone from the remote; the last good state stays
+
+
+class History(str, Enum):
+    """How a fetched head relates to the one fetched before it."""
+
+    FORWARD = "forward"        # the old head is an ancestor of the new: ordinary commits
+    REWIND = "rewind"          # the new head is an ancestor of the old: a reset to an older commit
+    FORCE_PUSH = "force-push"  # neither: history was rewritten (an amend, a rebase, an orphan branch)
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """The last time the followed branch's history went back or was rewritten."""
+
+    kind: History
+    from_sha: str
+    to_sha: str
+    time: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "from_sha": self.from_sha, "to_sha": self.to_sha, "time": self.time}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Rewrite:
+        return cls(History(d["kind"]), d["from_sha"], d["to_sha"], d["time"])
+
+    def describe(self) -> str:
+        what = "rewound" if self.kind == History.REWIND else "force-pushed (history rewritten)"
+        return f"{what} from {self.from_sha[:12]} to {self.to_sha[:12]}"
 
 
 @dataclass(frozen=True)
@@ -64,6 +94,7 @@ class SyncStatus:
     last_error: str | None = None
     rejected: Rejection | None = None
     pending: PendingPrune | None = None
+    rewrite: Rewrite | None = None
     branch: str = ""
     url: str = ""
 
@@ -79,4 +110,5 @@ class SyncStatus:
             "last_error": self.last_error,
             "rejected": self.rejected.to_json() if self.rejected else None,
             "pending_confirmation": self.pending.to_json() if self.pending else None,
+            "last_rewrite": self.rewrite.to_json() if self.rewrite else None,
         }

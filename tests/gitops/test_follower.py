@@ -12,9 +12,11 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from llmgw.gitops import DesiredState, SyncState
+from llmgw.gitops import DesiredState, GitMirror, GitOpsFollower, Store, SyncState
+from llmgw.gitops.status import History
 from llmgw.gitops.webhook import webhook_handler
 from tests.catalog.corpus import BIG, SMALL
+from tests.conftest import commit_files, git
 from tests.gitops.conftest import Remote, make_follower
 
 SECRET = "hook-secret"
@@ -105,7 +107,7 @@ def test_commits_flow_through_webhook_reject_fix_and_force_push(remote: Remote, 
             assert seen == [first, good, fixed, first]  # the bad commit never reached a subscriber
 
             kinds = [e.kind for e in follower.store.events()]
-            assert kinds == ["applied", "applied", "rejected", "applied", "applied"]
+            assert kinds == ["applied", "applied", "rejected", "applied", "history-rewound", "applied"]
         finally:
             await runner.cleanup()
             await follower.close()
@@ -238,6 +240,61 @@ def test_commit_in_a_local_repository_is_seen_by_the_watcher(remote: Remote, tmp
             await asyncio.sleep(0.3)  # let the watcher settle on the tree
             new = remote.commit({"models/extra.yaml": NEW_MODEL}, "Add extra")
             await until(lambda: follower.status.applied_sha == new, timeout=10)
+        finally:
+            await follower.close()
+
+    run(scenario())
+
+
+def test_a_working_repository_is_followed_by_its_refs_within_a_second(remote: Remote, tmp_path: Path) -> None:
+    """The README's tour: edit, look at the diff for a while, then commit. The commit is seen by
+    the refs it moves, not the edit (seen: 12–13 s, at the next poll). A reset to an older commit
+    is reported as a rewind from which commit to which; an orphan history as a force-push; a
+    deleted branch as such, the last good state kept."""
+    work = remote.clone
+
+    async def scenario() -> None:
+        store = Store(tmp_path / "data" / "state.db").open()
+        follower = GitOpsFollower(GitMirror(str(work), "main", tmp_path / "data" / "mirror.git"), DesiredState(),
+                                  store, interval=60.0, watch_path=work)
+        await follower.start()
+        try:
+            await until(lambda: follower.status.applied_sha is not None)
+            first = follower.status.applied_sha
+            await asyncio.sleep(0.3)  # the watcher is up
+            (work / "models" / "extra.yaml").write_text(NEW_MODEL)
+            await asyncio.sleep(3.0)  # a person reading `llmgw diff`
+            t0 = time.monotonic()
+            second = commit_files(work, {}, "Add extra")
+            await until(lambda: follower.status.applied_sha == second, timeout=5)
+            assert time.monotonic() - t0 < 1.5
+
+            # A reset to the first commit: applied, and said to be a rewind.
+            git(work, "reset", "-q", "--hard", first)
+            await until(lambda: follower.status.applied_sha == first, timeout=5)
+            rewrite = follower.status.rewrite
+            assert rewrite is not None and rewrite.kind == History.REWIND
+            assert (rewrite.from_sha, rewrite.to_sha) == (second, first)
+            events = follower.store.events()
+            (rewound,) = [e for e in events if e.kind == "history-rewound"]
+            assert f"rewound from {second[:12]} to {first[:12]}" in rewound.message
+            applied = [e for e in events if e.kind == "applied"]
+            assert applied[-1].subject == first[:12] and "rewound from" in applied[-1].message
+
+            # An orphan branch put in its place: a force-push, not a rewind.
+            git(work, "checkout", "-q", "--orphan", "fresh")
+            orphan = commit_files(work, {}, "Start over")
+            git(work, "branch", "-q", "-M", "fresh", "main")
+            await until(lambda: follower.status.applied_sha == orphan, timeout=5)
+            assert follower.status.rewrite.kind == History.FORCE_PUSH
+            assert "history-rewritten" in [e.kind for e in follower.store.events()]
+
+            # The branch deleted: reported as such, the last good state kept.
+            git(work, "checkout", "-q", "-b", "elsewhere")
+            git(work, "branch", "-q", "-D", "main")
+            await until(lambda: follower.status.state == SyncState.BRANCH_MISSING, timeout=5)
+            assert follower.status.applied_sha == orphan and "no branch 'main'" in follower.status.last_error
+            assert [e.kind for e in follower.store.events()].count("branch-missing") == 1
         finally:
             await follower.close()
 
