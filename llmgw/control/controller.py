@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -39,6 +40,7 @@ class Controller:
         usage: UsageSource | None = None,
         dispatcher: Dispatcher | None = None,
         registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.registry = registry or CollectorRegistry()
@@ -49,7 +51,8 @@ class Controller:
             ssh_key=config.ssh_key, known_hosts=config.known_hosts, local_agent_config=config.local_agent_config)
         self.inventory = LiveInventory(self.fleet, self.store)
         self.reconciler = Reconciler(self.desired, self.inventory, self.fleet, self.store, sink=sink, usage=usage,
-                                     config=config.reconciler, manages=lambda n: n.transport in config.transports)
+                                     config=config.reconciler, manages=lambda n: n.transport in config.transports,
+                                     clock=clock)
         url = normalise_url(config.repo)
         watch = Path(url) if config.watch and Path(url).exists() else None
         self.follower = GitOpsFollower(

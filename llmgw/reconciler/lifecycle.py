@@ -160,7 +160,8 @@ class Lifecycle:
                                                 timeout=self.config.probe_timeout):
             verb = "adopted" if r.adopted else "ready"
             self.store.add_event("replica-ready", r.id, f"{model.name} {verb} at {endpoint}")
-            return r.moved(S.READY, now, error=None, failures=0 if r.state == S.READY else r.failures)
+            # The failure count stays: it is forgotten only once the replica has served a while.
+            return r.moved(S.READY, now, error=None)
         if now - r.state_since > self.config.start_timeout:
             return self._failed(r, now, f"not ready within {self.config.start_timeout:g}s (health: {health})")
         return replace(r, error=None if health in ("ok", "loading") else f"health: {health}")
@@ -184,12 +185,19 @@ class Lifecycle:
         return True
 
     def _failed(self, r: Replica, now: float, error: str, *, permanent: bool = False) -> Replica:
-        failures = r.failures + 1
+        # A replica that served for crash_reset_after before failing starts its count afresh, as
+        # Kubernetes resets a container's back-off after 10 minutes of running (seen: the count
+        # never forgot, so five crashes weeks apart were a "crash loop" at the longest backoff).
+        ran = now - r.ready_since if r.state == S.READY and r.ready_since is not None else 0.0
+        forgot = r.failures > 0 and ran >= self.config.crash_reset_after
+        failures = 1 if forgot else r.failures + 1
         delay = min(self.config.backoff_base * 2 ** (failures - 1), self.config.backoff_cap)
         crash_loop = failures >= self.config.crash_loop_after
         message = (f"crash loop ({failures} failures): " if crash_loop else "") + error
+        after = f" after {ran:.0f}s ready, so the count starts again" if forgot else ""
         self.store.add_event("replica-failed", r.id,
-                             f"{r.model}: {message}; " + ("not retried" if permanent else f"retry in {delay:g}s"))
+                             f"{r.model}: {message}; failure {failures}{after}; "
+                             + ("not retried" if permanent else f"retry in {delay:g}s"))
         return r.moved(S.FAILED, now, error=message, failures=failures,
                        retry_at=None if permanent else now + delay)
 

@@ -66,6 +66,7 @@ class ReconcilerConfig:
     backoff_base: float = 2.0
     backoff_cap: float = 120.0
     crash_loop_after: int = 5
+    crash_reset_after: float = 600.0  # seconds ready after which a replica's failure count is forgotten
     start_timeout: float = 900.0
     probe_timeout: float = 10.0
     stop_grace: float = 10.0

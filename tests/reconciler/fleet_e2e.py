@@ -76,14 +76,15 @@ def make_repo(tmp: Path, fleet: SshdFleet, models: dict[str, str]) -> CatalogRep
     return repo
 
 
-def make_controller(repo: CatalogRepo, data: Path, fleet: SshdFleet, recorder: Recorder, **rc) -> Controller:
+def make_controller(repo: CatalogRepo, data: Path, fleet: SshdFleet, recorder: Recorder,
+                    clock: Callable[[], float] = time.time, **rc) -> Controller:
     config = ControllerConfig(
         repo=str(repo.path), data_dir=data, fetch_interval=0.5, watch=False,
         ssh_key=fleet.client_key, known_hosts=fleet.known_hosts,
         reconciler=ReconcilerConfig(**{"tick_interval": 0.3, "unreachable_grace": 2.0, "backoff_base": 0.3,
                                        "probe_timeout": 2.0, "stop_grace": 3.0, **rc}),
     )
-    return Controller(config, sink=recorder, usage=recorder)
+    return Controller(config, sink=recorder, usage=recorder, clock=clock)
 
 
 async def until(check: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:

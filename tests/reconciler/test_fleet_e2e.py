@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import openai
@@ -109,6 +110,34 @@ async def test_a_killed_engine_is_restarted_with_backoff(fleet, tmp_path, weight
         assert "replica-failed" in kinds
         failed = [e for e in c.store.events() if e.kind == "replica-failed"][0]
         assert "exited with code" in failed.message and "retry in" in failed.message
+        await stop_all(c, repo)
+    finally:
+        await c.close()
+
+
+async def test_backoff_forgets_once_a_replica_has_served_for_the_reset_period(fleet, tmp_path, weights) -> None:
+    offset = [0.0]  # the controller's clock runs ahead when the test says so
+    repo = make_repo(tmp_path, fleet, {"chat": sim_model("chat", weights, min_=1)})
+    c = make_controller(repo, tmp_path / "data", fleet, Recorder(), clock=lambda: time.time() + offset[0])
+    await c.start()
+
+    async def crash() -> tuple[int, str]:
+        (r,) = ready(c)
+        os.kill(r.shards[0].pid, signal.SIGKILL)
+        await until(lambda: c.reconciler.replicas[r.id].state.value == "failed", what="failure noticed")
+        failed = [e for e in c.store.events() if e.kind == "replica-failed" and e.subject == r.id][-1]
+        await until(lambda: len(ready(c)) == 1 and ready(c)[0].shards[0].pid != r.shards[0].pid, what="restarted")
+        return c.reconciler.replicas[r.id].failures, failed.message
+
+    try:
+        await until(lambda: len(ready(c)) == 1, what="ready replica")
+        assert (await crash())[0] == 1
+        failures, message = await crash()  # again at once: the count goes on, the backoff doubles
+        assert failures == 2 and "retry in 0.6s" in message, message
+        offset[0] += 601  # it has now served for longer than crash_reset_after (600 s)
+        failures, message = await crash()
+        assert failures == 1 and "retry in 0.3s" in message, message
+        assert "after 601s ready, so the count starts again" in message
         await stop_all(c, repo)
     finally:
         await c.close()
