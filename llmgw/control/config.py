@@ -7,17 +7,21 @@ ops repository without them. Secrets are never logged or returned by the API.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import yaml
 
 from llmgw.catalog.durations import DurationError, parse_duration
 from llmgw.errors import ConfigError
 from llmgw.paths import default_data_dir
-from llmgw.reconciler import ReconcilerConfig
+from llmgw.reconciler.reconciler import ReconcilerConfig
+from llmgw.router.config import RouterConfig
+from llmgw.router.keys import KeyRing
 
 ENV_ADMIN_TOKEN = "LLMGW_ADMIN_TOKEN"
 ENV_WEBHOOK_SECRET = "LLMGW_WEBHOOK_SECRET"
@@ -90,12 +94,63 @@ def _secret(raw: dict[str, Any], key: str, env: str, base: Path) -> str:
 
 
 def _seconds(raw: Any, what: str) -> float:
+    if isinstance(raw, bool):
+        raise ConfigError(f"{what}: {raw!r} is not a duration such as 90s, 15m or 1h30m")
     if isinstance(raw, int | float):
+        if raw < 0:
+            raise ConfigError(f"{what}: {raw!r} is negative")
         return float(raw)
     try:
         return parse_duration(str(raw))
     except DurationError as exc:
         raise ConfigError(f"{what}: {exc}") from exc
+
+
+def _value(raw: Any, kind: Any, what: str) -> Any:
+    """``raw`` as the field type ``kind`` says: every float is a duration (``10s`` or seconds),
+    an int a whole number, a bool true or false (YAML's "false" as a string is not false)."""
+    if kind is float:
+        return _seconds(raw, what)
+    if kind is bool:
+        if not isinstance(raw, bool):
+            raise ConfigError(f"{what}: {raw!r} must be true or false")
+        return raw
+    if kind is int:
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise ConfigError(f"{what}: {raw!r} must be a whole number")
+        if raw < 0:
+            raise ConfigError(f"{what}: {raw!r} is negative")
+        return raw
+    if kind is str:
+        if not isinstance(raw, str | int | float) or isinstance(raw, bool):
+            raise ConfigError(f"{what}: {raw!r} must be a string")
+        return str(raw)
+    return raw
+
+
+def _mapping(raw: Any, what: str) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what}: expected a mapping, got {type(raw).__name__}")
+    return raw
+
+
+def _known(raw: dict[str, Any], known: Iterable[str], what: str) -> None:
+    unknown = sorted(str(k) for k in set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"{what}: unknown key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+
+
+def typed_section(cls: type, raw: Any, what: str) -> dict[str, Any]:
+    """The keys of ``raw`` checked and converted against the fields of the dataclass ``cls``:
+    one mechanism for every section, so ``probe_timeout: 10s`` parses as ``tick_interval``
+    does (seen: only five keys were durations; the rest reached arithmetic as strings)."""
+    section = _mapping(raw, what)
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    _known(section, names, what)
+    return {key: _value(value, hints[key], f"{what}.{key}") for key, value in section.items()}
 
 
 def load_config(path: str | Path) -> ServerConfig:
@@ -109,22 +164,29 @@ def load_config(path: str | Path) -> ServerConfig:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    unknown = sorted(set(raw) - KNOWN)
-    if unknown:
-        raise ConfigError(f"{path}: unknown key(s): {', '.join(unknown)} (known: {', '.join(sorted(KNOWN))})")
-    if not raw.get("repo"):
-        raise ConfigError(f"{path}: repo is required (a path, file://, ssh or https URL of the catalog repo)")
-    base = path.parent
-    listen = raw.get("listen") or {}
-    ssh = raw.get("ssh") or {}
-    rec = dict(raw.get("reconciler") or {})
-    for key in ("tick_interval", "unreachable_grace", "start_timeout", "stop_grace", "backoff_cap"):
-        if key in rec:
-            rec[key] = _seconds(rec[key], f"reconciler.{key}")
     try:
-        reconciler = ReconcilerConfig(**rec)
-    except TypeError as exc:
-        raise ConfigError(f"{path}: reconciler: {exc}") from exc
+        return _load(raw, path)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _load(raw: dict[str, Any], path: Path) -> ServerConfig:
+    _known(raw, KNOWN, "the top level")
+    if not raw.get("repo"):
+        raise ConfigError("repo is required (a path, file://, ssh or https URL of the catalog repo)")
+    base = path.parent
+    listen = _mapping(raw.get("listen"), "listen")
+    _known(listen, ("router", "admin"), "listen")
+    ssh = _mapping(raw.get("ssh"), "ssh")
+    _known(ssh, ("key", "known_hosts"), "ssh")
+    reconciler = ReconcilerConfig(**typed_section(ReconcilerConfig, raw.get("reconciler"), "reconciler"))
+    router = typed_section(RouterConfig, raw.get("router"), "router")
+    api_keys = raw.get("api_keys") or []
+    if not isinstance(api_keys, list):
+        raise ConfigError("api_keys: expected a list of {name, sha256, models}")
+    KeyRing.from_entries(api_keys, where="api_keys")  # checked here, so a bad entry stops the start
+    top = {key: _value(raw[key], kind, key) for key, kind in
+           (("branch", str), ("path", str), ("watch", bool), ("fetch_interval", float)) if key in raw}
 
     def rel(p: Any) -> Path | None:
         return None if not p else (Path(p) if Path(p).is_absolute() else (base / p).resolve())
@@ -134,10 +196,10 @@ def load_config(path: str | Path) -> ServerConfig:
         controller=ControllerConfig(
             repo=str(raw["repo"]),
             data_dir=data_dir,
-            branch=str(raw.get("branch", "main")),
-            subdir=str(raw.get("path", "")),
-            fetch_interval=_seconds(raw.get("fetch_interval", 15), "fetch_interval"),
-            watch=bool(raw.get("watch", True)),
+            branch=top.get("branch", "main"),
+            subdir=top.get("path", ""),
+            fetch_interval=top.get("fetch_interval", 15.0),
+            watch=top.get("watch", True),
             ssh_key=rel(ssh.get("key")),
             known_hosts=rel(ssh.get("known_hosts")),
             local_agent_config=rel(raw.get("local_agent_config")),
@@ -147,6 +209,6 @@ def load_config(path: str | Path) -> ServerConfig:
         admin_listen=Listen.parse(listen.get("admin", "127.0.0.1:8081"), "admin"),
         admin_token=_secret(raw, "admin_token", ENV_ADMIN_TOKEN, base),
         webhook_secret=_secret(raw, "webhook_secret", ENV_WEBHOOK_SECRET, base),
-        api_keys=list(raw.get("api_keys") or []),
-        router=dict(raw.get("router") or {}),
+        api_keys=list(api_keys),
+        router=router,
     )

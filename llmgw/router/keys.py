@@ -93,6 +93,10 @@ class KeyRing:
         for i, raw in enumerate(entries):
             if not isinstance(raw, dict):
                 raise ConfigError(f"{where}[{i}]: expected a mapping with sha256 and models")
+            # A misspelt "models" would otherwise leave the key its default: every model.
+            unknown = sorted(str(k) for k in set(raw) - {"name", "sha256", "models"})
+            if unknown:
+                raise ConfigError(f"{where}[{i}]: unknown key(s): {', '.join(unknown)} (known: models, name, sha256)")
             digest = raw.get("sha256")
             if not isinstance(digest, str) or len(digest) != 64:
                 raise ConfigError(f"{where}[{i}]: sha256 must be 64 hex digits (the key's sha256, not the key)")

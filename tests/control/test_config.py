@@ -1,0 +1,79 @@
+"""The controller's config file: every duration parses one way, and a wrong key or type is an
+error at start that names the key and the file (seen: `probe_timeout: 10s` reached arithmetic
+as a string, and unknown keys inside sections were taken silently)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from llmgw.control.config import load_config
+from llmgw.errors import ConfigError
+from llmgw.reconciler.reconciler import ReconcilerConfig
+from llmgw.router.config import RouterConfig
+
+DIGEST = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "controller.yaml"
+    path.write_text("repo: /srv/catalog\n" + text)
+    return path
+
+
+def test_every_float_knob_takes_a_duration(tmp_path: Path) -> None:
+    rec = [f.name for f in dataclasses.fields(ReconcilerConfig) if f.type in ("float", float)]
+    rou = [f.name for f in dataclasses.fields(RouterConfig) if f.type in ("float", float)]
+    assert {"probe_timeout", "backoff_base", "crash_reset_after"} <= set(rec)
+    text = "fetch_interval: 1m\nreconciler:\n" + "".join(f"  {k}: 1m30s\n" for k in rec)
+    text += "router:\n" + "".join(f"  {k}: 250ms\n" for k in rou)
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.controller.fetch_interval == 60.0
+    assert all(getattr(cfg.controller.reconciler, k) == 90.0 for k in rec)
+    assert cfg.router == {k: 0.25 for k in rou}
+    assert RouterConfig(**cfg.router).first_byte_timeout == 0.25  # what the server builds from it
+    plain = load_config(write(tmp_path, "reconciler:\n  probe_timeout: 7\n  concurrency: 4\n"))
+    assert plain.controller.reconciler.probe_timeout == 7.0 and plain.controller.reconciler.concurrency == 4
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("probe_timeout: 10s\n", "unknown key(s): probe_timeout"),  # at the top level instead of reconciler
+    ("reconciler:\n  probe_timout: 10s\n", "reconciler: unknown key(s): probe_timout (known: backoff_base"),
+    ("router:\n  retry: 2\n", "router: unknown key(s): retry"),
+    ("listen:\n  api: 127.0.0.1:1\n", "listen: unknown key(s): api"),
+    ("ssh:\n  identity: k\n", "ssh: unknown key(s): identity"),
+    ("reconciler:\n  backoff_base: soon\n", "reconciler.backoff_base: \"soon\" is not a duration"),
+    ("reconciler:\n  backoff_base: -1\n", "reconciler.backoff_base: -1 is negative"),
+    ("reconciler:\n  crash_loop_after: 5s\n", "reconciler.crash_loop_after: '5s' must be a whole number"),
+    ("reconciler:\n  concurrency: true\n", "reconciler.concurrency: True must be a whole number"),
+    ("router:\n  retries: 1.5\n", "router.retries: 1.5 must be a whole number"),
+    ("watch: 'false'\n", "watch: 'false' must be true or false"),
+    ("reconciler: [1, 2]\n", "reconciler: expected a mapping, got list"),
+    ("api_keys:\n  - {name: a, sha256: " + DIGEST + ", model: [chat]}\n", "api_keys[0]: unknown key(s): model"),
+    ("api_keys:\n  - {name: a, sha256: abc}\n", "api_keys[0]: sha256 must be 64 hex digits"),
+])
+def test_a_wrong_key_or_type_names_the_key_and_the_file(tmp_path: Path, text: str, words: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: ") and words in str(err.value), str(err.value)
+
+
+def test_secrets_come_from_the_environment_then_the_file_then_the_yaml(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "admin.token").write_text("from-file\n")
+    (tmp_path / "hook.secret").write_text("hook-from-file")
+    path = write(tmp_path, "admin_token_file: admin.token\nwebhook_secret_file: hook.secret\n")
+    monkeypatch.delenv("LLMGW_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("LLMGW_WEBHOOK_SECRET", raising=False)
+    cfg = load_config(path)
+    assert (cfg.admin_token, cfg.webhook_secret) == ("from-file", "hook-from-file")
+    assert "from-file" not in repr(cfg)
+    monkeypatch.setenv("LLMGW_ADMIN_TOKEN", "from-env")
+    assert load_config(path).admin_token == "from-env"
+    monkeypatch.delenv("LLMGW_ADMIN_TOKEN")
+    missing = write(tmp_path, "admin_token_file: nowhere.token\n")
+    with pytest.raises(ConfigError, match="admin_token_file: cannot read"):
+        load_config(missing)
