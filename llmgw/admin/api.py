@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw.admin import views
 from llmgw.admin.orphans import collect, list_orphans
-from llmgw.errors import CatalogError, GitError, LlmgwError, PushRejected
+from llmgw.errors import CatalogError, DispatchError, GitError, LlmgwError, PushRejected
 from llmgw.inventory import NodeState
 from llmgw.placement import explain
 
@@ -188,6 +188,23 @@ async def node_state(request: web.Request) -> web.Response:
     node = c.inventory.snapshot().node(node_id)
     assert node is not None
     return web.json_response(views.node_view(node, c.reconciler.snapshot(), time.time()))
+
+
+async def takeover(request: web.Request) -> web.Response:
+    body = await json_body(request)
+    if isinstance(body, web.Response):
+        return body
+    stop_foreign = body.get("stop_foreign", False)
+    if not isinstance(stop_foreign, bool):
+        return error(400, "stop_foreign must be true or false")
+    c = ctl(request)
+    node_id = request.match_info["node"]
+    if c.inventory.snapshot().node(node_id) is None:
+        return error(404, f'node "{node_id}" is not in the fleet')
+    try:
+        return web.json_response(await c.takeover(node_id, stop_foreign=stop_foreign))
+    except DispatchError as exc:
+        return error(502, f"node {node_id} did not grant the lease: {exc}")
 
 
 def _actor(request: web.Request) -> str:

@@ -127,6 +127,7 @@ def build_admin_app(
     r.add_post(f"{PREFIX}/sync", api.post_sync)
     r.add_get(f"{PREFIX}/nodes", api.nodes)
     r.add_post(PREFIX + "/nodes/{node}/state", api.node_state)
+    r.add_post(PREFIX + "/nodes/{node}/takeover", api.takeover)
     r.add_get(f"{PREFIX}/models", api.models)
     r.add_post(f"{PREFIX}/models", api.add_model)
     r.add_delete(PREFIX + "/models/{name}", api.remove_model)

@@ -60,7 +60,11 @@ SCHEMAS: dict[str, Any] = {
         "unhealthy_gpus": _arr(STR), "memory_gb": NNUM, "disk_free_gb": NNUM, "disk_total_gb": NNUM,
         "local_filesystems": _arr(STR), "shared_filesystems": _arr(STR), "weights_on_disk": _arr(STR),
         "last_seen_seconds_ago": NNUM, "agent_version": NSTR, "locked": BOOL, "error": NSTR, "replicas": INT,
+        "lease": {**_obj({"holder": NSTR, "epoch": INT, "expires": NNUM, "held": BOOL}), "nullable": True},
+        "unclaimed_engines": _arr(_obj({"id": STR, "model": NSTR, "holder": NSTR, "epoch": {**INT, "nullable": True},
+                                        "pid": {**INT, "nullable": True}, "gpus": _arr(INT)})),
     }),
+    "Takeover": _obj({"node": STR, "holder": STR, "epoch": INT, "stopped": _arr(STR)}),
     "Model": _obj({
         "name": STR, "aliases": _arr(STR), "task": STR, "source": STR, "size_gb": NUM, "min_replicas": INT,
         "max_replicas": INT, "idle_after_seconds": NNUM, "ready_replicas": INT, "total_replicas": INT,
@@ -128,6 +132,10 @@ def openapi_document(*, feed: bool = True) -> dict[str, Any]:
                         body={"type": "object", "properties": {"allow_prune": BOOL}}),
         },
         f"{v}/nodes": {"get": _op("Nodes", _json(_arr(_ref("Node"))))},
+        v + "/nodes/{node}/takeover": {"post": _op(
+            "Take over a node's lease from another controller (fencing)", _json(_ref("Takeover")),
+            errors={**BAD, "404": "unknown node", "502": "the node did not answer"}, params=[_p("node")],
+            body={"type": "object", "properties": {"stop_foreign": BOOL}})},
         v + "/nodes/{node}/state": {"post": _op(
             "Cordon, uncordon or drain a node", _json(_ref("Node")), errors={**BAD, "404": "unknown node"},
             params=[_p("node")],

@@ -29,6 +29,7 @@ def node_view(node: Node, replicas: Sequence[Replica], now: float) -> dict[str, 
             for s in rep.placement.shards if s.node == node.id for i in s.gpus}
     local = [f for f in (r.filesystems if r else ()) if not f.shared]
     cache = r.cache_fs if r else None
+    claimed = {s.agent_id for rep in replicas for s in rep.shards if s.node == node.id}
     return {
         "id": node.id,
         "address": node.spec.address,
@@ -58,6 +59,13 @@ def node_view(node: Node, replicas: Sequence[Replica], now: float) -> dict[str, 
         "locked": node.locked,
         "error": node.error,
         "replicas": len([rep for rep in replicas if node.id in rep.nodes and rep.state != ReplicaState.STOPPED]),
+        # Fencing (DESIGN §4): who drives the node, and live engines no replica here claims (another
+        # controller's, or stale ones about to be stopped), with who started them.
+        "lease": dataclasses.asdict(r.lease) if r and r.lease else None,
+        "unclaimed_engines": [
+            {"id": e.replica_id, "model": e.label("llmgw.model"), "holder": e.holder, "epoch": e.epoch,
+             "pid": e.pid, "gpus": list(e.gpus)}
+            for e in (r.engines if r else ()) if e.alive and e.replica_id not in claimed],
     }
 
 

@@ -126,7 +126,7 @@ MAX_MANIFEST_BYTES = 1 << 20
 # does not grow with every replica the fleet ever ran.
 ENGINE_RECORD_TTL = 24 * 3600.0
 
-PUBLIC_VERBS = ("hello", "inventory", "fetch", "start", "stop", "status", "remove-weights", "serve")
+PUBLIC_VERBS = ("hello", "inventory", "lease", "fetch", "start", "stop", "status", "remove-weights", "serve")
 INTERNAL_VERBS = ("_fetch-worker", "_engine-monitor")
 USAGE = "usage: llmgw_agent.py [--config CONFIG] {" + ",".join(PUBLIC_VERBS) + "}"
 
@@ -542,6 +542,110 @@ def inspect_entry(cache_dir: str, name: str) -> Tuple[Optional[JsonDict], Option
 # hello and inventory
 
 
+# --- fencing: which controller may drive this node (DESIGN §4) ---------------------------------
+# Two controllers pointed at one fleet (a failover, a copy started by mistake, a restored backup)
+# stopped each other's engines. The node keeps a lease: the holder it obeys, an epoch raised each
+# time the holder changes, and an expiry. Changes (start, stop, remove-weights) must carry the
+# current holder and epoch; a takeover (an operator's, or after expiry) raises the epoch, so the
+# old holder's next command is refused with the reason.
+MAX_LEASE_TTL = 3600.0
+
+
+def _lease_path(cfg: NodeConfig) -> str:
+    return os.path.join(cfg.state_dir, "lease.json")
+
+
+def read_lease(cfg: NodeConfig) -> Optional[JsonDict]:
+    lease = read_json(_lease_path(cfg))
+    if lease is None or not isinstance(lease.get("holder"), str) or not _is_int(lease.get("epoch")):
+        return None
+    return lease
+
+
+def lease_view(lease: Optional[JsonDict], holder: Optional[str], now: float) -> JsonDict:
+    """The lease as a controller sees it: who holds it, whether that is the asker, how long left."""
+    if lease is None:
+        return {"holder": None, "epoch": 0, "expires": None, "held": False, "expired": True}
+    return {"holder": lease["holder"], "epoch": lease["epoch"], "expires": lease.get("expires"),
+            "held": holder is not None and lease["holder"] == holder,
+            "expired": now >= float(lease.get("expires") or 0)}
+
+
+def _lease_request(raw: Any) -> Tuple[str, float]:
+    if not isinstance(raw, dict) or not isinstance(raw.get("holder"), str) or not raw["holder"].strip():
+        raise AgentError("lease: holder must be a non-empty string")
+    ttl = raw.get("ttl", 60)
+    if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not 1 <= ttl <= MAX_LEASE_TTL:
+        raise AgentError(f"lease: ttl must be a number of seconds from 1 to {MAX_LEASE_TTL:g}")
+    return raw["holder"][:200], float(ttl)
+
+
+def take_lease(cfg: NodeConfig, holder: str, ttl: float, *, takeover: bool) -> JsonDict:
+    """Grant or renew the lease to ``holder``: when it holds it, when nobody does, when it has
+    expired, or on ``takeover``. Otherwise the view of the lease as it stands (``held`` false)."""
+    with _locked(_lease_path(cfg) + ".lock"):
+        now = time.time()
+        lease = read_lease(cfg)
+        current = lease_view(lease, holder, now)
+        if not (current["held"] or current["expired"] or takeover):
+            return current
+        same = lease is not None and lease["holder"] == holder
+        epoch = int(lease["epoch"]) if lease is not None else 0
+        if not same or takeover:
+            epoch += 1
+        # Rewritten only when it changes or half its time is gone: a poll every tick must not
+        # write a file every tick.
+        if not same or takeover or float(lease.get("expires") or 0) - now < ttl / 2:
+            lease = {"holder": holder, "epoch": epoch, "expires": now + ttl, "since": now if not same
+                     else lease.get("since", now)}
+            write_json_atomic(_lease_path(cfg), lease)
+        return lease_view(lease, holder, now)
+
+
+def verb_lease(cfg: NodeConfig, request: JsonDict) -> JsonDict:
+    """Take the lease (``takeover`` true: even from a live holder), renew it, or ``release`` it."""
+    holder, ttl = _lease_request(request)
+    takeover, release = request.get("takeover", False), request.get("release", False)
+    if not isinstance(takeover, bool) or not isinstance(release, bool):
+        raise AgentError("lease: takeover and release must be true or false")
+    if release:
+        return release_lease(cfg, holder)
+    return take_lease(cfg, holder, ttl, takeover=takeover)
+
+
+def release_lease(cfg: NodeConfig, holder: str) -> JsonDict:
+    """End the holder's lease now (a controller stopping cleanly), keeping its epoch: the next
+    controller to ask gets the node without waiting for the expiry, at a higher epoch."""
+    with _locked(_lease_path(cfg) + ".lock"):
+        now = time.time()
+        lease = read_lease(cfg)
+        if lease is not None and lease["holder"] == holder:
+            lease = dict(lease, expires=now)
+            write_json_atomic(_lease_path(cfg), lease)
+        return lease_view(lease, holder, now)
+
+
+def check_fence(cfg: NodeConfig, verb: str, request: JsonDict) -> Optional[JsonDict]:
+    """Refuse a change from anyone but the lease's holder at its current epoch; the lease obeyed.
+
+    A node no controller has leased yet obeys anyone (it has nobody to be fenced from); once
+    leased, a request without a fence is refused too, so an old controller cannot slip past.
+    """
+    lease = read_lease(cfg)
+    if lease is None:
+        return None
+    fence = request.get("fence")
+    holder = fence.get("holder") if isinstance(fence, dict) else None
+    epoch = fence.get("epoch") if isinstance(fence, dict) else None
+    if holder == lease["holder"] and epoch == lease["epoch"]:
+        return lease
+    asker = f"controller {holder!r} (epoch {epoch})" if holder is not None else "a request without a lease"
+    raise Refused(f"{verb}: this node is driven by controller {lease['holder']!r} (epoch {lease['epoch']}); "
+                  f"refused from {asker}; `llmgw node takeover` moves the node to another controller",
+                  setting="lease")
+
+
+
 def verb_hello(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
     with open(AGENT_PATH, "rb") as fh:
         digest = hashlib.sha256(fh.read()).hexdigest()
@@ -549,7 +653,14 @@ def verb_hello(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
             "protocol": PROTOCOL}
 
 
-def verb_inventory(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
+def verb_inventory(cfg: NodeConfig, request: JsonDict) -> JsonDict:
+    # A controller's poll renews its lease (or takes one nobody holds): no extra round trip.
+    asked = request.get("lease")
+    if asked is not None:
+        holder, ttl = _lease_request(asked)
+        lease = take_lease(cfg, holder, ttl, takeover=False)
+    else:
+        lease = lease_view(read_lease(cfg), None, time.time())
     gpus, gpu_error = gpu_inventory(cfg)
     engines = engine_views(cfg)
     weights, invalid, foreign = cache_listing(cfg, engines)
@@ -572,6 +683,7 @@ def verb_inventory(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
         # Which confinement this node gives engines (user, sandbox): shown by `llmgw nodes`.
         "confinement": confinement(cfg).view(),
         "env_allow": sorted(cfg.env_allow),
+        "lease": lease,
     }
 
 
@@ -1967,6 +2079,7 @@ def _endpoint(address: str, port: int) -> str:
 
 
 def verb_start(cfg: NodeConfig, request: JsonDict) -> JsonDict:
+    lease = check_fence(cfg, "start", request)
     spec = parse_start(cfg, request)
     check_env(cfg, spec.env)
     conf = confinement(cfg)
@@ -1988,12 +2101,13 @@ def verb_start(cfg: NodeConfig, request: JsonDict) -> JsonDict:
         ensure_run_dir(cfg, conf)
         check_visible(cfg, conf, list(prefix), weights=weights, area=area)
         prepare_area(cfg, conf, spec.replica_id)
-        record = _launch(cfg, spec, list(prefix) + args, conf=conf, area=area, port=port, weights=weights)
+        record = _launch(cfg, spec, list(prefix) + args, conf=conf, area=area, port=port, weights=weights,
+                         lease=lease)
     return _start_answer(record, already_running=False)
 
 
 def _launch(cfg: NodeConfig, spec: StartSpec, argv: List[str], *, conf: Confinement, area: str, port: int,
-            weights: Optional[str]) -> JsonDict:
+            weights: Optional[str], lease: Optional[JsonDict]) -> JsonDict:
     log = _log_path(cfg, spec.replica_id)
     _ensure_dir(os.path.dirname(log))
     if os.path.exists(log) and os.path.getsize(log) > LOG_ROTATE_BYTES:
@@ -2017,6 +2131,8 @@ def _launch(cfg: NodeConfig, spec: StartSpec, argv: List[str], *, conf: Confinem
         "argv": argv, "env_keys": sorted(spec.env), "gpus": list(spec.gpus), "weights": weights,
         "user": conf.user, "sandbox": conf.sandbox, "area": area,
         "labels": spec.labels, "started_at": time.time(), "log": log, "agent_version": AGENT_VERSION,
+        # Who started it, by the node's own lease: a later holder sees it as someone else's.
+        "holder": lease["holder"] if lease else None, "epoch": lease["epoch"] if lease else None,
     }
     write_json_atomic(_record_path(cfg, spec.replica_id), record)
     if weights is not None and os.path.dirname(weights) == cfg.cache_dir:
@@ -2032,6 +2148,7 @@ def _start_answer(record: JsonDict, *, already_running: bool) -> JsonDict:
 
 def verb_stop(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     """SIGTERM the engine's process group, SIGKILL it after the grace period; idempotent."""
+    check_fence(cfg, "stop", request)
     replica_id = _replica_id(request)
     grace = _optional(request, "grace_seconds", 10)
     if not isinstance(grace, (int, float)) or isinstance(grace, bool) or not 0 <= grace <= MAX_GRACE:
@@ -2134,6 +2251,7 @@ def engine_view(cfg: NodeConfig, record: JsonDict) -> JsonDict:
         "exit_code": info.get("exit_code") if info else None,
         "ended_at": info.get("ended_at") if info else None,
         "labels": record.get("labels", {}), "weights": record.get("weights"), "gpus": record.get("gpus", []),
+        "holder": record.get("holder"), "epoch": record.get("epoch"),
         "started_at": record.get("started_at"), "log": record.get("log"),
         "log_tail": tail_lines(record.get("log") or ""),
     }
@@ -2167,6 +2285,7 @@ def verb_remove_weights(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     Each path is checked, then renamed (relative to a descriptor of the cache directory opened
     without following any symlink) to a trash name, re-checked, and only then deleted, without
     following symlinks. A refusal is the guard working, not a failure: the exit code is 0."""
+    check_fence(cfg, "remove-weights", request)
     paths = _field(request, "paths")
     if not isinstance(paths, list):
         raise AgentError("remove-weights: paths must be a list")
@@ -2403,6 +2522,7 @@ def _optional(request: JsonDict, key: str, default: Any) -> Any:
 HANDLERS: Dict[str, Callable[[NodeConfig, JsonDict], JsonDict]] = {
     "hello": verb_hello,
     "inventory": verb_inventory,
+    "lease": verb_lease,
     "fetch": verb_fetch,
     "start": verb_start,
     "stop": verb_stop,

@@ -191,6 +191,18 @@ def node_state(state: str) -> Command:
     return run
 
 
+def takeover(args: argparse.Namespace, client: Client, console: Console) -> int:
+    data = client.request("POST", f"/api/v1/nodes/{args.node}/takeover", {"stop_foreign": args.stop_foreign})
+    if args.output == "json":
+        print_json(console, data)
+        return 0
+    console.print(f"node {_e(data['node'])} is now driven by {_e(data['holder'])} (epoch {data['epoch']}); "
+                  "the controller that held it before is refused from now on")
+    for engine in data["stopped"]:
+        console.print(f"  stopped {_e(engine)} (started by the other controller)")
+    return 0
+
+
 def weights(args: argparse.Namespace, client: Client, console: Console) -> int:
     if args.weights_action == "orphans":
         data = client.request("GET", "/api/v1/weights/orphans")

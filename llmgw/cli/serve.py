@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from llmgw.cli.fleet import _run, common, takeover
 from llmgw.cli.output import fail
 from llmgw.errors import ConfigError, DispatchError, LlmgwError
 from llmgw.serving import STOP_SIGNALS
@@ -28,6 +29,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--replace", action="store_true", help="replace a recorded key that changed")
     t.add_argument("--timeout", type=float, default=10.0)
     t.set_defaults(func=trust_node)
+    k = nsub.add_parser("takeover", parents=[common()],
+                        help="make this controller the one that drives a node (fencing: the other is refused)")
+    k.add_argument("node")
+    k.add_argument("--stop-foreign", action="store_true",
+                   help="also stop the engines the other controller started there (else they keep running)")
+    k.set_defaults(func=_run(takeover))
 
 
 def trust_node(args: argparse.Namespace, console: Console) -> int:

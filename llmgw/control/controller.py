@@ -8,9 +8,12 @@ toward the nodes), so the router can run in another process and nothing here cha
 from __future__ import annotations
 
 import logging
+import secrets
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -18,6 +21,7 @@ from llmgw.catalog import Catalog
 from llmgw.control.config import ControllerConfig
 from llmgw.control.fleet_dispatch import FleetDispatcher
 from llmgw.dispatch.base import Dispatcher
+from llmgw.dispatch.fence import FencedDispatcher
 from llmgw.gitops import DesiredState, GitMirror, GitOpsFollower, Store
 from llmgw.gitops.desired import RECONCILER
 from llmgw.gitops.repo import normalise_url
@@ -47,8 +51,11 @@ class Controller:
         data = Path(config.data_dir)
         self.store = Store(data / "llmgw.db")
         self.desired = DesiredState()
-        self.fleet = dispatcher or FleetDispatcher(
-            ssh_key=config.ssh_key, known_hosts=config.known_hosts, local_agent_config=config.local_agent_config)
+        # Every change this controller sends carries its lease on the node (DESIGN §4, fencing);
+        # the holder id is read from the store at start.
+        self.fleet = FencedDispatcher(dispatcher or FleetDispatcher(
+            ssh_key=config.ssh_key, known_hosts=config.known_hosts, local_agent_config=config.local_agent_config),
+            holder="")
         self.inventory = LiveInventory(self.fleet, self.store)
         self.reconciler = Reconciler(self.desired, self.inventory, self.fleet, self.store, sink=sink, usage=usage,
                                      config=config.reconciler, manages=lambda n: n.transport in config.transports,
@@ -69,8 +76,46 @@ class Controller:
         """The guard on the live fleet: the ready replicas ``new`` would stop, by decide()."""
         return judge_prune(old, new, self.inventory.snapshot(), tuple(self.reconciler.snapshot()), now=time.time())
 
+    @property
+    def controller_id(self) -> str:
+        return self.fleet.holder
+
+    def _holder_id(self) -> str:
+        """This controller's name on the nodes' leases: made once per data dir, so a restart is the
+        same controller (it renews its own leases and adopts its engines) and a copy is another."""
+        cid = self.store.get("controller_id")
+        if not isinstance(cid, str) or not cid:
+            cid = f"{socket.gethostname()}-{secrets.token_hex(4)}"
+            self.store.put("controller_id", cid)
+        return cid
+
+    async def takeover(self, node_id: str, *, stop_foreign: bool = False) -> dict[str, Any]:
+        """Take ``node_id``'s lease from whichever controller holds it (an operator's decision).
+
+        Engines the other controller started keep running and are reported, unless
+        ``stop_foreign``: then they are stopped, as the operator asked, not silently.
+        """
+        lease = await self.fleet.takeover(node_id)
+        self.store.add_event("node-takeover", node_id, f"this controller ({self.controller_id}) took over "
+                                                       f"node {node_id} (epoch {lease['epoch']})")
+        await self.inventory.poll()
+        stopped = []
+        node = self.inventory.snapshot().node(node_id)
+        if stop_foreign and node is not None and node.report is not None:
+            claimed = {s.agent_id for r in self.reconciler.snapshot() for s in r.shards if s.node == node_id}
+            for e in node.report.engines:
+                if e.alive and e.replica_id not in claimed and e.holder != self.controller_id:
+                    if await self.reconciler.lifecycle.stop_engine(node_id, e.replica_id):  # type: ignore[union-attr]
+                        stopped.append(e.replica_id)
+                        self.store.add_event("foreign-engine-stopped", e.replica_id,
+                                             f"engine {e.replica_id} on {node_id} (started by {e.holder}) stopped "
+                                             "at takeover, as asked")
+        self.reconciler.notify()
+        return {"node": node_id, "holder": self.controller_id, "epoch": lease["epoch"], "stopped": stopped}
+
     async def start(self) -> None:
         self.store.open()
+        self.fleet.holder = self.reconciler.holder = self._holder_id()
         await self.fleet.open()
         await self.reconciler.start()
         self.desired.subscribe(self._on_catalog, order=RECONCILER)
@@ -87,6 +132,9 @@ class Controller:
 
     async def close(self) -> None:
         await self.quiesce()
+        # A clean stop gives the nodes back at once (their engines keep running): a controller
+        # started next, this one again or another, need not wait the leases out.
+        await self.fleet.release()
         await self.fleet.close()
         self.store.close()
 

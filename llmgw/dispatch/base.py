@@ -30,7 +30,7 @@ NodeId = NewType("NodeId", str)
 Answer = dict[str, Any]
 
 AGENT_PATH = Path(__file__).resolve().parent.parent / "agent" / "llmgw_agent.py"
-VERBS = ("hello", "inventory", "fetch", "start", "stop", "status", "remove-weights")
+VERBS = ("hello", "inventory", "lease", "fetch", "start", "stop", "status", "remove-weights")
 
 
 @dataclass(frozen=True)

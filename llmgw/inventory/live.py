@@ -64,6 +64,8 @@ class LiveInventory:
             return NodeState.UNREACHABLE
         if node.report is None:
             return NodeState.UNKNOWN
+        if node.report.lease is not None and not node.report.lease.held:
+            return NodeState.FENCED
         return self.operator_state(node.id)
 
     # --- observation ------------------------------------------------------------------
@@ -98,7 +100,16 @@ class LiveInventory:
             return replace(updated, state=self._state(updated))
         if node.unreachable_since is not None:
             self.store.add_event("node-reachable", node_id, f"node {node_id} answers again")
-        updated = replace(node, report=report, last_seen=now, unreachable_since=None, error=None)
+        lease = report.lease
+        fenced = (f"held by controller {lease.holder} (epoch {lease.epoch}): this controller does not act "
+                  "on it (`llmgw node takeover` moves it here)") if lease is not None and not lease.held else None
+        if fenced and node.state != NodeState.FENCED:
+            self.store.add_event("node-fenced", node_id, f"node {node_id} is {fenced}")
+            log.warning("node %s is %s", node_id, fenced)
+        elif not fenced and node.state == NodeState.FENCED:
+            self.store.add_event("node-lease", node_id, f"node {node_id}: this controller holds its lease "
+                                 f"(epoch {lease.epoch if lease else '?'})")
+        updated = replace(node, report=report, last_seen=now, unreachable_since=None, error=fenced)
         return replace(updated, state=self._state(updated))
 
     def snapshot(self) -> Inventory:

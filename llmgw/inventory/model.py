@@ -25,6 +25,7 @@ class NodeState(str, Enum):
     DRAINING = "draining"  # replicas move elsewhere, then stop
     UNREACHABLE = "unreachable"
     UNKNOWN = "unknown"  # never reported
+    FENCED = "fenced"  # its lease is held by another controller: this one neither starts nor stops there
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class EngineRecord:
     weights: str | None = None
     started_at: float | None = None
     log_tail: tuple[str, ...] = ()
+    gpus: tuple[int, ...] = ()
+    holder: str | None = None  # the controller whose lease the node obeyed when it started this
+    epoch: int | None = None
 
     def label(self, key: str) -> str | None:
         return dict(self.labels).get(key)
@@ -82,6 +86,16 @@ class Confinement:
     sandbox: str  # "bwrap" or "none"
     detail: str = ""
     problem: str | None = None  # set: the node refuses every start, for this reason
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A node's lease as its agent reported it to this controller (DESIGN §4, fencing)."""
+
+    holder: str | None
+    epoch: int
+    expires: float | None
+    held: bool  # by the controller that asked
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,7 @@ class NodeReport:
     engines: tuple[EngineRecord, ...] = ()
     confinement: Confinement | None = None
     env_allow: tuple[str, ...] = ()
+    lease: Lease | None = None
 
     @property
     def cache_fs(self) -> Filesystem | None:
@@ -194,6 +209,7 @@ def _node_from_json(raw: Mapping[str, Any]) -> Node:
             engines=tuple(_engine_from_json(e) for e in r.get("engines", ())),
             confinement=Confinement(**r["confinement"]) if r.get("confinement") else None,
             env_allow=tuple(r.get("env_allow", ())),
+            lease=Lease(**r["lease"]) if r.get("lease") else None,
         )
     return Node(
         spec=spec, state=NodeState(raw.get("state", "unknown")), report=report,
@@ -207,6 +223,7 @@ def _engine_from_json(e: Mapping[str, Any]) -> EngineRecord:
         **e,
         "labels": tuple(tuple(x) for x in e.get("labels", ())),
         "log_tail": tuple(e.get("log_tail", ())),
+        "gpus": tuple(e.get("gpus", ())),
     })
 
 
@@ -225,6 +242,9 @@ def parse_engine(raw: Mapping[str, Any]) -> EngineRecord:
         weights=raw.get("weights"),
         started_at=raw.get("started_at"),
         log_tail=tuple(raw.get("log_tail") or ()),
+        gpus=tuple(int(g) for g in raw.get("gpus") or ()),
+        holder=raw["holder"] if isinstance(raw.get("holder"), str) else None,
+        epoch=int(raw["epoch"]) if isinstance(raw.get("epoch"), int) else None,
     )
 
 
@@ -266,7 +286,18 @@ def parse_report(raw: Mapping[str, Any]) -> NodeReport:
         engines=tuple(parse_engine(e) for e in raw.get("engines") or ()),
         confinement=parse_confinement(raw.get("confinement")),
         env_allow=tuple(str(n) for n in raw.get("env_allow") or ()),
+        lease=parse_lease(raw.get("lease")),
     )
+
+
+def parse_lease(raw: Any) -> Lease | None:
+    """None for an agent older than fencing, or a poll that asked for no lease."""
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("epoch"), int):
+        return None
+    holder = raw.get("holder")
+    expires = raw.get("expires")
+    return Lease(holder=holder if isinstance(holder, str) else None, epoch=int(raw["epoch"]),
+                 expires=float(expires) if isinstance(expires, int | float) else None, held=raw.get("held") is True)
 
 
 def parse_confinement(raw: Any) -> Confinement | None:

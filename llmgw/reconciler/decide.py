@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from llmgw.catalog import Catalog, Model, ModelName, NodeId
 from llmgw.inventory import Inventory, NodeState
-from llmgw.placement import Placement, PlacementResult, Rejection, place
+from llmgw.placement import Placement, PlacementResult, Rejection, Shard, place
 from llmgw.reconciler.replica import Replica, ReplicaState, fingerprint
 
 
@@ -50,7 +50,18 @@ def _node_lost(inventory: Inventory, node_id: NodeId, now: float, grace: float) 
     node = inventory.node(node_id)
     if node is None:
         return True  # the node left nodes.yaml
+    if node.state == NodeState.FENCED:
+        return True  # another controller took it over: its engines are that one's to run
     return node.unreachable_since is not None and now - node.unreachable_since >= grace
+
+
+def unclaimed_engines(inventory: Inventory, replicas: Sequence[Replica]) -> list[Placement]:
+    """What live engines no replica of ours claims hold (another controller's, or our stale ones
+    until they are stopped): their GPUs are taken, whoever started them."""
+    claimed = {(s.node, s.agent_id) for r in replicas for s in r.shards}
+    return [Placement(ModelName(f"(engine {e.replica_id})"), "", (Shard(node.id, 0, e.gpus),))
+            for node in inventory.nodes.values() if node.report is not None
+            for e in node.report.engines if e.alive and e.gpus and (node.id, e.replica_id) not in claimed]
 
 
 def _draining(inventory: Inventory, node_id: NodeId) -> bool:
@@ -97,7 +108,9 @@ def decide(
         gone = [n for n in r.nodes if _node_lost(inventory, n, now, settings.unreachable_grace)]
         if gone:
             left = [n for n in gone if inventory.node(n) is None]
+            fenced = [n for n in gone if (x := inventory.node(n)) is not None and x.state == NodeState.FENCED]
             lost.append((r.id, f"node {', '.join(left)} left nodes.yaml" if left
+                         else f"node {', '.join(fenced)} is driven by another controller" if fenced
                          else f"node {', '.join(gone)} unreachable past the grace period"))
             continue
         profile = model.profile(r.profile)
@@ -158,6 +171,7 @@ def decide(
     # 4. Place what is wanted; stopping replicas still hold their GPUs until they stop.
     holding = [r.placement for r in replicas
                if r.id not in lost_ids and r.state not in (ReplicaState.STOPPED,)]
+    holding += unclaimed_engines(inventory, replicas)
     wanted = {name: n for name, n in create_counts.items()}
     for name, olds in replacement_wanted.items():
         wanted[name] = wanted.get(name, 0) + len(olds)

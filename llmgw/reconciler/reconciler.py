@@ -23,7 +23,7 @@ from llmgw.dispatch.base import Dispatcher
 from llmgw.errors import DispatchError
 from llmgw.gitops.desired import DesiredState
 from llmgw.gitops.store import Store
-from llmgw.inventory import Inventory
+from llmgw.inventory import EngineRecord, Inventory, NodeState
 from llmgw.inventory.live import LiveInventory
 from llmgw.placement import unrunnable
 from llmgw.reconciler.decide import Decisions, Demand, Settings, decide
@@ -88,6 +88,7 @@ class Reconciler:
         config: ReconcilerConfig = ReconcilerConfig(),
         clock: Callable[[], float] = time.time,
         manages: Callable[[NodeSpec], bool] = lambda _: True,
+        holder: str | None = None,
     ) -> None:
         self.desired = desired
         self.inventory = inventory
@@ -98,6 +99,8 @@ class Reconciler:
         self.config = config
         self.clock = clock
         self.manages = manages
+        self.holder = holder  # this controller's lease holder id: engines stamped otherwise are not ours
+        self._foreign_seen: set[tuple[str, str]] = set()
         self.replicas: dict[str, Replica] = {}
         self.last_decisions = Decisions()
         self._published: tuple | None = None
@@ -225,19 +228,38 @@ class Reconciler:
             self.store.add_event("replica-created", rid, f"{model.name}/{profile.name} on {where}: {new.reason}")
 
     async def _stop_stale_engines(self, inventory: Inventory) -> None:
-        """Stop engines no record claims: left behind by a replica given up with its node."""
+        """Stop engines no record claims: left behind by a replica given up with its node.
+
+        Only our own: an engine another controller started (the node's lease named that one when
+        it started it) is reported once and left running, and so is every engine on a node whose
+        lease another controller holds (seen: two controllers stopped each other's engines).
+        """
         assert self.lifecycle is not None
         claimed = {(s.node, s.agent_id) for r in self.replicas.values() for s in r.shards}
-        stale = [
-            (node.id, e.replica_id)
-            for node in inventory.nodes.values() if node.report is not None
-            for e in node.report.engines
-            if e.alive and (node.id, e.replica_id) not in claimed and e.label("llmgw.replica") is not None
-        ]
+        stale = []
+        for node in inventory.nodes.values():
+            if node.report is None:
+                continue
+            for e in node.report.engines:
+                if not e.alive or (node.id, e.replica_id) in claimed or e.label("llmgw.replica") is None:
+                    continue
+                if node.state == NodeState.FENCED or (e.holder is not None and e.holder != self.holder):
+                    self._report_foreign(node.id, e)
+                else:
+                    stale.append((node.id, e.replica_id))
         for node_id, agent_id in stale:
             if await self.lifecycle.stop_engine(node_id, agent_id):
                 self.store.add_event("stale-engine-stopped", agent_id,
                                      f"engine {agent_id} on {node_id} belongs to no replica (stale); stopped")
+
+    def _report_foreign(self, node_id: str, e: EngineRecord) -> None:
+        if (node_id, e.replica_id) in self._foreign_seen:
+            return
+        self._foreign_seen.add((node_id, e.replica_id))
+        self.store.add_event("foreign-engine", e.replica_id,
+                             f"engine {e.replica_id} on {node_id} (model {e.label('llmgw.model') or '?'}, pid {e.pid}) "
+                             f"was started by controller {e.holder or '?'} (epoch {e.epoch}); left running, its GPUs "
+                             "counted as taken")
 
     async def _advance_all(self, catalog: Catalog, inventory: Inventory) -> None:
         assert self.lifecycle is not None

@@ -177,7 +177,7 @@ async def test_node_loss_moves_replicas_and_stale_engines_stop_on_return(fleet, 
         await until(lambda: len(ready(c)) == 2, what="2 ready")
         assert {r.nodes[0] for r in ready(c)} == {"n1"}
         stale_pids = [r.shards[0].pid for r in ready(c)]
-        await c.fleet._ssh.disconnect("n1")  # type: ignore[union-attr]
+        await c.fleet.inner._ssh.disconnect("n1")  # type: ignore[attr-defined]
         fleet.kill(fleet[0])
         await until(lambda: len(ready(c)) == 2 and all(r.nodes[0] != "n1" for r in ready(c)), timeout=40,
                     what="replicas placed elsewhere")
