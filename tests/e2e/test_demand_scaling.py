@@ -1,0 +1,128 @@
+"""Scaling driven by real demand: a standalone `llmgw router` process reports what its clients do
+to an `llmgw controller` process over sshd nodes, and the controller wakes, scales up, scales down
+and stops a `min: 0` model from those reports alone (it was tested only with demand injected).
+
+Engines are the simulator (no GPU here), paced so load lasts long enough to be seen."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from tests.conftest import git
+from tests.e2e.processes import free_port, start, stop, wait_for
+from tests.reconciler.fleet_e2e import nodes_yaml, sim_model
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "demand-admin-token"
+
+
+def api(admin: str, path: str, body: dict | None = None) -> object:
+    req = urllib.request.Request(admin + path, data=json.dumps(body).encode() if body is not None else None,
+                                 method="POST" if body is not None else "GET",
+                                 headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def live(admin: str) -> list[dict]:
+    return [r for r in api(admin, "/api/v1/replicas") if r["state"] != "stopped"]  # type: ignore[union-attr]
+
+
+def ready(admin: str) -> list[dict]:
+    return [r for r in live(admin) if r["state"] == "ready"]
+
+
+def test_a_model_at_zero_is_woken_scaled_up_and_back_to_zero_by_a_routers_reports(sshd_fleet, tmp_path) -> None:
+    fleet = sshd_fleet(2)
+    repo = tmp_path / "catalog"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "models").mkdir()
+    (repo / "nodes.yaml").write_text(nodes_yaml(fleet))
+    lazy = sim_model("lazy", "sim://lazy", min_=0, max_=2, idle_after="4s", args=["--tokens-per-second", "20"])
+    (repo / "models" / "lazy.yaml").write_text(lazy.replace("scaling:\n", "scaling:\n  target_inflight: 2\n"))
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "A lazy model")
+    admin_port, router_port = free_port(), free_port()
+    admin = f"http://127.0.0.1:{admin_port}"
+    config = tmp_path / "controller.yaml"
+    config.write_text(json.dumps({
+        "repo": str(repo), "data_dir": str(tmp_path / "data"),
+        "listen": {"router": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{admin_port}"},
+        "ssh": {"key": str(fleet.client_key), "known_hosts": str(fleet.known_hosts)},
+        "admin_token": TOKEN, "reconciler": {"tick_interval": "300ms"},
+    }))
+    ctl = start(["controller", "--config", str(config)], tmp_path / "controller.log")
+    router = None
+    try:
+        wait_for(lambda: api(admin, "/api/v1/summary")["sync"]["state"] == "synced", 30, "synced", ctl)
+        router = start(["router", "--controller", admin, "--admin-token", TOKEN, "--listen",
+                        f"127.0.0.1:{router_port}", "--report-interval", "0.5", "--hold-timeout", "60"],
+                       tmp_path / "router.log")
+        wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{router_port}/health", timeout=5).status == 200,
+                 30, "router listening", router)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="x", max_retries=0, timeout=90)
+        wait_for(lambda: [m.id for m in client.models.list().data] == ["lazy"], 30, "router follows", router)
+        assert live(admin) == []  # min 0: nothing runs before anyone asks
+
+        # 1. A request for the model at zero is held by the router, whose report wakes a replica.
+        answer = client.chat.completions.create(model="lazy", messages=[{"role": "user", "content": "wake up"}],
+                                                max_tokens=4)
+        assert answer.choices[0].message.content
+        assert len(ready(admin)) == 1
+        woken = [e for e in api(admin, "/api/v1/events?limit=1000") if e["kind"] == "replica-starting"]  # type: ignore
+        assert len(woken) == 1
+
+        # 2. Load above target_inflight (2 per replica), reported by the router: a second replica.
+        async def load(seconds: float) -> tuple[int, int]:
+            """8 clients for ``seconds``; (answers, most replicas ready at once while they ran)."""
+            async_client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="x",
+                                              max_retries=0, timeout=90)
+            deadline = time.monotonic() + seconds
+            done, most = 0, 0
+
+            async def one() -> None:
+                nonlocal done
+                while time.monotonic() < deadline:
+                    r = await async_client.chat.completions.create(
+                        model="lazy", messages=[{"role": "user", "content": "go on"}], max_tokens=40)
+                    assert r.choices[0].message.content
+                    done += 1
+
+            async def watch() -> None:
+                nonlocal most
+                while time.monotonic() < deadline:
+                    most = max(most, len(await asyncio.to_thread(ready, admin)))
+                    await asyncio.sleep(0.2)
+
+            await asyncio.gather(*(one() for _ in range(8)), watch())
+            await async_client.close()
+            return done, most
+
+        answered, most = asyncio.run(load(12))
+        assert answered > 0 and most == 2, (answered, most)
+        starts = [e for e in api(admin, "/api/v1/events?limit=1000") if e["kind"] == "replica-starting"]  # type: ignore
+        assert len(starts) == 2
+
+        # 3. No more requests: idle past idle_after (4 s) by the router's last-use reports, both stop.
+        wait_for(lambda: live(admin) == [], 40, "idle replicas stopped", ctl)
+        stops = [e for e in api(admin, "/api/v1/events?limit=1000") if e["kind"] == "replica-stopping"]  # type: ignore
+        assert len(stops) == 2 and all("idle for" in e["message"] for e in stops)
+    finally:
+        if router is not None:
+            stop(router, signal.SIGTERM)
+        (repo / "models" / "lazy.yaml").unlink()
+        git(repo, "commit", "-qam", "Retire\n\nLlmgw-Allow-Prune: yes")
+        try:
+            api(admin, "/api/v1/sync", {})
+            wait_for(lambda: live(admin) == [], 60, "replicas stopped", ctl)
+        finally:
+            stop(ctl, signal.SIGTERM)
