@@ -7,6 +7,7 @@ Engines are the simulator (no GPU here), paced so load lasts long enough to be s
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import signal
 import time
@@ -22,6 +23,7 @@ from tests.reconciler.fleet_e2e import nodes_yaml, sim_model
 pytestmark = pytest.mark.slow
 
 TOKEN = "demand-admin-token"
+KEY = "sk-team-lazy"
 
 
 def api(admin: str, path: str, body: dict | None = None) -> object:
@@ -59,6 +61,8 @@ def test_a_model_at_zero_is_woken_scaled_up_and_back_to_zero_by_a_routers_report
         "listen": {"router": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{admin_port}"},
         "ssh": {"key": str(fleet.client_key), "known_hosts": str(fleet.known_hosts)},
         "admin_token": TOKEN, "reconciler": {"tick_interval": "300ms"},
+        # The controller's keys reach the standalone router over the feed: it has no --api-keys.
+        "api_keys": [{"name": "team", "sha256": hashlib.sha256(KEY.encode()).hexdigest(), "models": ["lazy"]}],
     }))
     ctl = start(["controller", "--config", str(config)], tmp_path / "controller.log")
     router = None
@@ -69,9 +73,13 @@ def test_a_model_at_zero_is_woken_scaled_up_and_back_to_zero_by_a_routers_report
                        tmp_path / "router.log")
         wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{router_port}/health", timeout=5).status == 200,
                  30, "router listening", router)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="x", max_retries=0, timeout=90)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key=KEY, max_retries=0, timeout=90)
         wait_for(lambda: [m.id for m in client.models.list().data] == ["lazy"], 30, "router follows", router)
         assert live(admin) == []  # min 0: nothing runs before anyone asks
+        stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="guess", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            stranger.chat.completions.create(model="lazy", messages=[{"role": "user", "content": "hi"}])
+        assert live(admin) == []  # a refused request wakes nothing
 
         # 1. A request for the model at zero is held by the router, whose report wakes a replica.
         answer = client.chat.completions.create(model="lazy", messages=[{"role": "user", "content": "wake up"}],
@@ -84,7 +92,7 @@ def test_a_model_at_zero_is_woken_scaled_up_and_back_to_zero_by_a_routers_report
         # 2. Load above target_inflight (2 per replica), reported by the router: a second replica.
         async def load(seconds: float) -> tuple[int, int]:
             """8 clients for ``seconds``; (answers, most replicas ready at once while they ran)."""
-            async_client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="x",
+            async_client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key=KEY,
                                               max_retries=0, timeout=90)
             deadline = time.monotonic() + seconds
             done, most = 0, 0
