@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from llmgw.catalog import Catalog, Model, ModelName, NodeId
+from llmgw.catalog import Catalog, Model, ModelName, NodeId, Profile
 from llmgw.inventory import Inventory, NodeState
 from llmgw.placement import Placement, PlacementResult, Rejection, Shard, place
 from llmgw.reconciler.replica import Replica, ReplicaState, fingerprint
@@ -93,6 +93,16 @@ def decide(
     """
     stop: dict[str, str] = {}
     lost: list[tuple[str, str]] = []
+    # A fingerprint hashes the whole model and profile: once per profile per tick, not per replica
+    # (it was most of a steady tick's cost on a fleet of 600 replicas).
+    memo: dict[tuple[str, str], str] = {}
+
+    def fingerprints(model: Model, profile: Profile) -> str:
+        key = (model.name, profile.name)
+        if key not in memo:
+            memo[key] = fingerprint(model, profile)
+        return memo[key]
+
     by_id = {r.id: r for r in replicas}
     replacing = {r.replaces: r for r in replicas if r.replaces and r.state.live}
     needs_replacement: dict[str, str] = {}  # old id → why
@@ -114,7 +124,7 @@ def decide(
                          else f"node {', '.join(gone)} unreachable past the grace period"))
             continue
         profile = model.profile(r.profile)
-        if profile is None or fingerprint(model, profile) != r.fingerprint:
+        if profile is None or fingerprints(model, profile) != r.fingerprint:
             needs_replacement[r.id] = "its profile changed"
         elif any(_draining(inventory, n) for n in r.nodes):
             needs_replacement[r.id] = "its node is draining"
@@ -132,9 +142,12 @@ def decide(
 
     # 3. Scaling: each model within [min, max], by demand and idleness.
     create_counts: dict[str, int] = {}
+    by_model: dict[str, list[Replica]] = defaultdict(list)  # once, not a scan of the fleet per model
+    for r in replicas:
+        if r.state.live and r.id not in stop and r.id not in lost_ids:
+            by_model[r.model].append(r)
     for model in catalog.models:
-        mine = [r for r in replicas if r.model == model.name and r.state.live
-                and r.id not in stop and r.id not in lost_ids]
+        mine = by_model.get(model.name, [])
         # A replica and its replacement hold one slot between them, until the old one stops
         # (here or earlier).
         slots = [r for r in mine if not (r.replaces and r.replaces in by_id and r.replaces not in stop
