@@ -277,7 +277,7 @@ async def inventory_export(request: web.Request) -> web.Response:
 
 async def plan(request: web.Request) -> web.Response:
     """The dry run of a revision the controller has fetched, against the live fleet."""
-    from llmgw.catalog.gitread import read_git_tree
+    from llmgw.gitops.gitcli import read_tree
     from llmgw.plan import FleetSnapshot, build_report, render_json
 
     c = ctl(request)
@@ -289,8 +289,8 @@ async def plan(request: web.Request) -> web.Response:
     if not _is_sha_or_ref(rev) or not await asyncio.to_thread(mirror.has, rev):
         return error(404, f"revision {rev!r} is not in the controller's mirror (push it, then POST /api/v1/sync)")
     try:
-        head_files = await asyncio.to_thread(read_git_tree, mirror.path, rev, subdir=mirror.subdir)
-        base_files = (await asyncio.to_thread(read_git_tree, mirror.path, applied, subdir=mirror.subdir)
+        head_files = await asyncio.to_thread(read_tree, mirror.path, rev, subdir=mirror.subdir)
+        base_files = (await asyncio.to_thread(read_tree, mirror.path, applied, subdir=mirror.subdir)
                       if applied else None)
     except GitError as exc:
         return error(404, str(exc))

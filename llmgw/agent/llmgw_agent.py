@@ -595,9 +595,9 @@ def take_lease(cfg: NodeConfig, holder: str, ttl: float, *, takeover: bool) -> J
             epoch += 1
         # Rewritten only when it changes or half its time is gone: a poll every tick must not
         # write a file every tick.
-        if not same or takeover or float(lease.get("expires") or 0) - now < ttl / 2:
-            lease = {"holder": holder, "epoch": epoch, "expires": now + ttl, "since": now if not same
-                     else lease.get("since", now)}
+        if lease is None or not same or takeover or float(lease.get("expires") or 0) - now < ttl / 2:
+            since = lease.get("since", now) if lease is not None and same else now
+            lease = {"holder": holder, "epoch": epoch, "expires": now + ttl, "since": since}
             write_json_atomic(_lease_path(cfg), lease)
         return lease_view(lease, holder, now)
 
@@ -818,6 +818,8 @@ def filesystem_info(path: str, mounts: List[Tuple[str, str]]) -> JsonDict:
     while not os.path.exists(probe) and probe != "/":
         probe = os.path.dirname(probe)
     found = mount_for(probe, mounts)
+    total: Optional[int]
+    free: Optional[int]
     try:
         vfs = os.statvfs(probe)
         total, free = vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
@@ -965,7 +967,8 @@ def verb_fetch(cfg: NodeConfig, request: JsonDict) -> JsonDict:
 
 
 def _done_state(name: str, path: str, manifest: JsonDict) -> JsonDict:
-    size = manifest.get("bytes") if _is_int(manifest.get("bytes")) else tree_bytes(path)
+    raw = manifest.get("bytes")
+    size = raw if isinstance(raw, int) and _is_int(raw) else tree_bytes(path)
     return _fetch_state(name, path, manifest["source"], "done", done=size, total=size)
 
 
@@ -1501,7 +1504,8 @@ def confinement(cfg: NodeConfig) -> Confinement:
     if cfg.sandbox == "none":
         return replace(base, detail=f"no sandbox (sandbox: none); engines run as {user}")
     bwrap = cfg.bwrap or next((p for p in BWRAP_CANDIDATES if os.access(p, os.X_OK)), None)
-    setpriv = None
+    setpriv: Optional[str] = None
+    why: Optional[str]
     # As root, bwrap makes the namespaces and setpriv drops to the user inside; a non-root agent
     # runs bwrap as itself, which needs unprivileged user namespaces.
     if os.geteuid() == 0 and uid != 0:
@@ -1857,7 +1861,7 @@ def check_visible(cfg: NodeConfig, conf: Confinement, prefix: List[str], *, weig
     if conf.sandbox == "bwrap":
         exposed = tuple(os.path.realpath(p) for p in cfg.sandbox_paths)
         for hidden in _hidden_paths(cfg) if real is not None else ():
-            if _inside(real, hidden) and not any(_inside(real, p) for p in exposed):
+            if real is not None and _inside(real, hidden) and not any(_inside(real, p) for p in exposed):
                 raise Refused(f"start: the engine executable {real} is under {hidden}, which the sandbox hides; "
                               f"list its directory in sandbox_paths in {cfg.path}", setting="sandbox_paths")
         return

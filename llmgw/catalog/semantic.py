@@ -87,7 +87,7 @@ def check_unique_names(entries: list[ModelEntry]) -> list[Problem]:
     out = []
     # Canonical names first: when an alias collides with another model's name, the alias
     # is the mistake, whichever file sorts first.
-    claims = [(e, 0, e.model.name) for e in entries]
+    claims: list[tuple[ModelEntry, int, str]] = [(e, 0, e.model.name) for e in entries]
     claims += [(e, i + 1, a) for e in entries for i, a in enumerate(e.model.aliases)]
     for e, i, name in claims:
         path = ("name",) if i == 0 else ("aliases", i - 1)
@@ -110,7 +110,7 @@ def check_unique_names(entries: list[ModelEntry]) -> list[Problem]:
 
 def check_fallbacks(entries: list[ModelEntry], known_names: set[str]) -> list[Problem]:
     """Fallbacks exist, are not the model itself, and never lead back to it."""
-    by_name = {e.model.name: e for e in entries}
+    by_name: dict[str, ModelEntry] = {e.model.name: e for e in entries}
     for e in entries:
         for a in e.model.aliases:
             by_name.setdefault(a, e)
@@ -123,11 +123,11 @@ def check_fallbacks(entries: list[ModelEntry], known_names: set[str]) -> list[Pr
                 out.append(e.doc.problem(("fallbacks", i), f'fallback "{fb}" is not in the catalog'))
     # Cycle detection over canonical names, each cycle reported once, at the model the
     # walk entered it by. Iterative: a fallback chain may be as long as the catalog.
-    graph = {
+    graph: dict[str, list[str]] = {
         e.model.name: [by_name[f].model.name for f in e.model.fallbacks if f in by_name and by_name[f] is not e]
         for e in entries
     }
-    entry_of = {e.model.name: e for e in entries}
+    entry_of: dict[str, ModelEntry] = {e.model.name: e for e in entries}
     for cycle in find_cycles(graph):
         chain = " → ".join([*cycle, cycle[0]])
         out.append(entry_of[cycle[0]].doc.problem(("fallbacks",), f"fallbacks form a cycle: {chain}"))

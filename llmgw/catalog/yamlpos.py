@@ -98,8 +98,9 @@ def _build(
                 )
                 continue
             first_seen[key] = (line, col)
-            doc.positions[path + (key,)] = (line, col)
-            out[key] = _build(value_node, path + (key,), loader, doc, problems, budget)
+            step: Path = (key,)  # a plain key (checked above), as the path type holds
+            doc.positions[path + step] = (line, col)
+            out[key] = _build(value_node, path + step, loader, doc, problems, budget)
         return out
     raise TypeError(f"unexpected YAML node {node!r}")  # compose only yields the three kinds
 

@@ -68,29 +68,16 @@ def _local_up(repo_root: Path) -> Client | None:
     return client
 
 
-def _has_rev(repo, rev: str) -> bool:  # noqa: ANN001 - git.Repo
-    import git
-
-    try:
-        repo.commit(rev)
-    except (git.GitError, git.BadName, git.BadObject, ValueError):
-        return False
-    return True
-
-
 def run(args: argparse.Namespace, console: Console) -> int:
     # Imported here, not at the top: every other command would pay for them at start-up.
-    import git
-
     from llmgw.catalog import read_directory
-    from llmgw.catalog.gitread import read_git_tree, resolve_commit
+    from llmgw.gitops.gitcli import has_commit, read_tree, resolve_commit, work_tree_root
     from llmgw.plan import FleetSnapshot, build_report, render_json, render_markdown, render_text
 
     try:
-        repo = git.Repo(args.repo, search_parent_directories=True)
-    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
-        return fail(console, f"{args.repo}: not inside a git repository")
-    root = Path(repo.working_tree_dir or ".").resolve()
+        root = repo = work_tree_root(args.repo)
+    except GitError as exc:
+        return fail(console, str(exc))
     catalog_dir = Path(args.repo).resolve()
     if not catalog_dir.is_relative_to(root):
         # A symlink that leaves the repository: reading through it would publish that
@@ -109,13 +96,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
             base_rev = client.request("GET", "/api/v1/sync")["applied_sha"]
         if base_rev is None:
             base_rev = f"origin/{args.branch}"
-            if not _has_rev(repo, base_rev):
+            if not has_commit(repo, base_rev):
                 base_rev = "HEAD"  # no remote to compare with: the last commit
-        base_sha = resolve_commit(repo, base_rev).hexsha
-        base_files = read_git_tree(repo, base_sha, subdir=subdir)
+        base_sha = resolve_commit(repo, base_rev)
+        base_files = read_tree(repo, base_sha, subdir=subdir)
         if args.head:
             head_name = args.head
-            head_files = read_git_tree(repo, resolve_commit(repo, args.head).hexsha, subdir=subdir)
+            head_files = read_tree(repo, resolve_commit(repo, args.head), subdir=subdir)
         else:
             head_name = "working tree"
             head_files = read_directory(catalog_dir)  # checked above to be inside the repository

@@ -34,22 +34,16 @@ def validate_path(path: str, rev: str | None) -> ValidationResult:
     workers = os.cpu_count() or 1
     if rev is None:
         return validate_files(read_directory(path), workers=workers)
-    # Imported here: git costs 60 ms of start-up that validating files on disk never needs.
-    import git
+    from llmgw.gitops.gitcli import read_tree, resolve_commit, work_tree_root
 
-    from llmgw.catalog.gitread import read_git_tree, resolve_commit
-
-    try:
-        repo = git.Repo(path, search_parent_directories=True)
-    except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
-        raise GitError(f"{path}: not inside a git repository") from exc
-    root = Path(repo.working_tree_dir or ".").resolve()
+    root = work_tree_root(path)
     try:
         subdir = Path(path).resolve().relative_to(root).as_posix()
     except ValueError as exc:  # reached through a symlink that leaves the repository
         raise GitError(f"{path}: resolves outside the repository {root}") from exc
-    files = read_git_tree(repo, rev, subdir="" if subdir == "." else subdir)
-    return validate_files(files, revision=resolve_commit(repo, rev).hexsha, workers=workers)
+    sha = resolve_commit(root, rev)
+    files = read_tree(root, sha, subdir="" if subdir == "." else subdir)
+    return validate_files(files, revision=sha, workers=workers)
 
 
 def run(args: argparse.Namespace, console: Console) -> int:

@@ -1,22 +1,20 @@
 """A local mirror of the one branch the controller follows.
 
 Git is driven as a subprocess with an argv list and a timeout on every call (a hung
-remote must not hang the controller); reading a commit's catalog goes through
-`llmgw.catalog.gitread`, so the tree is read from the commit, never a working tree.
+remote must not hang the controller), through `llmgw.gitops.gitcli`; the catalog is read
+from the commit's tree, never a working tree.
 The mirror is a bare repository under the controller's data dir: nothing can edit files
 in it by accident, and a force-push upstream is followed by a forced ref update.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw.catalog.gitread import read_git_tree
 from llmgw.catalog.loader import RawFile
 from llmgw.errors import BranchMissing, GitError
+from llmgw.gitops.gitcli import read_tree, run_git
 from llmgw.gitops.status import History
 
 GIT_TIMEOUT = 30.0
@@ -30,28 +28,6 @@ class CommitInfo:
     subject: str
     message: str
     time: float
-
-
-def run_git(
-    args: list[str], *, cwd: Path | None = None, timeout: float = GIT_TIMEOUT, env: dict[str, str] | None = None
-) -> str:
-    """Run git; stdout on success, GitError carrying git's own words otherwise."""
-    full_env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", **(env or {})}
-    try:
-        proc = subprocess.run(
-            ["git", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise GitError(f"git {args[0]} timed out after {timeout:g}s") from exc
-    except OSError as exc:
-        raise GitError(f"cannot run git: {exc}") from exc
-    if proc.returncode != 0:
-        lines = [ln.strip() for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
-        # git's reason is on its fatal:/error: lines; the rest is advice.
-        remote = [ln for ln in lines if ln.startswith("remote:")][:2]  # the host's own words, not its advice
-        reason = [ln for ln in lines if ln.startswith(("fatal:", "error:", "! [")) or ln in remote] or lines[-3:]
-        raise GitError(f"git {args[0]} failed: {' '.join(reason) or f'exit {proc.returncode}'}")
-    return proc.stdout
 
 
 def normalise_url(url: str) -> str:
@@ -122,7 +98,7 @@ class GitMirror:
         return True
 
     def read(self, sha: str) -> dict[str, RawFile]:
-        return read_git_tree(self.path, sha, subdir=self.subdir)
+        return read_tree(self.path, sha, subdir=self.subdir)
 
     def info(self, sha: str) -> CommitInfo:
         out = run_git(["show", "-s", "--format=%H%x00%an%x00%ae%x00%ct%x00%s%x00%B", sha], cwd=self.path)

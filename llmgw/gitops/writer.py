@@ -18,7 +18,8 @@ import yaml
 
 from llmgw.catalog import read_directory, validate_files
 from llmgw.errors import CatalogError, GitError, PushRejected
-from llmgw.gitops.repo import GIT_TIMEOUT, normalise_url, run_git
+from llmgw.gitops.gitcli import GIT_TIMEOUT, run_git
+from llmgw.gitops.repo import normalise_url
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 _ACTOR = re.compile(r"^\s*(?P<name>[^<>]+?)\s*<(?P<email>[^<>\s]+)>\s*$")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from llmgw.catalog.gitread import read_git_tree
+from llmgw.gitops.gitcli import read_tree
 from llmgw.plan import FleetSnapshot, build_report
 from llmgw.reconciler import ReplicaState
 from tests.reconciler.fleet_e2e import Recorder, make_controller, make_repo, ready, sim_model, until
@@ -40,8 +40,8 @@ async def test_applied_commit_does_what_the_plan_said(sshd_fleet, tmp_path) -> N
         await asyncio.to_thread(c.follower.mirror.fetch)  # the commit is in the mirror, not yet judged
         before = {r.id: r for r in c.reconciler.snapshot()}
         snapshot = FleetSnapshot(c.inventory.snapshot(), tuple(c.reconciler.snapshot()), time.time())
-        report = build_report(base_sha, read_git_tree(c.follower.mirror.path, base_sha), head_sha,
-                              read_git_tree(c.follower.mirror.path, head_sha), snapshot, now=time.time())
+        report = build_report(base_sha, read_tree(c.follower.mirror.path, base_sha), head_sha,
+                              read_tree(c.follower.mirror.path, head_sha), snapshot, now=time.time())
         plan = report.plan
         assert plan is not None and not report.problems
         planned_starts = sorted((s.model, s.where) for s in plan.steps if s.action in ("start", "replace"))

@@ -1,0 +1,157 @@
+"""The one way llmgw talks to git: the `git` command, with a timeout on every call.
+
+Used by the controller's mirror and writer and by the review tools (`llmgw validate --rev`,
+`llmgw diff`) alike. There were two drivers, this one and GitPython without timeouts (a `Repo`
+opened per read and never closed, its exceptions reaching the CLI); a hung fetch or a huge
+repository could then stall a tick or print a traceback. Every failure here is a
+:class:`~llmgw.errors.GitError` in git's own words.
+
+Reading a commit's tree, never a working tree: the controller must judge exactly what was
+committed. A symlink is a blob (mode 120000) whose content is its target's path; it is refused by
+its mode and its blob never read, so neither the target nor its path reaches an error message.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+from llmgw.catalog.loader import MAX_FILE_BYTES, MODELS_DIR, MODELS_DIR_SYMLINK, RawFile, is_catalog_file, refusal
+from llmgw.errors import GitError
+
+GIT_TIMEOUT = 30.0
+_ENV = {"GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", "GIT_OPTIONAL_LOCKS": "0"}
+
+
+def _run(args: list[str], *, cwd: Path | str | None, timeout: float, env: dict[str, str] | None,
+         data: bytes | None = None) -> bytes:
+    full_env = {**os.environ, **_ENV, **(env or {})}
+    try:
+        proc = subprocess.run(["git", *args], cwd=cwd, env=full_env, input=data, capture_output=True,
+                              timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise GitError(f"git {args[0]} timed out after {timeout:g}s") from exc
+    except OSError as exc:
+        raise GitError(f"cannot run git: {exc}") from exc
+    if proc.returncode != 0:
+        text = (proc.stderr or proc.stdout).decode("utf-8", "replace").strip()
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        # git's reason is on its fatal:/error: lines; the rest is advice.
+        remote = [ln for ln in lines if ln.startswith("remote:")][:2]  # the host's own words, not its advice
+        reason = [ln for ln in lines if ln.startswith(("fatal:", "error:", "! [")) or ln in remote] or lines[-3:]
+        raise GitError(f"git {args[0]} failed: {' '.join(reason) or f'exit {proc.returncode}'}")
+    return proc.stdout
+
+
+def run_git(args: list[str], *, cwd: Path | str | None = None, timeout: float = GIT_TIMEOUT,
+            env: dict[str, str] | None = None) -> str:
+    """Run git; its stdout as text on success, GitError carrying git's own words otherwise."""
+    return _run(args, cwd=cwd, timeout=timeout, env=env).decode("utf-8", "replace")
+
+
+def work_tree_root(path: Path | str) -> Path:
+    """The top of the working tree ``path`` is in, found by walking up ``path`` as written (a
+    symlink in it is not resolved first: the caller then sees that it leads out); GitError when
+    it is in none."""
+    p = Path(os.path.abspath(path))
+    for candidate in (p, *p.parents):
+        if (candidate / ".git").exists():
+            try:
+                return Path(run_git(["rev-parse", "--show-toplevel"], cwd=candidate).strip()).resolve()
+            except GitError as exc:
+                raise GitError(f"{path}: not inside a usable git repository: {exc}") from None
+    raise GitError(f"{path}: not inside a git repository")
+
+
+def resolve_commit(repo: Path | str, rev: str) -> str:
+    """The sha of the commit ``rev`` names; GitError when it names none."""
+    if not rev or rev.startswith("-"):
+        raise GitError(f"cannot read {rev!r}: not a revision")
+    try:
+        return run_git(["rev-parse", "--verify", "-q", "--end-of-options", rev + "^{commit}"], cwd=repo).strip()
+    except GitError as exc:
+        raise GitError(f"cannot read {rev!r}: no such commit") from exc
+
+
+def has_commit(repo: Path | str, rev: str) -> bool:
+    try:
+        resolve_commit(repo, rev)
+    except GitError:
+        return False
+    return True
+
+
+def _entries(repo: Path | str, sha: str, *paths: str, recursive: bool) -> list[tuple[int, str, str, int, str]]:
+    """``git ls-tree`` of ``sha``: (mode, type, object, size, path) per entry."""
+    args = ["ls-tree", "-z", "--long", "--full-tree"] + (["-r"] if recursive else []) + [sha, "--", *paths]
+    out = []
+    for raw in _run(args, cwd=repo, timeout=GIT_TIMEOUT, env=None).split(b"\0"):
+        if not raw:
+            continue
+        meta, _, name = raw.partition(b"\t")
+        mode, kind, obj, size = meta.split(None, 3)
+        out.append((int(mode, 8), kind.decode(), obj.decode(), int(size) if size.strip() != b"-" else 0,
+                    os.fsdecode(name)))
+    return out
+
+
+def read_tree(repo: Path | str, rev: str, *, subdir: str = "") -> dict[str, RawFile]:
+    """The catalog files in ``rev``'s tree under ``subdir``, keyed by path relative to it.
+
+    A catalog file that is not a regular blob (a symlink, a submodule) comes back refused with its
+    content unread; so does a symlinked ``models`` directory. A file over the size limit comes
+    back empty with its real size (its size alone is the problem).
+    """
+    sha = resolve_commit(repo, rev)
+    prefix = subdir.strip("/")
+    parts = [p for p in prefix.split("/") if p]
+    # Walked one component at a time, so a symlink on the way is named, not followed.
+    for i in range(len(parts)):
+        where = "/".join(parts[: i + 1])
+        found = _entries(repo, sha, where, recursive=False)
+        if not found:
+            raise GitError(f"cannot read {rev!r} under {prefix}: {where} is not in that commit")
+        mode, kind = found[0][0], found[0][1]
+        if kind != "tree":
+            what = "a symbolic link (symlinks are not followed)" if stat.S_ISLNK(mode) else "not a directory"
+            raise GitError(f"cannot read {rev!r} under {prefix}: {where} is {what}")
+    out: dict[str, RawFile] = {}
+    wanted: list[tuple[str, str, int]] = []
+    for mode, kind, obj, size, path in _entries(repo, sha, *([prefix + "/"] if prefix else []), recursive=True):
+        rel = path[len(prefix) + 1:] if prefix else path
+        if rel == MODELS_DIR and stat.S_ISLNK(mode):
+            out[rel] = RawFile(rel, b"", 0, refused=MODELS_DIR_SYMLINK)
+            continue
+        if not is_catalog_file(rel):
+            continue
+        reason = refusal(mode) if kind == "blob" else refusal(mode) or "not a regular file"
+        if reason:
+            out[rel] = RawFile(rel, b"", 0, refused=reason)
+            continue
+        if size > MAX_FILE_BYTES:
+            out[rel] = RawFile(rel, b"", size)
+            continue
+        wanted.append((rel, obj, size))
+    for (rel, _, size), data in zip(wanted, _blobs(repo, [obj for _, obj, _ in wanted]), strict=True):
+        out[rel] = RawFile(rel, data, size)
+    return out
+
+
+def _blobs(repo: Path | str, objects: list[str]) -> list[bytes]:
+    """The contents of ``objects`` through one ``git cat-file --batch``."""
+    if not objects:
+        return []
+    raw = _run(["cat-file", "--batch"], cwd=repo, timeout=GIT_TIMEOUT, env=None,
+               data="".join(o + "\n" for o in objects).encode())
+    out, pos = [], 0
+    for obj in objects:
+        end = raw.index(b"\n", pos)
+        header = raw[pos:end].split()
+        if len(header) != 3 or header[0].decode() != obj:
+            raise GitError(f"git cat-file: unexpected answer for {obj}: {raw[pos:end][:80]!r}")
+        size = int(header[2])
+        out.append(raw[end + 1:end + 1 + size])
+        pos = end + 1 + size + 1
+    return out
