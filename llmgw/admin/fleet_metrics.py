@@ -32,8 +32,8 @@ class FleetCollector(Collector):
         counts = {s.value: 0 for s in NodeState}
         for n in inv.nodes.values():
             counts[n.state.value] += 1
-        for state, n in counts.items():
-            nodes.add_metric([state], n)
+        for state, count in counts.items():
+            nodes.add_metric([state], count)
         yield nodes
 
         used: dict[str, set[int]] = {}
@@ -62,8 +62,8 @@ class FleetCollector(Collector):
         counts2: dict[tuple[str, str], int] = {}
         for r in c.reconciler.snapshot():
             counts2[(r.model, r.state.value)] = counts2.get((r.model, r.state.value), 0) + 1
-        for (model, state), n in sorted(counts2.items()):
-            reps.add_metric([model, state], n)
+        for (model, state), count in sorted(counts2.items()):
+            reps.add_metric([model, state], count)
         yield reps
 
         idle = GaugeMetricFamily("llmgw_replica_idle_seconds", "Seconds since the router last used a replica",

@@ -7,15 +7,20 @@ catalog in one pass instead of one error per push.
 
 from __future__ import annotations
 
+import ast
+import functools
 import posixpath
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from llmgw.catalog.model import Model, NodeSpec, Profile, Settings
 from llmgw.catalog.problems import Problem
 from llmgw.catalog.yamlpos import Document
+
+AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "llmgw_agent.py"
 
 
 @dataclass(frozen=True)
@@ -170,13 +175,23 @@ def check_scaling(entries: Iterable[ModelEntry]) -> list[Problem]:
     return out
 
 
+@functools.cache
 def default_env_allow() -> frozenset[str]:
     """The env names every node's agent allows by default: the agent's own list, so a profile
-    is refused at commit time for what nodes would refuse at start time. Imported on use: the
-    agent module costs 45 ms to import and most catalogs set no env."""
-    from llmgw.agent.llmgw_agent import DEFAULT_ENV_ALLOW
+    is refused at commit time for what nodes would refuse at start time.
 
-    return DEFAULT_ENV_ALLOW
+    Read from the agent's source, not imported: the agent is one stdlib file shipped to nodes, so
+    it cannot import this package, and importing it here would bring its process and socket code
+    into validation (the layers forbid that). One list, read where it is written.
+    """
+    tree = ast.parse(AGENT_SOURCE.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "DEFAULT_ENV_ALLOW"
+                                                for t in node.targets):
+            call = node.value
+            assert isinstance(call, ast.Call) and call.args, "DEFAULT_ENV_ALLOW is frozenset({...})"
+            return frozenset(ast.literal_eval(call.args[0]))
+    raise RuntimeError(f"{AGENT_SOURCE} defines no DEFAULT_ENV_ALLOW")
 
 
 def _env_refusal(key: str) -> str:

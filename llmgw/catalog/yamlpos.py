@@ -98,7 +98,7 @@ def _build(
                 )
                 continue
             first_seen[key] = (line, col)
-            step: Path = (key,)  # a plain key (checked above), as the path type holds
+            step: Path = (key,)  # type: ignore[assignment]  # a plain key, checked above
             doc.positions[path + step] = (line, col)
             out[key] = _build(value_node, path + step, loader, doc, problems, budget)
         return out

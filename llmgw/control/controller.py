@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from llmgw.catalog import Catalog
 from llmgw.control.config import ControllerConfig
 from llmgw.control.fleet_dispatch import FleetDispatcher
-from llmgw.dispatch.base import Dispatcher
+from llmgw.dispatch.base import AgentVerbs
 from llmgw.dispatch.fence import FencedDispatcher
 from llmgw.gitops import DesiredState, GitMirror, GitOpsFollower, Store
 from llmgw.gitops.desired import RECONCILER
@@ -42,7 +42,7 @@ class Controller:
         *,
         sink: EndpointSink | None = None,
         usage: UsageSource | None = None,
-        dispatcher: Dispatcher | None = None,
+        dispatcher: AgentVerbs | None = None,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -105,7 +105,7 @@ class Controller:
             claimed = {s.agent_id for r in self.reconciler.snapshot() for s in r.shards if s.node == node_id}
             for e in node.report.engines:
                 if e.alive and e.replica_id not in claimed and e.holder != self.controller_id:
-                    if await self.reconciler.lifecycle.stop_engine(node_id, e.replica_id):  # type: ignore[union-attr]
+                    if await self.reconciler.lifecycle.stop_engine(node_id, e.replica_id):
                         stopped.append(e.replica_id)
                         self.store.add_event("foreign-engine-stopped", e.replica_id,
                                              f"engine {e.replica_id} on {node_id} (started by {e.holder}) stopped "

@@ -13,7 +13,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -21,9 +21,22 @@ from llmgw.admin.app import build_admin_app
 from llmgw.control.config import Listen, ServerConfig
 from llmgw.control.controller import Controller
 from llmgw.errors import ConfigError
+from llmgw.gitops.desired import ROUTER, DesiredState
 from llmgw.serving import connection_cap, listen, raise_fd_limit, throttle_loop_errors
 
+if TYPE_CHECKING:
+    from llmgw.router.app import Router
+
 log = logging.getLogger(__name__)
+
+
+def attach_router(router: Router, desired: DesiredState, *, wake: Callable[[str], None]) -> None:
+    """In-process wiring of the data plane to the control plane: the router hears of every catalog
+    before the reconciler does (``order=ROUTER``, so a removed model stops taking traffic before
+    its replicas stop) and wakes the control plane through ``wake``. The router is also the
+    reconciler's endpoint sink and usage source (through Fanout and MergedUsage)."""
+    router.wake = wake
+    desired.subscribe(router.set_catalog, order=ROUTER)
 
 
 def check_free(listen: Listen, what: str) -> None:
@@ -76,7 +89,6 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     check_free(cfg.router_listen, router_flag)
     raise_fd_limit()
     throttle_loop_errors()
-    from llmgw.gitops.desired import ROUTER
     from llmgw.router.app import Router
     from llmgw.router.config import RouterConfig
     from llmgw.router.feed import Fanout, FeedHub, MergedUsage
@@ -90,7 +102,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     hub.set_api_keys(cfg.api_keys)
     controller = Controller(cfg.controller, sink=Fanout(router, hub), usage=MergedUsage(router, hub))
     wake = lambda _model: controller.reconciler.notify()  # noqa: E731 - one-line adapter
-    router.attach(controller.desired, wake=wake)
+    attach_router(router, controller.desired, wake=wake)
     hub.wake = wake
     controller.desired.subscribe(hub.set_catalog, order=ROUTER)
     await router.start()

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -113,7 +114,7 @@ def write_agent_config(layout: UpLayout) -> None:
     """The local node's own config (rewritten each run: it only describes this machine)."""
     spec = local_node_spec(layout.catalog)
     gpus = spec.get("gpus") or {}
-    config = {
+    config: dict[str, Any] = {
         "cache_dir": str(layout.node_dir / "cache"),
         "model_dirs": [],
         "state_dir": str(layout.node_dir / "state"),

@@ -256,7 +256,7 @@ class SshDispatcher(AgentVerbs):
     def _open_blocking(self, conn: SshConnection) -> None:
         assert self._pkey is not None
         conn.connect(self._pkey, self.known_hosts, timeout=self.connect_timeout)
-        conn.client.get_transport().set_keepalive(self.keepalive_interval)  # type: ignore[union-attr]
+        conn.client.get_transport().set_keepalive(self.keepalive_interval)
         conn.install(force=False, timeout=self.connect_timeout)
 
     async def _start_agent(self, node: _Node, conn: SshConnection, *, may_upload: bool = True) -> AgentChannel:

@@ -113,6 +113,7 @@ async def probe_ready(
     models get ``POST /v1/embeddings`` with a short input. A 200 whose body is not the
     expected shape (``choices`` / ``data`` non-empty) is not ready.
     """
+    body: dict[str, object]
     if task == "embedding":
         path, body, key = "/v1/embeddings", {"model": model_name, "input": PROBE_PROMPT}, "data"
     else:

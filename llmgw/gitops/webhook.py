@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -34,7 +34,7 @@ def signature_ok(secret: bytes, body: bytes, headers: "web.BaseRequest | dict[st
                for c in candidates)
 
 
-def webhook_handler(secret: str, trigger: Callable[[], None]) -> Callable[[web.Request], object]:
+def webhook_handler(secret: str, trigger: Callable[[], None]) -> Callable[[web.Request], Awaitable[web.Response]]:
     """An aiohttp handler: 401 without a valid signature (nothing triggered), 202 with one."""
     key = secret.encode("utf-8")
 

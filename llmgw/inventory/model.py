@@ -163,7 +163,7 @@ class Inventory:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Inventory:
-        nodes = {}
+        nodes: dict[str, Node] = {}
         for raw in data.get("nodes", []):
             node = _node_from_json(raw)
             nodes[node.id] = node

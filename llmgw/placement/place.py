@@ -193,9 +193,9 @@ def place(
                 placed.append(placement)
     rejections: list[Rejection] = []
     for name in unplaced if reasons else ():
-        model = catalog.model(name)
-        if model is not None:
-            rejections.extend(judge_all(model, free, exclude=set((avoid or {}).get(name, ()))))
+        unplaced_model = catalog.model(name)
+        if unplaced_model is not None:
+            rejections.extend(judge_all(unplaced_model, free, exclude=set((avoid or {}).get(name, ()))))
     return PlacementResult(tuple(placed), tuple(rejections), unplaced)
 
 

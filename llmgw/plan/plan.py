@@ -98,9 +98,9 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
     busy = {r.id: now for r in replicas}
     d = decide(head, inv, replicas, last_used=busy, demand={}, now=now, with_reasons=True)
     # What could not be placed before the change is not the change's doing: shown apart.
-    before = decide(base, Inventory(follow_nodes(fleet.inventory.nodes, base.nodes)), replicas, last_used=busy,
-                    demand={}, now=now).unplaced if base else {}
-    still = {m: n for m, n in d.unplaced.items() if before.get(m, 0) >= n}
+    unplaced_before = decide(base, Inventory(follow_nodes(fleet.inventory.nodes, base.nodes)), replicas,
+                             last_used=busy, demand={}, now=now).unplaced if base else {}
+    still = {m: n for m, n in d.unplaced.items() if unplaced_before.get(m, 0) >= n}
     new_unplaced = {m: n for m, n in d.unplaced.items() if m not in still}
     by_id = {r.id: r for r in replicas}
     replaced = {n.replaces for n in d.create if n.replaces}
@@ -145,9 +145,9 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
                    if s.node == node.id)
         added = sum(len(s.gpus) for n in d.create for s in n.placement.shards if s.node == node.id)
         fs = node.report.cache_fs if node.report else None
-        local = fs is not None and not fs.shared
-        total = fs.total_bytes / GB if local else None
-        used = (fs.total_bytes - fs.free_bytes) / GB if local else None
+        local = fs if fs is not None and not fs.shared else None
+        total = local.total_bytes / GB if local else None
+        used = (local.total_bytes - local.free_bytes) / GB if local else None
         fetched = sum(gb for n, _, gb in fetches if n == node.id)
         use.append(NodeUse(
             node.id, len(node.report.gpus) if node.report else 0, before, before - gone + added,

@@ -188,8 +188,9 @@ def decide(
     wanted = {name: n for name, n in create_counts.items()}
     for name, olds in replacement_wanted.items():
         wanted[name] = wanted.get(name, 0) + len(olds)
-    avoid = {by_id[o].model: [n for n in by_id[o].nodes] for olds in replacement_wanted.values() for o in olds
-             if needs_replacement[o] == "its node is draining"}
+    avoid: dict[str, list[NodeId]] = {
+        by_id[o].model: list(by_id[o].nodes) for olds in replacement_wanted.values() for o in olds
+        if needs_replacement[o] == "its node is draining"}
     # Most ticks want nothing new: skip building the fleet's free-capacity index then.
     if any(wanted.values()):
         result = place(catalog, inventory, holding, now=now, wanted=wanted, avoid=avoid, reasons=with_reasons)
@@ -198,9 +199,9 @@ def decide(
     create: list[NewReplica] = []
     queue = {name: list(olds) for name, olds in replacement_wanted.items()}
     for p in result.placements:
-        olds = queue.get(p.model)
-        if olds:
-            old = olds.pop(0)
+        waiting = queue.get(p.model)
+        if waiting:
+            old = waiting.pop(0)
             create.append(NewReplica(p, replaces=old, reason=f"replaces {old}: {needs_replacement[old]}"))
         else:
             create.append(NewReplica(p, reason=_reason(catalog.model(p.model), demand)))

@@ -31,7 +31,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from llmgw.catalog import Catalog
-from llmgw.gitops.desired import ROUTER, DesiredState
 from llmgw.reconciler.decide import Demand
 from llmgw.reconciler.replica import Endpoint
 from llmgw.router import respond
@@ -101,16 +100,9 @@ class Router:
         self._demand.wake = fn
 
     # --- the control plane's side --------------------------------------------------------
-    def attach(self, desired: DesiredState, *, wake: Callable[[str], None]) -> None:
-        """In-process wiring: hear of every catalog before the reconciler does (``order=ROUTER``,
-        so a removed model stops taking traffic before its replicas stop) and wake the control
-        plane through ``wake`` (e.g. ``lambda _model: reconciler.notify()``). The router is also
-        the reconciler's ``sink`` and ``usage``: pass it to the Reconciler/Controller as both."""
-        self.wake = wake
-        desired.subscribe(self.set_catalog, order=ROUTER)
-
     def set_catalog(self, catalog: Catalog) -> None:
-        """Catalog subscriber: subscribe with ``order=ROUTER`` so names change before replicas do."""
+        """Catalog subscriber: the control plane subscribes it before the reconciler, so names
+        change before replicas do (`llmgw.control.server.attach_router`)."""
         self.set_routes(route_catalog(catalog))
 
     def set_routes(self, routes: RouteCatalog) -> None:
@@ -363,7 +355,7 @@ class Router:
             with self._budget.ticket() as ticket:
                 return await self._route_attempts(request, path, raw, body, asked, model, stream, t0, ticket)
         finally:
-            self._handlers.discard(task)  # type: ignore[arg-type]
+            self._handlers.discard(task)
 
     async def _route_attempts(self, request: web.Request, path: str, raw: bytes, body: dict, asked: str,
                               model: RouteModel, stream: bool, t0: float, ticket: RetryTicket) -> web.StreamResponse:

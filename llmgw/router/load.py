@@ -29,7 +29,7 @@ async def read_queue(session: aiohttp.ClientSession, up: Upstream) -> tuple[int,
     """(running, waiting) on one replica's engine, through the same reader the probes use."""
     if up.endpoint.engine not in LOAD_METRICS:
         return None
-    load = await read_load(session, up.url, up.endpoint.engine)  # type: ignore[arg-type]
+    load = await read_load(session, up.url, up.endpoint.engine)
     return None if load is None else (load.running, load.waiting)
 
 

@@ -54,7 +54,7 @@ class RouterMetrics:
 
     # Each method costs one dict lookup once warm.
     def request(self, model: str, status: int, replica: str, seconds: float) -> None:
-        key = ("r", model, status, replica)
+        key: tuple[str | int, ...] = ("r", model, status, replica)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = self.requests.labels(model, str(status), replica)

@@ -30,6 +30,11 @@ from llmgw.router.upstream import Conn, Origin, UpstreamFailed, UpstreamPool
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 MODEL_HEADER = "x-llmgw-model"
 _WS = re.compile(r"[ \t\n\r]*")
+
+
+def _skip_ws(text: str, i: int = 0) -> int:
+    """The index of the first non-whitespace character at or after ``i`` (the pattern always matches)."""
+    return _WS.match(text, i).end()  # type: ignore[union-attr]
 _DECODER = json.JSONDecoder()
 # Status recorded when the client went away before the answer was complete (nginx's convention).
 CLIENT_GONE = 499
@@ -101,30 +106,30 @@ def _top_level_span(text: str, key: str) -> tuple[int, int] | None:
     """Where the value of ``key`` in the JSON object ``text`` starts and ends (the last one when
     the key repeats, as ``json.loads`` keeps the last); None when the text is not such an object."""
     span = None
-    i = _WS.match(text).end()
+    i = _skip_ws(text)
     if text[i:i + 1] != "{":
         return None
-    i = _WS.match(text, i + 1).end()
+    i = _skip_ws(text, i + 1)
     if text[i:i + 1] == "}":
         return None
     try:
         while True:
             if text[i:i + 1] != '"':
                 return None
-            name, i = json.decoder.scanstring(text, i + 1)
-            i = _WS.match(text, i).end()
+            name, i = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
+            i = _skip_ws(text, i)
             if text[i:i + 1] != ":":
                 return None
-            start = _WS.match(text, i + 1).end()
+            start = _skip_ws(text, i + 1)
             _, end = _DECODER.raw_decode(text, start)
             if name == key:
                 span = (start, end)
-            i = _WS.match(text, end).end()
+            i = _skip_ws(text, end)
             if text[i:i + 1] == "}":
                 return span
             if text[i:i + 1] != ",":
                 return None
-            i = _WS.match(text, i + 1).end()
+            i = _skip_ws(text, i + 1)
     except ValueError:
         return None
 

@@ -268,6 +268,7 @@ def test_hub_publishes_only_changes_and_only_once_primed() -> None:
 
 
 def test_in_process_wiring_hears_the_catalog_first_and_fans_out() -> None:
+    from llmgw.control.server import attach_router
     from llmgw.gitops.desired import RECONCILER, DesiredState
     from llmgw.router import Fanout
 
@@ -276,7 +277,7 @@ def test_in_process_wiring_hears_the_catalog_first_and_fans_out() -> None:
     desired.subscribe(lambda c: seen.append("reconciler:" + ",".join(c.model_names)), order=RECONCILER)
     router, hub = Router(), FeedHub()
     woken: list[str] = []
-    router.attach(desired, wake=woken.append)
+    attach_router(router, desired, wake=woken.append)
     assert router.routes.resolve("a") is not None and router.has_catalog
     desired.subscribe(lambda _c: seen.append("router saw b: " + str(router.routes.resolve("b") is not None)),
                       order=RECONCILER)
