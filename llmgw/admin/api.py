@@ -15,15 +15,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw.admin import views
-from llmgw.admin.orphans import collect, list_orphans
+from llmgw.control.orphans import list_orphans
 from llmgw.errors import CatalogError, DispatchError, GitError, LlmgwError, PushRejected
 from llmgw.inventory import NodeState
 from llmgw.placement import explain
 
 if TYPE_CHECKING:
-    from llmgw.control import Controller
+    from llmgw.control.ops import FleetOps
 
-CONTROLLER: web.AppKey[Controller] = web.AppKey("controller")
+CONTROLLER: web.AppKey[FleetOps] = web.AppKey("controller")
 
 MAX_LIMIT = 1000
 
@@ -32,7 +32,7 @@ def error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
 
 
-def ctl(request: web.Request) -> Controller:
+def ctl(request: web.Request) -> FleetOps:
     return request.app[CONTROLLER]
 
 
@@ -69,29 +69,29 @@ def _int_param(request: web.Request, name: str, default: int, *, low: int = 0, h
 async def summary(request: web.Request) -> web.Response:
     c = ctl(request)
     return web.json_response(views.summary_view(
-        c.desired.catalog, c.inventory.snapshot(), c.reconciler.snapshot(), c.follower.status.to_json(),
-        c.reconciler.last_decisions.unplaced))
+        c.catalog, c.inventory(), c.replicas(), c.sync_status.to_json(),
+        c.unplaced()))
 
 
 async def get_sync(request: web.Request) -> web.Response:
-    return web.json_response(ctl(request).follower.status.to_json())
+    return web.json_response(ctl(request).sync_status.to_json())
 
 
 async def nodes(request: web.Request) -> web.Response:
     c = ctl(request)
-    return web.json_response(views.nodes_view(c.inventory.snapshot(), c.reconciler.snapshot(), time.time()))
+    return web.json_response(views.nodes_view(c.inventory(), c.replicas(), time.time()))
 
 
 async def models(request: web.Request) -> web.Response:
     c = ctl(request)
-    return web.json_response(views.models_view(c.desired.catalog, c.reconciler.snapshot(),
-                                               c.reconciler.last_decisions.unplaced))
+    return web.json_response(views.models_view(c.catalog, c.replicas(),
+                                               c.unplaced()))
 
 
 async def replicas(request: web.Request) -> web.Response:
     c = ctl(request)
     return web.json_response(views.replicas_view(
-        c.reconciler.snapshot(), c.desired.catalog, c.inventory.snapshot(), c.reconciler.usage.last_used(),
+        c.replicas(), c.catalog, c.inventory(), c.last_used(),
         time.time(), model=request.query.get("model")))
 
 
@@ -100,13 +100,13 @@ async def explain_placement(request: web.Request) -> web.Response:
     name = request.query.get("model")
     if not name:
         return error(400, "the model query parameter is required")
-    catalog = c.desired.catalog
+    catalog = c.catalog
     model = catalog.resolve(name) if catalog is not None else None
     if catalog is None or model is None:
         return error(404, f'model "{name}" is not in the catalog')
-    replicas = c.reconciler.snapshot()
+    replicas = c.replicas()
     placements = [r.placement for r in replicas if r.state.live]
-    e = explain(catalog, c.inventory.snapshot(), placements, name)
+    e = explain(catalog, c.inventory(), placements, name)
     # Placed is not running: a node may have refused the start (its env allow-list, its
     # sandbox), and that reason is the answer to "why does it not run".
     errors = [{"replica": r.id, "state": r.state.value, "error": r.error}
@@ -126,14 +126,14 @@ async def explain_placement(request: web.Request) -> web.Response:
 async def events(request: web.Request) -> web.Response:
     after = _int_param(request, "after", 0)
     limit = _int_param(request, "limit", 200, low=1, high=MAX_LIMIT)
-    return web.json_response([e.to_json() for e in ctl(request).store.events(after=after, limit=limit)])
+    return web.json_response([e.to_json() for e in ctl(request).events(after=after, limit=limit)])
 
 
 async def orphans(request: web.Request) -> web.Response:
     c = ctl(request)
-    if c.desired.catalog is None:
+    if c.catalog is None:
         return web.json_response({"orphans": [], "foreign": {}, "total_bytes": 0})
-    found, foreign = list_orphans(c.desired.catalog, c.inventory.snapshot())
+    found, foreign = list_orphans(c.catalog, c.inventory())
     return web.json_response({"orphans": [o.to_json() for o in found], "foreign": foreign,
                               "total_bytes": sum(o.bytes for o in found)})
 
@@ -157,14 +157,14 @@ async def post_sync(request: web.Request) -> web.Response:
         return error(400, "allow_prune must be true or false")
     c = ctl(request)
     if allow:
-        if c.follower.status.pending is None:
+        if c.sync_status.pending is None:
             return error(409, "no commit is waiting for confirmation")
         try:
-            status = await c.follower.confirm()
+            status = await c.sync(confirm=True)
         except LlmgwError as exc:
             return error(409, str(exc))
     else:
-        status = await c.follower.sync_once()
+        status = await c.sync()
     return web.json_response(status.to_json())
 
 
@@ -181,13 +181,12 @@ async def node_state(request: web.Request) -> web.Response:
     want = body.get("state")
     if not isinstance(want, str) or want not in STATE_ACTIONS:
         return error(400, "state must be one of: cordon, uncordon, drain (or cordoned, ready, draining)")
-    if c.inventory.snapshot().node(node_id) is None:
+    if c.inventory().node(node_id) is None:
         return error(404, f'node "{node_id}" is not in the fleet')
-    c.inventory.set_operator_state(node_id, STATE_ACTIONS[want])
-    c.reconciler.notify()
-    node = c.inventory.snapshot().node(node_id)
+    c.set_node_state(node_id, STATE_ACTIONS[want])
+    node = c.inventory().node(node_id)
     assert node is not None
-    return web.json_response(views.node_view(node, c.reconciler.snapshot(), time.time()))
+    return web.json_response(views.node_view(node, c.replicas(), time.time()))
 
 
 async def takeover(request: web.Request) -> web.Response:
@@ -199,7 +198,7 @@ async def takeover(request: web.Request) -> web.Response:
         return error(400, "stop_foreign must be true or false")
     c = ctl(request)
     node_id = request.match_info["node"]
-    if c.inventory.snapshot().node(node_id) is None:
+    if c.inventory().node(node_id) is None:
         return error(404, f'node "{node_id}" is not in the fleet')
     try:
         return web.json_response(await c.takeover(node_id, stop_foreign=stop_foreign))
@@ -218,15 +217,15 @@ async def add_model(request: web.Request) -> web.Response:
     definition: Any = body.get("yaml") if "yaml" in body else body.get("definition")
     if not isinstance(definition, str | dict):
         return error(400, 'send {"definition": {...model...}} or {"yaml": "...model file..."}')
-    return await _write(request, lambda c: c.writer.add_model(definition, _actor(request)), status=201)
+    return await _write(request, lambda c: c.add_model(definition, _actor(request)), status=201)
 
 
 async def remove_model(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     c = ctl(request)
-    if c.desired.catalog is None or c.desired.catalog.model(name) is None:
+    if c.catalog is None or c.catalog.model(name) is None:
         return error(404, f'model "{name}" is not in the catalog')
-    return await _write(request, lambda c: c.writer.remove_model(name, _actor(request)), status=200)
+    return await _write(request, lambda c: c.remove_model(name, _actor(request)), status=200)
 
 
 async def _write(request: web.Request, change: Any, *, status: int) -> web.Response:
@@ -239,7 +238,7 @@ async def _write(request: web.Request, change: Any, *, status: int) -> web.Respo
         return error(422, str(exc), problems=[p.to_json() for p in exc.problems])
     except GitError as exc:
         return error(502, f"git: {exc}")
-    c.follower.trigger()
+    c.trigger_sync()
     return web.json_response({"commit": sha, "message": "committed and pushed; the controller applies it "
                               "on its next fetch"}, status=status)
 
@@ -252,50 +251,40 @@ async def collect_weights(request: web.Request) -> web.Response:
     if not isinstance(do, bool):
         return error(400, "collect must be true or false")
     c = ctl(request)
-    if c.desired.catalog is None:
+    if c.catalog is None:
         return error(409, "no catalog is applied yet; nothing can be called an orphan")
-    inventory = await c.inventory.poll()  # judge on what the nodes hold now
-    found, _ = list_orphans(c.desired.catalog, inventory)
+    inventory = await c.poll()  # judge on what the nodes hold now
+    found, _ = list_orphans(c.catalog, inventory)
     if not do:
         return web.json_response({"collect": False, "asked": 0, "removed": 0, "refused": 0,
                                   "summary": f"would ask to remove {len(found)} (pass collect: true to do it)",
                                   "orphans": [o.to_json() for o in found], "results": []})
-    result = await collect(c.fleet, found)
-    c.store.add_event("weights-collected", "weights", result["summary"])
-    await c.inventory.poll()
+    result = await c.collect(found)
     return web.json_response({"collect": True, **result, "orphans": [o.to_json() for o in found]})
 
 
 async def inventory_export(request: web.Request) -> web.Response:
     """The fleet as `llmgw inventory export` writes it: the input of `llmgw diff --snapshot`."""
-    from llmgw.plan import FleetSnapshot
-
-    c = ctl(request)
-    snap = FleetSnapshot(c.inventory.snapshot(), tuple(c.reconciler.snapshot()), time.time())
-    return web.json_response(snap.to_json())
+    return web.json_response(ctl(request).snapshot().to_json())
 
 
 async def plan(request: web.Request) -> web.Response:
     """The dry run of a revision the controller has fetched, against the live fleet."""
-    from llmgw.gitops.gitcli import read_tree
-    from llmgw.plan import FleetSnapshot, build_report, render_json
+    from llmgw.plan import build_report, render_json
 
     c = ctl(request)
-    mirror = c.follower.mirror
-    rev = request.query.get("rev") or c.follower.status.head_sha
-    applied = c.follower.status.applied_sha
+    rev = request.query.get("rev") or c.sync_status.head_sha
+    applied = c.sync_status.applied_sha
     if not rev:
         return error(409, "nothing fetched yet")
-    if not _is_sha_or_ref(rev) or not await asyncio.to_thread(mirror.has, rev):
+    if not _is_sha_or_ref(rev) or not await c.has_revision(rev):
         return error(404, f"revision {rev!r} is not in the controller's mirror (push it, then POST /api/v1/sync)")
     try:
-        head_files = await asyncio.to_thread(read_tree, mirror.path, rev, subdir=mirror.subdir)
-        base_files = (await asyncio.to_thread(read_tree, mirror.path, applied, subdir=mirror.subdir)
-                      if applied else None)
+        head_files = await c.read_revision(rev)
+        base_files = await c.read_revision(applied) if applied else None
     except GitError as exc:
         return error(404, str(exc))
-    snap = FleetSnapshot(c.inventory.snapshot(), tuple(c.reconciler.snapshot()), time.time())
-    report = build_report((applied or "none")[:12], base_files, rev[:12], head_files, snap, now=time.time(),
+    report = build_report((applied or "none")[:12], base_files, rev[:12], head_files, c.snapshot(), now=time.time(),
                           fleet_note="live fleet")
     return web.json_response(render_json(report))
 

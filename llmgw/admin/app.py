@@ -120,7 +120,7 @@ def build_admin_app(
 ) -> web.Application:
     """The admin aiohttp app; with a ``hub``, also the watch stream standalone routers follow."""
     app = web.Application(middlewares=[json_errors, auth_middleware(token)], client_max_size=MAX_BODY)
-    app[api.CONTROLLER] = controller
+    app[api.CONTROLLER] = controller.ops  # the admin surface sees the façade, not the parts
     r = app.router
     r.add_get(f"{PREFIX}/summary", api.summary)
     r.add_get(f"{PREFIX}/sync", api.get_sync)
@@ -141,7 +141,7 @@ def build_admin_app(
     r.add_get(f"{PREFIX}/metrics", api.metrics)
     r.add_get(f"{PREFIX}/healthz", api.healthz)
     r.add_get(f"{PREFIX}/openapi.json", openapi)
-    r.add_post(WEBHOOK, webhook_handler(webhook_secret, controller.follower.trigger))
+    r.add_post(WEBHOOK, webhook_handler(webhook_secret, controller.ops.trigger_sync))
     r.add_get(DASHBOARD, dashboard)
     if hub is not None:
         r.add_get(WATCH_PATH, hub.watch)

@@ -35,20 +35,20 @@ _ENV.filters["problems"] = node_problems
 async def dashboard(request: web.Request) -> web.Response:
     c = api.ctl(request)
     now = time.time()
-    inventory = c.inventory.snapshot()
-    replicas = c.reconciler.snapshot()
-    catalog = c.desired.catalog
-    unplaced = c.reconciler.last_decisions.unplaced
+    inventory = c.inventory()
+    replicas = c.replicas()
+    catalog = c.catalog
+    unplaced = c.unplaced()
     page = _ENV.get_template("dashboard.html").render(
         # The refresh names its target: the bare path, never whatever query this request had.
         refresh=request.path,
         now=now,
         since=lambda t: _since(t, now),
-        sync=c.follower.status.to_json(),
+        sync=c.sync_status.to_json(),
         nodes=views.nodes_view(inventory, replicas, now),
         models=views.models_view(catalog, replicas, unplaced),
-        replicas=views.replicas_view(replicas, catalog, inventory, c.reconciler.usage.last_used(), now),
-        events=list(reversed(c.store.events(limit=30))),
+        replicas=views.replicas_view(replicas, catalog, inventory, c.last_used(), now),
+        events=list(reversed(c.events(limit=30))),
         unplaced_reasons=_unplaced_reasons(c, unplaced),
     )
     # No copy of the fleet's state in caches, and no address of this page sent to a link's target.
@@ -60,13 +60,13 @@ def _unplaced_reasons(c, unplaced) -> dict[str, list[str]]:  # noqa: ANN001 - in
     """Why each unplaced model cannot run, one line per profile: the closest candidates."""
     from llmgw.placement import explain
 
-    catalog = c.desired.catalog
+    catalog = c.catalog
     out: dict[str, list[str]] = {}
     if catalog is None:
         return out
-    placements = [r.placement for r in c.reconciler.snapshot() if r.state.live]
+    placements = [r.placement for r in c.replicas() if r.state.live]
     for name in unplaced:
-        e = explain(catalog, c.inventory.snapshot(), placements, name)
+        e = explain(catalog, c.inventory(), placements, name)
         lines = [f"{x.profile} on {x.node}: {'; '.join(x.reasons)}" for x in e.candidates if not x.fits]
         out[name] = lines[:6] + ([f"… {len(lines) - 6} more"] if len(lines) > 6 else [])
     return out

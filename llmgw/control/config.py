@@ -19,7 +19,7 @@ import yaml
 from llmgw.catalog.durations import DurationError, parse_duration
 from llmgw.errors import ConfigError
 from llmgw.paths import default_data_dir
-from llmgw.reconciler.reconciler import ReconcilerConfig
+from llmgw.reconciler.config import ReconcilerConfig
 from llmgw.router.config import RouterConfig
 from llmgw.router.keys import KeyRing
 

@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry
 from llmgw.catalog import Catalog
 from llmgw.control.config import ControllerConfig
 from llmgw.control.fleet_dispatch import FleetDispatcher
+from llmgw.control.fleet_metrics import FleetCollector
+from llmgw.control.ops import FleetOps
 from llmgw.dispatch.base import AgentVerbs
 from llmgw.dispatch.fence import FencedDispatcher
 from llmgw.gitops import DesiredState, GitMirror, GitOpsFollower, Store
@@ -68,9 +70,8 @@ class Controller:
             registry=self.registry,
         )
         self.writer = CommitWriter(url, config.branch, data / "writer", subdir=config.subdir)
-        from llmgw.admin.fleet_metrics import FleetCollector
-
-        self.registry.register(FleetCollector(self))
+        self.ops = FleetOps(self)
+        self.registry.register(FleetCollector(self.ops))
 
     def _judge_prune(self, old: Catalog | None, new: Catalog) -> PruneVerdict:
         """The guard on the live fleet: the ready replicas ``new`` would stop, by decide()."""

@@ -13,7 +13,7 @@ _EXPORTS = {
     "Decisions": "llmgw.reconciler.decide", "Demand": "llmgw.reconciler.decide", "decide": "llmgw.reconciler.decide",
     "Endpoint": "llmgw.reconciler.replica", "Replica": "llmgw.reconciler.replica",
     "ReplicaState": "llmgw.reconciler.replica", "EndpointSink": "llmgw.reconciler.reconciler",
-    "Reconciler": "llmgw.reconciler.reconciler", "ReconcilerConfig": "llmgw.reconciler.reconciler",
+    "Reconciler": "llmgw.reconciler.reconciler", "ReconcilerConfig": "llmgw.reconciler.config",
     "UsageSource": "llmgw.reconciler.reconciler",
 }
 

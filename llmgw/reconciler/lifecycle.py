@@ -25,7 +25,7 @@ from llmgw.inventory import EngineRecord, Inventory
 from llmgw.reconciler.replica import Replica, ReplicaState, ShardStatus
 
 if TYPE_CHECKING:
-    from llmgw.reconciler.reconciler import ReconcilerConfig
+    from llmgw.reconciler.config import ReconcilerConfig
 
 log = logging.getLogger(__name__)
 

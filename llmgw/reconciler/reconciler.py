@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Protocol
 
 import aiohttp
@@ -26,6 +26,7 @@ from llmgw.gitops.store import Store
 from llmgw.inventory import EngineRecord, Inventory, NodeState
 from llmgw.inventory.live import LiveInventory
 from llmgw.placement import unrunnable
+from llmgw.reconciler.config import ReconcilerConfig
 from llmgw.reconciler.decide import Decisions, Demand, Settings, decide
 from llmgw.reconciler.lifecycle import Lifecycle
 from llmgw.reconciler.replica import Endpoint, Replica, ReplicaState, fingerprint, replica_id, shard_agent_id
@@ -59,20 +60,6 @@ class NoUsage:
         return {}
 
 
-@dataclass(frozen=True)
-class ReconcilerConfig:
-    tick_interval: float = 2.0
-    unreachable_grace: float = 30.0
-    backoff_base: float = 2.0
-    backoff_cap: float = 120.0
-    crash_loop_after: int = 5
-    crash_reset_after: float = 600.0  # seconds ready after which a replica's failure count is forgotten
-    start_timeout: float = 900.0
-    probe_timeout: float = 10.0
-    stop_grace: float = 10.0
-    concurrency: int = 32
-
-
 class Reconciler:
     """Makes the fleet match the desired state. ``start()`` begins the loop; ``close()`` ends it."""
 
@@ -85,7 +72,7 @@ class Reconciler:
         *,
         sink: EndpointSink | None = None,
         usage: UsageSource | None = None,
-        config: ReconcilerConfig = ReconcilerConfig(),
+        config: ReconcilerConfig | None = None,
         clock: Callable[[], float] = time.time,
         manages: Callable[[NodeSpec], bool] = lambda _: True,
         holder: str | None = None,
@@ -96,7 +83,7 @@ class Reconciler:
         self.store = store
         self.sink = sink
         self.usage: UsageSource = usage or NoUsage()
-        self.config = config
+        self.config = config or ReconcilerConfig()
         self.clock = clock
         self.manages = manages
         self.holder = holder  # this controller's lease holder id: engines stamped otherwise are not ours

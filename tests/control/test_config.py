@@ -11,7 +11,7 @@ import pytest
 
 from llmgw.control.config import load_config
 from llmgw.errors import ConfigError
-from llmgw.reconciler.reconciler import ReconcilerConfig
+from llmgw.reconciler.config import ReconcilerConfig
 from llmgw.router.config import RouterConfig
 
 DIGEST = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"

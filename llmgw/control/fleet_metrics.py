@@ -17,17 +17,17 @@ from llmgw.inventory import NodeState
 from llmgw.reconciler import ReplicaState
 
 if TYPE_CHECKING:
-    from llmgw.control import Controller
+    from llmgw.control.ops import FleetOps
 
 
 class FleetCollector(Collector):
-    def __init__(self, controller: Controller) -> None:
-        self.c = controller
+    def __init__(self, ops: FleetOps) -> None:
+        self.c = ops
 
     def collect(self) -> Iterator:
         c = self.c
         now = time.time()
-        inv = c.inventory.snapshot()
+        inv = c.inventory()
         nodes = GaugeMetricFamily("llmgw_nodes", "Nodes by state", labels=["state"])
         counts = {s.value: 0 for s in NodeState}
         for n in inv.nodes.values():
@@ -37,7 +37,7 @@ class FleetCollector(Collector):
         yield nodes
 
         used: dict[str, set[int]] = {}
-        for r in c.reconciler.snapshot():
+        for r in c.replicas():
             if r.state.live or r.state == ReplicaState.STOPPING:
                 for s in r.placement.shards:
                     used.setdefault(s.node, set()).update(s.gpus)
@@ -60,7 +60,7 @@ class FleetCollector(Collector):
 
         reps = GaugeMetricFamily("llmgw_replicas", "Replicas by model and state", labels=["model", "state"])
         counts2: dict[tuple[str, str], int] = {}
-        for r in c.reconciler.snapshot():
+        for r in c.replicas():
             counts2[(r.model, r.state.value)] = counts2.get((r.model, r.state.value), 0) + 1
         for (model, state), count in sorted(counts2.items()):
             reps.add_metric([model, state], count)
@@ -68,18 +68,18 @@ class FleetCollector(Collector):
 
         idle = GaugeMetricFamily("llmgw_replica_idle_seconds", "Seconds since the router last used a replica",
                                  labels=["replica", "model"])
-        last = c.reconciler.usage.last_used()
-        for r in c.reconciler.snapshot():
+        last = c.last_used()
+        for r in c.replicas():
             if r.id in last:
                 idle.add_metric([r.id, r.model], now - last[r.id])
         yield idle
 
-        s = c.follower.status
+        sync = c.sync_status
         info = InfoMetricFamily("llmgw_catalog", "Catalog revisions: applied and last rejected")
-        info.add_metric([], {"applied": s.applied_sha or "", "rejected": s.rejected.sha if s.rejected else "",
-                             "state": s.state.value})
+        info.add_metric([], {"applied": sync.applied_sha or "", "rejected": sync.rejected.sha if sync.rejected else "",
+                             "state": sync.state.value})
         yield info
-        if s.rejected is not None:
+        if sync.rejected is not None:
             rt = GaugeMetricFamily("llmgw_catalog_rejected_timestamp_seconds", "When the last rejected commit was seen")
-            rt.add_metric([], s.rejected.time)
+            rt.add_metric([], sync.rejected.time)
             yield rt

@@ -1,0 +1,110 @@
+"""What the operator's surfaces may ask of a controller: the admin API, the dashboard, the fleet
+metrics. They used to reach through `Controller` into its parts (``c.inventory…``,
+``c.reconciler…``, ``c.store…``, dozens of places), so renaming a part broke the admin API; now
+they see this façade only, and the parts are the controller's own business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry
+
+from llmgw.catalog import Catalog, RawFile
+from llmgw.control.orphans import Orphan, collect
+from llmgw.gitops.gitcli import read_tree
+from llmgw.gitops.status import SyncStatus
+from llmgw.gitops.store import Event
+from llmgw.inventory import Inventory, NodeState
+from llmgw.plan import FleetSnapshot
+from llmgw.reconciler.replica import Replica
+
+if TYPE_CHECKING:
+    from llmgw.control.controller import Controller
+
+
+class FleetOps:
+    def __init__(self, controller: Controller) -> None:
+        self._c = controller
+
+    # --- reading ----------------------------------------------------------------------------
+    @property
+    def catalog(self) -> Catalog | None:
+        return self._c.desired.catalog
+
+    @property
+    def sync_status(self) -> SyncStatus:
+        return self._c.follower.status
+
+    @property
+    def controller_id(self) -> str:
+        return self._c.controller_id
+
+    def inventory(self) -> Inventory:
+        return self._c.inventory.snapshot()
+
+    def replicas(self) -> list[Replica]:
+        return self._c.reconciler.snapshot()
+
+    def unplaced(self) -> Mapping[str, int]:
+        return self._c.reconciler.last_decisions.unplaced
+
+    def last_used(self) -> Mapping[str, float]:
+        return self._c.reconciler.usage.last_used()
+
+    def snapshot(self) -> FleetSnapshot:
+        """The fleet as `llmgw inventory export` writes it (the input of a plan)."""
+        return FleetSnapshot(self.inventory(), tuple(self.replicas()), time.time())
+
+    def events(self, *, after: int = 0, limit: int = 200) -> list[Event]:
+        return self._c.store.events(after=after, limit=limit)
+
+    # --- the catalog's history --------------------------------------------------------------
+    async def has_revision(self, rev: str) -> bool:
+        return await asyncio.to_thread(self._c.follower.mirror.has, rev)
+
+    async def read_revision(self, rev: str) -> dict[str, RawFile]:
+        """The catalog files of a revision the controller has fetched."""
+        mirror = self._c.follower.mirror
+        return await asyncio.to_thread(read_tree, mirror.path, rev, subdir=mirror.subdir)
+
+    # --- acting -----------------------------------------------------------------------------
+    async def poll(self) -> Inventory:
+        """Ask every node now (e.g. before judging what to delete)."""
+        return await self._c.inventory.poll()
+
+    def set_node_state(self, node_id: str, state: NodeState) -> None:
+        """Cordon, drain or uncordon; the reconciler acts on it at once. KeyError for an unknown node."""
+        self._c.inventory.set_operator_state(node_id, state)
+        self._c.reconciler.notify()
+
+    async def sync(self, *, confirm: bool = False) -> SyncStatus:
+        """Fetch now, or apply the commit the prune guard holds (LlmgwError when none is held)."""
+        return await (self._c.follower.confirm() if confirm else self._c.follower.sync_once())
+
+    def trigger_sync(self) -> None:
+        self._c.follower.trigger()
+
+    def add_model(self, definition: Any, actor: str) -> str:
+        """Commit and push the model; the commit's sha."""
+        return self._c.writer.add_model(definition, actor)
+
+    def remove_model(self, name: str, actor: str) -> str:
+        return self._c.writer.remove_model(name, actor)
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self._c.registry
+
+    async def collect(self, orphans: list[Orphan]) -> dict[str, Any]:
+        """Ask the nodes to delete ``orphans`` (each node's guard decides); recorded as an event."""
+        result = await collect(self._c.fleet, orphans)
+        self._c.store.add_event("weights-collected", "weights", result["summary"])
+        await self._c.inventory.poll()
+        return result
+
+    async def takeover(self, node_id: str, *, stop_foreign: bool = False) -> dict[str, Any]:
+        return await self._c.takeover(node_id, stop_foreign=stop_foreign)
