@@ -24,13 +24,14 @@ from llmgw.control.fleet_metrics import FleetCollector
 from llmgw.control.ops import FleetOps
 from llmgw.dispatch.base import AgentVerbs
 from llmgw.dispatch.fence import FencedDispatcher
-from llmgw.gitops import DesiredState, GitMirror, GitOpsFollower, Store
+from llmgw.gitops import DesiredState, GitMirror, GitOpsFollower
 from llmgw.gitops.desired import RECONCILER
 from llmgw.gitops.repo import normalise_url
 from llmgw.gitops.writer import CommitWriter
 from llmgw.inventory.live import LiveInventory
 from llmgw.plan.guard import PruneVerdict, judge_prune
 from llmgw.reconciler import EndpointSink, Reconciler, UsageSource
+from llmgw.state import Store
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +85,10 @@ class Controller:
     def _holder_id(self) -> str:
         """This controller's name on the nodes' leases: made once per data dir, so a restart is the
         same controller (it renews its own leases and adopts its engines) and a copy is another."""
-        cid = self.store.get("controller_id")
-        if not isinstance(cid, str) or not cid:
+        cid = self.store.controller_id()
+        if not cid:
             cid = f"{socket.gethostname()}-{secrets.token_hex(4)}"
-            self.store.put("controller_id", cid)
+            self.store.set_controller_id(cid)
         return cid
 
     async def takeover(self, node_id: str, *, stop_foreign: bool = False) -> dict[str, Any]:

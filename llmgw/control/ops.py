@@ -17,10 +17,10 @@ from llmgw.catalog import Catalog, RawFile
 from llmgw.control.orphans import Orphan, collect
 from llmgw.gitops.gitcli import read_tree
 from llmgw.gitops.status import SyncStatus
-from llmgw.gitops.store import Event
 from llmgw.inventory import Inventory, NodeState
 from llmgw.plan import FleetSnapshot
 from llmgw.reconciler.replica import Replica
+from llmgw.state import Event
 
 if TYPE_CHECKING:
     from llmgw.control.controller import Controller

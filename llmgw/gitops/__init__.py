@@ -1,10 +1,27 @@
-"""GitOps: a commit on the followed branch becomes the fleet's desired state."""
+"""GitOps: a commit on the followed branch becomes the fleet's desired state.
 
-from llmgw.gitops.desired import DesiredState
-from llmgw.gitops.follower import GitOpsFollower
-from llmgw.gitops.repo import GitMirror
-from llmgw.gitops.status import SyncState, SyncStatus
-from llmgw.gitops.store import Store
-from llmgw.gitops.writer import CommitWriter
+    GitOpsFollower   fetches, judges (validation, the prune guard) and applies commits
+    GitMirror        the bare mirror of the followed branch
+    DesiredState     the catalog in force, and its subscribers
+    CommitWriter     `llmgw models add/remove`: commits made for an operator
+"""
 
-__all__ = ["CommitWriter", "DesiredState", "GitMirror", "GitOpsFollower", "Store", "SyncState", "SyncStatus"]
+from typing import Any
+
+# Resolved on first use: the typed state store and the pure plan import gitops.status, and must
+# not load the follower (prometheus, watchfiles) or the writer by doing so.
+_EXPORTS = {
+    "DesiredState": "llmgw.gitops.desired", "GitOpsFollower": "llmgw.gitops.follower",
+    "GitMirror": "llmgw.gitops.repo", "SyncState": "llmgw.gitops.status", "SyncStatus": "llmgw.gitops.status",
+    "CommitWriter": "llmgw.gitops.writer", "Store": "llmgw.state",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'llmgw.gitops' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

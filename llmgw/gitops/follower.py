@@ -23,9 +23,9 @@ from llmgw.errors import BranchMissing, GitError, LlmgwError
 from llmgw.gitops.desired import DesiredState
 from llmgw.gitops.repo import CommitInfo, GitMirror
 from llmgw.gitops.status import History, PendingPrune, Rejection, Rewrite, SyncState, SyncStatus
-from llmgw.gitops.store import Store
 from llmgw.inventory import Inventory
 from llmgw.plan.guard import PruneVerdict, allows_prune, judge_prune
+from llmgw.state import Applied, Store
 
 log = logging.getLogger(__name__)
 
@@ -231,8 +231,8 @@ class GitOpsFollower:
         return SyncState.SYNCED if s.applied_sha else SyncState.PENDING
 
     def _clear_judgement(self) -> None:
-        self.store.put("pending", None)
-        self.store.put("rejected", None)
+        self.store.set_pending(None)
+        self.store.set_rejected(None)
         self._set(pending=None, rejected=None)
 
     def _judge(self, sha: str) -> None:
@@ -240,7 +240,7 @@ class GitOpsFollower:
         info = self.mirror.info(sha)
         result = validate_files(self.mirror.read(sha), revision=sha)
         self._judged = sha
-        self.store.put("judged", sha)
+        self.store.set_judged(sha)
         self._clear_judgement()
         if result.catalog is None:
             self._reject(info, result.problems)
@@ -248,7 +248,7 @@ class GitOpsFollower:
         verdict = self.judge(self.desired.catalog, result.catalog)
         if verdict.held and not allows_prune(info.message):
             pending = PendingPrune(sha, info.author, info.subject, verdict.reasons)
-            self.store.put("pending", pending.to_json())
+            self.store.set_pending(pending)
             self._set(pending=pending, state=SyncState.NEEDS_CONFIRMATION)
             self.metrics.held.inc()
             self.store.add_event("needs-confirmation", sha[:12],
@@ -259,7 +259,7 @@ class GitOpsFollower:
 
     def _reject(self, info: CommitInfo, problems: tuple) -> None:
         rejection = Rejection(info.sha, info.author, info.subject, self.clock(), tuple(problems))
-        self.store.put("rejected", rejection.to_json())
+        self.store.set_rejected(rejection)
         self._set(rejected=rejection, state=SyncState.REJECTED)
         self.metrics.rejected.inc()
         shown = "; ".join(str(p) for p in problems[:5]) + (" …" if len(problems) > 5 else "")
@@ -278,7 +278,7 @@ class GitOpsFollower:
     def _apply(self, info: CommitInfo, catalog: Catalog, *, note: str = "") -> None:
         now = self.clock()
         # Stored before subscribers hear of it: a crash in between restarts on this revision.
-        self.store.put("applied", {"sha": info.sha, "time": now})
+        self.store.set_applied(Applied(info.sha, now))
         self._clear_judgement()
         self._set(applied_sha=info.sha, applied_at=now, state=SyncState.SYNCED)
         self.desired.set(catalog)
@@ -300,7 +300,7 @@ class GitOpsFollower:
     def _rewritten(self, rewrite: Rewrite) -> None:
         """The branch went back or its history was rewritten: said so, whatever is then applied
         (seen: a reset to an older commit was applied as an ordinary commit, silently)."""
-        self.store.put("rewrite", rewrite.to_json())
+        self.store.set_rewrite(rewrite)
         self._set(rewrite=rewrite)
         self.metrics.rewrites.labels(rewrite.kind.value).inc()
         try:
@@ -325,20 +325,12 @@ class GitOpsFollower:
         The catalog is put in force for the subscribers (the router must know the models
         at once) but no "applied" event is written and no prune judgement runs.
         """
-        applied = self.store.get("applied")
-        rewrite = self.store.get("rewrite")
-        pending = self.store.get("pending")
-        rejected = self.store.get("rejected")
-        self._judged = self.store.get("judged")
-        changes: dict[str, object] = {}
-        if pending:
-            changes["pending"] = PendingPrune.from_json(pending)
-        if rejected:
-            changes["rejected"] = Rejection.from_json(rejected)
-        if rewrite:
-            changes["rewrite"] = Rewrite.from_json(rewrite)
+        applied = self.store.applied()
+        self._judged = self.store.judged()
+        changes: dict[str, object] = {"pending": self.store.pending(), "rejected": self.store.rejected(),
+                                      "rewrite": self.store.rewrite()}
         if applied:
-            sha = applied["sha"]
+            sha = applied.sha
             try:
                 self.mirror.ensure()
                 result = validate_files(self.mirror.read(sha), revision=sha)
@@ -346,8 +338,8 @@ class GitOpsFollower:
                 log.warning("cannot restore applied revision %s: %s", sha[:12], exc)
                 result = None
             if result is not None and result.catalog is not None:
-                changes.update(applied_sha=sha, applied_at=applied["time"])
+                changes.update(applied_sha=sha, applied_at=applied.time)
                 self.desired.set(result.catalog)
-                self.metrics.applied_time.set(applied["time"])
+                self.metrics.applied_time.set(applied.time)
         self._set(**changes)
         self._set(state=self._state())

@@ -17,8 +17,8 @@ from dataclasses import replace
 from llmgw.catalog import NodeSpec
 from llmgw.dispatch.base import Dispatcher
 from llmgw.errors import DispatchError
-from llmgw.gitops.store import Store
 from llmgw.inventory.model import Inventory, Node, NodeState, follow_nodes, parse_report
+from llmgw.state import Store
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,7 @@ class LiveInventory:
         self._nodes = follow_nodes(self._nodes, specs)
 
     def operator_state(self, node_id: str) -> NodeState:
-        states = self.store.get("node_states", {})
-        return NodeState(states.get(node_id, NodeState.READY.value))
+        return NodeState(self.store.node_states().get(node_id, NodeState.READY.value))
 
     def set_operator_state(self, node_id: str, state: NodeState) -> None:
         """Cordon, drain or uncordon (READY); stored so a restart keeps it."""
@@ -48,12 +47,7 @@ class LiveInventory:
             raise ValueError(f"{state} is not an operator state")
         if node_id not in self._nodes:
             raise KeyError(node_id)
-        states = dict(self.store.get("node_states", {}))
-        if state == NodeState.READY:
-            states.pop(node_id, None)
-        else:
-            states[node_id] = state.value
-        self.store.put("node_states", states)
+        self.store.set_node_state(node_id, None if state == NodeState.READY else state.value)
         self.store.add_event("node-" + {"ready": "uncordoned"}.get(state.value, state.value), node_id,
                              f"node {node_id} is now {state.value}")
         node = self._nodes[node_id]

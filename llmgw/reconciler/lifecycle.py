@@ -20,9 +20,9 @@ from llmgw.engines.argv import Shard as EngineShard
 from llmgw.engines.argv import engine_args
 from llmgw.engines.health import check_health, probe_ready
 from llmgw.errors import DispatchError, EngineArgsError, StartRefused
-from llmgw.gitops.store import Store
 from llmgw.inventory import EngineRecord, Inventory
 from llmgw.reconciler.replica import Replica, ReplicaState, ShardStatus
+from llmgw.state import Store
 
 if TYPE_CHECKING:
     from llmgw.reconciler.config import ReconcilerConfig

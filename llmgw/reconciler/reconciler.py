@@ -22,7 +22,6 @@ from llmgw.catalog import Catalog, NodeSpec
 from llmgw.dispatch.base import Dispatcher
 from llmgw.errors import DispatchError
 from llmgw.gitops.desired import DesiredState
-from llmgw.gitops.store import Store
 from llmgw.inventory import EngineRecord, Inventory, NodeState
 from llmgw.inventory.live import LiveInventory
 from llmgw.placement import unrunnable
@@ -31,6 +30,7 @@ from llmgw.reconciler.decide import Decisions, Demand, Settings, decide
 from llmgw.reconciler.lifecycle import Lifecycle
 from llmgw.reconciler.replica import Endpoint, Replica, ReplicaState, fingerprint, replica_id, shard_agent_id
 from llmgw.reconciler.replica import ShardStatus as _ShardStatus
+from llmgw.state import Store
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,7 @@ class Reconciler:
         self._wake = asyncio.Event()
         self._session = aiohttp.ClientSession()
         self.lifecycle = Lifecycle(self.dispatcher, self._session, self.store, self.config, self.clock)
-        for raw in self.store.get("replicas", []):
-            r = Replica.from_json(raw)
+        for r in self.store.replicas():
             if r.state == ReplicaState.READY:
                 # Adopted from a previous life: probed once before it serves again, never restarted.
                 r = replace(r, state=ReplicaState.STARTING, adopted=True)
@@ -201,8 +200,7 @@ class Reconciler:
             profile = model.profile(new.placement.profile) if model else None
             if model is None or profile is None:
                 continue
-            generation = int(self.store.get("generation", 0)) + 1
-            self.store.put("generation", generation)
+            generation = self.store.next_generation()
             rid = replica_id(model.name, generation)
             shards = tuple(_ShardStatus(s.node, s.rank, s.gpus, shard_agent_id(rid, s.rank))
                            for s in new.placement.shards)
@@ -269,7 +267,7 @@ class Reconciler:
         """Persist the replica records, only when they changed (a tick usually changes nothing)."""
         records = [r.to_json() for r in self.replicas.values()]
         if records != self._saved:
-            self.store.put("replicas", records)
+            self.store.save_replicas(self.replicas.values())
             self._saved = records
 
     # --- the router's view ------------------------------------------------------------

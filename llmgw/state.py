@@ -1,0 +1,307 @@
+"""What must survive a controller restart, in SQLite in the data dir: one typed record per kind.
+
+The applied revision (so a restart comes back on it without re-applying anything), the commit
+held for confirmation, the last rejection, the last rewrite of history, the replica records,
+operator node states, this controller's lease holder id, the replica generation counter, and the
+event log. Every kind has its own table or row and its own accessor here, and nowhere else knows
+a key: it used to be one string-keyed JSON table whose keys were spread across four packages,
+with no schema version.
+
+``schema_version`` is kept in ``meta``. A data dir made by an older llmgw is migrated when opened
+(v1, the key–value table, moves row by row into the typed tables in one transaction); one made by
+a newer llmgw is refused rather than half-read.
+
+One connection, used from one thread at a time behind a lock: SQLite serialises writers anyway,
+and the controller writes a few rows a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from llmgw.errors import ConfigError
+from llmgw.gitops.status import PendingPrune, Rejection, Rewrite
+from llmgw.reconciler.replica import Replica
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 2
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sync (kind TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS replicas (id TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS node_states (node TEXT PRIMARY KEY, state TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    subject TEXT NOT NULL,
+    message TEXT NOT NULL
+);
+"""
+
+
+class SyncKind(str, Enum):
+    """The rows of the ``sync`` table: what the GitOps follower remembers."""
+
+    APPLIED = "applied"
+    PENDING = "pending"
+    REJECTED = "rejected"
+    JUDGED = "judged"
+    REWRITE = "rewrite"
+
+
+@dataclass(frozen=True)
+class Applied:
+    sha: str
+    time: float
+
+
+@dataclass(frozen=True)
+class Event:
+    id: int
+    time: float
+    kind: str
+    subject: str
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "time": self.time, "kind": self.kind, "subject": self.subject, "message": self.message}
+
+
+class Store:
+    """The controller's durable state; ``path`` ":memory:" for tests that need none."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+
+    # --- opening, and the schema ---------------------------------------------------------
+    def open(self) -> Store:
+        if self._db is None:
+            if str(self.path) != ":memory:":
+                # 0700: the database holds the fleet's events and state; on a machine that also
+                # runs engines or other users, it is the controller's business only.
+                Path(self.path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                _upgrade(db, str(self.path))
+            except BaseException:
+                db.close()
+                raise
+            self._db = db
+        return self
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise RuntimeError("Store.open() was not called")
+        return self._db
+
+    def _one(self, sql: str, args: tuple[Any, ...]) -> Any:
+        with self._lock:
+            row = self.db.execute(sql, args).fetchone()
+        return row[0] if row else None
+
+    def _write(self, sql: str, args: tuple[Any, ...]) -> None:
+        with self._lock:
+            self.db.execute(sql, args)
+
+    def _meta(self, key: str) -> str | None:
+        return self._one("SELECT value FROM meta WHERE key = ?", (key,))
+
+    def _set_meta(self, key: str, value: str) -> None:
+        self._write("INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                    (key, value))
+
+    # --- the GitOps follower's memory -------------------------------------------------------
+    def _sync(self, kind: SyncKind) -> Any:
+        raw = self._one("SELECT record FROM sync WHERE kind = ?", (kind.value,))
+        return json.loads(raw) if raw is not None else None
+
+    def _set_sync(self, kind: SyncKind, record: Any) -> None:
+        """``record`` (JSON), or None to forget it."""
+        if record is None:
+            self._write("DELETE FROM sync WHERE kind = ?", (kind.value,))
+        else:
+            self._write("INSERT INTO sync(kind, record) VALUES(?, ?) "
+                        "ON CONFLICT(kind) DO UPDATE SET record = excluded.record", (kind.value, json.dumps(record)))
+
+    def applied(self) -> Applied | None:
+        raw = self._sync(SyncKind.APPLIED)
+        return Applied(raw["sha"], float(raw["time"])) if raw else None
+
+    def set_applied(self, applied: Applied) -> None:
+        self._set_sync(SyncKind.APPLIED, {"sha": applied.sha, "time": applied.time})
+
+    def pending(self) -> PendingPrune | None:
+        raw = self._sync(SyncKind.PENDING)
+        return PendingPrune.from_json(raw) if raw else None
+
+    def set_pending(self, pending: PendingPrune | None) -> None:
+        self._set_sync(SyncKind.PENDING, pending.to_json() if pending else None)
+
+    def rejected(self) -> Rejection | None:
+        raw = self._sync(SyncKind.REJECTED)
+        return Rejection.from_json(raw) if raw else None
+
+    def set_rejected(self, rejection: Rejection | None) -> None:
+        self._set_sync(SyncKind.REJECTED, rejection.to_json() if rejection else None)
+
+    def judged(self) -> str | None:
+        """The head last judged, so a bad commit is judged (and reported) once."""
+        raw = self._sync(SyncKind.JUDGED)
+        return str(raw) if raw else None
+
+    def set_judged(self, sha: str | None) -> None:
+        self._set_sync(SyncKind.JUDGED, sha)
+
+    def rewrite(self) -> Rewrite | None:
+        raw = self._sync(SyncKind.REWRITE)
+        return Rewrite.from_json(raw) if raw else None
+
+    def set_rewrite(self, rewrite: Rewrite | None) -> None:
+        self._set_sync(SyncKind.REWRITE, rewrite.to_json() if rewrite else None)
+
+    # --- the reconciler's memory ------------------------------------------------------------
+    def replicas(self) -> list[Replica]:
+        with self._lock:
+            rows = self.db.execute("SELECT record FROM replicas ORDER BY id").fetchall()
+        return [Replica.from_json(json.loads(r[0])) for r in rows]
+
+    def save_replicas(self, replicas: Iterable[Replica]) -> None:
+        """The replica records, replacing all there were, in one transaction."""
+        rows = [(r.id, json.dumps(r.to_json())) for r in replicas]
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.execute("DELETE FROM replicas")
+                self.db.executemany("INSERT INTO replicas(id, record) VALUES(?, ?)", rows)
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+
+    def next_generation(self) -> int:
+        """The next replica generation: generations only grow, which makes replica ids unique."""
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self.db.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()
+                generation = (int(row[0]) if row else 0) + 1
+                self.db.execute("INSERT INTO meta(key, value) VALUES('generation', ?) "
+                                "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (str(generation),))
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+        return generation
+
+    # --- operators' decisions and this controller's name ------------------------------------------
+    def node_states(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self.db.execute("SELECT node, state FROM node_states").fetchall())
+
+    def set_node_state(self, node: str, state: str | None) -> None:
+        """An operator state (cordoned, draining), or None for ready."""
+        if state is None:
+            self._write("DELETE FROM node_states WHERE node = ?", (node,))
+        else:
+            self._write("INSERT INTO node_states(node, state) VALUES(?, ?) "
+                        "ON CONFLICT(node) DO UPDATE SET state = excluded.state", (node, state))
+
+    def controller_id(self) -> str | None:
+        return self._meta("controller_id")
+
+    def set_controller_id(self, cid: str) -> None:
+        self._set_meta("controller_id", cid)
+
+    # --- the event log -----------------------------------------------------------------
+    def add_event(self, kind: str, subject: str, message: str, *, now: float | None = None) -> Event:
+        t = time.time() if now is None else now
+        with self._lock:
+            cur = self.db.execute(
+                "INSERT INTO events(time, kind, subject, message) VALUES(?, ?, ?, ?)", (t, kind, subject, message)
+            )
+        return Event(int(cur.lastrowid or 0), t, kind, subject, message)
+
+    def events(self, *, after: int = 0, limit: int = 200) -> list[Event]:
+        """Events with id > ``after``, oldest first, at most ``limit`` (the newest ones when cut)."""
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT id, time, kind, subject, message FROM events WHERE id > ? ORDER BY id DESC LIMIT ?",
+                (after, limit),
+            ).fetchall()
+        return [Event(*r) for r in reversed(rows)]
+
+
+def _version(db: sqlite3.Connection) -> int:
+    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if "meta" in tables:
+        row = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is not None:
+            return int(row[0])
+    return 1 if "kv" in tables else 0
+
+
+def _upgrade(db: sqlite3.Connection, where: str) -> None:
+    """Bring the database to SCHEMA_VERSION, in one transaction; refuse one from a newer llmgw."""
+    version = _version(db)
+    if version > SCHEMA_VERSION:
+        raise ConfigError(f"{where}: made by a newer llmgw (state schema {version}; this one reads up to "
+                          f"{SCHEMA_VERSION}); run that version, or start from a fresh data dir")
+    if version == SCHEMA_VERSION:
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        for statement in SCHEMA.strip().split(";"):
+            if statement.strip():
+                db.execute(statement)
+        if version == 1:
+            _migrate_v1(db)
+        db.execute("INSERT INTO meta(key, value) VALUES('schema_version', ?) "
+                   "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    if version == 1:
+        log.info("%s: state migrated from schema 1 to %d", where, SCHEMA_VERSION)
+
+
+def _migrate_v1(db: sqlite3.Connection) -> None:
+    """v1: one ``kv`` table of JSON values. Each key moves to its typed home; the events stay."""
+    rows = dict(db.execute("SELECT key, value FROM kv").fetchall())
+    for key, raw in rows.items():
+        value = json.loads(raw)
+        if key in {k.value for k in SyncKind}:
+            if value is not None:
+                db.execute("INSERT OR REPLACE INTO sync(kind, record) VALUES(?, ?)", (key, json.dumps(value)))
+        elif key == "replicas":
+            db.executemany("INSERT OR REPLACE INTO replicas(id, record) VALUES(?, ?)",
+                           [(r["id"], json.dumps(r)) for r in value or ()])
+        elif key == "node_states":
+            db.executemany("INSERT OR REPLACE INTO node_states(node, state) VALUES(?, ?)",
+                           list((value or {}).items()))
+        elif key in ("generation", "controller_id"):
+            db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (key, str(value)))
+        else:  # nothing else was ever written; kept readable rather than dropped
+            log.warning("state migration: unknown v1 key %r kept in meta as legacy.%s", key, key)
+            db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (f"legacy.{key}", raw))
+    db.execute("DROP TABLE kv")

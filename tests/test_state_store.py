@@ -1,0 +1,77 @@
+"""The controller's typed state: a data dir made by the previous version (schema 1, the key–value
+table; the fixture is a real one, made by `llmgw up` of that version, cordoned, with a rejected
+commit, then killed with -9) keeps working, and one from a newer version is refused."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from llmgw.errors import ConfigError
+from llmgw.gitops.status import PendingPrune
+from llmgw.reconciler.replica import ReplicaState
+from llmgw.state import SCHEMA_VERSION, Applied, Store
+
+V1 = Path(__file__).parent / "fixtures" / "data" / "v1-llmgw.db"
+
+
+def test_a_v1_data_dir_is_migrated_with_everything_in_it(tmp_path: Path) -> None:
+    path = tmp_path / "llmgw.db"
+    shutil.copy(V1, path)
+    before = dict(sqlite3.connect(path).execute("SELECT key, value FROM kv").fetchall())
+    events_before = sqlite3.connect(path).execute("SELECT count(*) FROM events").fetchone()[0]
+    store = Store(path).open()
+    try:
+        applied = store.applied()
+        assert applied is not None and applied.sha == before["applied"].split('"sha": "')[1][:40]
+        rejected = store.rejected()
+        assert rejected is not None and rejected.subject == "A broken model" and rejected.problems
+        assert store.judged() == rejected.sha
+        assert store.node_states() == {"local": "cordoned"}
+        replicas = store.replicas()
+        assert [(r.id, r.state) for r in replicas] == [("sim-chat-g1", ReplicaState.READY),
+                                                       ("sim-embed-g2", ReplicaState.READY)]
+        assert all(r.shards[0].pid for r in replicas)
+        assert store.controller_id() == before["controller_id"].strip('"')
+        assert store.next_generation() == int(before["generation"]) + 1  # ids stay unique across the upgrade
+        assert len(store.events(limit=1000)) == events_before
+        assert store.pending() is None and store.rewrite() is None
+    finally:
+        store.close()
+    db = sqlite3.connect(path)
+    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert "kv" not in tables
+    assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (str(SCHEMA_VERSION),)
+    # Opened again: nothing to migrate, the same state.
+    again = Store(path).open()
+    assert again.node_states() == {"local": "cordoned"} and len(again.replicas()) == 2
+    again.close()
+
+
+def test_records_round_trip_and_a_cleared_one_is_gone(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db").open()
+    store.set_applied(Applied("a" * 40, 12.5))
+    store.set_pending(PendingPrune("b" * 40, "Ann", "Remove all", ("removes 3 of 3 models",)))
+    store.set_node_state("n1", "draining")
+    store.set_node_state("n2", "cordoned")
+    store.set_node_state("n2", None)
+    assert store.applied() == Applied("a" * 40, 12.5)
+    assert store.pending() == PendingPrune("b" * 40, "Ann", "Remove all", ("removes 3 of 3 models",))
+    store.set_pending(None)
+    assert store.pending() is None and store.node_states() == {"n1": "draining"}
+    assert [store.next_generation() for _ in range(3)] == [1, 2, 3]
+    store.close()
+
+
+def test_a_data_dir_from_a_newer_version_is_refused_not_half_read(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    Store(path).open().close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION + 1),))
+    db.commit()
+    db.close()
+    with pytest.raises(ConfigError, match=f"made by a newer llmgw \\(state schema {SCHEMA_VERSION + 1}"):
+        Store(path).open()
