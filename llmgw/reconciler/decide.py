@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 from llmgw.catalog import Catalog, Model, ModelName, NodeId, Profile
 from llmgw.inventory import Inventory, NodeState
@@ -75,6 +76,45 @@ def _idle_for(r: Replica, last_used: Mapping[str, float], now: float) -> float:
     return now - since
 
 
+class Replace(str, Enum):
+    """Why a running replica must be replaced (a new one started first, the old stopped once the
+    new one serves). An enum, not text: the phases below steer by it."""
+
+    PROFILE_CHANGED = "its profile changed"
+    NODE_DRAINING = "its node is draining"
+
+
+@dataclass
+class _Tick:
+    """What one decide() pass works on and what its phases have decided so far."""
+
+    catalog: Catalog
+    inventory: Inventory
+    replicas: Sequence[Replica]
+    last_used: Mapping[str, float]
+    demand: Mapping[str, Demand]
+    now: float
+    settings: Settings
+    by_id: dict[str, Replica] = field(default_factory=dict)
+    stop: dict[str, str] = field(default_factory=dict)  # replica id → why (text for events and the plan)
+    lost: list[tuple[str, str]] = field(default_factory=list)
+    replace: dict[str, Replace] = field(default_factory=dict)  # old id → why it must be replaced
+    wanted: dict[str, int] = field(default_factory=dict)  # model → new replicas to place
+    # A fingerprint hashes the whole model and profile: once per profile per tick, not per replica
+    # (it was most of a steady tick's cost on a fleet of 600 replicas).
+    fingerprints: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def fingerprint(self, model: Model, profile: Profile) -> str:
+        key = (model.name, profile.name)
+        if key not in self.fingerprints:
+            self.fingerprints[key] = fingerprint(model, profile)
+        return self.fingerprints[key]
+
+    @property
+    def lost_ids(self) -> set[str]:
+        return {i for i, _ in self.lost}
+
+
 def decide(
     catalog: Catalog,
     inventory: Inventory,
@@ -91,70 +131,76 @@ def decide(
     ``with_reasons`` lists every rejected candidate of models that cannot be placed (for
     `llmgw diff`); a tick leaves it off and explains one model on demand.
     """
-    stop: dict[str, str] = {}
-    lost: list[tuple[str, str]] = []
-    # A fingerprint hashes the whole model and profile: once per profile per tick, not per replica
-    # (it was most of a steady tick's cost on a fleet of 600 replicas).
-    memo: dict[tuple[str, str], str] = {}
+    t = _Tick(catalog, inventory, replicas, last_used, demand, now, settings, by_id={r.id: r for r in replicas})
+    _judge_running(t)
+    replacements = _replacements(t)
+    _scale(t)
+    result, create = _place_new(t, replacements, with_reasons=with_reasons)
+    return Decisions(tuple(t.stop.items()), tuple(create), tuple(t.lost), result.unplaced, result.rejections)
 
-    def fingerprints(model: Model, profile: Profile) -> str:
-        key = (model.name, profile.name)
-        if key not in memo:
-            memo[key] = fingerprint(model, profile)
-        return memo[key]
 
-    by_id = {r.id: r for r in replicas}
-    replacing = {r.replaces: r for r in replicas if r.replaces and r.state.live}
-    needs_replacement: dict[str, str] = {}  # old id → why
-
-    # 1. Replicas that cannot stay as they are.
-    for r in replicas:
+def _judge_running(t: _Tick) -> None:
+    """1. Replicas that cannot stay as they are: their model left, their node is gone, their
+    profile changed, their node drains."""
+    for r in t.replicas:
         if not r.state.live:
             continue
-        model = catalog.model(r.model)
+        model = t.catalog.model(r.model)
         if model is None:
-            stop[r.id] = "model left the catalog"
+            t.stop[r.id] = "model left the catalog"
             continue
-        gone = [n for n in r.nodes if _node_lost(inventory, n, now, settings.unreachable_grace)]
+        gone = [n for n in r.nodes if _node_lost(t.inventory, n, t.now, t.settings.unreachable_grace)]
         if gone:
-            left = [n for n in gone if inventory.node(n) is None]
-            fenced = [n for n in gone if (x := inventory.node(n)) is not None and x.state == NodeState.FENCED]
-            lost.append((r.id, f"node {', '.join(left)} left nodes.yaml" if left
-                         else f"node {', '.join(fenced)} is driven by another controller" if fenced
-                         else f"node {', '.join(gone)} unreachable past the grace period"))
+            t.lost.append((r.id, _lost_because(t.inventory, gone)))
             continue
         profile = model.profile(r.profile)
-        if profile is None or fingerprints(model, profile) != r.fingerprint:
-            needs_replacement[r.id] = "its profile changed"
-        elif any(_draining(inventory, n) for n in r.nodes):
-            needs_replacement[r.id] = "its node is draining"
-    lost_ids = {i for i, _ in lost}
+        if profile is None or t.fingerprint(model, profile) != r.fingerprint:
+            t.replace[r.id] = Replace.PROFILE_CHANGED
+        elif any(_draining(t.inventory, n) for n in r.nodes):
+            t.replace[r.id] = Replace.NODE_DRAINING
 
-    # 2. Replacements: start the new one first; stop the old once the new one is ready.
-    replacement_wanted: dict[str, list[str]] = defaultdict(list)
-    for old_id, why in needs_replacement.items():
+
+def _lost_because(inventory: Inventory, gone: list[NodeId]) -> str:
+    left = [n for n in gone if inventory.node(n) is None]
+    fenced = [n for n in gone if (x := inventory.node(n)) is not None and x.state == NodeState.FENCED]
+    if left:
+        return f"node {', '.join(left)} left nodes.yaml"
+    if fenced:
+        return f"node {', '.join(fenced)} is driven by another controller"
+    return f"node {', '.join(gone)} unreachable past the grace period"
+
+
+def _replacements(t: _Tick) -> dict[str, list[str]]:
+    """2. Start the new one first; stop the old once the new one is ready. Returns, per model, the
+    old replicas that still need a replacement placed (a replacement whose old replica is already
+    gone serves as an ordinary replica)."""
+    replacing = {r.replaces: r for r in t.replicas if r.replaces and r.state.live}
+    wanted: dict[str, list[str]] = defaultdict(list)
+    for old_id, why in t.replace.items():
         new = replacing.get(old_id)
         if new is None:
-            replacement_wanted[by_id[old_id].model].append(old_id)
+            wanted[t.by_id[old_id].model].append(old_id)
         elif new.state == ReplicaState.READY:
-            stop[old_id] = f"replaced by {new.id} ({why})"
-    # A replacement whose old replica is already gone serves as an ordinary replica.
+            t.stop[old_id] = f"replaced by {new.id} ({why.value})"
+    return wanted
 
-    # 3. Scaling: each model within [min, max], by demand and idleness.
-    create_counts: dict[str, int] = {}
+
+def _scale(t: _Tick) -> None:
+    """3. Each model within [min, max], by demand and idleness."""
+    lost_ids = t.lost_ids
     by_model: dict[str, list[Replica]] = defaultdict(list)  # once, not a scan of the fleet per model
-    for r in replicas:
-        if r.state.live and r.id not in stop and r.id not in lost_ids:
+    for r in t.replicas:
+        if r.state.live and r.id not in t.stop and r.id not in lost_ids:
             by_model[r.model].append(r)
-    for model in catalog.models:
+    for model in t.catalog.models:
         mine = by_model.get(model.name, [])
         # A replica and its replacement hold one slot between them, until the old one stops
         # (here or earlier).
-        slots = [r for r in mine if not (r.replaces and r.replaces in by_id and r.replaces not in stop
-                                         and by_id[r.replaces].state.live)]
+        slots = [r for r in mine if not (r.replaces and r.replaces in t.by_id and r.replaces not in t.stop
+                                         and t.by_id[r.replaces].state.live)]
         count = len(slots)
         ready = [r for r in slots if r.state == ReplicaState.READY]
-        d = demand.get(model.name, Demand())
+        d = t.demand.get(model.name, Demand())
         s = model.scaling
         target = min(max(count, s.min), s.max)
         if d.held and count == 0:
@@ -163,49 +209,54 @@ def decide(
             target = min(count + 1, s.max)
         if count > s.max:
             # Not-ready ones first, then the longest idle.
-            extra = sorted(slots, key=lambda r: (r.state == ReplicaState.READY, -_idle_for(r, last_used, now)))
+            extra = sorted(slots, key=lambda r: (r.state == ReplicaState.READY, -_idle_for(r, t.last_used, t.now)))
             for r in extra[: count - s.max]:
-                stop[r.id] = f"above max ({s.max})"
+                t.stop[r.id] = f"above max ({s.max})"
             continue
         # Idleness is judged per replica from the router's last use, but never while the
         # model's load would not fit on one replica fewer: a replica just added for load is
         # not "idle" before the router has sent it anything.
         fits_fewer = d.inflight <= s.target_inflight * max(len(ready) - 1, 0)
         if s.idle_after is not None and not d.held and count > s.min and fits_fewer:
-            idle = sorted((r for r in ready if _idle_for(r, last_used, now) >= s.idle_after
-                           and r.id not in needs_replacement),
-                          key=lambda r: -_idle_for(r, last_used, now))
+            idle = sorted((r for r in ready if _idle_for(r, t.last_used, t.now) >= s.idle_after
+                           and r.id not in t.replace),
+                          key=lambda r: -_idle_for(r, t.last_used, t.now))
             for r in idle[: count - s.min]:
-                stop[r.id] = f"idle for {int(_idle_for(r, last_used, now))}s (idle_after {int(s.idle_after)}s)"
+                t.stop[r.id] = (f"idle for {int(_idle_for(r, t.last_used, t.now))}s "
+                                f"(idle_after {int(s.idle_after)}s)")
                 target = min(target, count - 1)
         if target > count:
-            create_counts[model.name] = target - count
+            t.wanted[model.name] = target - count
 
-    # 4. Place what is wanted; stopping replicas still hold their GPUs until they stop.
-    holding = [r.placement for r in replicas
-               if r.id not in lost_ids and r.state not in (ReplicaState.STOPPED,)]
-    holding += unclaimed_engines(inventory, replicas)
-    wanted = {name: n for name, n in create_counts.items()}
-    for name, olds in replacement_wanted.items():
+
+def _place_new(t: _Tick, replacements: dict[str, list[str]], *,
+               with_reasons: bool) -> tuple[PlacementResult, list[NewReplica]]:
+    """4. Place what is wanted; stopping replicas (and engines no replica claims) still hold their
+    GPUs until they stop."""
+    lost_ids = t.lost_ids
+    holding = [r.placement for r in t.replicas if r.id not in lost_ids and r.state != ReplicaState.STOPPED]
+    holding += unclaimed_engines(t.inventory, t.replicas)
+    wanted = dict(t.wanted)
+    for name, olds in replacements.items():
         wanted[name] = wanted.get(name, 0) + len(olds)
     avoid: dict[str, list[NodeId]] = {
-        by_id[o].model: list(by_id[o].nodes) for olds in replacement_wanted.values() for o in olds
-        if needs_replacement[o] == "its node is draining"}
+        t.by_id[o].model: list(t.by_id[o].nodes) for olds in replacements.values() for o in olds
+        if t.replace[o] == Replace.NODE_DRAINING}
     # Most ticks want nothing new: skip building the fleet's free-capacity index then.
     if any(wanted.values()):
-        result = place(catalog, inventory, holding, now=now, wanted=wanted, avoid=avoid, reasons=with_reasons)
+        result = place(t.catalog, t.inventory, holding, now=t.now, wanted=wanted, avoid=avoid, reasons=with_reasons)
     else:
         result = PlacementResult()
     create: list[NewReplica] = []
-    queue = {name: list(olds) for name, olds in replacement_wanted.items()}
+    queue = {name: list(olds) for name, olds in replacements.items()}
     for p in result.placements:
         waiting = queue.get(p.model)
         if waiting:
             old = waiting.pop(0)
-            create.append(NewReplica(p, replaces=old, reason=f"replaces {old}: {needs_replacement[old]}"))
+            create.append(NewReplica(p, replaces=old, reason=f"replaces {old}: {t.replace[old].value}"))
         else:
-            create.append(NewReplica(p, reason=_reason(catalog.model(p.model), demand)))
-    return Decisions(tuple(stop.items()), tuple(create), tuple(lost), result.unplaced, result.rejections)
+            create.append(NewReplica(p, reason=_reason(t.catalog.model(p.model), t.demand)))
+    return result, create
 
 
 def _reason(model: Model | None, demand: Mapping[str, Demand]) -> str:
