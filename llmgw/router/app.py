@@ -44,7 +44,7 @@ from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
 from llmgw.router.proxy import CLIENT_GONE, BadBody, forward_stream, forward_whole, parse_body, rewrite_model
 from llmgw.router.retry import RetryBudget, RetryTicket, next_step
 from llmgw.router.routes import RouteCatalog, RouteModel
-from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, pick
+from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, choose
 from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
 from llmgw.serving import connection_cap, listen
 
@@ -365,21 +365,8 @@ class Router:
         deliveries = 0  # attempts that reached an engine (DESIGN §6: at most two, each engine once)
         while True:
             table = self.table
-            now = self._clock()
-            target = up = None
-            # A healthy replica anywhere in the chain (the model, then its fallbacks) before one
-            # that failed in the last few seconds.
-            for cooled in (False, True):
-                for m in chain:
-                    groups = table.groups.get(m.name)
-                    if groups is not None:
-                        up = pick(groups, now, self._rng, tried, cooled=cooled)
-                        if up is not None:
-                            target = m
-                            break
-                if up is not None:
-                    break
-            if up is None or target is None:
+            choice = choose(table, chain, self._clock(), self._rng, tried)
+            if choice is None:
                 if failure is not None:
                     return self._refuse(self._failed(model, chain, failure, len(tried)), model.name, t0)
                 refused = await self._hold(model, chain)
@@ -390,6 +377,7 @@ class Router:
                     return self._refuse(respond.not_found(asked), UNKNOWN, t0)
                 model, chain = current, self._chains.get(current.name, (current,))
                 continue
+            target, up = choice
             data = raw if target.name == asked else rewrite_model(raw, body, asked, target.name)
             try:
                 if target is model:

@@ -22,6 +22,7 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 
 from llmgw.reconciler.replica import Endpoint
+from llmgw.router.routes import RouteModel
 from llmgw.router.upstream import Origin
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,24 @@ def build_table(endpoints: Sequence[Endpoint], previous: EndpointTable) -> Endpo
         by_model.setdefault(u.model, {}).setdefault(u.endpoint.priority, []).append(u)
     groups = {model: tuple(tuple(prio[p]) for p in sorted(prio)) for model, prio in by_model.items()}
     return EndpointTable(groups, upstreams, previous.version + 1)
+
+
+def choose(table: EndpointTable, chain: Sequence[RouteModel], now: float, rng: random.Random,
+           tried: tuple[Upstream, ...] = ()) -> tuple[RouteModel, Upstream] | None:
+    """Where to send a request for ``chain[0]``: the model (or the fallback) and the replica, or
+    None when nothing in the chain has a replica left to try. Pure: the handler applies it.
+
+    A healthy replica anywhere in the chain (the model, then its fallbacks in order) comes before
+    one that failed in the last few seconds.
+    """
+    for cooled in (False, True):
+        for m in chain:
+            groups = table.groups.get(m.name)
+            if groups is not None:
+                up = pick(groups, now, rng, tried, cooled=cooled)
+                if up is not None:
+                    return m, up
+    return None
 
 
 def pick(groups: Iterable[tuple[Upstream, ...]], now: float, rng: random.Random,

@@ -16,7 +16,8 @@ from llmgw.reconciler.decide import Demand
 from llmgw.router import FeedHub, KeyRing, MergedUsage, Router, catalog_from_view, catalog_view, hash_key
 from llmgw.router.feed import endpoint_from_json
 from llmgw.router.proxy import BadBody, parse_body, rewrite_model
-from llmgw.router.table import EMPTY, build_table, pick
+from llmgw.router.routes import RouteModel
+from llmgw.router.table import EMPTY, build_table, choose, pick
 from tests.router.conftest import endpoint
 from tests.router.fake_controller import model
 
@@ -58,6 +59,20 @@ def test_ties_are_broken_at_random_and_by_weight() -> None:
     assert pick(w.groups["m"], 0.0, rng).replica_id == "a"
     w.upstreams["a"].inflight = 4
     assert pick(w.groups["m"], 0.0, rng).replica_id == "b"
+
+
+def test_the_choice_walks_the_fallback_chain_healthy_first() -> None:
+    t = table(endpoint("big", "http://a", "a"), endpoint("small", "http://b", "b"))
+    chain = (RouteModel("big", fallbacks=("small",)), RouteModel("small"))
+    rng = random.Random(3)
+    assert choose(t, chain, 0.0, rng) == (chain[0], t.upstreams["a"])
+    # The primary failed a moment ago: a healthy fallback is chosen before the cooling primary...
+    t.upstreams["a"].cooldown_until = 10.0
+    assert choose(t, chain, 5.0, rng) == (chain[1], t.upstreams["b"])
+    # ...and the cooling one when nothing healthy is left, then nothing once both were tried.
+    assert choose(t, chain, 5.0, rng, (t.upstreams["b"],)) == (chain[0], t.upstreams["a"])
+    assert choose(t, chain, 5.0, rng, (t.upstreams["a"], t.upstreams["b"])) is None
+    assert choose(t, (RouteModel("ghost"),), 0.0, rng) is None  # no replica at all
 
 
 def test_cooling_replicas_are_a_last_resort() -> None:
