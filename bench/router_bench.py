@@ -95,7 +95,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 async def serve_llmgw(port: int, engine: str) -> None:
     from llmgw.catalog.model import Catalog, Model, Profile
-    from llmgw.reconciler.replica import Endpoint
+    from llmgw.contract import Endpoint
     from llmgw.router import Router
 
     profile = Profile(name="sim", priority=0, engine="sim", gpus=0)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 CONTROL_PLANE = ("llmgw.gitops", "llmgw.dispatch", "llmgw.control", "llmgw.admin", "llmgw.reconciler.reconciler",
-                 "llmgw.reconciler.lifecycle", "llmgw.inventory.live")
+                 "llmgw.reconciler.lifecycle", "llmgw.inventory.live", "llmgw.state")
 
 
 def loaded_by(module: str) -> set[str]:
@@ -27,6 +27,7 @@ def loaded_by(module: str) -> set[str]:
     ("llmgw.reconciler.decide", ("aiohttp", "sqlite3", "paramiko", "git", "watchfiles", "prometheus_client")),
     ("llmgw.catalog", ("aiohttp", "sqlite3", "paramiko", "git", "watchfiles", "prometheus_client")),
     ("llmgw.router.main", ("sqlite3", "paramiko", "git", "watchfiles")),
+    ("llmgw.contract", ("aiohttp", "sqlite3", "paramiko", "git", "watchfiles", "prometheus_client")),
 ])
 def test_importing_a_layer_loads_nothing_below_it(module: str, io: tuple[str, ...]) -> None:
     loaded = loaded_by(module)

@@ -17,8 +17,9 @@ from aiohttp import web
 from llmgw.admin import api
 from llmgw.admin.dashboard import dashboard
 from llmgw.admin.openapi import openapi_document
+from llmgw.contract import REPORT_PATH, WATCH_PATH
+from llmgw.control.feed import FeedHub
 from llmgw.gitops.webhook import webhook_handler
-from llmgw.router.feed import REPORT_PATH, WATCH_PATH, FeedHub
 
 if TYPE_CHECKING:
     from llmgw.control import Controller

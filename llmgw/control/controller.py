@@ -18,6 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog
+from llmgw.contract import EndpointSink, UsageSource
 from llmgw.control.config import ControllerConfig
 from llmgw.control.fleet_dispatch import FleetDispatcher
 from llmgw.control.fleet_metrics import FleetCollector
@@ -30,7 +31,7 @@ from llmgw.gitops.repo import normalise_url
 from llmgw.gitops.writer import CommitWriter
 from llmgw.inventory.live import LiveInventory
 from llmgw.plan.guard import PruneVerdict, judge_prune
-from llmgw.reconciler import EndpointSink, Reconciler, UsageSource
+from llmgw.reconciler.reconciler import Reconciler
 from llmgw.state import Store
 
 log = logging.getLogger(__name__)
@@ -103,11 +104,12 @@ class Controller:
         await self.inventory.poll()
         stopped = []
         node = self.inventory.snapshot().node(node_id)
-        if stop_foreign and node is not None and node.report is not None:
+        lifecycle = self.reconciler.lifecycle
+        if stop_foreign and node is not None and node.report is not None and lifecycle is not None:
             claimed = {s.agent_id for r in self.reconciler.snapshot() for s in r.shards if s.node == node_id}
             for e in node.report.engines:
                 if e.alive and e.replica_id not in claimed and e.holder != self.controller_id:
-                    if await self.reconciler.lifecycle.stop_engine(node_id, e.replica_id):
+                    if await lifecycle.stop_engine(node_id, e.replica_id):
                         stopped.append(e.replica_id)
                         self.store.add_event("foreign-engine-stopped", e.replica_id,
                                              f"engine {e.replica_id} on {node_id} (started by {e.holder}) stopped "

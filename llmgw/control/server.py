@@ -89,9 +89,9 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     check_free(cfg.router_listen, router_flag)
     raise_fd_limit()
     throttle_loop_errors()
+    from llmgw.control.feed import Fanout, FeedHub, MergedUsage
     from llmgw.router.app import Router
     from llmgw.router.config import RouterConfig
-    from llmgw.router.feed import Fanout, FeedHub, MergedUsage
     from llmgw.router.keys import KeyRing
 
     keys = KeyRing.from_entries(cfg.api_keys, where="api_keys")

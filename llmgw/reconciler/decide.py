@@ -13,17 +13,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from llmgw.catalog import Catalog, Model, ModelName, NodeId, Profile
+from llmgw.contract import Demand
 from llmgw.inventory import Inventory, NodeState
 from llmgw.placement import Placement, PlacementResult, Rejection, Shard, place
 from llmgw.reconciler.replica import Replica, ReplicaState, fingerprint
-
-
-@dataclass(frozen=True)
-class Demand:
-    """The router's view of a model: requests held for want of a replica, and in flight."""
-
-    held: int = 0
-    inflight: int = 0
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Protocol
 
 import aiohttp
 
 from llmgw.catalog import Catalog, NodeSpec
+from llmgw.contract import Endpoint, EndpointSink, NoUsage, UsageSource
 from llmgw.dispatch.base import Dispatcher
 from llmgw.errors import DispatchError
 from llmgw.gitops.desired import DesiredState
@@ -26,38 +26,13 @@ from llmgw.inventory import EngineRecord, Inventory, NodeState
 from llmgw.inventory.live import LiveInventory
 from llmgw.placement import unrunnable
 from llmgw.reconciler.config import ReconcilerConfig
-from llmgw.reconciler.decide import Decisions, Demand, Settings, decide
+from llmgw.reconciler.decide import Decisions, Settings, decide
 from llmgw.reconciler.lifecycle import Lifecycle
-from llmgw.reconciler.replica import Endpoint, Replica, ReplicaState, fingerprint, replica_id, shard_agent_id
+from llmgw.reconciler.replica import Replica, ReplicaState, fingerprint, replica_id, shard_agent_id
 from llmgw.reconciler.replica import ShardStatus as _ShardStatus
 from llmgw.state import Store
 
 log = logging.getLogger(__name__)
-
-
-class EndpointSink(Protocol):
-    """Receives the endpoint list (only ready replicas). The router implements it."""
-
-    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None: ...
-
-    def set_unrunnable(self, reasons: Mapping[str, str]) -> None:
-        """Models no node can run (model name → placement reason): answered at once."""
-
-
-class UsageSource(Protocol):
-    """The router's report: when each replica was last used, and demand per model."""
-
-    def last_used(self) -> Mapping[str, float]: ...
-
-    def demand(self) -> Mapping[str, Demand]: ...
-
-
-class NoUsage:
-    def last_used(self) -> Mapping[str, float]:
-        return {}
-
-    def demand(self) -> Mapping[str, Demand]:
-        return {}
 
 
 class Reconciler:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -124,23 +124,3 @@ def fingerprint(model: Model, profile: Profile) -> str:
         "profile": asdict(profile),
     }
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """What the router needs of one ready replica (the endpoint sink's unit)."""
-
-    replica_id: str
-    model: str
-    names: tuple[str, ...]
-    url: str
-    engine: str
-    profile: str
-    priority: int
-    task: str = "chat"
-    node: str = ""
-    weight: float = 1.0
-    labels: dict[str, str] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)

@@ -2,9 +2,8 @@
 
     Router, RouterConfig     the aiohttp server; endpoint sink, catalog subscriber, usage source
     KeyRing, ApiKey          API keys stored as sha256 digests (none configured = open)
-    FeedHub                  the controller's end of the watch stream for standalone routers
     FeedClient               a standalone router's end: follow snapshots, report usage
-    catalog_view             the part of a catalog a router needs (and catalog_from_view, its inverse)
+    catalog_from_view        the routing table's catalog from the contract's catalog view
 """
 
 from typing import Any
@@ -12,9 +11,7 @@ from typing import Any
 # Resolved on first use: `llmgw validate` and the other commands import llmgw.router.main for
 # its argument parser, and must not pay for aiohttp's import to print their help.
 _EXPORTS = {
-    "Router": "llmgw.router.app", "RouterConfig": "llmgw.router.config", "Fanout": "llmgw.router.feed",
-    "FeedHub": "llmgw.router.feed", "MergedUsage": "llmgw.router.feed", "catalog_from_view": "llmgw.router.feed",
-    "catalog_view": "llmgw.router.feed", "endpoint_from_json": "llmgw.router.feed",
+    "Router": "llmgw.router.app", "RouterConfig": "llmgw.router.config", "catalog_from_view": "llmgw.router.feed",
     "FeedClient": "llmgw.router.follow", "ApiKey": "llmgw.router.keys", "KeyRing": "llmgw.router.keys",
     "hash_key": "llmgw.router.keys", "RouteCatalog": "llmgw.router.routes", "RouteModel": "llmgw.router.routes",
 }

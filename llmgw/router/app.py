@@ -31,8 +31,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from llmgw.catalog import Catalog
-from llmgw.reconciler.decide import Demand
-from llmgw.reconciler.replica import Endpoint
+from llmgw.contract import Demand, Endpoint
 from llmgw.router import respond
 from llmgw.router.changes import Changes
 from llmgw.router.config import RouterConfig

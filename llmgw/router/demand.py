@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from llmgw.reconciler.decide import Demand
+from llmgw.contract import Demand
 from llmgw.router.changes import Changes
 
 WAKE_EVERY = 1.0  # seconds between wake-ups for one model

@@ -24,9 +24,10 @@ from typing import Any
 
 import aiohttp
 
+from llmgw.contract import REPORT_PATH, WATCH_PATH, endpoint_from_json
 from llmgw.errors import ConfigError, LlmgwError
 from llmgw.router.app import Router
-from llmgw.router.feed import REPORT_PATH, WATCH_PATH, catalog_from_view, endpoint_from_json
+from llmgw.router.feed import catalog_from_view
 from llmgw.router.keys import KeyRing
 
 log = logging.getLogger(__name__)

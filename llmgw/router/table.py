@@ -21,7 +21,7 @@ import logging
 import random
 from collections.abc import Iterable, Mapping, Sequence
 
-from llmgw.reconciler.replica import Endpoint
+from llmgw.contract import Endpoint
 from llmgw.router.routes import RouteModel
 from llmgw.router.upstream import Origin
 

@@ -19,7 +19,7 @@ import pytest
 
 from llmgw.admin.app import build_admin_app
 from llmgw.control import Controller
-from llmgw.router.feed import FeedHub
+from llmgw.control.feed import FeedHub
 from llmgw.serving import listen
 from tests.conftest import git
 from tests.fixtures.sshd_fleet import SshdFleet

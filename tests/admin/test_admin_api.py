@@ -30,7 +30,7 @@ def http(method: str, url: str, body: bytes | None = None, token: str | None = T
 
 def app_routes(running: Running) -> set[tuple[str, str]]:
     from llmgw.admin.app import build_admin_app
-    from llmgw.router.feed import FeedHub
+    from llmgw.control.feed import FeedHub
 
     app = build_admin_app(running.controller, token=TOKEN, hub=FeedHub())
     return {(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from llmgw.catalog import cache_name
-from llmgw.reconciler.replica import Endpoint
+from llmgw.contract import Endpoint
 from llmgw.router.load import read_queue
 from llmgw.router.table import Upstream
 from tests.conftest import git

@@ -8,8 +8,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.contract import Demand, Endpoint
 from llmgw.control import Controller, ControllerConfig
-from llmgw.reconciler import Demand, Endpoint, ReconcilerConfig, ReplicaState
+from llmgw.reconciler import ReconcilerConfig, ReplicaState
 from tests.conftest import commit_files, git
 from tests.fixtures.sshd_fleet import SshdFleet
 

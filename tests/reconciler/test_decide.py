@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llmgw.catalog import Catalog, Scaling
+from llmgw.contract import Demand
 from llmgw.inventory import Inventory, NodeState
 from llmgw.placement import Placement, Shard
-from llmgw.reconciler.decide import Demand, decide
+from llmgw.reconciler.decide import decide
 from llmgw.reconciler.replica import Replica, ReplicaState, fingerprint
 from tests.placement.fleet import inventory, model, node, profile
 

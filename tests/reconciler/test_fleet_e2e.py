@@ -14,9 +14,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from llmgw.contract import Demand
 from llmgw.gitops.status import SyncState
 from llmgw.inventory import NodeState
-from llmgw.reconciler import Demand
 from tests.dispatch.helpers import pid_alive
 from tests.reconciler.fleet_e2e import Recorder, make_controller, make_repo, nodes_yaml, ready, sim_model, until
 

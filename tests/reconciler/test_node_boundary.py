@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 
 from llmgw.admin.app import build_admin_app
+from llmgw.control.feed import FeedHub
 from llmgw.reconciler import ReplicaState
-from llmgw.router.feed import FeedHub
 from tests.reconciler.fleet_e2e import LLMGW_YAML, Recorder, make_controller, make_repo, ready, sim_model, until
 
 pytestmark = pytest.mark.slow

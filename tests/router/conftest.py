@@ -15,8 +15,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from llmgw.contract import Endpoint
 from llmgw.engines.testing import PACKAGE_ROOT, SimProcess, free_port
-from llmgw.reconciler.replica import Endpoint
 from llmgw.router import Router
 from tests.conftest import REPO_ROOT
 

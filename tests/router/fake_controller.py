@@ -21,7 +21,8 @@ from typing import Any
 from aiohttp import web
 
 from llmgw.catalog.model import Catalog, Model, ModelName, Profile, Scaling
-from llmgw.router.feed import REPORT_PATH, WATCH_PATH, FeedHub, endpoint_from_json
+from llmgw.contract import REPORT_PATH, WATCH_PATH, endpoint_from_json
+from llmgw.control.feed import FeedHub
 
 PROFILE = Profile(name="sim", priority=0, engine="sim", gpus=0)
 

@@ -13,8 +13,9 @@ import pytest
 from aiohttp import web
 
 from llmgw.catalog.model import Catalog
+from llmgw.control.feed import FeedHub
 from llmgw.engines.testing import SimProcess, free_port
-from llmgw.router import FeedClient, FeedHub, Router, RouterConfig, hash_key
+from llmgw.router import FeedClient, Router, RouterConfig, hash_key
 from tests.router.conftest import TOKEN, client, endpoint, serving
 from tests.router.fake_controller import make_app, model
 

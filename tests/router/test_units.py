@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from llmgw.catalog.model import Catalog
+from llmgw.contract import Demand, catalog_view, endpoint_from_json
+from llmgw.control.feed import Fanout, FeedHub, MergedUsage
 from llmgw.engines.health import LOAD_METRICS, parse_load
 from llmgw.errors import ConfigError
-from llmgw.reconciler.decide import Demand
-from llmgw.router import FeedHub, KeyRing, MergedUsage, Router, catalog_from_view, catalog_view, hash_key
-from llmgw.router.feed import endpoint_from_json
+from llmgw.router import KeyRing, Router, catalog_from_view, hash_key
 from llmgw.router.proxy import BadBody, parse_body, rewrite_model
 from llmgw.router.routes import RouteModel
 from llmgw.router.table import EMPTY, build_table, choose, pick
@@ -285,7 +285,6 @@ def test_hub_publishes_only_changes_and_only_once_primed() -> None:
 def test_in_process_wiring_hears_the_catalog_first_and_fans_out() -> None:
     from llmgw.control.server import attach_router
     from llmgw.gitops.desired import RECONCILER, DesiredState
-    from llmgw.router import Fanout
 
     desired = DesiredState(Catalog(models=(model("a"),)))
     seen: list[str] = []

@@ -1,0 +1,142 @@
+"""The contract between the control plane and the data plane (DESIGN §1): all they share.
+
+The reconciler (or a controller's feed) gives routers the ready endpoints and the part of the
+catalog a router needs; routers give back when each replica was last used and the demand per
+model. Both sides import this module and nothing of each other: the standalone router loads no
+git, SSH or SQLite code, and the controller none of the router's request path.
+
+A router running as its own process (``llmgw router --controller URL``) follows the controller
+over one long-lived HTTP response of JSON lines::
+
+    GET /api/v1/router/watch      Authorization: Bearer <admin token>
+    {"version": 1719..., "catalog": {...catalog_view...}, "endpoints": [Endpoint.to_json(), ...]}\\n
+    {"keepalive": true}\\n                         every ~10 s, so a silent drop is noticed
+    {"version": ..., ...}\\n                        a full snapshot again on every change
+
+When the controller's config has API keys, the snapshot also carries them, as the hashes and
+model lists the config holds (``"api_keys": [{"name", "sha256", "models"}]``), so every router
+checks the same keys and a key added to the config reaches them all without a restart. A
+router started with its own ``--api-keys`` file keeps that instead.
+
+Every line is a whole snapshot, so a router that missed lines (or reconnects to a restarted
+controller) needs nothing but the next one; ``version`` is informational (it starts from the
+controller's clock, so it grows across restarts too). Routers report back::
+
+    POST /api/v1/router/report    {"router_id", "last_used": {replica_id: unix_time},
+                                   "demand": {model: {"held": n, "inflight": n}}}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol, TypedDict
+
+from llmgw.catalog import Catalog
+
+KEEPALIVE = b'{"keepalive": true}\n'
+WATCH_PATH = "/api/v1/router/watch"
+REPORT_PATH = "/api/v1/router/report"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What the router needs of one ready replica (the endpoint sink's unit)."""
+
+    replica_id: str
+    model: str
+    names: tuple[str, ...]
+    url: str
+    engine: str
+    profile: str
+    priority: int
+    task: str = "chat"
+    node: str = ""
+    weight: float = 1.0
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_ENDPOINT_FIELDS = frozenset(f.name for f in fields(Endpoint))
+
+
+def endpoint_from_json(d: Mapping[str, Any]) -> Endpoint:
+    """The inverse of ``Endpoint.to_json``; unknown keys (a newer controller) are ignored."""
+    try:
+        known = {k: v for k, v in d.items() if k in _ENDPOINT_FIELDS}
+        known["names"] = tuple(known.get("names", ()))
+        known["labels"] = dict(known.get("labels") or {})
+        return Endpoint(**known)
+    except TypeError as exc:
+        raise ValueError(f"malformed endpoint: {exc}") from exc
+
+
+def wire_str(v: Any) -> str:
+    """A string off the wire, or TypeError: a number or null where a name belongs is malformed."""
+    if not isinstance(v, str):
+        raise TypeError(f"expected a string, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class Demand:
+    """The router's view of a model: requests held for want of a replica, and in flight."""
+
+    held: int = 0
+    inflight: int = 0
+
+
+class EndpointSink(Protocol):
+    """Receives the endpoint list (only ready replicas). The router implements it."""
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None: ...
+
+    def set_unrunnable(self, reasons: Mapping[str, str]) -> None:
+        """Models no node can run (model name → placement reason): answered at once."""
+
+
+class UsageSource(Protocol):
+    """The router's report: when each replica was last used, and demand per model."""
+
+    def last_used(self) -> Mapping[str, float]: ...
+
+    def demand(self) -> Mapping[str, Demand]: ...
+
+
+class NoUsage:
+    def last_used(self) -> Mapping[str, float]:
+        return {}
+
+    def demand(self) -> Mapping[str, Demand]:
+        return {}
+
+
+class ScalingView(TypedDict):
+    min: int
+    max: int
+
+
+class ModelView(TypedDict):
+    name: str
+    aliases: list[str]
+    task: str
+    fallbacks: list[str]
+    scaling: ScalingView
+
+
+class CatalogView(TypedDict):
+    revision: str | None
+    models: list[ModelView]
+
+
+def catalog_view(catalog: Catalog) -> CatalogView:
+    """What a router needs of ``catalog``: names, aliases, task, fallbacks, scaling bounds."""
+    return {
+        "revision": catalog.revision,
+        "models": [{
+            "name": m.name, "aliases": list(m.aliases), "task": m.task, "fallbacks": list(m.fallbacks),
+            "scaling": {"min": m.scaling.min, "max": m.scaling.max},
+        } for m in catalog.models],
+    }

@@ -1,0 +1,211 @@
+"""The controller's end of the watch stream that standalone routers follow (`llmgw.contract`).
+
+:class:`FeedHub` is the reconciler's endpoint sink and a catalog subscriber (``order=ROUTER``),
+keeps the latest snapshot, streams it to every watcher, and merges the routers' reports into one
+usage source (latest last-use per replica, demand summed over routers, a router's report forgotten
+once it is older than ``report_ttl``). A report with held requests wakes the reconciler at once.
+Authentication is the admin listener's business: mount :meth:`FeedHub.watch` and
+:meth:`FeedHub.report` behind its token check.
+
+Until it has both a catalog and a first endpoint list the hub sends only keepalives: a
+controller that just restarted and has not adopted its engines yet must not tell every router
+that nothing is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from aiohttp import web
+
+from llmgw.catalog import Catalog
+from llmgw.contract import KEEPALIVE, CatalogView, Demand, Endpoint, catalog_view, wire_str
+from llmgw.router.changes import Changes
+
+log = logging.getLogger(__name__)
+
+
+class FeedHub:
+    """The controller's side of the watch stream; see the module docstring."""
+
+    def __init__(self, *, wake: Callable[[str], None] | None = None, clock: Callable[[], float] = time.time,
+                 report_ttl: float = 30.0, keepalive: float = 10.0) -> None:
+        self.wake = wake
+        self.clock = clock
+        self.report_ttl = report_ttl
+        self.keepalive = keepalive
+        self.version = int(clock() * 1000)
+        self._catalog: CatalogView | None = None
+        self._endpoints: list[dict[str, Any]] | None = None
+        self._api_keys: list[dict[str, Any]] | None = None
+        self._unrunnable: dict[str, str] = {}
+        self._line: bytes | None = None
+        self._changes = Changes()
+        self._reports: dict[str, tuple[float, dict[str, float], dict[str, Demand]]] = {}
+        self.watchers = 0
+
+    # --- the control plane's side -------------------------------------------------------
+    def set_catalog(self, catalog: Catalog) -> None:
+        """Catalog subscriber (subscribe with ``order=ROUTER``)."""
+        view = catalog_view(catalog)
+        if view != self._catalog:
+            self._catalog = view
+            self._publish()
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        """Endpoint sink: the ready replicas."""
+        eps = [e.to_json() for e in endpoints]
+        if eps != self._endpoints:
+            self._endpoints = eps
+            self._publish()
+
+    def set_unrunnable(self, reasons: Mapping[str, str]) -> None:
+        """Models no node can run, with the reason: routers answer them at once."""
+        if dict(reasons) != self._unrunnable:
+            self._unrunnable = dict(reasons)
+            self._publish()
+
+    def set_api_keys(self, entries: Sequence[Mapping[str, Any]]) -> None:
+        """The controller config's API keys (``{"name", "sha256", "models"}`` each), for every router."""
+        keys = [{"name": e.get("name"), "sha256": e["sha256"], "models": list(e.get("models", ["*"]))}
+                for e in entries]
+        if keys != self._api_keys:
+            self._api_keys = keys
+            self._publish()
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """The snapshot watchers get, or None until both a catalog and endpoints were given."""
+        if self._catalog is None or self._endpoints is None:
+            return None
+        snap = {"version": self.version, "catalog": self._catalog, "endpoints": self._endpoints}
+        if self._api_keys is not None:
+            snap["api_keys"] = self._api_keys
+        if self._unrunnable:
+            snap["unrunnable"] = self._unrunnable
+        return snap
+
+    def _publish(self) -> None:
+        self.version += 1
+        snap = self.snapshot()
+        self._line = None if snap is None else json.dumps(snap, separators=(",", ":")).encode() + b"\n"
+        self._changes.notify()
+
+    # --- usage: the reconciler's side ---------------------------------------------------
+    def last_used(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for _, used, _ in self._live_reports():
+            for rid, t in used.items():
+                if t > out.get(rid, 0.0):
+                    out[rid] = t
+        return out
+
+    def demand(self) -> dict[str, Demand]:
+        held: dict[str, int] = {}
+        inflight: dict[str, int] = {}
+        for _, _, dem in self._live_reports():
+            for model, d in dem.items():
+                held[model] = held.get(model, 0) + d.held
+                inflight[model] = inflight.get(model, 0) + d.inflight
+        return {m: Demand(held=held[m], inflight=inflight[m]) for m in held}
+
+    def routers(self) -> dict[str, float]:
+        """Routers heard from within ``report_ttl``, with the time of their last report."""
+        self._live_reports()
+        return {rid: at for rid, (at, _, _) in self._reports.items()}
+
+    def _live_reports(self) -> list[tuple[float, dict[str, float], dict[str, Demand]]]:
+        cutoff = self.clock() - self.report_ttl
+        for rid in [rid for rid, r in self._reports.items() if r[0] < cutoff]:
+            del self._reports[rid]  # a router that stopped reporting is gone: its demand with it
+        return list(self._reports.values())
+
+    # --- HTTP handlers (mounted by the admin API behind its token check) -----------------
+    async def watch(self, request: web.Request) -> web.StreamResponse:
+        """``GET /api/v1/router/watch``: JSON lines, a snapshot at once and on every change."""
+        self._changes.bind(asyncio.get_running_loop())
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        self.watchers += 1
+        sent: bytes | None = None
+        try:
+            while True:
+                event = self._changes.event
+                line = self._line
+                if line is not None and line is not sent:
+                    await resp.write(line)
+                    sent = line
+                try:
+                    await asyncio.wait_for(event.wait(), self.keepalive)
+                except TimeoutError:
+                    await resp.write(KEEPALIVE)
+        except ConnectionResetError:
+            return resp  # the router went away; it will reconnect
+        finally:
+            self.watchers -= 1
+
+    async def report(self, request: web.Request) -> web.Response:
+        """``POST /api/v1/router/report``: one router's last-use times and demand."""
+        try:
+            data = await request.json()
+            router_id = wire_str(data["router_id"])
+            used = {wire_str(k): float(v) for k, v in (data.get("last_used") or {}).items()}
+            dem = {wire_str(m): Demand(held=int(d.get("held", 0)), inflight=int(d.get("inflight", 0)))
+                   for m, d in (data.get("demand") or {}).items()}
+        except KeyError as exc:
+            # The admin API's error shape ({"error": "..."}), not the OpenAI one: this is an admin route.
+            return web.json_response({"error": f"malformed router report: {exc.args[0]} is missing"}, status=400)
+        except (ValueError, TypeError, AttributeError) as exc:
+            return web.json_response({"error": f"malformed router report: {exc}"}, status=400)
+        self._reports[router_id] = (self.clock(), used, dem)
+        if self.wake is not None:
+            for model, d in dem.items():
+                if d.held > 0:
+                    self.wake(model)
+        return web.json_response({"ok": True, "version": self.version})
+
+
+class Fanout:
+    """One endpoint sink and catalog subscriber feeding several (an in-process router and a hub)."""
+
+    def __init__(self, *targets: Any) -> None:
+        self.targets = targets
+
+    def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
+        for t in self.targets:
+            t.set_endpoints(endpoints)
+
+    def set_catalog(self, catalog: Catalog) -> None:
+        for t in self.targets:
+            t.set_catalog(catalog)
+
+    def set_unrunnable(self, reasons: Mapping[str, str]) -> None:
+        for t in self.targets:
+            t.set_unrunnable(reasons)
+
+
+class MergedUsage:
+    """Several usage sources as one (an in-process router plus a hub of standalone ones)."""
+
+    def __init__(self, *sources: Any) -> None:
+        self.sources = sources
+
+    def last_used(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in self.sources:
+            for rid, t in s.last_used().items():
+                out[rid] = max(t, out.get(rid, 0.0))
+        return out
+
+    def demand(self) -> dict[str, Demand]:
+        out: dict[str, Demand] = {}
+        for s in self.sources:
+            for m, d in s.demand().items():
+                o = out.get(m, Demand())
+                out[m] = Demand(held=o.held + d.held, inflight=o.inflight + d.inflight)
+        return out
