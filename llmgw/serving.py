@@ -90,6 +90,8 @@ class _Handler(RequestHandler):
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         if request.writer.output_size > 0:  # an answer is under way: nothing to add but a close
+            _log.error("%s from %s after the answer had begun", status, getattr(request, "remote", "?"),
+                       exc_info=exc)
             raise ConnectionError("the answer was under way when the request failed")
         if status >= 500:
             text, code, kind = "The server failed while answering; the error is in its log.", "internal_error", \

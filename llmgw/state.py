@@ -64,6 +64,7 @@ class SyncKind(str, Enum):
 class Applied:
     sha: str
     time: float
+    source: str | None = None  # "<url> <branch>" it was followed from (None: written before this was kept)
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,10 @@ class Store:
 
     def applied(self) -> Applied | None:
         raw = self._sync(SyncKind.APPLIED)
-        return Applied(raw["sha"], float(raw["time"])) if raw else None
+        return Applied(raw["sha"], float(raw["time"]), raw.get("source")) if raw else None
 
     def set_applied(self, applied: Applied) -> None:
-        self._set_sync(SyncKind.APPLIED, {"sha": applied.sha, "time": applied.time})
+        self._set_sync(SyncKind.APPLIED, {"sha": applied.sha, "time": applied.time, "source": applied.source})
 
     def pending(self) -> PendingPrune | None:
         raw = self._sync(SyncKind.PENDING)

@@ -40,6 +40,7 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import pwd
 import re
@@ -306,14 +307,24 @@ def _ensure_dir(path: str) -> None:
     os.makedirs(path, mode=0o700, exist_ok=True)
 
 
-def write_json_atomic(path: str, data: Any) -> None:
-    """Readers see the old or the new content, never half a file."""
+def write_json_atomic(path: str, data: Any, *, durable: bool = False) -> None:
+    """Readers see the old or the new content, never half a file; ``durable`` also survives a
+    power loss (the file and its directory entry are synced)."""
     directory, base = os.path.split(path)
     _ensure_dir(directory)
     tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(data, fh)
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
     os.replace(tmp, path)
+    if durable:
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def read_json(path: str) -> Optional[JsonDict]:
@@ -551,14 +562,32 @@ def inspect_entry(cache_dir: str, name: str) -> Tuple[Optional[JsonDict], Option
 MAX_LEASE_TTL = 3600.0
 
 
+MAX_HOLDER = 200
+DAMAGED = "(an unreadable lease file)"
+
+
 def _lease_path(cfg: NodeConfig) -> str:
     return os.path.join(cfg.state_dir, "lease.json")
 
 
 def read_lease(cfg: NodeConfig) -> Optional[JsonDict]:
-    lease = read_json(_lease_path(cfg))
-    if lease is None or not isinstance(lease.get("holder"), str) or not _is_int(lease.get("epoch")):
+    """The lease, None when there is none, or one held by DAMAGED when the file cannot be trusted.
+
+    A lease file that exists but is empty, cut short or malformed (a power loss, a hand edit) must
+    not fence nobody: the node then obeys no controller until one takes it over explicitly.
+    """
+    path = _lease_path(cfg)
+    if not os.path.exists(path):
         return None
+    lease = read_json(path)
+    expires = lease.get("expires") if lease is not None else None
+    if (lease is None or not isinstance(lease.get("holder"), str) or not lease["holder"]
+            or len(lease["holder"]) > MAX_HOLDER or not _is_int(lease.get("epoch")) or lease["epoch"] < 0
+            or not isinstance(expires, (int, float)) or isinstance(expires, bool) or not math.isfinite(expires)
+            or expires > time.time() + MAX_LEASE_TTL):
+        epoch = lease.get("epoch") if lease is not None else None
+        return {"holder": DAMAGED, "epoch": epoch if isinstance(epoch, int) and _is_int(epoch) and epoch >= 0 else 0,
+                "expires": None}
     return lease
 
 
@@ -566,39 +595,51 @@ def lease_view(lease: Optional[JsonDict], holder: Optional[str], now: float) -> 
     """The lease as a controller sees it: who holds it, whether that is the asker, how long left."""
     if lease is None:
         return {"holder": None, "epoch": 0, "expires": None, "held": False, "expired": True}
+    damaged = lease["holder"] == DAMAGED
     return {"holder": lease["holder"], "epoch": lease["epoch"], "expires": lease.get("expires"),
-            "held": holder is not None and lease["holder"] == holder,
-            "expired": now >= float(lease.get("expires") or 0)}
+            "held": not damaged and holder is not None and lease["holder"] == holder,
+            "expired": not damaged and now >= float(lease["expires"])}
 
 
 def _lease_request(raw: Any) -> Tuple[str, float]:
     if not isinstance(raw, dict) or not isinstance(raw.get("holder"), str) or not raw["holder"].strip():
         raise AgentError("lease: holder must be a non-empty string")
+    if len(raw["holder"]) > MAX_HOLDER:
+        raise AgentError(f"lease: holder must be at most {MAX_HOLDER} characters")
     ttl = raw.get("ttl", 60)
     if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not 1 <= ttl <= MAX_LEASE_TTL:
         raise AgentError(f"lease: ttl must be a number of seconds from 1 to {MAX_LEASE_TTL:g}")
-    return raw["holder"][:200], float(ttl)
+    return raw["holder"], float(ttl)
+
+
+def _lease_lock(cfg: NodeConfig) -> str:
+    return _lease_path(cfg) + ".lock"
 
 
 def take_lease(cfg: NodeConfig, holder: str, ttl: float, *, takeover: bool) -> JsonDict:
     """Grant or renew the lease to ``holder``: when it holds it, when nobody does, when it has
     expired, or on ``takeover``. Otherwise the view of the lease as it stands (``held`` false)."""
-    with _locked(_lease_path(cfg) + ".lock"):
+    now = time.time()
+    current = read_lease(cfg)
+    view = lease_view(current, holder, now)
+    # Most polls change nothing (not ours, or ours with time left): no lock, no write. A fenced
+    # verb holds the lock for its whole run, and a poll must not wait behind a stop's grace.
+    if not takeover and not view["expired"] and (not view["held"] or
+                                                 float(current["expires"]) - now >= ttl / 2):  # type: ignore[index]
+        return view
+    with _locked(_lease_lock(cfg)):
         now = time.time()
         lease = read_lease(cfg)
-        current = lease_view(lease, holder, now)
-        if not (current["held"] or current["expired"] or takeover):
-            return current
+        current_view = lease_view(lease, holder, now)
+        if not (current_view["held"] or current_view["expired"] or takeover):
+            return current_view
         same = lease is not None and lease["holder"] == holder
         epoch = int(lease["epoch"]) if lease is not None else 0
         if not same or takeover:
             epoch += 1
-        # Rewritten only when it changes or half its time is gone: a poll every tick must not
-        # write a file every tick.
-        if lease is None or not same or takeover or float(lease.get("expires") or 0) - now < ttl / 2:
-            since = lease.get("since", now) if lease is not None and same else now
-            lease = {"holder": holder, "epoch": epoch, "expires": now + ttl, "since": since}
-            write_json_atomic(_lease_path(cfg), lease)
+        since = lease.get("since", now) if lease is not None and same else now
+        lease = {"holder": holder, "epoch": epoch, "expires": now + ttl, "since": since}
+        write_json_atomic(_lease_path(cfg), lease, durable=True)
         return lease_view(lease, holder, now)
 
 
@@ -616,34 +657,40 @@ def verb_lease(cfg: NodeConfig, request: JsonDict) -> JsonDict:
 def release_lease(cfg: NodeConfig, holder: str) -> JsonDict:
     """End the holder's lease now (a controller stopping cleanly), keeping its epoch: the next
     controller to ask gets the node without waiting for the expiry, at a higher epoch."""
-    with _locked(_lease_path(cfg) + ".lock"):
+    with _locked(_lease_lock(cfg)):
         now = time.time()
         lease = read_lease(cfg)
         if lease is not None and lease["holder"] == holder:
             lease = dict(lease, expires=now)
-            write_json_atomic(_lease_path(cfg), lease)
+            write_json_atomic(_lease_path(cfg), lease, durable=True)
         return lease_view(lease, holder, now)
 
 
-def check_fence(cfg: NodeConfig, verb: str, request: JsonDict) -> Optional[JsonDict]:
-    """Refuse a change from anyone but the lease's holder at its current epoch; the lease obeyed.
+@contextlib.contextmanager
+def fenced(cfg: NodeConfig, verb: str, request: JsonDict) -> Iterator[Optional[JsonDict]]:
+    """Run a change only for the lease's holder at its current epoch; yields the lease obeyed.
 
-    A node no controller has leased yet obeys anyone (it has nobody to be fenced from); once
-    leased, a request without a fence is refused too, so an old controller cannot slip past.
+    The lease lock is held for the whole change, so a takeover cannot land between the check and
+    the act (an engine started for the old holder after the new one took over). A node no
+    controller has leased yet obeys anyone (it has nobody to be fenced from); once leased, a
+    request without a fence is refused too, so an old controller cannot slip past.
     """
-    lease = read_lease(cfg)
-    if lease is None:
-        return None
-    fence = request.get("fence")
-    holder = fence.get("holder") if isinstance(fence, dict) else None
-    epoch = fence.get("epoch") if isinstance(fence, dict) else None
-    if holder == lease["holder"] and epoch == lease["epoch"]:
-        return lease
-    asker = f"controller {holder!r} (epoch {epoch})" if holder is not None else "a request without a lease"
-    raise Refused(f"{verb}: this node is driven by controller {lease['holder']!r} (epoch {lease['epoch']}); "
-                  f"refused from {asker}; `llmgw node takeover` moves the node to another controller",
-                  setting="lease")
-
+    with _locked(_lease_lock(cfg)):
+        lease = read_lease(cfg)
+        if lease is not None:
+            fence = request.get("fence")
+            holder = fence.get("holder") if isinstance(fence, dict) else None
+            epoch = fence.get("epoch") if isinstance(fence, dict) else None
+            if lease["holder"] == DAMAGED:
+                raise Refused(f"{verb}: this node's lease file is unreadable, so it obeys no controller until one "
+                              "takes it over (`llmgw node takeover`)", setting="lease")
+            if holder != lease["holder"] or not _is_int(epoch) or epoch != lease["epoch"]:
+                asker = (f"controller {holder!r} (epoch {epoch!r})" if holder is not None
+                         else "a request without a lease")
+                raise Refused(f"{verb}: this node is driven by controller {lease['holder']!r} (epoch "
+                              f"{lease['epoch']}); refused from {asker}; `llmgw node takeover` moves the node to "
+                              "another controller", setting="lease")
+        yield lease
 
 
 def verb_hello(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
@@ -2083,7 +2130,11 @@ def _endpoint(address: str, port: int) -> str:
 
 
 def verb_start(cfg: NodeConfig, request: JsonDict) -> JsonDict:
-    lease = check_fence(cfg, "start", request)
+    with fenced(cfg, "start", request) as lease:
+        return _start(cfg, request, lease)
+
+
+def _start(cfg: NodeConfig, request: JsonDict, lease: Optional[JsonDict]) -> JsonDict:
     spec = parse_start(cfg, request)
     check_env(cfg, spec.env)
     conf = confinement(cfg)
@@ -2092,6 +2143,12 @@ def verb_start(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     with _locked(_engines_lock(cfg)):
         existing = load_record(cfg, spec.replica_id)
         if existing is not None and record_alive(existing):
+            owner = existing.get("holder")
+            if lease is not None and owner is not None and owner != lease["holder"]:
+                # Two controllers number their replicas alike: another's engine is not ours to adopt.
+                raise Refused(f"start: replica {spec.replica_id} is already running here, started by controller "
+                              f"{owner!r} (epoch {existing.get('epoch')}); stop it first "
+                              "(`llmgw node takeover --stop-foreign`)", setting="lease")
             return _start_answer(existing, already_running=True)
         weights = resolve_weights(cfg, spec.weights)
         if weights is None and any("{weights}" in a for a in spec.args):
@@ -2152,7 +2209,11 @@ def _start_answer(record: JsonDict, *, already_running: bool) -> JsonDict:
 
 def verb_stop(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     """SIGTERM the engine's process group, SIGKILL it after the grace period; idempotent."""
-    check_fence(cfg, "stop", request)
+    with fenced(cfg, "stop", request):
+        return _stop(cfg, request)
+
+
+def _stop(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     replica_id = _replica_id(request)
     grace = _optional(request, "grace_seconds", 10)
     if not isinstance(grace, (int, float)) or isinstance(grace, bool) or not 0 <= grace <= MAX_GRACE:
@@ -2289,7 +2350,11 @@ def verb_remove_weights(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     Each path is checked, then renamed (relative to a descriptor of the cache directory opened
     without following any symlink) to a trash name, re-checked, and only then deleted, without
     following symlinks. A refusal is the guard working, not a failure: the exit code is 0."""
-    check_fence(cfg, "remove-weights", request)
+    with fenced(cfg, "remove-weights", request):
+        return _remove_weights(cfg, request)
+
+
+def _remove_weights(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     paths = _field(request, "paths")
     if not isinstance(paths, list):
         raise AgentError("remove-weights: paths must be a list")

@@ -8,6 +8,7 @@ ops repository without them. Secrets are never logged or returned by the API.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -93,17 +94,29 @@ def _secret(raw: dict[str, Any], key: str, env: str, base: Path) -> str:
     return ""
 
 
+# Knobs where zero is not "off" but a loop that spins or a wait that cannot succeed.
+POSITIVE = frozenset({"tick_interval", "fetch_interval", "probe_timeout", "start_timeout", "concurrency",
+                      "crash_loop_after", "connect_timeout", "first_byte_timeout", "body_timeout", "load_interval",
+                      "body_limit", "buffered_limit", "max_idle"})
+
+
 def _seconds(raw: Any, what: str) -> float:
-    if isinstance(raw, bool):
+    if isinstance(raw, bool) or not isinstance(raw, int | float | str):
         raise ConfigError(f"{what}: {raw!r} is not a duration such as 90s, 15m or 1h30m")
     if isinstance(raw, int | float):
+        if not math.isfinite(raw):  # .nan would never time out, .inf never fire
+            raise ConfigError(f"{what}: {raw!r} is not a finite duration")
         if raw < 0:
             raise ConfigError(f"{what}: {raw!r} is negative")
-        return float(raw)
-    try:
-        return parse_duration(str(raw))
-    except DurationError as exc:
-        raise ConfigError(f"{what}: {exc}") from exc
+        seconds = float(raw)
+    else:
+        try:
+            seconds = parse_duration(raw)
+        except DurationError as exc:
+            raise ConfigError(f"{what}: {exc}") from exc
+    if seconds == 0 and what.rsplit(".", 1)[-1] in POSITIVE:
+        raise ConfigError(f"{what}: must be more than 0")
+    return seconds
 
 
 def _value(raw: Any, kind: Any, what: str) -> Any:
@@ -120,11 +133,14 @@ def _value(raw: Any, kind: Any, what: str) -> Any:
             raise ConfigError(f"{what}: {raw!r} must be a whole number")
         if raw < 0:
             raise ConfigError(f"{what}: {raw!r} is negative")
+        if raw == 0 and what.rsplit(".", 1)[-1] in POSITIVE:
+            raise ConfigError(f"{what}: must be at least 1")
         return raw
     if kind is str:
-        if not isinstance(raw, str | int | float) or isinstance(raw, bool):
-            raise ConfigError(f"{what}: {raw!r} must be a string")
-        return str(raw)
+        # A string, not anything YAML turned into one: `branch: 1.10` is the float 1.1.
+        if not isinstance(raw, str):
+            raise ConfigError(f"{what}: {raw!r} must be a string (quote it)")
+        return raw
     return raw
 
 
@@ -174,11 +190,18 @@ def _load(raw: dict[str, Any], path: Path) -> ServerConfig:
     _known(raw, KNOWN, "the top level")
     if not raw.get("repo"):
         raise ConfigError("repo is required (a path, file://, ssh or https URL of the catalog repo)")
+    for key in ("repo", "data_dir", "local_agent_config", "admin_token", "admin_token_file", "webhook_secret",
+                "webhook_secret_file"):
+        if key in raw and raw[key] is not None:
+            _value(raw[key], str, key)
     base = path.parent
     listen = _mapping(raw.get("listen"), "listen")
     _known(listen, ("router", "admin"), "listen")
     ssh = _mapping(raw.get("ssh"), "ssh")
     _known(ssh, ("key", "known_hosts"), "ssh")
+    for key, value in [*ssh.items(), *listen.items()]:
+        if value is not None:
+            _value(value, str, f"{'ssh' if key in ssh else 'listen'}.{key}")
     reconciler = ReconcilerConfig(**typed_section(ReconcilerConfig, raw.get("reconciler"), "reconciler"))
     router = typed_section(RouterConfig, raw.get("router"), "router")
     api_keys = raw.get("api_keys") or []

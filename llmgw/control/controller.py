@@ -65,7 +65,8 @@ class Controller:
                                      config=config.reconciler, manages=lambda n: n.transport in config.transports,
                                      clock=clock)
         url = normalise_url(config.repo)
-        watch = Path(url) if config.watch and Path(url).exists() else None
+        local = Path(url.removeprefix("file://")) if "://" not in url or url.startswith("file://") else None
+        watch = local if config.watch and local is not None and local.exists() else None
         self.follower = GitOpsFollower(
             GitMirror(url, config.branch, data / "mirror.git", subdir=config.subdir), self.desired, self.store,
             interval=config.fetch_interval, judge=self._judge_prune, watch_path=watch,
@@ -77,20 +78,24 @@ class Controller:
 
     def _judge_prune(self, old: Catalog | None, new: Catalog) -> PruneVerdict:
         """The guard on the live fleet: the ready replicas ``new`` would stop, by decide()."""
-        return judge_prune(old, new, self.inventory.snapshot(), tuple(self.reconciler.snapshot()), now=time.time())
+        return judge_prune(old, new, self.inventory.snapshot(), tuple(self.reconciler.snapshot()), now=time.time(),
+                           last_used=self.reconciler.usage.last_used())
 
     @property
     def controller_id(self) -> str:
         return self.fleet.holder
 
     def _holder_id(self) -> str:
-        """This controller's name on the nodes' leases: made once per data dir, so a restart is the
-        same controller (it renews its own leases and adopts its engines) and a copy is another."""
+        """This controller's name on the nodes' leases: an id made once per data dir, so a restart
+        is the same controller (it renews its own leases and adopts its engines), with the host and
+        data dir it runs from, so a copy of the data dir (a restored backup, a clone started by
+        mistake) elsewhere is another controller and is fenced."""
         cid = self.store.controller_id()
         if not cid:
-            cid = f"{socket.gethostname()}-{secrets.token_hex(4)}"
+            cid = secrets.token_hex(4)
             self.store.set_controller_id(cid)
-        return cid
+        where = f"{socket.gethostname()}:{Path(self.config.data_dir).resolve()}"
+        return f"{cid}@{where}"[:200]
 
     async def takeover(self, node_id: str, *, stop_foreign: bool = False) -> dict[str, Any]:
         """Take ``node_id``'s lease from whichever controller holds it (an operator's decision).

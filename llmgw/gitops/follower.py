@@ -196,7 +196,7 @@ class GitOpsFollower:
             except GitError as exc:
                 self._fetch_failed(str(exc))
                 return self._status
-            previous = self._status.head_sha or self._status.applied_sha
+            previous = self._status.head_sha or self._same_source_applied()
             if previous and previous != head:
                 kind = await asyncio.to_thread(self.mirror.history, previous, head)
                 if kind in (History.REWIND, History.FORCE_PUSH):
@@ -204,8 +204,11 @@ class GitOpsFollower:
             self._set(head_sha=head, fetched_at=self.clock(), last_error=None)
             if head == self._status.applied_sha:
                 # Back on the applied commit (e.g. a bad commit force-pushed away): whatever
-                # was rejected or held since is no longer the head and no longer matters.
+                # was rejected or held since is no longer the head and no longer matters, and
+                # the same commit pushed again later is judged again (it was ignored).
                 self._clear_judgement()
+                self._judged = None
+                self.store.set_judged(None)
             elif head != self._judged:
                 await asyncio.to_thread(self._judge, head)
             self._history_note = ""  # it belongs to this head's judgement only
@@ -245,17 +248,27 @@ class GitOpsFollower:
         if result.catalog is None:
             self._reject(info, result.problems)
             return
-        verdict = self.judge(self.desired.catalog, result.catalog)
-        if verdict.held and not allows_prune(info.message):
-            pending = PendingPrune(sha, info.author, info.subject, verdict.reasons)
+        stored = self.store.applied()
+        if self.desired.catalog is None and stored is not None:
+            # A catalog was applied, but its revision could not be read back (history rewritten
+            # while the controller was down, the mirror lost): with nothing to compare against, the
+            # guard would pass anything, so a person decides (seen: "remove every model" applied).
+            reasons: tuple[str, ...] = (f"the applied revision {stored.sha[:12]} could not be read back, so what "
+                                        "this commit stops cannot be judged",)
+            verdict_held = True
+        else:
+            verdict = self.judge(self.desired.catalog, result.catalog)
+            reasons, verdict_held = verdict.reasons, verdict.held
+        if verdict_held and not allows_prune(info.message):
+            pending = PendingPrune(sha, info.author, info.subject, reasons)
             self.store.set_pending(pending)
             self._set(pending=pending, state=SyncState.NEEDS_CONFIRMATION)
             self.metrics.held.inc()
             self.store.add_event("needs-confirmation", sha[:12],
-                                 f"{info.subject} ({info.author}): {'; '.join(verdict.reasons)}; "
+                                 f"{info.subject} ({info.author}): {'; '.join(reasons)}; "
                                  "confirm with `llmgw sync --allow-prune` or the trailer Llmgw-Allow-Prune: yes")
             return
-        self._apply(info, result.catalog, note="prune allowed by trailer" if verdict.held else "")
+        self._apply(info, result.catalog, note="prune allowed by trailer" if verdict_held else "")
 
     def _reject(self, info: CommitInfo, problems: tuple) -> None:
         rejection = Rejection(info.sha, info.author, info.subject, self.clock(), tuple(problems))
@@ -278,7 +291,7 @@ class GitOpsFollower:
     def _apply(self, info: CommitInfo, catalog: Catalog, *, note: str = "") -> None:
         now = self.clock()
         # Stored before subscribers hear of it: a crash in between restarts on this revision.
-        self.store.set_applied(Applied(info.sha, now))
+        self.store.set_applied(Applied(info.sha, now, self._source))
         self._clear_judgement()
         self._set(applied_sha=info.sha, applied_at=now, state=SyncState.SYNCED)
         self.desired.set(catalog)
@@ -296,6 +309,16 @@ class GitOpsFollower:
         if was != state:  # one event per outage, not one per poll
             self.store.add_event(state.value, self.mirror.url, f"{error}; the last good state stays in force")
         log.warning("fetch failed: %s", error)
+
+    @property
+    def _source(self) -> str:
+        return f"{self.mirror.url} {self.mirror.branch}"
+
+    def _same_source_applied(self) -> str | None:
+        """The applied sha, when it came from the branch followed now: after a switch of branch or
+        repository, the new head is not a rewrite of the old one (seen: reported as a force-push)."""
+        applied = self.store.applied()
+        return applied.sha if applied is not None and applied.source == self._source else None
 
     def _rewritten(self, rewrite: Rewrite) -> None:
         """The branch went back or its history was rewritten: said so, whatever is then applied
@@ -331,15 +354,24 @@ class GitOpsFollower:
                                       "rewrite": self.store.rewrite()}
         if applied:
             sha = applied.sha
-            try:
-                self.mirror.ensure()
-                result = validate_files(self.mirror.read(sha), revision=sha)
-            except GitError as exc:
-                log.warning("cannot restore applied revision %s: %s", sha[:12], exc)
-                result = None
+            result = None
+            for attempt in ("mirror", "fetch"):  # the mirror may be gone (a fresh disk): fetch, read again
+                try:
+                    if attempt == "fetch":
+                        self.mirror.fetch()
+                    else:
+                        self.mirror.ensure()
+                    result = validate_files(self.mirror.read(sha), revision=sha)
+                    break
+                except GitError as exc:
+                    log.warning("cannot restore applied revision %s from the %s: %s", sha[:12], attempt, exc)
             if result is not None and result.catalog is not None:
                 changes.update(applied_sha=sha, applied_at=applied.time)
                 self.desired.set(result.catalog)
                 self.metrics.applied_time.set(applied.time)
+            else:
+                # Nothing is in force: the head must be judged again, not skipped as already judged
+                # (seen: a restart with the mirror gone served no model until the next commit).
+                self._judged = None
         self._set(**changes)
         self._set(state=self._state())

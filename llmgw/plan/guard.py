@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from llmgw.catalog import Catalog
@@ -37,35 +38,41 @@ def allows_prune(message: str) -> bool:
     return bool(ALLOW_TRAILER.search(message))
 
 
-def stops_under(catalog: Catalog, inventory: Inventory, replicas: tuple[Replica, ...], now: float) -> dict[str, str]:
+def stops_under(catalog: Catalog, inventory: Inventory, replicas: tuple[Replica, ...], now: float,
+                last_used: Mapping[str, float] | None = None) -> dict[str, str]:
     """Replicas ``decide()`` would stop or give up for lost if ``catalog`` were the desired state.
 
     The inventory is first made to follow the catalog's nodes (as the reconciler does when it
-    applies one), and nothing counts as idle: idleness is the tick's business, not the commit's.
+    applies one). Idleness is judged from ``last_used`` (the router's), so a commit that makes
+    every replica idle at once (``min: 0`` with a short ``idle_after``) counts; without it (a dry
+    run on a snapshot) nothing is idle.
     """
     fleet = Inventory(follow_nodes(inventory.nodes, catalog.nodes), inventory.taken_at)
-    busy = {r.id: now for r in replicas}
-    d = decide(catalog, fleet, replicas, last_used=busy, demand={}, now=now)
+    used = dict(last_used) if last_used is not None else {r.id: now for r in replicas}
+    d = decide(catalog, fleet, replicas, last_used=used, demand={}, now=now)
     return {**dict(d.lost), **dict(d.stop)}
 
 
 def judge_prune(old: Catalog | None, new: Catalog, inventory: Inventory, replicas: tuple[Replica, ...], *,
-                now: float) -> PruneVerdict:
+                now: float, last_used: Mapping[str, float] | None = None) -> PruneVerdict:
     """Whether going from ``old`` to ``new`` takes away more than the guard allows.
 
     A replica counts when it is ready and ``new`` stops it where ``old`` would not (a replica
     already lost with its node is not this commit's doing). The thresholds are the stricter of
     the two catalogs', so a commit cannot loosen the guard and slip past it at once.
     """
-    ready = [r for r in replicas if r.state == ReplicaState.READY]
+    # Adopted after a restart and not yet probed again, a replica still serves: counted as ready,
+    # or a commit judged in the first seconds after a restart would find nothing to protect.
+    ready = [r for r in replicas if r.state == ReplicaState.READY
+             or (r.adopted and r.state == ReplicaState.STARTING)]
     if old is None:
         return PruneVerdict(False, (), 0, len(ready), ())
     g_old, g_new = old.settings.prune_guard, new.settings.prune_guard
     max_models = min(g_old.max_model_share, g_new.max_model_share)
     max_replicas = min(g_old.max_replica_share, g_new.max_replica_share)
     removed = tuple(sorted(m.name for m in old.models if new.model(m.name) is None))
-    before = stops_under(old, inventory, replicas, now)
-    after = stops_under(new, inventory, replicas, now)
+    before = stops_under(old, inventory, replicas, now, last_used)
+    after = stops_under(new, inventory, replicas, now, last_used)
     causes = tuple(sorted((r.id, after[r.id]) for r in ready if r.id in after and r.id not in before))
     reasons = []
     if old.models and len(removed) / len(old.models) > max_models:

@@ -297,8 +297,11 @@ class Reconciler:
                 except DispatchError as exc:
                     log.info("stop all: %s did not answer: %s", node_id, exc)
                     continue
+                # Ours only: an engine another controller started (the node stamped its lease holder) is
+                # not this one's to stop, even at shutdown (seen: `up` stopping a takeover's engines).
                 await asyncio.gather(*(self.lifecycle.stop_engine(node_id, e["replica_id"]) for e in engines
-                                       if e.get("alive") and "llmgw.replica" in (e.get("labels") or {})))
+                                       if e.get("alive") and "llmgw.replica" in (e.get("labels") or {})
+                                       and e.get("holder") in (None, self.holder)))
             self.replicas.clear()
             self._save()
 

@@ -47,7 +47,7 @@ _HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE, _DONE = range(5)
 _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
 _DIGITS = frozenset(b"0123456789")
 _HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
-_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: |$)")
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([1-5][0-9]{2})(?: |$)")  # 100-599: what a client can be given
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
@@ -106,6 +106,8 @@ def parse_head(raw: bytes) -> Head | str:
             codings.append(value)
     tokens = [t.strip(b" \t").lower() for v in codings for t in v.split(b",") if t.strip(b" \t")]
     chunked = bool(codings)
+    if codings and status_line.group(1) == b"0":  # RFC 9112 6.1: faulty framing on HTTP/1.0
+        return "sent Transfer-Encoding on an HTTP/1.0 answer"
     if codings and tokens != [b"chunked"]:
         return f"sent Transfer-Encoding {headers[b'transfer-encoding'][:40]!r}; only a lone chunked is read"
     length = None
@@ -178,6 +180,7 @@ class Conn(asyncio.Protocol):
         self._left = 0
         self._chunk_state = _SIZE
         self._trailers = 0
+        self._searched = 0
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._paused = False
@@ -224,8 +227,11 @@ class Conn(asyncio.Protocol):
     def _parse_head(self) -> None:
         for _ in range(MAX_INFORMATIONAL + 1):
             buf = self._buf
-            end = buf.find(b"\r\n\r\n")
+            # From where the last search stopped (less the 3 bytes a split "\r\n\r\n" can leave):
+            # a head trickled a byte at a time was searched from its start on every byte.
+            end = buf.find(b"\r\n\r\n", max(0, self._searched - 3))
             if end < 0:
+                self._searched = len(buf)
                 if len(buf) > MAX_HEAD:
                     self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a response head over "
                                                             f"{MAX_HEAD // 1024} KiB"))
@@ -237,6 +243,7 @@ class Conn(asyncio.Protocol):
             head = parse_head(bytes(buf[:end]))
             rest = bytes(buf[end + 4:])
             self._buf = bytearray()
+            self._searched = 0
             if isinstance(head, str):
                 self._fail(UpstreamFailed("disconnect", f"{self.origin.label} {head}"))
                 return
@@ -300,6 +307,10 @@ class Conn(asyncio.Protocol):
             elif cs == _DATA_END:
                 if len(buf) - pos < 2:
                     break
+                if buf[pos:pos + 2] != b"\r\n":  # the chunk is not the size it said: out of step
+                    self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a chunk longer than its "
+                                                            "size line said"))
+                    return
                 pos += 2
                 self._chunk_state = _SIZE
             else:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from tests.agent.helpers import Node
 
 A, B = {"holder": "ctl-a", "ttl": 60}, {"holder": "ctl-b", "ttl": 60}
@@ -65,3 +67,41 @@ def test_an_expired_or_released_lease_goes_to_the_next_controller_at_a_higher_ep
 def test_a_node_nobody_leased_obeys_anyone(node: Node) -> None:
     node.ok("start", ENGINE)  # no lease file: nothing to be fenced from (a node before its first controller)
     node.ok("stop", {"replica_id": "r1", "grace_seconds": 1})
+
+
+@pytest.mark.parametrize("damage", ["", "{", json.dumps({"holder": None, "epoch": 1, "expires": 1e12}),
+                                    "NAN-EXPIRES", json.dumps({"holder": "ctl-a", "epoch": "1", "expires": 1e12})])
+def test_a_damaged_lease_file_fences_everyone_until_a_takeover(node: Node, damage: str) -> None:
+    node.ok("inventory", {"lease": A})
+    path = node.state / "lease.json"
+    if damage == "NAN-EXPIRES":
+        damage = json.dumps({**json.loads(path.read_text()), "expires": float("nan")})
+    path.write_text(damage)  # a power loss, a hand edit: not a reason to obey anyone
+    view = node.ok("inventory", {"lease": B})["lease"]
+    assert view["holder"] == "(an unreadable lease file)" and not view["held"] and not view["expired"]
+    for fence in ({"holder": "ctl-a", "epoch": 1}, {"holder": "ctl-b", "epoch": 1}, None):
+        message = refused(node, "stop", {"replica_id": "r1", **({"fence": fence} if fence else {})})
+        assert "lease file is unreadable" in message
+    taken = node.ok("lease", {**B, "takeover": True})
+    assert taken["held"] and taken["epoch"] >= 1
+    node.ok("stop", {"replica_id": "r1", "fence": {"holder": "ctl-b", "epoch": taken["epoch"]}})
+
+
+def test_an_epoch_must_be_the_very_integer_and_a_holder_not_too_long(node: Node) -> None:
+    node.ok("inventory", {"lease": A})
+    for epoch in (True, 1.0, "1", None):
+        refused(node, "stop", {"replica_id": "r1", "fence": {"holder": "ctl-a", "epoch": epoch}})
+    assert "at most 200 characters" in node.fail("lease", {"holder": "x" * 201, "ttl": 5})[1]
+
+
+def test_a_replica_id_running_for_another_controller_is_not_adopted(node: Node) -> None:
+    node.ok("inventory", {"lease": A})
+    node.ok("start", {**ENGINE, "fence": {"holder": "ctl-a", "epoch": 1}})
+    try:
+        taken = node.ok("lease", {**B, "takeover": True})
+        fence_b = {"holder": "ctl-b", "epoch": taken["epoch"]}
+        # B numbers its replicas as A does: its r1 is not A's engine, whatever the id says.
+        message = refused(node, "start", {**ENGINE, "gpus": [1], "fence": fence_b})
+        assert "already running here, started by controller 'ctl-a'" in message
+    finally:
+        node.ok("stop", {"replica_id": "r1", "grace_seconds": 1, "fence": fence_b})

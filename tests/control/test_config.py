@@ -17,10 +17,15 @@ from llmgw.router.config import RouterConfig
 DIGEST = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 
 
-def write(tmp_path: Path, text: str) -> Path:
+def write(tmp_path: Path, text: str, repo: str = "repo: /srv/catalog\n") -> Path:
     path = tmp_path / "controller.yaml"
-    path.write_text("repo: /srv/catalog\n" + text)
+    path.write_text(repo + text)
     return path
+
+
+def test_a_repo_that_is_not_a_string_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="repo: \\['a', 'b'\\] must be a string"):
+        load_config(write(tmp_path, "", repo="repo: [a, b]\n"))
 
 
 def test_every_float_knob_takes_a_duration(tmp_path: Path) -> None:
@@ -53,6 +58,14 @@ def test_every_float_knob_takes_a_duration(tmp_path: Path) -> None:
     ("reconciler: [1, 2]\n", "reconciler: expected a mapping, got list"),
     ("api_keys:\n  - {name: a, sha256: " + DIGEST + ", model: [chat]}\n", "api_keys[0]: unknown key(s): model"),
     ("api_keys:\n  - {name: a, sha256: abc}\n", "api_keys[0]: sha256 must be 64 hex digits"),
+    ("fetch_interval: .nan\n", "fetch_interval: nan is not a finite duration"),
+    ("reconciler:\n  unreachable_grace: .inf\n", "reconciler.unreachable_grace: inf is not a finite duration"),
+    ("reconciler:\n  tick_interval: 0\n", "reconciler.tick_interval: must be more than 0"),
+    ("reconciler:\n  concurrency: 0\n", "reconciler.concurrency: must be at least 1"),
+    ("branch: 1.10\n", "branch: 1.1 must be a string (quote it)"),
+    ("data_dir: 5\n", "data_dir: 5 must be a string"),
+    ("admin_token: [secret]\n", "admin_token: ['secret'] must be a string"),
+    ("ssh:\n  key: 5\n", "ssh.key: 5 must be a string"),
 ])
 def test_a_wrong_key_or_type_names_the_key_and_the_file(tmp_path: Path, text: str, words: str) -> None:
     path = write(tmp_path, text)

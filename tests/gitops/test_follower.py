@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -20,6 +22,8 @@ from tests.conftest import commit_files, git
 from tests.gitops.conftest import Remote, make_follower
 
 SECRET = "hook-secret"
+
+T = TypeVar("T")
 
 NEW_MODEL = SMALL.replace("name: small", "name: extra").replace("[tiny]", "[extra-alias]")
 
@@ -52,6 +56,10 @@ async def post_hook(url: str, body: bytes, signature: str | None) -> int:
 
 def sign(body: bytes) -> str:
     return "sha256=" + hmac.new(SECRET.encode(), body, hashlib.sha256).hexdigest()
+
+
+def run_value(coro: Awaitable[T]) -> T:
+    return asyncio.run(coro)
 
 
 def run(coro: Awaitable[None]) -> None:
@@ -299,3 +307,68 @@ def test_a_working_repository_is_followed_by_its_refs_within_a_second(remote: Re
             await follower.close()
 
     run(scenario())
+
+
+def test_a_held_commit_pushed_again_after_a_revert_is_held_again(remote: Remote, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        follower = make_follower(remote, tmp_path / "data")
+        await follower.start()
+        try:
+            await until(lambda: follower.status.applied_sha is not None)
+            good = follower.status.applied_sha
+            wipe = remote.commit({"models/big.yaml": None, "models/small.yaml": None}, "Remove every model")
+            await follower.sync_once()
+            assert follower.status.state == SyncState.NEEDS_CONFIRMATION
+            remote.force_push(good)  # reverted: nothing is held any more
+            await follower.sync_once()
+            assert follower.status.state == SyncState.SYNCED and follower.status.pending is None
+            remote.force_push(wipe)  # the same commit again: judged again, not taken as already judged
+            await follower.sync_once()
+            assert follower.status.state == SyncState.NEEDS_CONFIRMATION and follower.status.pending.sha == wipe
+            assert follower.status.applied_sha == good
+        finally:
+            await follower.close()
+
+    run(scenario())
+
+
+def test_a_restart_with_the_mirror_gone_comes_back_on_the_applied_catalog(remote: Remote, tmp_path: Path) -> None:
+    async def life(check_restored: bool) -> str | None:
+        follower = make_follower(remote, tmp_path / "data")
+        await follower.start()
+        try:
+            if check_restored:  # before any fetch of this life: the catalog is in force already
+                assert follower.desired.catalog is not None and follower.desired.catalog.resolve("big") is not None
+            await until(lambda: follower.status.applied_sha is not None)
+            return follower.status.applied_sha
+        finally:
+            follower.store.close()
+            await follower.close()
+
+    applied = run_value(life(False))
+    shutil.rmtree(tmp_path / "data" / "mirror.git")  # a fresh disk, a cleanup script
+    assert run_value(life(True)) == applied
+
+
+def test_following_another_branch_is_not_a_rewrite_of_history(remote: Remote, tmp_path: Path) -> None:
+    git(remote.clone, "checkout", "-q", "-b", "staging")
+    staging = commit_files(remote.clone, {"models/extra.yaml": NEW_MODEL}, "Staging only")
+    git(remote.clone, "push", "-q", "origin", "staging")
+
+    async def follow(branch: str) -> str | None:
+        store = Store(tmp_path / "data" / "state.db").open()
+        follower = GitOpsFollower(GitMirror(str(remote.bare), branch, tmp_path / "data" / "mirror.git"),
+                                  DesiredState(), store, interval=60.0)
+        await follower.start()
+        try:
+            await until(lambda: follower.status.applied_sha is not None and follower.status.head_sha is not None)
+            await follower.sync_once()
+            return follower.status.applied_sha
+        finally:
+            kinds = [e.kind for e in store.events()]
+            store.close()
+            await follower.close()
+            assert "history-rewritten" not in kinds and "history-rewound" not in kinds, kinds
+
+    run_value(follow("main"))
+    assert run_value(follow("staging")) == staging

@@ -12,6 +12,7 @@ from llmgw.catalog.loader import RawFile
 from llmgw.gitops.webhook import signature_ok
 from llmgw.inventory import Inventory
 from llmgw.plan.guard import allows_prune, judge_prune
+from llmgw.reconciler.replica import ReplicaState
 from tests.plan.scenarios import BASE, CHAT, NODES, fleet
 
 
@@ -100,3 +101,25 @@ def test_signatures_github_and_gitea() -> None:
     assert not signature_ok(secret, body, {"X-Hub-Signature-256": digest})  # missing the sha256= prefix
     assert not signature_ok(secret, body + b" ", {"X-Gitea-Signature": digest})
     assert not signature_ok(secret, body, {})
+
+
+def test_a_commit_that_makes_every_replica_idle_at_once_is_held() -> None:
+    # min 0 and idle_after 1s everywhere: nothing is removed, yet the next tick would stop all three.
+    idle = {f"models/{m}.yaml": BASE[f"models/{m}.yaml"].replace("min: 1", "min: 0").replace(
+        "scaling:\n", "scaling:\n  idle_after: 1s\n") for m in ("chat", "embed", "old")}
+    new = _catalog(idle)
+    used_long_ago = {r.id: 0.0 for r in FLEET.replicas}  # the router last used them 600 s ago
+    verdict = judge_prune(OLD, new, FLEET.inventory, FLEET.replicas, now=600.0, last_used=used_long_ago)
+    assert verdict.held and verdict.replicas_stopped == 3
+    assert all(why.startswith("idle for 600s") for _, why in verdict.causes)
+    # Used a moment ago, nothing is idle yet: the same commit passes.
+    recent = {r.id: 599.5 for r in FLEET.replicas}
+    assert not judge_prune(OLD, new, FLEET.inventory, FLEET.replicas, now=600.0, last_used=recent).held
+
+
+def test_replicas_adopted_after_a_restart_count_as_ready() -> None:
+    # Just after a restart every stored replica is STARTING (adopted) until probed again.
+    adopted = replace(FLEET, replicas=tuple(replace(r, state=ReplicaState.STARTING, adopted=True)
+                                            for r in FLEET.replicas))
+    verdict = judge(_catalog({"nodes.yaml": "nodes: []\n"}), adopted)
+    assert verdict.held and verdict.replicas_ready == 3
