@@ -6,7 +6,7 @@
     CommitWriter     `llmgw models add/remove`: commits made for an operator
 """
 
-from typing import Any
+from llmgw.lazy import lazy_exports
 
 # Resolved on first use: the typed state store and the pure plan import gitops.status, and must
 # not load the follower (prometheus, watchfiles) or the writer by doing so.
@@ -17,11 +17,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'llmgw.gitops' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -5,7 +5,7 @@
     Reconciler, ReconcilerConfig  the loop that applies decisions through the dispatcher
 """
 
-from typing import Any
+from llmgw.lazy import lazy_exports
 
 # Resolved on first use: the pure decision (and the prune guard and plan built on it) must not
 # load the reconciler's I/O (aiohttp, the dispatcher, the store) just by being imported.
@@ -16,11 +16,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'llmgw.reconciler' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

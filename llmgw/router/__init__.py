@@ -6,7 +6,7 @@
     catalog_from_view        the routing table's catalog from the contract's catalog view
 """
 
-from typing import Any
+from llmgw.lazy import lazy_exports
 
 # Resolved on first use: `llmgw validate` and the other commands import llmgw.router.main for
 # its argument parser, and must not pay for aiohttp's import to print their help.
@@ -17,11 +17,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'llmgw.router' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

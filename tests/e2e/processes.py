@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -52,3 +53,33 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float = 30.0
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
     return proc.returncode
+
+
+def catalog_repo(tmp: Path, fleet, models: dict[str, str], message: str) -> Path:  # noqa: ANN001 - an SshdFleet
+    """A real catalog repository: the fleet's nodes.yaml and ``models`` (name → YAML), one commit."""
+    from tests.conftest import git
+    from tests.reconciler.fleet_e2e import nodes_yaml
+
+    repo = tmp / "catalog"
+    (repo / "models").mkdir(parents=True)
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "nodes.yaml").write_text(nodes_yaml(fleet))
+    for name, text in models.items():
+        (repo / "models" / f"{name}.yaml").write_text(text)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", message)
+    return repo
+
+
+def controller_config(tmp: Path, name: str, repo: Path, fleet, token: str,  # noqa: ANN001 - an SshdFleet
+                      **extra: object) -> tuple[Path, str]:
+    """An `llmgw controller` config on free ports with its own data dir; (its path, the admin URL)."""
+    admin_port = free_port()
+    config = tmp / f"{name}.yaml"
+    config.write_text(json.dumps({
+        "repo": str(repo), "data_dir": str(tmp / name),
+        "listen": {"router": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{admin_port}"},
+        "ssh": {"key": str(fleet.client_key), "known_hosts": str(fleet.known_hosts)},
+        "admin_token": token, "reconciler": {"tick_interval": "300ms"}, **extra,
+    }))
+    return config, f"http://127.0.0.1:{admin_port}"

@@ -10,8 +10,8 @@ import urllib.request
 import pytest
 
 from tests.conftest import git
-from tests.e2e.processes import free_port, start, stop, wait_for
-from tests.reconciler.fleet_e2e import nodes_yaml, sim_model
+from tests.e2e.processes import catalog_repo, controller_config, start, stop, wait_for
+from tests.reconciler.fleet_e2e import sim_model
 
 pytestmark = pytest.mark.slow
 
@@ -26,23 +26,9 @@ def replicas(admin: str) -> list[dict]:
 
 def test_kill_9_then_restart_adopts_every_replica(sshd_fleet, tmp_path) -> None:
     fleet = sshd_fleet(2)
-    repo = tmp_path / "catalog"
-    repo.mkdir()
-    git(repo, "init", "-q", "-b", "main")
-    (repo / "models").mkdir()
-    (repo / "nodes.yaml").write_text(nodes_yaml(fleet))
-    (repo / "models" / "chat.yaml").write_text(sim_model("chat", "sim://chat", min_=3, max_=3))
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "Three chat replicas")
-    admin_port = free_port()
-    config = tmp_path / "controller.yaml"
-    config.write_text(json.dumps({
-        "repo": str(repo), "data_dir": str(tmp_path / "data"),
-        "listen": {"router": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{admin_port}"},
-        "ssh": {"key": str(fleet.client_key), "known_hosts": str(fleet.known_hosts)},
-        "admin_token": TOKEN, "reconciler": {"tick_interval": "300ms"},
-    }))
-    admin = f"http://127.0.0.1:{admin_port}"
+    repo = catalog_repo(tmp_path, fleet, {"chat": sim_model("chat", "sim://chat", min_=3, max_=3)},
+                        "Three chat replicas")
+    config, admin = controller_config(tmp_path, "data", repo, fleet, TOKEN)
 
     def all_ready() -> list[dict] | None:
         reps = replicas(admin)

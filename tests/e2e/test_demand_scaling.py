@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from tests.conftest import git
-from tests.e2e.processes import free_port, start, stop, wait_for
-from tests.reconciler.fleet_e2e import nodes_yaml, sim_model
+from tests.e2e.processes import catalog_repo, controller_config, free_port, start, stop, wait_for
+from tests.reconciler.fleet_e2e import sim_model
 
 pytestmark = pytest.mark.slow
 
@@ -44,26 +44,13 @@ def ready(admin: str) -> list[dict]:
 
 def test_a_model_at_zero_is_woken_scaled_up_and_back_to_zero_by_a_routers_reports(sshd_fleet, tmp_path) -> None:
     fleet = sshd_fleet(2)
-    repo = tmp_path / "catalog"
-    repo.mkdir()
-    git(repo, "init", "-q", "-b", "main")
-    (repo / "models").mkdir()
-    (repo / "nodes.yaml").write_text(nodes_yaml(fleet))
     lazy = sim_model("lazy", "sim://lazy", min_=0, max_=2, idle_after="4s", args=["--tokens-per-second", "20"])
-    (repo / "models" / "lazy.yaml").write_text(lazy.replace("scaling:\n", "scaling:\n  target_inflight: 2\n"))
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "A lazy model")
-    admin_port, router_port = free_port(), free_port()
-    admin = f"http://127.0.0.1:{admin_port}"
-    config = tmp_path / "controller.yaml"
-    config.write_text(json.dumps({
-        "repo": str(repo), "data_dir": str(tmp_path / "data"),
-        "listen": {"router": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{admin_port}"},
-        "ssh": {"key": str(fleet.client_key), "known_hosts": str(fleet.known_hosts)},
-        "admin_token": TOKEN, "reconciler": {"tick_interval": "300ms"},
-        # The controller's keys reach the standalone router over the feed: it has no --api-keys.
-        "api_keys": [{"name": "team", "sha256": hashlib.sha256(KEY.encode()).hexdigest(), "models": ["lazy"]}],
-    }))
+    repo = catalog_repo(tmp_path, fleet, {"lazy": lazy.replace("scaling:\n", "scaling:\n  target_inflight: 2\n")},
+                        "A lazy model")
+    router_port = free_port()
+    # The controller's keys reach the standalone router over the feed: it has no --api-keys.
+    config, admin = controller_config(tmp_path, "data", repo, fleet, TOKEN, api_keys=[
+        {"name": "team", "sha256": hashlib.sha256(KEY.encode()).hexdigest(), "models": ["lazy"]}])
     ctl = start(["controller", "--config", str(config)], tmp_path / "controller.log")
     router = None
     try:

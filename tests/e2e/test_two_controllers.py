@@ -10,7 +10,6 @@ import json
 import signal
 import subprocess
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -19,8 +18,8 @@ from llmgw.dispatch.ssh import SshDispatcher
 from llmgw.errors import StartRefused
 from tests.conftest import git
 from tests.dispatch.helpers import pid_alive
-from tests.e2e.processes import LLMGW, free_port, start, stop, wait_for
-from tests.reconciler.fleet_e2e import nodes_yaml, sim_model
+from tests.e2e.processes import LLMGW, catalog_repo, controller_config, start, stop, wait_for
+from tests.reconciler.fleet_e2e import sim_model
 
 pytestmark = pytest.mark.slow
 
@@ -35,25 +34,14 @@ def api(admin: str, path: str, body: dict | None = None) -> object:
         return json.loads(r.read())
 
 
-def controller(tmp_path: Path, name: str, repo: Path, fleet) -> tuple[Path, str]:  # noqa: ANN001
-    admin_port = free_port()
-    config = tmp_path / f"{name}.yaml"
-    config.write_text(json.dumps({
-        "repo": str(repo), "data_dir": str(tmp_path / name),
-        "listen": {"router": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{admin_port}"},
-        "ssh": {"key": str(fleet.client_key), "known_hosts": str(fleet.known_hosts)},
-        "admin_token": TOKEN, "reconciler": {"tick_interval": "300ms"},
-    }))
-    return config, f"http://127.0.0.1:{admin_port}"
-
-
 def ready(admin: str) -> dict[str, list[tuple[str, int]]]:
     return {r["id"]: [(s["node"], s["pid"]) for s in r["shards"]]
             for r in api(admin, "/api/v1/replicas") if r["state"] == "ready"}  # type: ignore[union-attr]
 
 
 def node(admin: str, node_id: str) -> dict:
-    return next(n for n in api(admin, "/api/v1/nodes") if n["id"] == node_id)  # type: ignore[union-attr]
+    """The node as the admin API shows it; {} before the controller has read nodes.yaml."""
+    return next((n for n in api(admin, "/api/v1/nodes") if n["id"] == node_id), {})  # type: ignore[union-attr]
 
 
 def events(admin: str, kind: str) -> list[dict]:
@@ -62,16 +50,10 @@ def events(admin: str, kind: str) -> list[dict]:
 
 def test_a_second_controller_is_fenced_until_takeover_and_then_the_first_is_refused(sshd_fleet, tmp_path) -> None:
     fleet = sshd_fleet(2)
-    repo = tmp_path / "catalog"
-    repo.mkdir()
-    git(repo, "init", "-q", "-b", "main")
-    (repo / "models").mkdir()
-    (repo / "nodes.yaml").write_text(nodes_yaml(fleet))
-    (repo / "models" / "chat.yaml").write_text(sim_model("chat", "sim://chat", min_=2, max_=2))
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "Two chat replicas")
-    config_a, admin_a = controller(tmp_path, "a", repo, fleet)
-    config_b, admin_b = controller(tmp_path, "b", repo, fleet)
+    repo = catalog_repo(tmp_path, fleet, {"chat": sim_model("chat", "sim://chat", min_=2, max_=2)},
+                        "Two chat replicas")
+    config_a, admin_a = controller_config(tmp_path, "a", repo, fleet, TOKEN)
+    config_b, admin_b = controller_config(tmp_path, "b", repo, fleet, TOKEN)
     a = start(["controller", "--config", str(config_a)], tmp_path / "a.log")
     b = None
     try:
@@ -83,7 +65,7 @@ def test_a_second_controller_is_fenced_until_takeover_and_then_the_first_is_refu
 
         # B starts on the same fleet: every node is fenced for it, it starts and stops nothing.
         b = start(["controller", "--config", str(config_b)], tmp_path / "b.log")
-        wait_for(lambda: all(node(admin_b, n)["state"] == "fenced" for n in ("n1", "n2")), 30, "B: fenced", b)
+        wait_for(lambda: all(node(admin_b, n).get("state") == "fenced" for n in ("n1", "n2")), 30, "B: fenced", b)
         wait_for(lambda: len(events(admin_b, "foreign-engine")) == 2, 20, "B: A's engines reported", b)
         assert f"held by controller {holder_a} (epoch 1)" in node(admin_b, "n1")["error"]
         assert api(admin_b, "/api/v1/replicas") == []
