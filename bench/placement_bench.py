@@ -30,6 +30,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmgw.catalog import Catalog, Model, ModelName, NodeId, NodeSpec, Profile, Scaling, cache_name  # noqa: E402
+from llmgw.decide.replica import (  # noqa: E402
+    Replica,
+    ReplicaState,
+    ShardStatus,
+    fingerprint,
+    replica_id,
+    shard_agent_id,
+)
+from llmgw.decide.tick import decide  # noqa: E402
 from llmgw.inventory import (  # noqa: E402
     EngineRecord,
     Filesystem,
@@ -39,15 +48,6 @@ from llmgw.inventory import (  # noqa: E402
     NodeReport,
     NodeState,
     WeightEntry,
-)
-from llmgw.reconciler.decide import decide  # noqa: E402
-from llmgw.reconciler.replica import (  # noqa: E402
-    Replica,
-    ReplicaState,
-    ShardStatus,
-    fingerprint,
-    replica_id,
-    shard_agent_id,
 )
 
 GB = 1024**3

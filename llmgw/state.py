@@ -28,9 +28,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from llmgw.decide.replica import Replica
 from llmgw.errors import ConfigError
 from llmgw.gitops.status import PendingPrune, Rejection, Rewrite
-from llmgw.reconciler.replica import Replica
 
 log = logging.getLogger(__name__)
 

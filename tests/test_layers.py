@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 CONTROL_PLANE = ("llmgw.gitops", "llmgw.dispatch", "llmgw.control", "llmgw.admin", "llmgw.reconciler.reconciler",
-                 "llmgw.reconciler.lifecycle", "llmgw.inventory.live", "llmgw.state")
+                 "llmgw.reconciler.lifecycle", "llmgw.reconciler.live", "llmgw.state")
 
 
 def loaded_by(module: str) -> set[str]:
@@ -24,7 +24,7 @@ def loaded_by(module: str) -> set[str]:
 
 @pytest.mark.parametrize(("module", "io"), [
     ("llmgw.plan", ("aiohttp", "sqlite3", "paramiko", "git", "watchfiles", "prometheus_client")),
-    ("llmgw.reconciler.decide", ("aiohttp", "sqlite3", "paramiko", "git", "watchfiles", "prometheus_client")),
+    ("llmgw.decide.tick", ("aiohttp", "sqlite3", "paramiko", "git", "watchfiles", "prometheus_client")),
     ("llmgw.catalog", ("aiohttp", "sqlite3", "paramiko", "git", "watchfiles", "prometheus_client")),
     ("llmgw.router.main", ("sqlite3", "paramiko", "git", "watchfiles")),
     ("llmgw.contract", ("aiohttp", "sqlite3", "paramiko", "git", "watchfiles", "prometheus_client")),

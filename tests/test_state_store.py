@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.decide.replica import ReplicaState
 from llmgw.errors import ConfigError
 from llmgw.gitops.status import PendingPrune
-from llmgw.reconciler.replica import ReplicaState
 from llmgw.state import SCHEMA_VERSION, Applied, Store
 
 V1 = Path(__file__).parent / "fixtures" / "data" / "v1-llmgw.db"

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llmgw.catalog import Catalog, Model
+from llmgw.decide import Replica, ReplicaState
 from llmgw.inventory import Inventory, Node, NodeState
-from llmgw.reconciler import Replica, ReplicaState
 
 GB = 1024**3
 

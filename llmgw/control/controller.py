@@ -29,8 +29,8 @@ from llmgw.gitops import DesiredState, GitMirror, GitOpsFollower
 from llmgw.gitops.desired import RECONCILER
 from llmgw.gitops.repo import normalise_url
 from llmgw.gitops.writer import CommitWriter
-from llmgw.inventory.live import LiveInventory
 from llmgw.plan.guard import PruneVerdict, judge_prune
+from llmgw.reconciler.live import LiveInventory
 from llmgw.reconciler.reconciler import Reconciler
 from llmgw.state import Store
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from llmgw.decide import ReplicaState
 from llmgw.inventory import NodeState
-from llmgw.reconciler import ReplicaState
 
 if TYPE_CHECKING:
     from llmgw.control.ops import FleetOps

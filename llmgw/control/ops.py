@@ -15,11 +15,11 @@ from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog, RawFile
 from llmgw.control.orphans import Orphan, collect
+from llmgw.decide.replica import Replica
 from llmgw.gitops.gitcli import read_tree
 from llmgw.gitops.status import SyncStatus
 from llmgw.inventory import Inventory, NodeState
 from llmgw.plan import FleetSnapshot
-from llmgw.reconciler.replica import Replica
 from llmgw.state import Event
 
 if TYPE_CHECKING:

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from llmgw.catalog import Catalog
+from llmgw.decide.replica import Replica, ReplicaState
+from llmgw.decide.tick import decide
 from llmgw.inventory import Inventory, follow_nodes
-from llmgw.reconciler.decide import decide
-from llmgw.reconciler.replica import Replica, ReplicaState
 
 ALLOW_TRAILER = re.compile(r"^Llmgw-Allow-Prune:\s*yes\s*$", re.IGNORECASE | re.MULTILINE)
 

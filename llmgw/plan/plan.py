@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmgw.catalog import Catalog
+from llmgw.decide.replica import Replica, ReplicaState
+from llmgw.decide.tick import decide
 from llmgw.inventory import Inventory, follow_nodes
 from llmgw.placement import Rejection
 from llmgw.plan.guard import PruneVerdict, judge_prune
-from llmgw.reconciler.decide import decide
-from llmgw.reconciler.replica import Replica, ReplicaState
 
 GB = 1024**3
 

@@ -1,18 +1,18 @@
 """The reconciler: makes the fleet match the desired state, tick by tick (DESIGN §5).
 
-    decide, Decisions             the pure decision of one tick (what `llmgw diff` also runs)
-    Replica, ReplicaState         the replica records
     Reconciler, ReconcilerConfig  the loop that applies decisions through the dispatcher
+    LiveInventory                 the agents' latest reports, polled each tick
+
+The decision itself and the replica records are pure, in `llmgw.decide`.
 """
 
 from llmgw.lazy import lazy_exports
 
-# Resolved on first use: the pure decision (and the prune guard and plan built on it) must not
-# load the reconciler's I/O (aiohttp, the dispatcher, the store) just by being imported.
+# Resolved on first use: the config (read by `llmgw controller --config`) must not load the
+# reconciler's I/O (aiohttp, the dispatcher, the store) just by being imported.
 _EXPORTS = {
-    "Decisions": "llmgw.reconciler.decide", "decide": "llmgw.reconciler.decide",
-    "Replica": "llmgw.reconciler.replica", "ReplicaState": "llmgw.reconciler.replica",
     "Reconciler": "llmgw.reconciler.reconciler", "ReconcilerConfig": "llmgw.reconciler.config",
+    "LiveInventory": "llmgw.reconciler.live",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from llmgw.catalog import Catalog, Model, Profile
+from llmgw.decide.replica import Replica, ReplicaState, ShardStatus
 from llmgw.dispatch.base import Dispatcher
 from llmgw.engines.argv import Shard as EngineShard
 from llmgw.engines.argv import engine_args
 from llmgw.engines.health import check_health, probe_ready
 from llmgw.errors import DispatchError, EngineArgsError, StartRefused
 from llmgw.inventory import EngineRecord, Inventory
-from llmgw.reconciler.replica import Replica, ReplicaState, ShardStatus
 from llmgw.state import Store
 
 if TYPE_CHECKING:

@@ -19,17 +19,17 @@ import aiohttp
 
 from llmgw.catalog import Catalog, NodeSpec
 from llmgw.contract import Endpoint, EndpointSink, NoUsage, UsageSource
+from llmgw.decide.replica import Replica, ReplicaState, fingerprint, replica_id, shard_agent_id
+from llmgw.decide.replica import ShardStatus as _ShardStatus
+from llmgw.decide.tick import Decisions, Settings, decide
 from llmgw.dispatch.base import Dispatcher
 from llmgw.errors import DispatchError
 from llmgw.gitops.desired import DesiredState
 from llmgw.inventory import EngineRecord, Inventory, NodeState
-from llmgw.inventory.live import LiveInventory
 from llmgw.placement import unrunnable
 from llmgw.reconciler.config import ReconcilerConfig
-from llmgw.reconciler.decide import Decisions, Settings, decide
 from llmgw.reconciler.lifecycle import Lifecycle
-from llmgw.reconciler.replica import Replica, ReplicaState, fingerprint, replica_id, shard_agent_id
-from llmgw.reconciler.replica import ShardStatus as _ShardStatus
+from llmgw.reconciler.live import LiveInventory
 from llmgw.state import Store
 
 log = logging.getLogger(__name__)

@@ -9,10 +9,10 @@ from dataclasses import replace
 
 from llmgw.catalog import validate_files
 from llmgw.catalog.loader import RawFile
+from llmgw.decide.replica import ReplicaState
 from llmgw.gitops.webhook import signature_ok
 from llmgw.inventory import Inventory
 from llmgw.plan.guard import allows_prune, judge_prune
-from llmgw.reconciler.replica import ReplicaState
 from tests.plan.scenarios import BASE, CHAT, NODES, fleet
 
 

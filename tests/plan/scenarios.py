@@ -7,10 +7,10 @@ from pathlib import Path
 
 from llmgw.catalog import NodeId, NodeSpec, cache_name
 from llmgw.catalog.model import GpuSpec
+from llmgw.decide.replica import Replica, ReplicaState, ShardStatus
 from llmgw.inventory import Filesystem, Gpu, Inventory, Node, NodeReport, NodeState, WeightEntry
 from llmgw.placement import Placement, Shard
 from llmgw.plan import FleetSnapshot
-from llmgw.reconciler.replica import Replica, ReplicaState, ShardStatus
 
 GB = 1024**3
 FIXED_DATES = {"GIT_AUTHOR_DATE": "2026-11-30T12:00:00Z", "GIT_COMMITTER_DATE": "2026-11-30T12:00:00Z"}
@@ -68,7 +68,7 @@ def _replica(rid: str, name: str, source: str, node: str, gpu: int, gen: int, fp
 
 def fleet(base_catalog) -> FleetSnapshot:  # noqa: ANN001 - a Catalog
     """n1 runs chat and embed, n2 runs old; each node holds what it runs."""
-    from llmgw.reconciler.replica import fingerprint
+    from llmgw.decide.replica import fingerprint
 
     fp = {m.name: fingerprint(m, m.profiles[0]) for m in base_catalog.models}
     reps = (

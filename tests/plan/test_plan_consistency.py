@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from llmgw.decide import ReplicaState
 from llmgw.gitops.gitcli import read_tree
 from llmgw.plan import FleetSnapshot, build_report
-from llmgw.reconciler import ReplicaState
 from tests.reconciler.fleet_e2e import Recorder, make_controller, make_repo, ready, sim_model, until
 
 pytestmark = pytest.mark.slow

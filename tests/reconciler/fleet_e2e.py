@@ -10,7 +10,8 @@ from pathlib import Path
 
 from llmgw.contract import Demand, Endpoint
 from llmgw.control import Controller, ControllerConfig
-from llmgw.reconciler import ReconcilerConfig, ReplicaState
+from llmgw.decide import ReplicaState
+from llmgw.reconciler import ReconcilerConfig
 from tests.conftest import commit_files, git
 from tests.fixtures.sshd_fleet import SshdFleet
 

@@ -6,10 +6,10 @@ from dataclasses import replace
 
 from llmgw.catalog import Catalog, Scaling
 from llmgw.contract import Demand
+from llmgw.decide.replica import Replica, ReplicaState, fingerprint
+from llmgw.decide.tick import decide
 from llmgw.inventory import Inventory, NodeState
 from llmgw.placement import Placement, Shard
-from llmgw.reconciler.decide import decide
-from llmgw.reconciler.replica import Replica, ReplicaState, fingerprint
 from tests.placement.fleet import inventory, model, node, profile
 
 M = model("m", profile(gpus=1))

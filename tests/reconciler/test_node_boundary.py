@@ -15,7 +15,7 @@ from aiohttp import web
 
 from llmgw.admin.app import build_admin_app
 from llmgw.control.feed import FeedHub
-from llmgw.reconciler import ReplicaState
+from llmgw.decide import ReplicaState
 from tests.reconciler.fleet_e2e import LLMGW_YAML, Recorder, make_controller, make_repo, ready, sim_model, until
 
 pytestmark = pytest.mark.slow

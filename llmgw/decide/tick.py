@@ -14,9 +14,9 @@ from enum import Enum
 
 from llmgw.catalog import Catalog, Model, ModelName, NodeId, Profile
 from llmgw.contract import Demand
+from llmgw.decide.replica import Replica, ReplicaState, fingerprint
 from llmgw.inventory import Inventory, NodeState
 from llmgw.placement import Placement, PlacementResult, Rejection, Shard, place
-from llmgw.reconciler.replica import Replica, ReplicaState, fingerprint
 
 
 @dataclass(frozen=True)
