@@ -64,7 +64,7 @@ SCHEMAS: dict[str, Any] = {
         "unclaimed_engines": _arr(_obj({"id": STR, "model": NSTR, "holder": NSTR, "epoch": {**INT, "nullable": True},
                                         "pid": {**INT, "nullable": True}, "gpus": _arr(INT)})),
     }),
-    "Takeover": _obj({"node": STR, "holder": STR, "epoch": INT, "stopped": _arr(STR)}),
+    "Takeover": _obj({"node": STR, "holder": STR, "epoch": INT, "stopped": _arr(STR), "already": BOOL}),
     "Model": _obj({
         "name": STR, "aliases": _arr(STR), "task": STR, "source": STR, "size_gb": NUM, "min_replicas": INT,
         "max_replicas": INT, "idle_after_seconds": NNUM, "ready_replicas": INT, "total_replicas": INT,

@@ -196,6 +196,10 @@ def takeover(args: argparse.Namespace, client: Client, console: Console) -> int:
     if args.output == "json":
         print_json(console, data)
         return 0
+    if data.get("already"):
+        console.print(f"node {_e(data['node'])} is already driven by this controller ({_e(data['holder'])}, "
+                      f"epoch {data['epoch']})")
+        return 0
     console.print(f"node {_e(data['node'])} is now driven by {_e(data['holder'])} (epoch {data['epoch']}); "
                   "the controller that held it before is refused from now on")
     for engine in data["stopped"]:

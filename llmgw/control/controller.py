@@ -103,6 +103,10 @@ class Controller:
         Engines the other controller started keep running and are reported, unless
         ``stop_foreign``: then they are stopped, as the operator asked, not silently.
         """
+        if self.fleet.epoch(node_id) is not None and not stop_foreign:
+            # Already ours: raising the epoch would only make our own commands in flight stale.
+            return {"node": node_id, "holder": self.controller_id, "epoch": self.fleet.epoch(node_id),
+                    "stopped": [], "already": True}
         lease = await self.fleet.takeover(node_id)
         self.store.add_event("node-takeover", node_id, f"this controller ({self.controller_id}) took over "
                                                        f"node {node_id} (epoch {lease['epoch']})")
@@ -120,7 +124,8 @@ class Controller:
                                              f"engine {e.replica_id} on {node_id} (started by {e.holder}) stopped "
                                              "at takeover, as asked")
         self.reconciler.notify()
-        return {"node": node_id, "holder": self.controller_id, "epoch": lease["epoch"], "stopped": stopped}
+        return {"node": node_id, "holder": self.controller_id, "epoch": lease["epoch"], "stopped": stopped,
+                "already": False}
 
     async def start(self) -> None:
         self.store.open()

@@ -117,3 +117,13 @@ def test_a_signed_webhook_from_github_or_gitea_is_accepted(running: Running, hos
         urllib.request.urlopen(forged, timeout=10)
     with err.value:
         assert err.value.code == 401
+
+
+def test_taking_over_a_node_this_controller_already_drives_changes_nothing(run_cli, running: Running) -> None:
+    before = running.controller.fleet.epoch("n1")
+    assert before is not None
+    code, out = cli(run_cli, running, "node", "takeover", "n1")
+    assert code == 0 and "already driven by this controller" in out and f"epoch {before})" in out
+    assert running.controller.fleet.epoch("n1") == before  # no epoch raised against our own commands
+    code, out = cli(run_cli, running, "node", "takeover", "n9")
+    assert code == 1 and 'node "n9" is not in the fleet' in out
