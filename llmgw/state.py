@@ -271,6 +271,11 @@ def _upgrade(db: sqlite3.Connection, where: str) -> None:
         return
     db.execute("BEGIN IMMEDIATE")
     try:
+        # Again under the write lock: another process may have migrated it since the first look.
+        version = _version(db)
+        if version >= SCHEMA_VERSION:
+            db.execute("COMMIT")
+            return
         for statement in SCHEMA.strip().split(";"):
             if statement.strip():
                 db.execute(statement)

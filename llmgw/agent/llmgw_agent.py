@@ -583,11 +583,14 @@ def read_lease(cfg: NodeConfig) -> Optional[JsonDict]:
     expires = lease.get("expires") if lease is not None else None
     if (lease is None or not isinstance(lease.get("holder"), str) or not lease["holder"]
             or len(lease["holder"]) > MAX_HOLDER or not _is_int(lease.get("epoch")) or lease["epoch"] < 0
-            or not isinstance(expires, (int, float)) or isinstance(expires, bool) or not math.isfinite(expires)
-            or expires > time.time() + MAX_LEASE_TTL):
+            or not isinstance(expires, (int, float)) or isinstance(expires, bool) or not math.isfinite(expires)):
         epoch = lease.get("epoch") if lease is not None else None
         return {"holder": DAMAGED, "epoch": epoch if isinstance(epoch, int) and _is_int(epoch) and epoch >= 0 else 0,
                 "expires": None}
+    if expires > time.time() + MAX_LEASE_TTL:
+        # Renewed while the clock ran fast (an RTC on local time, fixed by NTP later): no lease is
+        # that long, so it is taken as ending now, not as damage that would fence its own holder.
+        return dict(lease, expires=time.time())
     return lease
 
 
@@ -667,15 +670,18 @@ def release_lease(cfg: NodeConfig, holder: str) -> JsonDict:
 
 
 @contextlib.contextmanager
-def fenced(cfg: NodeConfig, verb: str, request: JsonDict) -> Iterator[Optional[JsonDict]]:
+def fenced(cfg: NodeConfig, verb: str, request: JsonDict, *, hold: bool = True) -> Iterator[Optional[JsonDict]]:
     """Run a change only for the lease's holder at its current epoch; yields the lease obeyed.
 
-    The lease lock is held for the whole change, so a takeover cannot land between the check and
-    the act (an engine started for the old holder after the new one took over). A node no
-    controller has leased yet obeys anyone (it has nobody to be fenced from); once leased, a
-    request without a fence is refused too, so an old controller cannot slip past.
+    With ``hold`` the lease lock is kept for the whole change (a start: a takeover cannot land
+    between the check and the launch, and a launch is quick). Without it, only for the check: a
+    stop waits out its grace and a removal deletes after it, and holding the lock through either
+    made every other stop and the holder's own renewal wait. A node no controller has leased yet
+    obeys anyone (it has nobody to be fenced from); once leased, a request without a fence is
+    refused too, so an old controller cannot slip past.
     """
-    with _locked(_lease_lock(cfg)):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_locked(_lease_lock(cfg)))
         lease = read_lease(cfg)
         if lease is not None:
             fence = request.get("fence")
@@ -690,6 +696,8 @@ def fenced(cfg: NodeConfig, verb: str, request: JsonDict) -> Iterator[Optional[J
                 raise Refused(f"{verb}: this node is driven by controller {lease['holder']!r} (epoch "
                               f"{lease['epoch']}); refused from {asker}; `llmgw node takeover` moves the node to "
                               "another controller", setting="lease")
+        if not hold:
+            stack.close()
         yield lease
 
 
@@ -2209,7 +2217,7 @@ def _start_answer(record: JsonDict, *, already_running: bool) -> JsonDict:
 
 def verb_stop(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     """SIGTERM the engine's process group, SIGKILL it after the grace period; idempotent."""
-    with fenced(cfg, "stop", request):
+    with fenced(cfg, "stop", request, hold=False):
         return _stop(cfg, request)
 
 
@@ -2350,7 +2358,7 @@ def verb_remove_weights(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     Each path is checked, then renamed (relative to a descriptor of the cache directory opened
     without following any symlink) to a trash name, re-checked, and only then deleted, without
     following symlinks. A refusal is the guard working, not a failure: the exit code is 0."""
-    with fenced(cfg, "remove-weights", request):
+    with fenced(cfg, "remove-weights", request, hold=False):
         return _remove_weights(cfg, request)
 
 

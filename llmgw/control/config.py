@@ -97,7 +97,9 @@ def _secret(raw: dict[str, Any], key: str, env: str, base: Path) -> str:
 # Knobs where zero is not "off" but a loop that spins or a wait that cannot succeed.
 POSITIVE = frozenset({"tick_interval", "fetch_interval", "probe_timeout", "start_timeout", "concurrency",
                       "crash_loop_after", "connect_timeout", "first_byte_timeout", "body_timeout", "load_interval",
-                      "body_limit", "buffered_limit", "max_idle"})
+                      "body_limit", "buffered_limit", "keepalive_timeout"})
+# What nodes accept: a longer stop grace is refused by every agent (its MAX_GRACE).
+MAXIMUM = {"stop_grace": 600.0}
 
 
 def _seconds(raw: Any, what: str) -> float:
@@ -114,8 +116,11 @@ def _seconds(raw: Any, what: str) -> float:
             seconds = parse_duration(raw)
         except DurationError as exc:
             raise ConfigError(f"{what}: {exc}") from exc
-    if seconds == 0 and what.rsplit(".", 1)[-1] in POSITIVE:
+    key = what.rsplit(".", 1)[-1]
+    if seconds == 0 and key in POSITIVE:
         raise ConfigError(f"{what}: must be more than 0")
+    if key in MAXIMUM and seconds > MAXIMUM[key]:
+        raise ConfigError(f"{what}: at most {MAXIMUM[key]:g} s (what the nodes' agents accept)")
     return seconds
 
 

@@ -86,16 +86,15 @@ class Controller:
         return self.fleet.holder
 
     def _holder_id(self) -> str:
-        """This controller's name on the nodes' leases: an id made once per data dir, so a restart
-        is the same controller (it renews its own leases and adopts its engines), with the host and
-        data dir it runs from, so a copy of the data dir (a restored backup, a clone started by
-        mistake) elsewhere is another controller and is fenced."""
+        """This controller's name on the nodes' leases: made once per data dir and kept as it is
+        (an id from an older version too), so a restart after a crash, a new hostname or another
+        path to the same data dir is the same controller: it renews its own leases and adopts its
+        engines (a name that changed with its environment fenced a controller off its own fleet)."""
         cid = self.store.controller_id()
         if not cid:
-            cid = secrets.token_hex(4)
+            cid = f"{socket.gethostname()}-{secrets.token_hex(4)}"
             self.store.set_controller_id(cid)
-        where = f"{socket.gethostname()}:{Path(self.config.data_dir).resolve()}"
-        return f"{cid}@{where}"[:200]
+        return cid
 
     async def takeover(self, node_id: str, *, stop_foreign: bool = False) -> dict[str, Any]:
         """Take ``node_id``'s lease from whichever controller holds it (an operator's decision).

@@ -59,7 +59,9 @@ def work_tree_root(path: Path | str) -> Path:
     for candidate in (p, *p.parents):
         if (candidate / ".git").exists():
             try:
-                return Path(run_git(["rev-parse", "--show-toplevel"], cwd=candidate).strip()).resolve()
+                out = _run(["rev-parse", "--show-toplevel"], cwd=candidate, timeout=GIT_TIMEOUT, env=None)
+                # Only the newline goes: a path may end in a space or hold bytes that are not UTF-8.
+                return Path(os.fsdecode(out.removesuffix(b"\n"))).resolve()
             except GitError as exc:
                 raise GitError(f"{path}: not inside a usable git repository: {exc}") from None
     raise GitError(f"{path}: not inside a git repository")

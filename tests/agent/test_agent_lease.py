@@ -105,3 +105,12 @@ def test_a_replica_id_running_for_another_controller_is_not_adopted(node: Node) 
         assert "already running here, started by controller 'ctl-a'" in message
     finally:
         node.ok("stop", {"replica_id": "r1", "grace_seconds": 1, "fence": fence_b})
+
+
+def test_a_lease_renewed_while_the_clock_ran_fast_ends_rather_than_fencing_its_holder(node: Node) -> None:
+    node.ok("inventory", {"lease": A})
+    path = node.state / "lease.json"
+    lease = json.loads(path.read_text())
+    path.write_text(json.dumps({**lease, "expires": time.time() + 7200}))  # renewed an hour "ahead"
+    again = node.ok("inventory", {"lease": A})["lease"]
+    assert again["held"] and again["holder"] == "ctl-a" and again["epoch"] == 1  # still ours, not damaged

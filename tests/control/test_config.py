@@ -66,12 +66,18 @@ def test_every_float_knob_takes_a_duration(tmp_path: Path) -> None:
     ("data_dir: 5\n", "data_dir: 5 must be a string"),
     ("admin_token: [secret]\n", "admin_token: ['secret'] must be a string"),
     ("ssh:\n  key: 5\n", "ssh.key: 5 must be a string"),
+    ("reconciler:\n  stop_grace: 15m\n", "reconciler.stop_grace: at most 600 s"),
+    ("router:\n  keepalive_timeout: 0\n", "router.keepalive_timeout: must be more than 0"),
 ])
 def test_a_wrong_key_or_type_names_the_key_and_the_file(tmp_path: Path, text: str, words: str) -> None:
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert str(err.value).startswith(f"{path}: ") and words in str(err.value), str(err.value)
+
+
+def test_no_pooling_is_a_setting_not_an_error(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "router:\n  max_idle: 0\n")).router == {"max_idle": 0}
 
 
 def test_secrets_come_from_the_environment_then_the_file_then_the_yaml(tmp_path: Path,
