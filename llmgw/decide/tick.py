@@ -226,9 +226,6 @@ def _place_new(t: _Tick, replacements: dict[str, list[str]], *,
                with_reasons: bool) -> tuple[PlacementResult, list[NewReplica]]:
     """4. Place what is wanted; stopping replicas (and engines no replica claims) still hold their
     GPUs until they stop."""
-    lost_ids = t.lost_ids
-    holding = [r.placement for r in t.replicas if r.id not in lost_ids and r.state != ReplicaState.STOPPED]
-    holding += unclaimed_engines(t.inventory, t.replicas)
     wanted = dict(t.wanted)
     for name, olds in replacements.items():
         wanted[name] = wanted.get(name, 0) + len(olds)
@@ -237,6 +234,9 @@ def _place_new(t: _Tick, replacements: dict[str, list[str]], *,
         if t.replace[o] == Replace.NODE_DRAINING}
     # Most ticks want nothing new: skip building the fleet's free-capacity index then.
     if any(wanted.values()):
+        lost_ids = t.lost_ids
+        holding = [r.placement for r in t.replicas if r.id not in lost_ids and r.state != ReplicaState.STOPPED]
+        holding += unclaimed_engines(t.inventory, t.replicas)
         result = place(t.catalog, t.inventory, holding, now=t.now, wanted=wanted, avoid=avoid, reasons=with_reasons)
     else:
         result = PlacementResult()

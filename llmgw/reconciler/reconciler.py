@@ -73,7 +73,7 @@ class Reconciler:
         self._tick_lock = asyncio.Lock()
         self.lifecycle: Lifecycle | None = None
         self._nodes_for: Catalog | None = None
-        self._saved: list[dict] | None = None
+        self._saved: tuple[Replica, ...] | None = None
 
     # --- lifecycle ------------------------------------------------------------------
     async def start(self, *, loop: bool = True) -> None:
@@ -240,9 +240,9 @@ class Reconciler:
 
     def _save(self) -> None:
         """Persist the replica records, only when they changed (a tick usually changes nothing)."""
-        records = [r.to_json() for r in self.replicas.values()]
+        records = tuple(self.replicas.values())  # frozen records: equal when nothing changed
         if records != self._saved:
-            self.store.save_replicas(self.replicas.values())
+            self.store.save_replicas(records)
             self._saved = records
 
     # --- the router's view ------------------------------------------------------------
