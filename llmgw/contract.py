@@ -23,7 +23,8 @@ controller) needs nothing but the next one; ``version`` is informational (it sta
 controller's clock, so it grows across restarts too). Routers report back::
 
     POST /api/v1/router/report    {"router_id", "last_used": {replica_id: unix_time},
-                                   "demand": {model: {"held": n, "inflight": n}}}
+                                   "demand": {model: {"held": n, "inflight": n}},
+                                   "prompt_cache": {model: PromptCache.to_json()}}
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class Endpoint:
     node: str = ""
     weight: float = 1.0
     labels: dict[str, str] = field(default_factory=dict)
+    # When the engine became ready (unix time): a new value is a new engine process, whose caches
+    # are empty (the router forgets which prompts it sent the old one).
+    ready_since: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +92,45 @@ class Demand:
     inflight: int = 0
 
 
+@dataclass(frozen=True)
+class PromptCache:
+    """How well a model's prompts met cached prefixes, summed since each router started.
+
+    ``blocks``/``matched``: blocks of the prompts routed by prefix, and of those the blocks the
+    router's index expected the chosen replica to hold (the estimate). ``prompt_tokens``/
+    ``cached_tokens``: prompt tokens the engines processed, and of those the ones they reported
+    reusing from their cache (llama.cpp per answer, vLLM from its counters), whatever the policy.
+    """
+
+    blocks: int = 0
+    matched: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def __add__(self, other: PromptCache) -> PromptCache:
+        return PromptCache(self.blocks + other.blocks, self.matched + other.matched,
+                           self.prompt_tokens + other.prompt_tokens, self.cached_tokens + other.cached_tokens)
+
+    @property
+    def estimated_hit_ratio(self) -> float | None:
+        return self.matched / self.blocks if self.blocks else None
+
+    @property
+    def engine_hit_ratio(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> PromptCache:
+        """Off the wire; ValueError/TypeError when a count is not a non-negative whole number."""
+        values = [d.get(f.name, 0) for f in fields(cls)]
+        if any(type(v) is not int or v < 0 for v in values):
+            raise ValueError(f"malformed prompt-cache counts: {dict(d)!r}")
+        return cls(*values)
+
+
 class EndpointSink(Protocol):
     """Receives the endpoint list (only ready replicas). The router implements it."""
 
@@ -98,11 +141,13 @@ class EndpointSink(Protocol):
 
 
 class UsageSource(Protocol):
-    """The router's report: when each replica was last used, and demand per model."""
+    """The router's report: when each replica was last used, demand and prompt-cache hits per model."""
 
     def last_used(self) -> Mapping[str, float]: ...
 
     def demand(self) -> Mapping[str, Demand]: ...
+
+    def prompt_cache(self) -> Mapping[str, PromptCache]: ...
 
 
 class NoUsage:
@@ -110,6 +155,9 @@ class NoUsage:
         return {}
 
     def demand(self) -> Mapping[str, Demand]:
+        return {}
+
+    def prompt_cache(self) -> Mapping[str, PromptCache]:
         return {}
 
 
@@ -124,6 +172,7 @@ class ModelView(TypedDict):
     task: str
     fallbacks: list[str]
     scaling: ScalingView
+    routing: str
 
 
 class CatalogView(TypedDict):
@@ -132,11 +181,11 @@ class CatalogView(TypedDict):
 
 
 def catalog_view(catalog: Catalog) -> CatalogView:
-    """What a router needs of ``catalog``: names, aliases, task, fallbacks, scaling bounds."""
+    """What a router needs of ``catalog``: names, aliases, task, fallbacks, scaling bounds, routing."""
     return {
         "revision": catalog.revision,
         "models": [{
             "name": m.name, "aliases": list(m.aliases), "task": m.task, "fallbacks": list(m.fallbacks),
-            "scaling": {"min": m.scaling.min, "max": m.scaling.max},
+            "scaling": {"min": m.scaling.min, "max": m.scaling.max}, "routing": m.routing,
         } for m in catalog.models],
     }

@@ -84,8 +84,7 @@ async def nodes(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     c = ctl(request)
-    return web.json_response(views.models_view(c.catalog, c.replicas(),
-                                               c.unplaced()))
+    return web.json_response(views.models_view(c.catalog, c.replicas(), c.unplaced(), c.prompt_cache()))
 
 
 async def replicas(request: web.Request) -> web.Response:

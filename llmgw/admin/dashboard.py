@@ -46,7 +46,7 @@ async def dashboard(request: web.Request) -> web.Response:
         since=lambda t: _since(t, now),
         sync=c.sync_status.to_json(),
         nodes=views.nodes_view(inventory, replicas, now),
-        models=views.models_view(catalog, replicas, unplaced),
+        models=views.models_view(catalog, replicas, unplaced, c.prompt_cache()),
         replicas=views.replicas_view(replicas, catalog, inventory, c.last_used(), now),
         events=list(reversed(c.events(limit=30))),
         unplaced_reasons=_unplaced_reasons(c, unplaced),

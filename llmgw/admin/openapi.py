@@ -68,7 +68,10 @@ SCHEMAS: dict[str, Any] = {
     "Model": _obj({
         "name": STR, "aliases": _arr(STR), "task": STR, "source": STR, "size_gb": NUM, "min_replicas": INT,
         "max_replicas": INT, "idle_after_seconds": NNUM, "ready_replicas": INT, "total_replicas": INT,
-        "unplaced_replicas": INT, "fallbacks": _arr(STR), "profiles": _arr(_s("object")), "file": STR,
+        "unplaced_replicas": INT, "fallbacks": _arr(STR), "routing": STR,
+        "prompt_cache": _obj({"blocks": INT, "matched": INT, "prompt_tokens": INT, "cached_tokens": INT,
+                              "estimated_hit_ratio": NNUM, "engine_hit_ratio": NNUM}),
+        "profiles": _arr(_s("object")), "file": STR,
     }),
     "Replica": _obj({
         "id": STR, "model": STR, "profile": STR, "state": STR, "generation": INT, "pool": NSTR, "fabric": NSTR,
@@ -184,9 +187,10 @@ def openapi_document(*, feed: bool = True) -> dict[str, Any]:
                 "description": "a long-lived stream of JSON lines",
                 "content": {"application/x-ndjson": {"schema": STR}}})}
         paths[f"{v}/router/report"] = {"post": _op(
-            "A standalone router's usage report (last use per replica, demand per model)",
+            "A standalone router's usage report (last use per replica, demand and prompt-cache counts per model)",
             _json(_obj({"ok": BOOL, "version": INT})), errors=BAD,
-            body=_obj({"router_id": STR, "last_used": _s("object"), "demand": _s("object")}))}
+            body=_obj({"router_id": STR, "last_used": _s("object"), "demand": _s("object"),
+                       "prompt_cache": _s("object")}))}
     return {
         "openapi": "3.0.3",
         "info": {"title": "llmgw admin API", "version": __version__},

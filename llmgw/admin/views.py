@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llmgw.catalog import Catalog, Model
+from llmgw.contract import PromptCache
 from llmgw.decide import Replica, ReplicaState
 from llmgw.inventory import Inventory, Node, NodeState
 
@@ -73,8 +74,10 @@ def nodes_view(inventory: Inventory, replicas: Sequence[Replica], now: float) ->
     return [node_view(n, replicas, now) for n in sorted(inventory.nodes.values(), key=lambda n: n.id)]
 
 
-def model_view(model: Model, replicas: Sequence[Replica], unplaced: Mapping[str, int]) -> dict[str, Any]:
+def model_view(model: Model, replicas: Sequence[Replica], unplaced: Mapping[str, int],
+               prompt_cache: Mapping[str, PromptCache] | None = None) -> dict[str, Any]:
     mine = [r for r in replicas if r.model == model.name]
+    cache = (prompt_cache or {}).get(model.name, PromptCache())
     return {
         "name": model.name,
         "aliases": list(model.aliases),
@@ -88,6 +91,10 @@ def model_view(model: Model, replicas: Sequence[Replica], unplaced: Mapping[str,
         "total_replicas": len([r for r in mine if r.state.live]),
         "unplaced_replicas": unplaced.get(model.name, 0),
         "fallbacks": list(model.fallbacks),
+        "routing": model.routing,
+        # Since each router started; a ratio is null until there is something to divide.
+        "prompt_cache": {**cache.to_json(), "estimated_hit_ratio": cache.estimated_hit_ratio,
+                         "engine_hit_ratio": cache.engine_hit_ratio},
         "profiles": [
             {"name": p.name, "priority": p.priority, "engine": p.engine, "gpus": p.gpus, "nodes": p.nodes,
              "gpu_class": list(p.gpu_class), "pool": p.pool, "fabric": p.fabric}
@@ -97,10 +104,11 @@ def model_view(model: Model, replicas: Sequence[Replica], unplaced: Mapping[str,
     }
 
 
-def models_view(catalog: Catalog | None, replicas: Sequence[Replica], unplaced: Mapping[str, int]) -> list[dict]:
+def models_view(catalog: Catalog | None, replicas: Sequence[Replica], unplaced: Mapping[str, int],
+                prompt_cache: Mapping[str, PromptCache] | None = None) -> list[dict]:
     if catalog is None:
         return []
-    return [model_view(m, replicas, unplaced) for m in sorted(catalog.models, key=lambda m: m.name)]
+    return [model_view(m, replicas, unplaced, prompt_cache) for m in sorted(catalog.models, key=lambda m: m.name)]
 
 
 def replica_view(

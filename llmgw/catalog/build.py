@@ -97,6 +97,7 @@ def build_model(doc: Document, settings: Settings, problems: list[Problem]) -> M
         task=raw.get("task", "chat"),
         scaling=build_scaling(doc, ("scaling",), raw.get("scaling"), settings.default_scaling, problems),
         fallbacks=tuple(ModelName(f) for f in raw.get("fallbacks") or ()),
+        routing=raw.get("routing", "least-outstanding"),
         file=doc.file,
     )
 

@@ -16,6 +16,7 @@ NodeId = NewType("NodeId", str)
 
 Engine = Literal["vllm", "sglang", "llama.cpp", "sim"]
 Task = Literal["chat", "completion", "embedding"]
+Routing = Literal["least-outstanding", "prefix"]
 Transport = Literal["ssh", "local"]
 
 CACHE_PREFIX = "llmgw-"
@@ -82,6 +83,7 @@ class Model:
     task: Task = "chat"
     scaling: Scaling = field(default_factory=Scaling)
     fallbacks: tuple[ModelName, ...] = ()
+    routing: Routing = "least-outstanding"
     file: str = ""
 
     @property

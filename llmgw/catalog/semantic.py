@@ -175,6 +175,14 @@ def check_scaling(entries: Iterable[ModelEntry]) -> list[Problem]:
     return out
 
 
+def check_routing(entries: Iterable[ModelEntry]) -> list[Problem]:
+    # An embedding is one forward pass whose KV state no engine keeps for the next request, so
+    # prefix affinity would only skew load: refused rather than silently ignored.
+    return [e.doc.problem(("routing",), f'model "{e.model.name}" is an embedding model: routing "prefix" '
+                                        "needs a generative task (chat or completion), whose engine caches prompts")
+            for e in entries if e.model.routing == "prefix" and e.model.task == "embedding"]
+
+
 @functools.cache
 def default_env_allow() -> frozenset[str]:
     """The env names every node's agent allows by default: the agent's own list, so a profile
@@ -344,6 +352,7 @@ def check_catalog(
         *check_unique_names(entries),
         *check_fallbacks(entries, other_model_names),
         *check_scaling(entries),
+        *check_routing(entries),
         *check_profiles(entries, settings),
         *check_pools(entries, nodes, settings),
         *check_nodes(nodes),

@@ -97,7 +97,8 @@ def _secret(raw: dict[str, Any], key: str, env: str, base: Path) -> str:
 # Knobs where zero is not "off" but a loop that spins or a wait that cannot succeed.
 POSITIVE = frozenset({"tick_interval", "fetch_interval", "probe_timeout", "start_timeout", "concurrency",
                       "crash_loop_after", "connect_timeout", "first_byte_timeout", "body_timeout", "load_interval",
-                      "body_limit", "buffered_limit", "keepalive_timeout"})
+                      "body_limit", "buffered_limit", "keepalive_timeout", "prefix_block_chars",
+                      "prefix_index_blocks"})
 # What nodes accept: a longer stop grace is refused by every agent (its MAX_GRACE).
 MAXIMUM = {"stop_grace": 600.0}
 

@@ -24,10 +24,14 @@ from typing import Any
 from aiohttp import web
 
 from llmgw.catalog import Catalog
-from llmgw.contract import KEEPALIVE, CatalogView, Demand, Endpoint, catalog_view, wire_str
+from llmgw.contract import KEEPALIVE, CatalogView, Demand, Endpoint, PromptCache, catalog_view, wire_str
 from llmgw.router.changes import Changes
 
 log = logging.getLogger(__name__)
+
+
+# One router's last report: when, last use per replica, demand and prompt-cache counts per model.
+Report = tuple[float, dict[str, float], dict[str, Demand], dict[str, PromptCache]]
 
 
 class FeedHub:
@@ -46,7 +50,7 @@ class FeedHub:
         self._unrunnable: dict[str, str] = {}
         self._line: bytes | None = None
         self._changes = Changes()
-        self._reports: dict[str, tuple[float, dict[str, float], dict[str, Demand]]] = {}
+        self._reports: dict[str, Report] = {}
         self.watchers = 0
 
     # --- the control plane's side -------------------------------------------------------
@@ -98,7 +102,7 @@ class FeedHub:
     # --- usage: the reconciler's side ---------------------------------------------------
     def last_used(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for _, used, _ in self._live_reports():
+        for _, used, _, _ in self._live_reports():
             for rid, t in used.items():
                 if t > out.get(rid, 0.0):
                     out[rid] = t
@@ -107,18 +111,26 @@ class FeedHub:
     def demand(self) -> dict[str, Demand]:
         held: dict[str, int] = {}
         inflight: dict[str, int] = {}
-        for _, _, dem in self._live_reports():
+        for _, _, dem, _ in self._live_reports():
             for model, d in dem.items():
                 held[model] = held.get(model, 0) + d.held
                 inflight[model] = inflight.get(model, 0) + d.inflight
         return {m: Demand(held=held[m], inflight=inflight[m]) for m in held}
 
+    def prompt_cache(self) -> dict[str, PromptCache]:
+        """Summed over the routers heard from (each counts since it started)."""
+        out: dict[str, PromptCache] = {}
+        for _, _, _, cache in self._live_reports():
+            for model, c in cache.items():
+                out[model] = out.get(model, PromptCache()) + c
+        return out
+
     def routers(self) -> dict[str, float]:
         """Routers heard from within ``report_ttl``, with the time of their last report."""
         self._live_reports()
-        return {rid: at for rid, (at, _, _) in self._reports.items()}
+        return {rid: r[0] for rid, r in self._reports.items()}
 
-    def _live_reports(self) -> list[tuple[float, dict[str, float], dict[str, Demand]]]:
+    def _live_reports(self) -> list[Report]:
         cutoff = self.clock() - self.report_ttl
         for rid in [rid for rid, r in self._reports.items() if r[0] < cutoff]:
             del self._reports[rid]  # a router that stopped reporting is gone: its demand with it
@@ -157,12 +169,13 @@ class FeedHub:
             used = {wire_str(k): float(v) for k, v in (data.get("last_used") or {}).items()}
             dem = {wire_str(m): Demand(held=int(d.get("held", 0)), inflight=int(d.get("inflight", 0)))
                    for m, d in (data.get("demand") or {}).items()}
+            cache = {wire_str(m): PromptCache.from_json(c) for m, c in (data.get("prompt_cache") or {}).items()}
         except KeyError as exc:
             # The admin API's error shape ({"error": "..."}), not the OpenAI one: this is an admin route.
             return web.json_response({"error": f"malformed router report: {exc.args[0]} is missing"}, status=400)
         except (ValueError, TypeError, AttributeError) as exc:
             return web.json_response({"error": f"malformed router report: {exc}"}, status=400)
-        self._reports[router_id] = (self.clock(), used, dem)
+        self._reports[router_id] = (self.clock(), used, dem, cache)
         if self.wake is not None:
             for model, d in dem.items():
                 if d.held > 0:
@@ -208,4 +221,11 @@ class MergedUsage:
             for m, d in s.demand().items():
                 o = out.get(m, Demand())
                 out[m] = Demand(held=o.held + d.held, inflight=o.inflight + d.inflight)
+        return out
+
+    def prompt_cache(self) -> dict[str, PromptCache]:
+        out: dict[str, PromptCache] = {}
+        for s in self.sources:
+            for m, c in s.prompt_cache().items():
+                out[m] = out.get(m, PromptCache()) + c
         return out

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog, RawFile
+from llmgw.contract import PromptCache
 from llmgw.control.orphans import Orphan, collect
 from llmgw.decide.replica import Replica
 from llmgw.gitops.gitcli import read_tree
@@ -54,6 +55,9 @@ class FleetOps:
 
     def last_used(self) -> Mapping[str, float]:
         return self._c.reconciler.usage.last_used()
+
+    def prompt_cache(self) -> Mapping[str, PromptCache]:
+        return self._c.reconciler.usage.prompt_cache()
 
     def snapshot(self) -> FleetSnapshot:
         """The fleet as `llmgw inventory export` writes it (the input of a plan)."""

@@ -41,11 +41,14 @@ PROBE_PROMPT = "Hi"
 @dataclass(frozen=True)
 class Load:
     """An engine's own view of its queue: requests being generated, requests waiting, and the
-    share of its KV cache in use (0..1), or None where the engine does not export it."""
+    share of its KV cache in use (0..1), or None where the engine does not export it; and its
+    prefix cache's running totals, prompt tokens looked up and found, where it counts them."""
 
     running: int
     waiting: int
     kv_cache_usage: float | None = None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class LoadMetrics:
     running: tuple[str, ...]
     waiting: tuple[str, ...]
     kv_cache_usage: tuple[str, ...] = ()
+    prefix_queries: tuple[str, ...] = ()
+    prefix_hits: tuple[str, ...] = ()
 
 
 _VLLM = LoadMetrics(
@@ -63,6 +68,9 @@ _VLLM = LoadMetrics(
     running=("vllm:num_requests_running",),
     waiting=("vllm:num_requests_waiting",),
     kv_cache_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    # Counters of prompt tokens (V1; the gpu_ spelling is V1's first, before the CPU offload cache).
+    prefix_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    prefix_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
 )
 
 LOAD_METRICS: dict[Engine, LoadMetrics] = {
@@ -167,10 +175,14 @@ def parse_load(text: str, engine: Engine) -> Load | None:
     if running is None and waiting is None:
         return None
     kv = scan_samples(text, names.kv_cache_usage)
+    queries = scan_samples(text, names.prefix_queries)
+    hits = scan_samples(text, names.prefix_hits)
     return Load(
         running=round(sum(running or ())),
         waiting=round(sum(waiting or ())),
         kv_cache_usage=max(kv) if kv else None,
+        prefix_queries=sum(queries) if queries and hits else None,
+        prefix_hits=sum(hits) if queries and hits else None,
     )
 
 

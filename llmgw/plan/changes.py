@@ -50,6 +50,7 @@ def model_fields(m: Model) -> dict[str, Any]:
         "scaling.min": m.scaling.min, "scaling.max": m.scaling.max,
         "scaling.idle_after": format_duration(m.scaling.idle_after) if m.scaling.idle_after else None,
         "scaling.target_inflight": m.scaling.target_inflight, "fallbacks": list(m.fallbacks),
+        "routing": m.routing,
     }
     for p in m.profiles:
         d = asdict(p)

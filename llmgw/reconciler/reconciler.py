@@ -256,7 +256,7 @@ class Reconciler:
             out.append(Endpoint(
                 replica_id=r.id, model=model.name, names=model.names, url=r.endpoint.rstrip("/"),
                 engine=profile.engine, profile=profile.name, priority=profile.priority, task=model.task,
-                node=r.shards[0].node,
+                node=r.shards[0].node, ready_since=r.ready_since or 0.0,
             ))
         return out
 
@@ -266,7 +266,7 @@ class Reconciler:
         if self.sink is None or catalog is None:
             return
         eps = self.endpoints(catalog)
-        key = tuple((e.replica_id, e.url, e.names, e.priority) for e in eps)
+        key = tuple((e.replica_id, e.url, e.names, e.priority, e.ready_since) for e in eps)
         if key == self._published:
             return
         self._published = key

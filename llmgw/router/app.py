@@ -31,8 +31,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from llmgw.catalog import Catalog
-from llmgw.contract import Demand, Endpoint
+from llmgw.contract import Demand, Endpoint, PromptCache
 from llmgw.router import respond
+from llmgw.router.answer import llama_prompt_cache
 from llmgw.router.changes import Changes
 from llmgw.router.config import RouterConfig
 from llmgw.router.demand import DemandBook
@@ -40,6 +41,7 @@ from llmgw.router.feed import route_catalog
 from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.load import poll_loads
 from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
+from llmgw.router.prefix import PrefixIndex, PromptKey, prompt_key
 from llmgw.router.proxy import CLIENT_GONE, BadBody, forward_stream, forward_whole, parse_body, rewrite_model
 from llmgw.router.retry import RetryBudget, RetryTicket, next_step
 from llmgw.router.routes import RouteCatalog, RouteModel
@@ -80,6 +82,8 @@ class Router:
         self._demand = DemandBook(self._changes, clock=clock, linger=config.wake_linger)
         self._demand.wake = wake
         self._last_used: dict[str, float] = {}
+        # model -> [prompt blocks routed by prefix, of which held, engine prompt tokens, of which cached]
+        self._cache_counts: dict[str, list[int]] = {}
         self._budget = RetryBudget()
         self._handlers: set[asyncio.Task[object]] = set()  # requests being routed, for the drain
         self._unrunnable: dict[str, str] = {}  # model -> why no node can run it (from placement)
@@ -145,6 +149,10 @@ class Router:
                 inflight[u.model] = inflight.get(u.model, 0) + u.inflight
         return self._demand.snapshot(inflight, table.has)
 
+    def prompt_cache(self) -> dict[str, PromptCache]:
+        """Usage source: per model, how prompts met cached prefixes since this router started."""
+        return {m: PromptCache(*c) for m, c in self._cache_counts.items()}
+
     def inflight(self) -> int:
         return sum(u.inflight for u in self.table.upstreams.values())
 
@@ -161,7 +169,8 @@ class Router:
     async def _background(self) -> None:
         """Engine queue depths, and idle upstream connections closed once past their keep-alive."""
         assert self._load_session is not None and self._pool is not None
-        poller = asyncio.create_task(poll_loads(lambda: self.table, self._load_session, self.config.load_interval))
+        poller = asyncio.create_task(poll_loads(lambda: self.table, self._load_session, self.config.load_interval,
+                                                self._engine_counts))
         try:
             while True:
                 await asyncio.sleep(self.config.keepalive_timeout)
@@ -362,9 +371,10 @@ class Router:
         tried: tuple[Upstream, ...] = ()
         failure: UpstreamFailed | None = None
         deliveries = 0  # attempts that reached an engine (DESIGN §6: at most two, each engine once)
+        prompt = self._prompt_key(body, path, chain)
         while True:
             table = self.table
-            choice = choose(table, chain, self._clock(), self._rng, tried)
+            choice = choose(table, chain, self._clock(), self._rng, tried, prompt, self.config.prefix_imbalance)
             if choice is None:
                 if failure is not None:
                     return self._refuse(self._failed(model, chain, failure, len(tried)), model.name, t0)
@@ -377,6 +387,8 @@ class Router:
                 model, chain = current, self._chains.get(current.name, (current,))
                 continue
             target, up = choice
+            if prompt is not None and target.routing == "prefix":
+                self._note_prompt(target.name, up, prompt)
             data = raw if target.name == asked else rewrite_model(raw, body, asked, target.name)
             try:
                 if target is model:
@@ -395,6 +407,8 @@ class Router:
                                 self.config.cooldown)
                 up.cooldown_until = now + self.config.cooldown
                 up.failures += 1
+                if exc.reason in ("connect", "disconnect"):
+                    up.forget_prompts()  # an engine that refuses or drops connections may be a new process
                 deliveries += exc.reason != "connect"
                 step = next_step(exc.reason, deliveries=deliveries, attempts=len(tried), retries=self.config.retries)
                 if step == "spend" and not ticket.spend():
@@ -412,13 +426,15 @@ class Router:
         up.inflight += 1
         self._last_used[rid] = self._wall()
         status: int | None = None
+        # llama.cpp says in every answer how much of the prompt it took from its cache.
+        tap = self._llama_tap(served) if up.endpoint.engine == "llama.cpp" and path != EMBEDDINGS else None
         try:
             if stream:
                 clock, metrics = self._clock, self.metrics
                 resp, status = await forward_stream(pool, up.origin, up.heads[path], data, served, request,
-                                                    lambda: metrics.first_token(label, clock() - t0))
+                                                    lambda: metrics.first_token(label, clock() - t0), tap)
                 return resp
-            resp = await forward_whole(pool, up.origin, up.heads[path], data, served)
+            resp = await forward_whole(pool, up.origin, up.heads[path], data, served, tap)
             status = resp.status
             return resp
         except BaseException as exc:
@@ -430,6 +446,42 @@ class Router:
             self._last_used[rid] = self._wall()
             if status is not None:
                 self.metrics.request(label, status, rid, self._clock() - t0)
+
+    # --- prefix affinity (llmgw.router.prefix) -------------------------------------------
+    def _prompt_key(self, body: dict, path: str, chain: tuple[RouteModel, ...]) -> PromptKey | None:
+        """The request's prompt key when any model it may go to is routed by prefix."""
+        if path == EMBEDDINGS or not any(m.routing == "prefix" for m in chain):
+            return None
+        return prompt_key(body, path == CHAT, self.config.prefix_block_chars)
+
+    def _note_prompt(self, model: str, up: Upstream, prompt: PromptKey) -> None:
+        if up.prefixes is None:
+            up.prefixes = PrefixIndex(self.config.prefix_index_blocks)
+        held = up.prefixes.record(prompt.hashes)
+        counts = self._counts(model)
+        counts[0] += len(prompt.hashes)
+        counts[1] += held
+
+    def _llama_tap(self, model: str) -> Callable[[bytes], None]:
+        def tap(tail: bytes) -> None:
+            seen = llama_prompt_cache(tail)
+            if seen is not None:
+                counts = self._counts(model)
+                counts[2] += seen[0]
+                counts[3] += seen[1]
+        return tap
+
+    def _engine_counts(self, up: Upstream, queries: float, hits: float) -> None:
+        """From the load poller: an engine's prefix-cache counters moved (vLLM)."""
+        counts = self._counts(up.model)
+        counts[2] += round(queries)
+        counts[3] += round(min(hits, queries))
+
+    def _counts(self, model: str) -> list[int]:
+        counts = self._cache_counts.get(model)
+        if counts is None:
+            counts = self._cache_counts[model] = [0, 0, 0, 0]
+        return counts
 
     def _refuse(self, resp: web.Response, label: str, t0: float) -> web.Response:
         self.metrics.request(label, resp.status, "", self._clock() - t0)
@@ -484,7 +536,7 @@ class Router:
 
     # --- metrics -------------------------------------------------------------------------
     def _gauges(self) -> GaugeSnapshot:
-        return gauges(self.table, self._demand.held, self._clock())
+        return gauges(self.table, self._demand.held, self._clock(), self.prompt_cache())
 
 
 def _model_entry(name: str, model: RouteModel, ready: bool) -> dict[str, object]:

@@ -28,3 +28,11 @@ class RouterConfig:
     retry_after: int = 5                # seconds, in Retry-After when waiting helps
     wake_linger: float = 15.0
     drain_timeout: float = 10.0         # on close, seconds in-flight requests get to finish
+    # Models with `routing: prefix` (llmgw.router.prefix). Requests in flight (per unit of weight)
+    # by which a replica holding the prompt's start may exceed the least loaded one and still get
+    # it: above, load wins. 4 is a few prefills of queueing, far less than recomputing a long prefix.
+    prefix_imbalance: int = 4
+    prefix_block_chars: int = 64        # characters per hashed block of a prompt
+    # Blocks remembered per replica (LRU): 16,384 × 64 characters is ~1 MiB of text, ~250k tokens,
+    # more than a small GPU's KV cache holds; ~1.5 MB of router memory per replica.
+    prefix_index_blocks: int = 16384

@@ -19,30 +19,48 @@ from collections.abc import Callable
 
 import aiohttp
 
-from llmgw.engines.health import LOAD_METRICS, read_load
+from llmgw.engines.health import LOAD_METRICS, Load, read_load
 from llmgw.router.table import EndpointTable, Upstream
+
+# Called with a replica and the prompt tokens its engine looked up in, and found in, its prefix
+# cache since the last reading (engines that count them: vLLM).
+PrefixCounts = Callable[[Upstream, float, float], None]
 
 log = logging.getLogger(__name__)
 
 
-async def read_queue(session: aiohttp.ClientSession, up: Upstream) -> tuple[int, int] | None:
-    """(running, waiting) on one replica's engine, through the same reader the probes use."""
+async def read_engine(session: aiohttp.ClientSession, up: Upstream) -> Load | None:
+    """One replica's engine :class:`Load`, through the same reader the probes use."""
     if up.endpoint.engine not in LOAD_METRICS:
         return None
-    load = await read_load(session, up.url, up.endpoint.engine)
+    return await read_load(session, up.url, up.endpoint.engine)
+
+
+async def read_queue(session: aiohttp.ClientSession, up: Upstream) -> tuple[int, int] | None:
+    """(running, waiting) on one replica's engine."""
+    load = await read_engine(session, up)
     return None if load is None else (load.running, load.waiting)
 
 
-async def poll_loads(table: Callable[[], EndpointTable], session: aiohttp.ClientSession, interval: float) -> None:
+async def poll_loads(table: Callable[[], EndpointTable], session: aiohttp.ClientSession, interval: float,
+                     prefix_counts: PrefixCounts | None = None) -> None:
     """Refresh every replica's outside load forever (cancel to stop)."""
     while True:
         ups = list(table().upstreams.values())
         if ups:
             before = [u.inflight for u in ups]
-            results = await asyncio.gather(*(read_queue(session, u) for u in ups))
-            for u, mine, queue in zip(ups, before, results, strict=True):
-                if queue is not None:
-                    # The engine's count includes this router's requests of the moment it was
-                    # read; taking the larger of before/after never invents outside load.
-                    u.external = max(0, queue[0] + queue[1] - max(mine, u.inflight))
+            results = await asyncio.gather(*(read_engine(session, u) for u in ups))
+            for u, mine, load in zip(ups, before, results, strict=True):
+                if load is None:
+                    continue
+                # The engine's count includes this router's requests of the moment it was
+                # read; taking the larger of before/after never invents outside load.
+                u.external = max(0, load.running + load.waiting - max(mine, u.inflight))
+                if load.prefix_queries is not None and load.prefix_hits is not None:
+                    totals = (load.prefix_queries, load.prefix_hits)
+                    last, u.prefix_totals = u.prefix_totals, totals
+                    # The first reading is the engine's history before this router; a drop is a
+                    # restarted engine counting from zero again.
+                    if prefix_counts is not None and last is not None and totals[0] >= last[0]:
+                        prefix_counts(u, totals[0] - last[0], max(0.0, totals[1] - last[1]))
         await asyncio.sleep(interval)

@@ -16,13 +16,14 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 if TYPE_CHECKING:
+    from llmgw.contract import PromptCache
     from llmgw.router.table import EndpointTable
 
 UNKNOWN = "unknown"
@@ -101,9 +102,10 @@ class RouterMetrics:
 class GaugeSnapshot:
     """What the collector reports at scrape time; filled by the router."""
 
-    __slots__ = ("inflight", "held", "ready", "cooling", "table_version")
+    __slots__ = ("inflight", "held", "ready", "cooling", "table_version", "prompt_cache")
 
     def __init__(self) -> None:
+        self.prompt_cache: Mapping[str, PromptCache] = {}
         self.inflight: dict[tuple[str, str], int] = {}  # (model, replica) → requests
         self.held: dict[str, int] = {}
         self.ready: dict[str, int] = {}
@@ -111,9 +113,11 @@ class GaugeSnapshot:
         self.table_version = 0
 
 
-def gauges(table: EndpointTable, held: Mapping[str, int], now: float) -> GaugeSnapshot:
-    """The gauges of ``table`` and the held requests, read at scrape time."""
+def gauges(table: EndpointTable, held: Mapping[str, int], now: float,
+           prompt_cache: Mapping[str, PromptCache]) -> GaugeSnapshot:
+    """The gauges of ``table``, the held requests and the prompt-cache counts, read at scrape time."""
     snap = GaugeSnapshot()
+    snap.prompt_cache = prompt_cache
     for model, groups in table.groups.items():
         ups = [u for g in groups for u in g]
         snap.ready[model] = len(ups)
@@ -153,3 +157,21 @@ class _GaugeCollector(Collector):
         yield cooling
         yield GaugeMetricFamily("llmgw_router_table_version", "Endpoint tables received since start.",
                                 value=snap.table_version)
+        for name, attr, doc in _PROMPT_CACHE_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=("model",))
+            for model, c in sorted(snap.prompt_cache.items()):
+                family.add_metric((model,), getattr(c, attr))
+            yield family
+
+
+_PROMPT_CACHE_COUNTERS = (
+    ("llmgw_router_prefix_blocks", "blocks",
+     "Models routed by prefix: blocks of the prompts routed (64 characters each by default)."),
+    ("llmgw_router_prefix_matched_blocks", "matched",
+     "Models routed by prefix: blocks the router's index expected the chosen replica to hold "
+     "(estimated hit ratio = matched / blocks)."),
+    ("llmgw_router_engine_prompt_tokens", "prompt_tokens",
+     "Prompt tokens engines reported processing (llama.cpp per answer, vLLM from its prefix-cache counters)."),
+    ("llmgw_router_engine_cached_prompt_tokens", "cached_tokens",
+     "Of those, the tokens engines reported reusing from their prompt cache (engine hit ratio = cached / prompt)."),
+)

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
+from llmgw.router.answer import TAIL_CHUNKS
 from llmgw.router.upstream import Conn, Origin, UpstreamFailed, UpstreamPool
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
@@ -153,18 +155,26 @@ def _headers(conn: Conn, served: str) -> dict[str, str]:
             MODEL_HEADER: served}
 
 
-async def forward_whole(pool: UpstreamPool, origin: Origin, head: bytes, data: bytes, served: str) -> web.Response:
+# Given the end of a successful answer (the whole body, or a stream's last chunks): see answer.py.
+Tap = Callable[[bytes], None]
+
+
+async def forward_whole(pool: UpstreamPool, origin: Origin, head: bytes, data: bytes, served: str,
+                        tap: Tap | None = None) -> web.Response:
     """A non-streamed request: the engine's whole answer, status and content type kept."""
     conn = await _open(pool, origin, head, data)
     try:
         body = await conn.read_all()
     finally:
         conn.release()  # back to the pool when read to the end, else dropped
+    if tap is not None and conn.status == 200:
+        tap(body)
     return web.Response(status=conn.status, body=body, headers=_headers(conn, served))
 
 
 async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: bytes, served: str,
-                         request: web.Request, on_first: Callable[[], None]) -> tuple[web.StreamResponse, int]:
+                         request: web.Request, on_first: Callable[[], None],
+                         tap: Tap | None = None) -> tuple[web.StreamResponse, int]:
     """A streamed request, passed through chunk by chunk. Returns the response and the status
     to record: the engine's, 502 when it failed mid-stream, 499 when the client went away."""
     conn = await _open(pool, origin, head, data)
@@ -183,8 +193,11 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
             await out.prepare(request)
             on_first()
             status = 200
+            tail: deque[bytes] | None = None if tap is None else deque(maxlen=TAIL_CHUNKS)
             while chunk:
                 await out.write(chunk)
+                if tail is not None:
+                    tail.append(chunk)
                 try:
                     chunk = await conn.read_chunk()
                 except UpstreamFailed as exc:
@@ -192,6 +205,9 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
                     status = 502
                     break
             await out.write_eof()
+            if tail is not None:
+                assert tap is not None
+                tap(b"".join(tail))
         except ConnectionResetError:
             return out, CLIENT_GONE  # the client left; release() below drops the upstream request
         return out, status

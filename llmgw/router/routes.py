@@ -1,4 +1,4 @@
-"""The part of the catalog the router needs to resolve a request: names, task, fallbacks, scaling bounds.
+"""The part of the catalog the router needs to resolve a request: names, task, fallbacks, scaling, routing.
 
 The router never holds a full :class:`~llmgw.catalog.Catalog`. In the controller's process and
 in a standalone router alike it works from this view, built from the catalog by
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+ROUTING_POLICIES = frozenset({"least-outstanding", "prefix"})
+
 
 @dataclass(frozen=True)
 class RouteModel:
@@ -22,6 +24,7 @@ class RouteModel:
     fallbacks: tuple[str, ...] = ()
     min_replicas: int = 1
     max_replicas: int = 1
+    routing: str = "least-outstanding"  # or "prefix": see llmgw.router.prefix
 
     @property
     def names(self) -> tuple[str, ...]:

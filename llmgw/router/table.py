@@ -22,6 +22,7 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 
 from llmgw.contract import Endpoint
+from llmgw.router.prefix import PrefixIndex, PromptKey, rendezvous
 from llmgw.router.routes import RouteModel
 from llmgw.router.upstream import Origin
 
@@ -34,7 +35,7 @@ class Upstream:
     """One ready replica and the router's live knowledge of it (mutable, owned by the event loop)."""
 
     __slots__ = ("endpoint", "replica_id", "model", "url", "origin", "heads", "weight", "inflight", "external",
-                 "cooldown_until", "failures")
+                 "cooldown_until", "failures", "prefixes", "prefix_totals")
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.replica_id = endpoint.replica_id
@@ -46,9 +47,14 @@ class Upstream:
         self.external = 0          # requests on the engine that are not this router's (from /metrics)
         self.cooldown_until = 0.0  # monotonic time; skipped until then when anything else is left
         self.failures = 0
+        self.prefixes: PrefixIndex | None = None  # prompts sent here, for models routed by prefix
+        self.prefix_totals: tuple[float, float] | None = None  # the engine's prefix-cache counters, last read
+        self.endpoint = endpoint
         self.update(endpoint)
 
     def update(self, endpoint: Endpoint) -> None:
+        if endpoint.ready_since != self.endpoint.ready_since:
+            self.forget_prompts()  # the engine was started again: its cache is empty
         self.endpoint = endpoint
         self.model = endpoint.model
         # A weight of 0 (or less) means "only when nothing else is free": it never wins a tie.
@@ -56,6 +62,10 @@ class Upstream:
 
     def load(self) -> float:
         return (self.inflight + self.external) / self.weight
+
+    def forget_prompts(self) -> None:
+        if self.prefixes is not None:
+            self.prefixes.clear()
 
     def __repr__(self) -> str:
         return f"Upstream({self.replica_id!r}, {self.url!r}, inflight={self.inflight})"
@@ -106,18 +116,23 @@ def build_table(endpoints: Sequence[Endpoint], previous: EndpointTable) -> Endpo
 
 
 def choose(table: EndpointTable, chain: Sequence[RouteModel], now: float, rng: random.Random,
-           tried: tuple[Upstream, ...] = ()) -> tuple[RouteModel, Upstream] | None:
+           tried: tuple[Upstream, ...] = (), prompt: PromptKey | None = None,
+           imbalance: float = 4.0) -> tuple[RouteModel, Upstream] | None:
     """Where to send a request for ``chain[0]``: the model (or the fallback) and the replica, or
     None when nothing in the chain has a replica left to try. Pure: the handler applies it.
 
     A healthy replica anywhere in the chain (the model, then its fallbacks in order) comes before
-    one that failed in the last few seconds.
+    one that failed in the last few seconds. A model routed by ``prefix`` is picked by
+    :func:`pick_prefix` when the request has a ``prompt`` key, else like any other.
     """
     for cooled in (False, True):
         for m in chain:
             groups = table.groups.get(m.name)
             if groups is not None:
-                up = pick(groups, now, rng, tried, cooled=cooled)
+                if prompt is not None and m.routing == "prefix":
+                    up = pick_prefix(groups, now, prompt, imbalance, tried, cooled=cooled)
+                else:
+                    up = pick(groups, now, rng, tried, cooled=cooled)
                 if up is not None:
                     return m, up
     return None
@@ -154,4 +169,46 @@ def pick(groups: Iterable[tuple[Upstream, ...]], now: float, rng: random.Random,
             if min(weights) == max(weights):
                 return rng.choice(best)
             return rng.choices(best, weights)[0]
+    return cooling if cooled else None
+
+
+def pick_prefix(groups: Iterable[tuple[Upstream, ...]], now: float, prompt: PromptKey, imbalance: float,
+                exclude: tuple[Upstream, ...] = (), *, cooled: bool = True) -> Upstream | None:
+    """The replica for a prompt: the one holding its longest start, among those whose load is
+    within ``imbalance`` of the least loaded; with no start held anywhere, the least loaded.
+
+    Within one priority group. The imbalance bound is what keeps one hot prefix from pinning one
+    replica: once its replica is that much busier than the idlest, load wins, and the other
+    replica learns the prefix too. Ties (equal match, equal load) and a prompt no replica has
+    seen go by rendezvous hashing of the prompt's anchor, so several routers place a new prompt
+    on the same replica without sharing their indexes. Cooling replicas as in :func:`pick`.
+    """
+    cooling: Upstream | None = None
+    for group in groups:
+        live: list[tuple[Upstream, float]] = []
+        for u in group:
+            if u in exclude:
+                continue
+            if u.cooldown_until > now:
+                if cooling is None or u.cooldown_until < cooling.cooldown_until:
+                    cooling = u
+                continue
+            live.append((u, u.load()))
+        if not live:
+            continue
+        least = min(load for _, load in live)
+        best: list[Upstream] = []
+        best_key = (0, 0.0)
+        for u, load in live:
+            held = u.prefixes.match(prompt.hashes) if u.prefixes is not None and load <= least + imbalance else 0
+            key = (held, -load)
+            if held and key > best_key:
+                best, best_key = [u], key
+            elif held and key == best_key:
+                best.append(u)
+        if not best:
+            best = [u for u, load in live if load == least]
+        if len(best) == 1:
+            return best[0]
+        return max(best, key=lambda u: rendezvous(prompt.anchor, u.replica_id, u.weight))
     return cooling if cooled else None

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmgw.contract import Demand, Endpoint
+from llmgw.contract import Demand, Endpoint, PromptCache
 from llmgw.control import Controller, ControllerConfig
 from llmgw.decide import ReplicaState
 from llmgw.reconciler import ReconcilerConfig
@@ -58,6 +58,9 @@ class Recorder:
 
     def demand(self) -> Mapping[str, Demand]:
         return dict(self.wanted)
+
+    def prompt_cache(self) -> Mapping[str, PromptCache]:
+        return {}
 
 
 @dataclass

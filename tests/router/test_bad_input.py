@@ -124,6 +124,8 @@ async def _readable(reader: asyncio.StreamReader) -> bool:
         async with asyncio.timeout(0.01):
             await reader.read(1)
         return True  # EOF (b"") or bytes: either way the router is done with this connection
+    except ConnectionError:
+        return True  # reset: the router closed while our last byte was on its way
     except TimeoutError:
         return False
 
