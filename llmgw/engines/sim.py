@@ -32,6 +32,7 @@ import struct
 import sys
 import time
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,9 @@ class SimConfig:
     # A file that gets the `user` field of each accepted generation request, one per line: how a
     # benchmark counts how many times one client request reached an engine (bench/soak_bench.py).
     request_log: str | None = None
+    # Blocks of 16 prompt words the simulated prefix cache keeps (LRU), counted as vLLM counts its
+    # own (vllm:prefix_cache_queries_total / _hits_total, in tokens); 0 turns it off.
+    prefix_cache_blocks: int = 4096
 
 
 class Rejected(Exception):
@@ -109,6 +113,9 @@ class Simulator:
         self.waiting = 0
         self.requests_total = 0
         self.cancelled_total = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self._prefix_cache: OrderedDict[int, None] = OrderedDict()
         self.interval = 1.0 / config.tokens_per_second if config.tokens_per_second > 0 else 0.0
         self._slots = asyncio.Semaphore(config.max_running) if config.max_running > 0 else None
         self._ids = itertools.count(1)
@@ -126,6 +133,26 @@ class Simulator:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
         return app
+
+    def _look_up_prefix(self, seed: str, prompt_tokens: int) -> None:
+        """Count the prompt against the simulated prefix cache, then keep its blocks."""
+        capacity = self.config.prefix_cache_blocks
+        if capacity <= 0:
+            return
+        cache = self._prefix_cache
+        blocks = _prefix_blocks(seed)
+        held = 0
+        for h in blocks:
+            if h not in cache:
+                break
+            held += 1
+        self.prefix_queries += prompt_tokens
+        self.prefix_hits += min(prompt_tokens, held * 16)
+        for h in reversed(blocks):
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > capacity:
+            cache.popitem(last=False)
 
     def mark_ready(self) -> None:
         self.ready = True
@@ -156,6 +183,12 @@ class Simulator:
             "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
             f"vllm:kv_cache_usage_perc{label} {kv}\n"
+            "# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of queried tokens.\n"
+            "# TYPE vllm:prefix_cache_queries counter\n"
+            f"vllm:prefix_cache_queries_total{label} {float(self.prefix_queries)}\n"
+            "# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached tokens.\n"
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            f"vllm:prefix_cache_hits_total{label} {float(self.prefix_hits)}\n"
             "# HELP llmgw_sim_requests_total Requests accepted by the simulator.\n"
             "# TYPE llmgw_sim_requests_total counter\n"
             f"llmgw_sim_requests_total{label} {float(self.requests_total)}\n"
@@ -228,6 +261,7 @@ class Simulator:
         finish = "length" if requested is not None else "stop"
         words = prompt_words(seed, count)
         self.requests_total += 1
+        self._look_up_prefix(seed, prompt_tokens)
         if self._log is not None:
             self._log.write(f"{str(body.get('user', '')).replace(chr(10), ' ')}\n")
         resp: web.StreamResponse | None = None
@@ -323,6 +357,15 @@ class Simulator:
         await resp.write_eof()
 
 
+def _prefix_blocks(seed: str) -> list[int]:
+    words = seed.split()
+    out, h = [], 0
+    for i in range(0, len(words) - len(words) % 16, 16):
+        h = hash((h, tuple(words[i:i + 16])))
+        out.append(h)
+    return out
+
+
 def _text_of(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
@@ -372,6 +415,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str, int]:
     p.add_argument("--max-running", type=int, default=0, help="concurrent generations; beyond it requests wait")
     p.add_argument("--embedding-dim", type=int, default=64)
     p.add_argument("--request-log", default=None, help="append each generation request's `user` field here")
+    p.add_argument("--prefix-cache-blocks", type=int, default=4096,
+                   help="16-word blocks the simulated prefix cache keeps (0: none)")
     # Accepted so sharded profiles can be exercised without GPUs; every rank serves on its own.
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
@@ -381,7 +426,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str, int]:
     config = SimConfig(model=a.model, aliases=tuple(a.alias), task=task, startup_delay=a.startup_delay,
                        ttft=a.ttft, tokens_per_second=a.tokens_per_second,
                        max_tokens_default=a.max_tokens_default, max_running=a.max_running,
-                       embedding_dim=a.embedding_dim, request_log=a.request_log)
+                       embedding_dim=a.embedding_dim, request_log=a.request_log,
+                       prefix_cache_blocks=a.prefix_cache_blocks)
     return config, a.host, a.port
 
 

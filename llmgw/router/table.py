@@ -175,13 +175,14 @@ def pick(groups: Iterable[tuple[Upstream, ...]], now: float, rng: random.Random,
 def pick_prefix(groups: Iterable[tuple[Upstream, ...]], now: float, prompt: PromptKey, imbalance: float,
                 exclude: tuple[Upstream, ...] = (), *, cooled: bool = True) -> Upstream | None:
     """The replica for a prompt: the one holding its longest start, among those whose load is
-    within ``imbalance`` of the least loaded; with no start held anywhere, the least loaded.
+    within ``imbalance`` of the least loaded; with no start held anywhere, the least loaded (and
+    of those, the one whose index holds the fewest blocks, as SGLang's router picks the smallest tree).
 
     Within one priority group. The imbalance bound is what keeps one hot prefix from pinning one
     replica: once its replica is that much busier than the idlest, load wins, and the other
-    replica learns the prefix too. Ties (equal match, equal load) and a prompt no replica has
-    seen go by rendezvous hashing of the prompt's anchor, so several routers place a new prompt
-    on the same replica without sharing their indexes. Cooling replicas as in :func:`pick`.
+    replica learns the prefix too. Remaining ties go by rendezvous hashing of the prompt's anchor,
+    so routers whose indexes are alike (fresh ones, or ones seeing the same traffic) place a new
+    prompt on the same replica without sharing anything. Cooling replicas as in :func:`pick`.
     """
     cooling: Upstream | None = None
     for group in groups:
@@ -207,8 +208,16 @@ def pick_prefix(groups: Iterable[tuple[Upstream, ...]], now: float, prompt: Prom
             elif held and key == best_key:
                 best.append(u)
         if not best:
-            best = [u for u, load in live if load == least]
+            # Nothing held anywhere: the least loaded, and of those the one remembering least,
+            # so new prompts spread over the caches instead of crowding one that looks as idle.
+            idle = [u for u, load in live if load == least]
+            fewest = min(_remembered(u) for u in idle)
+            best = [u for u in idle if _remembered(u) == fewest]
         if len(best) == 1:
             return best[0]
         return max(best, key=lambda u: rendezvous(prompt.anchor, u.replica_id, u.weight))
     return cooling if cooled else None
+
+
+def _remembered(u: Upstream) -> int:
+    return 0 if u.prefixes is None else len(u.prefixes)
