@@ -9,6 +9,11 @@ In one run, against one simulated engine with zero artificial latency and one lo
     bare      wrk → a bare aiohttp pass-through (one shared ClientSession, nothing else) → engine
     litellm   wrk → LiteLLM's proxy (in its own venv, never a dependency of llmgw) → engine
 
+and llmgw twice more, with a chat request carrying a 1.5 KB system prompt (23 blocks of the
+prefix index) to two replicas of that engine: ``llmgw-long`` least-outstanding, ``llmgw-prefix``
+with ``routing: prefix`` (rendering, hashing, the index lookup and update on every request).
+The prefix policy must meet the same goal: the index must not cost the hot path its speed.
+
 The system under test runs pinned to core 0; the engine, wrk and this script share core 1, so
 requests/s is "what one core of proxy does". Figures: added latency p50/p99 over direct at one
 connection and at 32, requests/s at 32, and streamed time to first byte (this script's own
@@ -47,6 +52,9 @@ SUT_CORE, LOAD_CORE = "0", "1"
 MODEL = "sim"
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say something about routers."}],
                    "max_tokens": 16})
+LONG_BODY = json.dumps({"model": MODEL, "max_tokens": 16, "messages": [
+    {"role": "system", "content": "You are the support assistant of a bench. " * 36},
+    {"role": "user", "content": "Say something about routers."}]})
 STREAM_BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say something."}],
                           "max_tokens": 16, "stream": True})
 LITELLM_VENV = Path(os.environ.get("LLMGW_LITELLM_VENV", "/tmp/llmgw-litellm-venv"))
@@ -93,16 +101,17 @@ def stop(proc: subprocess.Popen) -> None:
 
 # --- the systems under test served by this same file --------------------------------------------
 
-async def serve_llmgw(port: int, engine: str) -> None:
+async def serve_llmgw(port: int, engine: str, routing: str = "least-outstanding", replicas: int = 1) -> None:
     from llmgw.catalog.model import Catalog, Model, Profile
     from llmgw.contract import Endpoint
     from llmgw.router import Router
 
     profile = Profile(name="sim", priority=0, engine="sim", gpus=0)
     router = Router()
-    router.set_catalog(Catalog(models=(Model(name=MODEL, source="/bench", size_gb=1, profiles=(profile,)),)))
-    router.set_endpoints([Endpoint(replica_id="sim-g1", model=MODEL, names=(MODEL,), url=engine, engine="sim",
-                                   profile="sim", priority=0)])
+    router.set_catalog(Catalog(models=(Model(name=MODEL, source="/bench", size_gb=1, profiles=(profile,),
+                                             routing=routing),)))  # type: ignore[arg-type]
+    router.set_endpoints([Endpoint(replica_id=f"sim-g{i}", model=MODEL, names=(MODEL,), url=engine, engine="sim",
+                                   profile="sim", priority=0) for i in range(replicas)])
     await router.start()
     await router.listen("127.0.0.1", port)
     await asyncio.Event().wait()
@@ -266,10 +275,10 @@ async def ttfb(port: int, count: int) -> float:
     return statistics.median(times) * 1000
 
 
-def write_script(tmp: Path) -> Path:
-    script = tmp / "post.lua"
+def write_script(tmp: Path, body: str = BODY, name: str = "post") -> Path:
+    script = tmp / f"{name}.lua"
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                      f"wrk.body = {json.dumps(BODY)}\n")
+                      f"wrk.body = {json.dumps(body)}\n")
     return script
 
 
@@ -293,13 +302,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short runs (under a minute)")
     p.add_argument("--duration", type=float, default=None, help="seconds per wrk run (default 15, quick 2)")
     p.add_argument("--skip-litellm", action="store_true")
-    p.add_argument("--only", default=None, help="comma-separated subset of direct,nginx,llmgw,bare,litellm")
+    p.add_argument("--only", default=None, help="comma-separated subset of direct,nginx,llmgw,bare,litellm,"
+                                                 "llmgw-long,llmgw-prefix")
     p.add_argument("--serve", choices=("llmgw", "bare"), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--engine", help=argparse.SUPPRESS)
+    p.add_argument("--routing", default="least-outstanding", help=argparse.SUPPRESS)
+    p.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.serve == "llmgw":
+        run_loop(serve_llmgw(a.port, a.engine, a.routing, a.replicas))
+        return 0
     if a.serve:
-        run_loop((serve_llmgw if a.serve == "llmgw" else serve_bare)(a.port, a.engine))
+        run_loop(serve_bare(a.port, a.engine))
         return 0
     for tool in ("wrk", "nginx", "taskset"):
         if shutil.which(tool) is None:
@@ -309,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     duration = a.duration or (2.0 if a.quick else 15.0)
     warmup = 1.0 if a.quick else 3.0
     ttfb_count = 100 if a.quick else 400
-    only = set(a.only.split(",")) if a.only else {"direct", "nginx", "llmgw", "bare", "litellm"}
+    only = (set(a.only.split(",")) if a.only else
+            {"direct", "nginx", "llmgw", "bare", "litellm", "llmgw-long", "llmgw-prefix"})
     os.sched_setaffinity(0, {int(LOAD_CORE)})
     procs: list[subprocess.Popen] = []
     results: dict[str, dict] = {}
@@ -317,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="llmgw-router-bench-") as tmpdir:
         tmp = Path(tmpdir)
         script = write_script(tmp)
+        long_script = write_script(tmp, LONG_BODY, "long")
         try:
             engine_port = free_port()
             engine = f"http://127.0.0.1:{engine_port}"
@@ -325,15 +342,17 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(sim)
             wait_port(engine_port, sim, 15)
             targets: list[tuple[str, int, subprocess.Popen | None]] = [("direct", engine_port, None)]
-            for name in ("nginx", "llmgw", "bare"):
+            for name in ("nginx", "llmgw", "bare", "llmgw-long", "llmgw-prefix"):
                 if name not in only:
                     continue
                 port = free_port()
                 if name == "nginx":
                     proc = start_nginx(tmp, port, engine_port)
                 else:
-                    proc = spawn([sys.executable, __file__, "--serve", name, "--port", str(port), "--engine", engine],
-                                 SUT_CORE, env={"PYTHONPATH": str(REPO)})
+                    extra = [] if not name.startswith("llmgw-") else [
+                        "--replicas", "2", "--routing", "prefix" if name == "llmgw-prefix" else "least-outstanding"]
+                    proc = spawn([sys.executable, __file__, "--serve", name.split("-")[0], "--port", str(port),
+                                  "--engine", engine, *extra], SUT_CORE, env={"PYTHONPATH": str(REPO)})
                 procs.append(proc)
                 wait_port(port, proc, 15)
                 targets.append((name, port, proc))
@@ -349,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "litellm":
                     # Its first requests are slow (lazy imports, client set-up): warm it up properly.
                     wrk(f"http://127.0.0.1:{port}/v1/chat/completions", script, 4, 3.0)
-                results[name] = measure(name, port, script, duration, warmup, ttfb_count)
+                results[name] = measure(name, port, long_script if name.startswith("llmgw-") else script, duration,
+                                        warmup, ttfb_count)
                 if proc is not None and name != "direct":
                     stop(proc)  # one system under test on core 0 at a time
         finally:
@@ -386,10 +406,21 @@ def report(results: dict[str, dict], litellm_note: str, quick: bool, elapsed: fl
                                                     <= out["litellm_added_p50_c1_ms"] / 10)
         checks["added ttfb < 1.5 ms"] = out["llmgw_added_ttfb_ms"] < 1.5
         checks["no errors"] = me["errors"] == 0
+    if "llmgw-prefix" in results:
+        pre = results["llmgw-prefix"]
+        checks["prefix policy: no errors"] = pre["errors"] == 0
+        if "llmgw-long" in results:
+            out["prefix_vs_least_outstanding_rps"] = round(pre["c32_rps"] / results["llmgw-long"]["c32_rps"], 3)
+        if "bare" in results:
+            out["prefix_vs_bare_rps"] = round(pre["c32_rps"] / results["bare"]["c32_rps"], 3)
+            checks["prefix policy: rps >= 0.7 x bare"] = out["prefix_vs_bare_rps"] >= 0.7
+        if "litellm" in results:
+            out["prefix_vs_litellm_rps"] = round(pre["c32_rps"] / results["litellm"]["c32_rps"], 1)
+            checks["prefix policy: rps >= 40 x litellm"] = out["prefix_vs_litellm_rps"] >= 40
     out["checks"] = checks
     out["elapsed_s"] = round(elapsed, 1)
-    out["goal"] = ("llmgw on one core: >= 40x LiteLLM's and >= 70% of a bare aiohttp pass-through's req/s at -c32; "
-                   "added p50 at -c1 <= 1/10 of LiteLLM's; added streamed TTFB < 1.5 ms")
+    out["goal"] = ("llmgw on one core: >= 40x LiteLLM's and >= 70% of a bare aiohttp pass-through's req/s at -c32, "
+                   "with either routing policy; added p50 at -c1 <= 1/10 of LiteLLM's; added streamed TTFB < 1.5 ms")
     out["met"] = bool(checks) and all(checks.values()) and "litellm" in results
     print(json.dumps(out))
     return 0

@@ -41,7 +41,11 @@ class Upstream:
         self.replica_id = endpoint.replica_id
         self.url = endpoint.url.rstrip("/")
         # Parsed once, with each path's request head prebuilt: nothing is formatted per request.
-        self.origin = Origin(self.url)
+        # llama-server (cpp-httplib) closes idle keep-alive connections while its HTTP threads are
+        # busy (seen here: 5 of 6 dropped during one long prefill). A request sent on one is lost
+        # in that race and may not be resent (it may have arrived), so it gets a new connection
+        # each time: ~0.1 ms on a LAN against prefills of 10 ms and more.
+        self.origin = Origin(self.url, reuse=endpoint.engine != "llama.cpp")
         self.heads = {p: self.origin.head(p) for p in API_PATHS}
         self.inflight = 0          # this router's requests on it right now
         self.external = 0          # requests on the engine that are not this router's (from /metrics)

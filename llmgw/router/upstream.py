@@ -136,9 +136,9 @@ class UpstreamFailed(LlmgwError):
 class Origin:
     """One engine address: its idle connections and the request head prefix per path."""
 
-    __slots__ = ("host", "port", "ssl", "prefix", "label", "idle", "retired")
+    __slots__ = ("host", "port", "ssl", "prefix", "label", "idle", "retired", "reuse")
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, reuse: bool = True) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
@@ -149,6 +149,7 @@ class Origin:
         self.label = f"{parts.scheme}://{parts.netloc}"
         self.idle: list[Conn] = []
         self.retired = False  # its replica left the table: connections are closed, not kept
+        self.reuse = reuse  # False: a connection per request (an engine that drops idle ones under load)
 
     def head(self, path: str) -> bytes:
         """The request head up to the Content-Length value, built once per path."""
@@ -545,7 +546,7 @@ class UpstreamPool:
 
     def put(self, conn: Conn) -> None:
         idle = conn.origin.idle
-        if len(idle) >= self.max_idle or conn.origin.retired:
+        if len(idle) >= self.max_idle or conn.origin.retired or not conn.origin.reuse:
             conn.abort()
             return
         conn.idle_since = self.loop.time()
