@@ -83,7 +83,7 @@ def render_chat(body: Mapping[str, Any]) -> str:
     if tools:
         try:
             parts.append(json.dumps(tools, sort_keys=True, separators=(",", ":")))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):
             pass
     for m in messages:
         if type(m) is not dict:
@@ -99,7 +99,7 @@ def render_chat(body: Mapping[str, Any]) -> str:
         if calls:
             try:
                 parts.append(json.dumps(calls, sort_keys=True, separators=(",", ":")))
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, RecursionError):
                 pass
     return _SEP.join(parts)
 
