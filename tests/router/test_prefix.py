@@ -336,3 +336,15 @@ async def test_least_outstanding_scatters_the_same_tenants(two_sims) -> None:  #
     split = sum(1 for n in range(6) if f"tenant-{n}" in on_a and f"tenant-{n}" in on_b)
     assert split >= 3, (on_a, on_b)
     assert router.prompt_cache().get("m", PromptCache()).blocks == 0  # no index kept for this policy
+
+
+def test_a_routing_change_is_one_field_in_the_diff_and_restarts_nothing() -> None:
+    from llmgw.decide.replica import fingerprint
+    from llmgw.plan.changes import catalog_changes
+
+    before = Catalog(models=(model("m"),))
+    after = Catalog(models=(replace(model("m"), routing="prefix"),))
+    [change] = catalog_changes(before, after)
+    assert [f.text() for f in change.fields] == ["routing: least-outstanding → prefix"]
+    m0, m1 = before.models[0], after.models[0]
+    assert fingerprint(m0, m0.profiles[0]) == fingerprint(m1, m1.profiles[0])  # the engines keep running
