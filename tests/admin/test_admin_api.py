@@ -104,6 +104,9 @@ def test_dashboard_in_headless_chromium(running: Running, tmp_path: Path) -> Non
     assert c.follower.status.applied_sha in dom
     assert 'data-node="n1"' in dom and 'data-node="n2"' in dom
     assert 'data-model="chat"' in dom
+    # Each model's routing policy and prompt-cache hits (none counted yet: shown as a dash).
+    assert "prompt cache hits" in dom and '<td class="routing">least-outstanding</td>' in dom
+    assert '<td class="prompt-cache">— / —</td>' in dom
     status, body, _ = http("GET", running.url + "/", token=None)
     assert status == 401
 
