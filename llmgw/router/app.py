@@ -42,11 +42,12 @@ from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.load import poll_loads
 from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
 from llmgw.router.prefix import PrefixIndex, PromptKey, prompt_key
-from llmgw.router.proxy import CLIENT_GONE, BadBody, forward_stream, forward_whole, parse_body, rewrite_model
+from llmgw.router.proxy import CLIENT_GONE, BadBody, Tap, forward_stream, forward_whole, parse_body, rewrite_model
 from llmgw.router.retry import RetryBudget, RetryTicket, next_step
 from llmgw.router.routes import RouteCatalog, RouteModel
 from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, choose
 from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
+from llmgw.router.usage import Usage, ask_for_usage, reported_usage, wants_usage
 from llmgw.serving import connection_cap, listen
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class Router:
         self._last_used: dict[str, float] = {}
         # model -> [prompt blocks routed by prefix, of which held, engine prompt tokens, of which cached]
         self._cache_counts: dict[str, list[int]] = {}
+        self._usage: dict[tuple[str, str], Usage] = {}  # (key name, model served) -> use since start
         self._budget = RetryBudget()
         self._handlers: set[asyncio.Task[object]] = set()  # requests being routed, for the drain
         self._unrunnable: dict[str, str] = {}  # model -> why no node can run it (from placement)
@@ -152,6 +154,11 @@ class Router:
     def prompt_cache(self) -> dict[str, PromptCache]:
         """Usage source: per model, how prompts met cached prefixes since this router started."""
         return {m: PromptCache(*c) for m, c in self._cache_counts.items()}
+
+    def usage(self) -> dict[tuple[str, str], Usage]:
+        """Tokens and requests per (API key name, model served) since this router started; the key
+        is "" when the router is open (no keys configured)."""
+        return {k: Usage(**u.to_json()) for k, u in self._usage.items()}
 
     def inflight(self) -> int:
         return sum(u.inflight for u in self.table.upstreams.values())
@@ -352,26 +359,31 @@ class Router:
             return self._refuse(respond.bad_request(
                 f"The model `{asked}` is a {model.task} model: use {right}, not {path}.", "wrong_endpoint"),
                 model.name, t0)
-        return await self._route(request, path, raw, body, asked, model, stream and path != EMBEDDINGS, t0)
+        return await self._route(request, path, raw, body, asked, model, stream and path != EMBEDDINGS, t0,
+                                 key.name if key is not None else "")
 
     async def _route(self, request: web.Request, path: str, raw: bytes, body: dict, asked: str,
-                     model: RouteModel, stream: bool, t0: float) -> web.StreamResponse:
+                     model: RouteModel, stream: bool, t0: float, key: str) -> web.StreamResponse:
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
         try:
             with self._budget.ticket() as ticket:
-                return await self._route_attempts(request, path, raw, body, asked, model, stream, t0, ticket)
+                return await self._route_attempts(request, path, raw, body, asked, model, stream, t0, ticket, key)
         finally:
             self._handlers.discard(task)
 
     async def _route_attempts(self, request: web.Request, path: str, raw: bytes, body: dict, asked: str,
-                              model: RouteModel, stream: bool, t0: float, ticket: RetryTicket) -> web.StreamResponse:
+                              model: RouteModel, stream: bool, t0: float, ticket: RetryTicket,
+                              key: str) -> web.StreamResponse:
         chain = self._chains.get(model.name, (model,))
         tried: tuple[Upstream, ...] = ()
         failure: UpstreamFailed | None = None
         deliveries = 0  # attempts that reached an engine (DESIGN §6: at most two, each engine once)
         prompt = self._prompt_key(body, path, chain)
+        # Usage is counted from the engine's own report: a stream is asked for its usage event,
+        # which is taken out again when the client did not want it (llmgw.router.usage).
+        strip_usage = stream and not wants_usage(body)
         while True:
             table = self.table
             choice = choose(table, chain, self._clock(), self._rng, tried, prompt, self.config.prefix_imbalance)
@@ -390,14 +402,17 @@ class Router:
             if prompt is not None and target.routing == "prefix":
                 self._note_prompt(target.name, up, prompt)
             data = raw if target.name == asked else rewrite_model(raw, body, asked, target.name)
+            if strip_usage:
+                data = ask_for_usage(data, body if target.name == asked else {**body, "model": target.name})
+            attempt = (request, up, path, data, target.name, stream, model.name, t0, key, strip_usage)
             try:
                 if target is model:
-                    return await self._send(request, up, path, data, target.name, stream, model.name, t0)
+                    return await self._send(*attempt)
                 self.metrics.fallback(model.name, target.name)
                 if table.has(model.name):  # its replicas failed: no wake-up needed
-                    return await self._send(request, up, path, data, target.name, stream, model.name, t0)
+                    return await self._send(*attempt)
                 with self._demand.standing_in(model.name):
-                    return await self._send(request, up, path, data, target.name, stream, model.name, t0)
+                    return await self._send(*attempt)
             except UpstreamFailed as exc:
                 failure = exc
                 tried += (up,)
@@ -419,20 +434,20 @@ class Router:
                 self.metrics.retry(model.name, exc.reason)
 
     async def _send(self, request: web.Request, up: Upstream, path: str, data: bytes, served: str, stream: bool,
-                    label: str, t0: float) -> web.StreamResponse:
+                    label: str, t0: float, key: str = "", strip_usage: bool = False) -> web.StreamResponse:
         pool = self._pool
         assert pool is not None, "Router.start() was not awaited"
         rid = up.replica_id
         up.inflight += 1
         self._last_used[rid] = self._wall()
         status: int | None = None
-        # llama.cpp says in every answer how much of the prompt it took from its cache.
-        tap = self._llama_tap(served) if up.endpoint.engine == "llama.cpp" and path != EMBEDDINGS else None
+        tap = self._answer_tap(served, key, up.endpoint.engine == "llama.cpp")
         try:
             if stream:
                 clock, metrics = self._clock, self.metrics
                 resp, status = await forward_stream(pool, up.origin, up.heads[path], data, served, request,
-                                                    lambda: metrics.first_token(label, clock() - t0), tap)
+                                                    lambda: metrics.first_token(label, clock() - t0), tap,
+                                                    strip_usage)
                 return resp
             resp = await forward_whole(pool, up.origin, up.heads[path], data, served, tap)
             status = resp.status
@@ -462,13 +477,29 @@ class Router:
         counts[0] += len(prompt.hashes)
         counts[1] += held
 
-    def _llama_tap(self, model: str) -> Callable[[bytes], None]:
-        def tap(tail: bytes) -> None:
-            seen = llama_prompt_cache(tail)
-            if seen is not None:
-                counts = self._counts(model)
-                counts[2] += seen[0]
-                counts[3] += seen[1]
+    def _answer_tap(self, model: str, key: str, llama: bool) -> Tap:
+        """What is counted from an answer's end: usage per key and model, and (llama.cpp, which
+        says in every answer how much of the prompt it took from its cache) prompt-cache hits."""
+        def tap(tail: bytes, events: int, complete: bool) -> None:
+            entry = self._usage.get((key, model))
+            if entry is None:
+                entry = self._usage[(key, model)] = Usage()
+            entry.requests += 1
+            reported = reported_usage(tail) if complete else None
+            if reported is not None:
+                entry.prompt_tokens += reported[0]
+                entry.completion_tokens += reported[1]
+            else:  # cut short, or an engine that reports nothing: what was produced (usage.py)
+                entry.completion_tokens += events
+                entry.counted_from_stream += 1
+            if not complete:
+                entry.errors += 1
+            if llama and complete:
+                seen = llama_prompt_cache(tail)
+                if seen is not None:
+                    counts = self._counts(model)
+                    counts[2] += seen[0]
+                    counts[3] += seen[1]
         return tap
 
     def _engine_counts(self, up: Upstream, queries: float, hits: float) -> None:
@@ -536,7 +567,7 @@ class Router:
 
     # --- metrics -------------------------------------------------------------------------
     def _gauges(self) -> GaugeSnapshot:
-        return gauges(self.table, self._demand.held, self._clock(), self.prompt_cache())
+        return gauges(self.table, self._demand.held, self._clock(), self.prompt_cache(), self._usage)
 
 
 def _model_entry(name: str, model: RouteModel, ready: bool) -> dict[str, object]:

@@ -25,6 +25,7 @@ TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 if TYPE_CHECKING:
     from llmgw.contract import PromptCache
     from llmgw.router.table import EndpointTable
+    from llmgw.router.usage import Usage
 
 UNKNOWN = "unknown"
 
@@ -102,10 +103,11 @@ class RouterMetrics:
 class GaugeSnapshot:
     """What the collector reports at scrape time; filled by the router."""
 
-    __slots__ = ("inflight", "held", "ready", "cooling", "table_version", "prompt_cache")
+    __slots__ = ("inflight", "held", "ready", "cooling", "table_version", "prompt_cache", "usage")
 
     def __init__(self) -> None:
         self.prompt_cache: Mapping[str, PromptCache] = {}
+        self.usage: Mapping[tuple[str, str], Usage] = {}
         self.inflight: dict[tuple[str, str], int] = {}  # (model, replica) → requests
         self.held: dict[str, int] = {}
         self.ready: dict[str, int] = {}
@@ -114,10 +116,11 @@ class GaugeSnapshot:
 
 
 def gauges(table: EndpointTable, held: Mapping[str, int], now: float,
-           prompt_cache: Mapping[str, PromptCache]) -> GaugeSnapshot:
-    """The gauges of ``table``, the held requests and the prompt-cache counts, read at scrape time."""
+           prompt_cache: Mapping[str, PromptCache], usage: Mapping[tuple[str, str], Usage]) -> GaugeSnapshot:
+    """The gauges of ``table``, the held requests, prompt-cache and usage counts, read at scrape time."""
     snap = GaugeSnapshot()
     snap.prompt_cache = prompt_cache
+    snap.usage = dict(usage)
     for model, groups in table.groups.items():
         ups = [u for g in groups for u in g]
         snap.ready[model] = len(ups)
@@ -162,6 +165,19 @@ class _GaugeCollector(Collector):
             for model, c in sorted(snap.prompt_cache.items()):
                 family.add_metric((model,), getattr(c, attr))
             yield family
+        tokens = CounterMetricFamily("llmgw_router_usage_tokens", "Tokens per API key (empty: no keys configured), "
+                                     "model served and kind (prompt, completion), as the engines reported them.",
+                                     labels=("key", "model", "kind"))
+        requests = CounterMetricFamily("llmgw_router_usage_requests", "Answers per API key and model served, by "
+                                       "how their tokens were counted (reported by the engine, or from the stream).",
+                                       labels=("key", "model", "counted"))
+        for (key, model), u in sorted(snap.usage.items()):
+            tokens.add_metric((key, model, "prompt"), u.prompt_tokens)
+            tokens.add_metric((key, model, "completion"), u.completion_tokens)
+            requests.add_metric((key, model, "engine"), u.requests - u.counted_from_stream)
+            requests.add_metric((key, model, "stream"), u.counted_from_stream)
+        yield tokens
+        yield requests
 
 
 _PROMPT_CACHE_COUNTERS = (

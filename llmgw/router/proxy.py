@@ -28,6 +28,7 @@ from aiohttp import web
 
 from llmgw.router.answer import TAIL_CHUNKS
 from llmgw.router.upstream import Conn, Origin, UpstreamFailed, UpstreamPool
+from llmgw.router.usage import content_events, strip_usage_events
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 MODEL_HEADER = "x-llmgw-model"
@@ -155,8 +156,9 @@ def _headers(conn: Conn, served: str) -> dict[str, str]:
             MODEL_HEADER: served}
 
 
-# Given the end of a successful answer (the whole body, or a stream's last chunks): see answer.py.
-Tap = Callable[[bytes], None]
+# Given the end of an answer (the whole body, or a stream's last chunks), the stream's content
+# events, and whether the answer was complete (read to its end): see answer.py and usage.py.
+Tap = Callable[[bytes, int, bool], None]
 
 
 async def forward_whole(pool: UpstreamPool, origin: Origin, head: bytes, data: bytes, served: str,
@@ -167,22 +169,25 @@ async def forward_whole(pool: UpstreamPool, origin: Origin, head: bytes, data: b
         body = await conn.read_all()
     finally:
         conn.release()  # back to the pool when read to the end, else dropped
-    if tap is not None and conn.status == 200:
-        tap(body)
+    if tap is not None:
+        tap(body if conn.status == 200 else b"", 0, conn.status == 200)
     return web.Response(status=conn.status, body=body, headers=_headers(conn, served))
 
 
 async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: bytes, served: str,
                          request: web.Request, on_first: Callable[[], None],
-                         tap: Tap | None = None) -> tuple[web.StreamResponse, int]:
+                         tap: Tap | None = None, strip_usage: bool = False) -> tuple[web.StreamResponse, int]:
     """A streamed request, passed through chunk by chunk. Returns the response and the status
-    to record: the engine's, 502 when it failed mid-stream, 499 when the client went away."""
+    to record: the engine's, 502 when it failed mid-stream, 499 when the client went away.
+    ``strip_usage``: the usage event was asked for by the router, not the client: taken out."""
     conn = await _open(pool, origin, head, data)
     try:
         content_type = conn.headers.get(b"content-type", b"")
         if conn.status != 200 or not content_type.startswith(b"text/event-stream"):
             # An error (or an engine that ignored "stream"): answered whole.
             body = await conn.read_all()
+            if tap is not None:
+                tap(body if conn.status == 200 else b"", 0, conn.status == 200)
             return web.Response(status=conn.status, body=body, headers=_headers(conn, served)), conn.status
         chunk = await conn.read_chunk()  # a failure here is still before the client saw anything
         out = web.StreamResponse(headers={
@@ -194,20 +199,26 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
             on_first()
             status = 200
             tail: deque[bytes] | None = None if tap is None else deque(maxlen=TAIL_CHUNKS)
-            while chunk:
-                await out.write(chunk)
-                if tail is not None:
-                    tail.append(chunk)
-                try:
-                    chunk = await conn.read_chunk()
-                except UpstreamFailed as exc:
-                    await out.write(_sse_error(f"the engine failed mid-stream: {exc}"))
-                    status = 502
-                    break
-            await out.write_eof()
-            if tail is not None:
-                assert tap is not None
-                tap(b"".join(tail))
+            events = 0
+            complete = False
+            try:
+                while chunk:
+                    if tail is not None:
+                        tail.append(chunk)
+                        events += content_events(chunk)
+                    await out.write(strip_usage_events(chunk) if strip_usage else chunk)
+                    try:
+                        chunk = await conn.read_chunk()
+                    except UpstreamFailed as exc:
+                        await out.write(_sse_error(f"the engine failed mid-stream: {exc}"))
+                        status = 502
+                        break
+                else:
+                    complete = True
+                await out.write_eof()
+            finally:
+                if tap is not None:
+                    tap(b"".join(tail or ()), events, complete)
         except ConnectionResetError:
             return out, CLIENT_GONE  # the client left; release() below drops the upstream request
         return out, status

@@ -1,0 +1,118 @@
+"""Usage per key and model (issue 18, first part): counted from what the engine reports, with the
+real openai client through the router in front of real simulated engines; and the pure parts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmgw.catalog.model import Catalog
+from llmgw.engines.testing import SimProcess
+from llmgw.router import KeyRing, Router, RouterConfig, hash_key
+from llmgw.router.usage import ask_for_usage, content_events, reported_usage, strip_usage_events
+from tests.router.conftest import client, endpoint, serving
+from tests.router.fake_controller import model
+
+MESSAGES = [{"role": "system", "content": "You count words."}, {"role": "user", "content": "one two three four"}]
+
+
+def make(chat_sim: SimProcess, stream_sim: SimProcess | None = None, keys: KeyRing | None = None) -> Router:
+    router = Router(keys=keys, config=RouterConfig())
+    router.set_catalog(Catalog(models=(model("chat"), model("stream"))))
+    eps = [endpoint("chat", chat_sim.endpoint)]
+    if stream_sim is not None:
+        eps.append(endpoint("stream", stream_sim.endpoint))
+    router.set_endpoints(eps)
+    return router
+
+
+# --- the pure parts ----------------------------------------------------------------------------
+
+def test_the_usage_event_is_asked_for_and_taken_out_again() -> None:
+    body = {"model": "m", "stream": True, "messages": MESSAGES}
+    raw = json.dumps(body).encode()
+    asked = ask_for_usage(raw, body)
+    assert json.loads(asked) == {**body, "stream_options": {"include_usage": True}}
+    assert asked.endswith(raw[1:])  # the client's bytes kept as they were
+    other = {**body, "stream_options": {"continuous_usage_stats": False}}
+    assert json.loads(ask_for_usage(json.dumps(other).encode(), other))["stream_options"] == {
+        "continuous_usage_stats": False, "include_usage": True}
+    wanted = {**body, "stream_options": {"include_usage": True}}
+    assert ask_for_usage(json.dumps(wanted).encode(), wanted) == json.dumps(wanted).encode()
+    chunk = (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+             b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}\n\ndata: [DONE]\n\n')
+    assert strip_usage_events(chunk) == (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+                                         b"data: [DONE]\n\n")
+    assert reported_usage(chunk) == (5, 2)
+    spoken = b'data: {"choices":[{"delta":{"content":"the \\"usage\\": {\\"prompt_tokens\\": 99"}}]}\n\n'
+    assert strip_usage_events(spoken) == spoken and reported_usage(spoken) is None
+    assert content_events(b'{"delta":{"role":"assistant","content":""}}{"delta":{"content":"a"}}'
+                          b'{"choices":[{"text":"b"}]}') == 2
+
+
+# --- through the router ------------------------------------------------------------------------
+
+async def test_whole_and_streamed_answers_count_what_the_engine_reported(chat_sim: SimProcess) -> None:
+    router = make(chat_sim)
+    async with serving(router) as base, client(base) as c:
+        whole = await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=7)
+        # Streamed without asking for usage: every chunk the client sees has choices (the usage
+        # event the router asked for is not passed on), and the ledger still has the engine's counts.
+        chunks = [ch async for ch in await c.chat.completions.create(model="chat", messages=MESSAGES,
+                                                                     max_tokens=5, stream=True)]
+        assert chunks and all(ch.choices for ch in chunks) and all(ch.usage is None for ch in chunks)
+        # Asked for: passed on, and the same numbers counted.
+        asked = [ch async for ch in await c.chat.completions.create(
+            model="chat", messages=MESSAGES, max_tokens=4, stream=True, stream_options={"include_usage": True})]
+        assert asked[-1].usage is not None and asked[-1].choices == []
+        async with aiohttp.ClientSession() as http, http.get(base + "/metrics") as r:
+            metrics = await r.text()
+    assert whole.usage is not None
+    prompt = whole.usage.prompt_tokens
+    assert asked[-1].usage.prompt_tokens == prompt and asked[-1].usage.completion_tokens == 4
+    u = router.usage()[("", "chat")]
+    assert (u.requests, u.errors, u.counted_from_stream) == (3, 0, 0)
+    assert u.prompt_tokens == 3 * prompt
+    assert u.completion_tokens == whole.usage.completion_tokens + 5 + 4 == 16
+    samples = {(s.labels["model"], s.labels["kind"]): s.value for f in text_string_to_metric_families(metrics)
+               for s in f.samples if s.name == "llmgw_router_usage_tokens_total"}
+    assert samples[("chat", "prompt")] == 3 * prompt and samples[("chat", "completion")] == 16
+
+
+async def test_a_stream_the_client_leaves_counts_what_was_produced(chat_sim: SimProcess,
+                                                                   stream_sim: SimProcess) -> None:
+    router = make(chat_sim, stream_sim)
+    async with serving(router) as base, client(base) as c:
+        stream = await c.chat.completions.create(model="stream", messages=MESSAGES, max_tokens=200, stream=True)
+        got = 0
+        async for ch in stream:
+            if ch.choices and ch.choices[0].delta.content:
+                got += 1
+            if got == 3:
+                break
+        await stream.close()
+        for _ in range(50):
+            if ("", "stream") in router.usage():
+                break
+            await asyncio.sleep(0.05)
+    u = router.usage()[("", "stream")]
+    assert (u.requests, u.errors, u.counted_from_stream) == (1, 1, 1)
+    # Produced by the engine and read by the router before the client left: at least what the
+    # client saw, far fewer than the 200 asked for; the prompt is not known without the report.
+    assert 3 <= u.completion_tokens < 20 and u.prompt_tokens == 0
+
+
+async def test_usage_is_kept_per_key(chat_sim: SimProcess) -> None:
+    keys = KeyRing.from_entries([{"name": "team-a", "sha256": hash_key("sk-a"), "models": ["*"]},
+                                 {"name": "team-b", "sha256": hash_key("sk-b"), "models": ["*"]}])
+    router = make(chat_sim, keys=keys)
+    async with serving(router) as base, client(base, "sk-a") as a, client(base, "sk-b") as b:
+        await a.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=3)
+        await a.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=3)
+        await b.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=9)
+    usage = router.usage()
+    assert usage[("team-a", "chat")].requests == 2 and usage[("team-a", "chat")].completion_tokens == 6
+    assert usage[("team-b", "chat")].requests == 1 and usage[("team-b", "chat")].completion_tokens == 9
