@@ -11,7 +11,9 @@ from typing import Any
 
 from llmgw.catalog.durations import DurationError, parse_duration
 from llmgw.catalog.model import (
+    Budget,
     GpuSpec,
+    Limits,
     Model,
     ModelName,
     NodeId,
@@ -20,6 +22,7 @@ from llmgw.catalog.model import (
     PruneGuard,
     Scaling,
     Settings,
+    Tenant,
 )
 from llmgw.catalog.problems import Problem
 from llmgw.catalog.yamlpos import Document, Path
@@ -66,7 +69,25 @@ def build_settings(doc: Document | None, problems: list[Problem]) -> Settings:
             max_replica_share=float(guard.get("max_replica_share", 0.5)),
         ),
         env_allow=tuple(raw.get("env_allow") or ()),
+        tenants=tuple(build_tenant(t) for t in raw.get("tenants") or ()),
     )
+
+
+def build_limits(raw: dict[str, Any] | None) -> Limits:
+    raw = raw or {}
+    budget = raw.get("budget")
+    return Limits(
+        requests_per_minute=raw.get("requests_per_minute"),
+        tokens_per_minute=raw.get("tokens_per_minute"),
+        concurrent=raw.get("concurrent"),
+        budget=None if budget is None else Budget(tokens=budget["tokens"], per=budget["per"],
+                                                  reset=budget.get("reset", "00:00")),
+    )
+
+
+def build_tenant(raw: dict[str, Any]) -> Tenant:
+    return Tenant(name=raw["name"], keys=tuple(raw["keys"]), limits=build_limits(raw.get("limits")),
+                  models=tuple(sorted((m, build_limits(lim)) for m, lim in (raw.get("models") or {}).items())))
 
 
 def build_profile(raw: dict[str, Any], index: int) -> Profile:

@@ -20,7 +20,7 @@ from llmgw.catalog.build import build_model, build_node, build_settings
 from llmgw.catalog.model import Catalog, Model, Settings
 from llmgw.catalog.problems import Problem
 from llmgw.catalog.schema import check_schema
-from llmgw.catalog.semantic import ModelEntry, NodeEntry, check_catalog
+from llmgw.catalog.semantic import ModelEntry, NodeEntry, check_catalog, check_tenants
 from llmgw.catalog.yamlpos import Document, parse_yaml
 from llmgw.errors import CatalogError
 
@@ -264,6 +264,7 @@ def _validate_files(files: Mapping[str, RawFile], *, revision: str | None, worke
     problems += [Problem(n, 1, 1, f.refused) for n, f in files.items() if f.refused and n not in handled]
 
     problems += check_catalog(entries, node_entries, settings, other_model_names=unusable_names)
+    problems += check_tenants(settings_doc, settings, {e.model.name for e in entries} | unusable_names)
     problems = sorted(set(problems))
     if problems:
         return ValidationResult(None, tuple(problems), len(files))

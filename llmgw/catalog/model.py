@@ -137,11 +137,41 @@ class PruneGuard:
 
 
 @dataclass(frozen=True)
+class Budget:
+    tokens: int
+    per: Literal["day", "month"]
+    reset: str = "00:00"  # HH:MM UTC when a period starts (the schema checked the form)
+
+    @property
+    def reset_minute(self) -> int:
+        return int(self.reset[:2]) * 60 + int(self.reset[3:5])
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A tenant's limits (None: no limit of that kind)."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    concurrent: int | None = None
+    budget: Budget | None = None
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    keys: tuple[str, ...]
+    limits: Limits = field(default_factory=Limits)
+    models: tuple[tuple[str, Limits], ...] = ()  # per model name, on top of ``limits``
+
+
+@dataclass(frozen=True)
 class Settings:
     pools: tuple[str, ...] = ()
     default_scaling: Scaling = field(default_factory=Scaling)
     prune_guard: PruneGuard = field(default_factory=PruneGuard)
     env_allow: tuple[str, ...] = ()
+    tenants: tuple[Tenant, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -358,3 +358,30 @@ def check_catalog(
         *check_nodes(nodes),
         *check_fit(entries, nodes, settings),
     ]
+
+
+def check_tenants(doc: Document | None, settings: Settings, model_names: set[str]) -> list[Problem]:
+    """Tenant names unique, a key in one tenant only (else whose limits would apply?), and per-model
+    limits only for models in the catalog (a typo would silently limit nothing)."""
+    if doc is None:
+        return []
+    out = []
+    names: dict[str, int] = {}
+    owner: dict[str, str] = {}
+    for i, t in enumerate(settings.tenants):
+        if t.name in names:
+            line, _ = doc.at(("tenants", names[t.name], "name"))
+            out.append(doc.problem(("tenants", i, "name"),
+                                   f'tenant "{t.name}" is declared twice (first at line {line})'))
+        names.setdefault(t.name, i)
+        for j, key in enumerate(t.keys):
+            if key in owner and owner[key] != t.name:
+                out.append(doc.problem(("tenants", i, "keys", j),
+                                       f'key "{key}" already belongs to tenant "{owner[key]}": a key has one tenant'))
+            owner.setdefault(key, t.name)
+        for model, _ in t.models:
+            if model not in model_names:
+                out.append(doc.problem(("tenants", i, "models", model),
+                                       f'tenant "{t.name}" limits model "{model}", which is not a model name '
+                                       "in the catalog"))
+    return out

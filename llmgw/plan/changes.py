@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from llmgw.catalog import Catalog, Model, NodeSpec
+from llmgw.catalog import Catalog, Model, NodeSpec, Settings
 from llmgw.catalog.durations import format_duration
 
 
@@ -83,11 +83,23 @@ def catalog_changes(base: Catalog | None, head: Catalog) -> list[Change]:
     out += _entity_changes("node", {n.id: node_fields(n) for n in (base.nodes if base else ())},
                            {n.id: node_fields(n) for n in head.nodes})
     if base is not None and base.settings != head.settings:
-        before = asdict(base.settings)
-        after = asdict(head.settings)
-        flat_b = _flatten(before)
-        flat_a = _flatten(after)
-        out.append(Change("settings", "llmgw.yaml", "~", _diff(flat_b, flat_a)))
+        fields = _diff(settings_fields(base.settings), settings_fields(head.settings))
+        if fields:
+            out.append(Change("settings", "llmgw.yaml", "~", fields))
+    return out
+
+
+def settings_fields(s: Settings) -> dict[str, Any]:
+    """Settings as flat pairs; tenants keyed by name, each limit its own field
+    (``tenants.search.models.big.budget.tokens``), so a review sees which limit moved."""
+    d = asdict(s)
+    d.pop("tenants")
+    out = _flatten(d)
+    for t in s.tenants:
+        out[f"tenants.{t.name}.keys"] = list(t.keys)
+        out.update(_flatten(asdict(t.limits), f"tenants.{t.name}.limits."))
+        for model, limits in t.models:
+            out.update(_flatten(asdict(limits), f"tenants.{t.name}.models.{model}."))
     return out
 
 

@@ -24,6 +24,23 @@ class Case:
     words: tuple[str, ...]
 
 
+TENANTS = """\
+tenants:
+  - name: search
+    keys: [search-prod, search-batch]
+    limits:
+      requests_per_minute: 600
+      tokens_per_minute: 200000
+      concurrent: 16
+      budget:
+        per: day
+        tokens: 5000000
+        reset: "06:00"
+    models:
+      big: {requests_per_minute: 30}
+"""
+
+
 def sub(text: str, old: str, new: str) -> str:
     assert old in text, f"corpus edit {old!r} does not apply"
     return text.replace(old, new, 1)
@@ -86,6 +103,13 @@ CASES = [
          "models/big.yaml", 9, ("profiles[0].args[1]", "expected a string", "number 4")),
     Case("routing-enum", {"models/big.yaml": sub(BIG, "fallbacks: [small]\n", "fallbacks: [small]\nrouting: sticky\n")},
          "models/big.yaml", 5, ("routing", '"sticky" is not one of', "least-outstanding, prefix")),
+    Case("tenant-reset", {"llmgw.yaml": SETTINGS + TENANTS.replace('reset: "06:00"', 'reset: "6am"')},
+         "llmgw.yaml", 16, ("tenants[0].limits.budget.reset", "a time of day HH:MM")),
+    Case("tenant-period", {"llmgw.yaml": SETTINGS + TENANTS.replace("per: day", "per: week")},
+         "llmgw.yaml", 14, ('"week" is not one of', "day, month")),
+    Case("tenant-zero-rpm",
+         {"llmgw.yaml": SETTINGS + TENANTS.replace("requests_per_minute: 600", "requests_per_minute: 0")},
+         "llmgw.yaml", 10, ("requests_per_minute", ">= 1")),
     Case("prune-share", {"llmgw.yaml": sub(SETTINGS, "0.5", "1.5")},
          "llmgw.yaml", 5, ("prune_guard.max_model_share", "<= 1")),
     Case("node-port", {"nodes.yaml": sub(NODES, "address: 10.0.0.4", "address: 10.0.0.4\n    port: 70000")},
@@ -111,6 +135,12 @@ CASES = [
     Case("routing-prefix-embedding",
          {"models/big.yaml": sub(BIG, "fallbacks: [small]\n", "task: embedding\nrouting: prefix\n")},
          "models/big.yaml", 5, ('model "big" is an embedding model: routing "prefix"', "chat or completion")),
+    Case("tenant-key-twice", {"llmgw.yaml": SETTINGS + TENANTS + "  - name: other\n    keys: [search-prod]\n"},
+         "llmgw.yaml", 20, ('key "search-prod" already belongs to tenant "search"',)),
+    Case("tenant-twice", {"llmgw.yaml": SETTINGS + TENANTS + "  - name: search\n    keys: [x]\n"},
+         "llmgw.yaml", 19, ('tenant "search" is declared twice (first at line 7)',)),
+    Case("tenant-unknown-model", {"llmgw.yaml": SETTINGS + TENANTS.replace("      big:", "      bigg:")},
+         "llmgw.yaml", 18, ('tenant "search" limits model "bigg", which is not a model name in the catalog',)),
     Case("fallback-missing", {"models/big.yaml": sub(BIG, "[small]", "[qwen-7b]")},
          "models/big.yaml", 4, ('fallback "qwen-7b" is not in the catalog',)),
     Case("fallback-self", {"models/big.yaml": sub(BIG, "[small]", "[big]")},
