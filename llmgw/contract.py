@@ -126,9 +126,14 @@ class PromptCache:
     def from_json(cls, d: Mapping[str, Any]) -> PromptCache:
         """Off the wire; ValueError/TypeError when a count is not a non-negative whole number."""
         values = [d.get(f.name, 0) for f in fields(cls)]
-        if any(type(v) is not int or v < 0 for v in values):
-            raise ValueError(f"malformed prompt-cache counts: {dict(d)!r}")
-        return cls(*values)
+        # Bounded, and parts no larger than wholes: a buggy router must not break the sums and
+        # ratios the dashboard shows (a 400-digit count overflowed a float there).
+        if any(type(v) is not int or not 0 <= v < 2 ** 53 for v in values):
+            raise ValueError("malformed prompt-cache counts: each must be a whole number from 0 to 2**53")
+        c = cls(*values)
+        if c.matched > c.blocks or c.cached_tokens > c.prompt_tokens:
+            raise ValueError("malformed prompt-cache counts: more matched than routed, or cached than processed")
+        return c
 
 
 class EndpointSink(Protocol):

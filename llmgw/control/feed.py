@@ -30,6 +30,7 @@ from llmgw.router.changes import Changes
 log = logging.getLogger(__name__)
 
 
+MAX_REPORTED_MODELS = 10_000
 # One router's last report: when, last use per replica, demand and prompt-cache counts per model.
 Report = tuple[float, dict[str, float], dict[str, Demand], dict[str, PromptCache]]
 
@@ -170,6 +171,8 @@ class FeedHub:
             dem = {wire_str(m): Demand(held=int(d.get("held", 0)), inflight=int(d.get("inflight", 0)))
                    for m, d in (data.get("demand") or {}).items()}
             cache = {wire_str(m): PromptCache.from_json(c) for m, c in (data.get("prompt_cache") or {}).items()}
+            if len(cache) > MAX_REPORTED_MODELS:
+                raise ValueError(f"{len(cache)} models in one report (at most {MAX_REPORTED_MODELS})")
         except KeyError as exc:
             # The admin API's error shape ({"error": "..."}), not the OpenAI one: this is an admin route.
             return web.json_response({"error": f"malformed router report: {exc.args[0]} is missing"}, status=400)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -175,8 +176,8 @@ def parse_load(text: str, engine: Engine) -> Load | None:
     if running is None and waiting is None:
         return None
     kv = scan_samples(text, names.kv_cache_usage)
-    queries = scan_samples(text, names.prefix_queries)
-    hits = scan_samples(text, names.prefix_hits)
+    queries = _counter(scan_samples(text, names.prefix_queries))
+    hits = _counter(scan_samples(text, names.prefix_hits))
     return Load(
         running=round(sum(running or ())),
         waiting=round(sum(waiting or ())),
@@ -184,6 +185,14 @@ def parse_load(text: str, engine: Engine) -> Load | None:
         prefix_queries=sum(queries) if queries and hits else None,
         prefix_hits=sum(hits) if queries and hits else None,
     )
+
+
+def _counter(values: list[float] | None) -> list[float] | None:
+    """A counter's samples, or None when any is not a finite count (an engine's +Inf or NaN would
+    otherwise poison every sum taken from it)."""
+    if values is None or not all(math.isfinite(v) and v >= 0 for v in values):
+        return None
+    return values
 
 
 def scan_samples(text: str, candidates: tuple[str, ...]) -> list[float] | None:

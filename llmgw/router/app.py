@@ -85,6 +85,9 @@ class Router:
         self._last_used: dict[str, float] = {}
         # model -> [prompt blocks routed by prefix, of which held, engine prompt tokens, of which cached]
         self._cache_counts: dict[str, list[int]] = {}
+        # model -> [prompt tokens, cached] from engine-wide counters (vLLM's /metrics): every router
+        # reading one engine sees the same totals, so these stay out of the reports routers sum.
+        self._polled_counts: dict[str, list[int]] = {}
         self._usage: dict[tuple[str, str], Usage] = {}  # (key name, model served) -> use since start
         self._budget = RetryBudget()
         self._handlers: set[asyncio.Task[object]] = set()  # requests being routed, for the drain
@@ -151,9 +154,15 @@ class Router:
                 inflight[u.model] = inflight.get(u.model, 0) + u.inflight
         return self._demand.snapshot(inflight, table.has)
 
-    def prompt_cache(self) -> dict[str, PromptCache]:
-        """Usage source: per model, how prompts met cached prefixes since this router started."""
-        return {m: PromptCache(*c) for m, c in self._cache_counts.items()}
+    def prompt_cache(self, *, polled: bool = True) -> dict[str, PromptCache]:
+        """Usage source: per model, how prompts met cached prefixes since this router started.
+        ``polled=False`` leaves out what was read from engines' own counters (a standalone router's
+        report: the controller's router reads those engines too, and reports are summed)."""
+        out = {m: PromptCache(*c) for m, c in self._cache_counts.items()}
+        if polled:
+            for m, (prompt, cached) in self._polled_counts.items():
+                out[m] = out.get(m, PromptCache()) + PromptCache(prompt_tokens=prompt, cached_tokens=cached)
+        return out
 
     def usage(self) -> dict[tuple[str, str], Usage]:
         """Tokens and requests per (API key name, model served) since this router started; the key
@@ -384,6 +393,7 @@ class Router:
         # Usage is counted from the engine's own report: a stream is asked for its usage event,
         # which is taken out again when the client did not want it (llmgw.router.usage).
         strip_usage = stream and not wants_usage(body)
+        counted = False  # a retried request's blocks are counted once
         while True:
             table = self.table
             choice = choose(table, chain, self._clock(), self._rng, tried, prompt, self.config.prefix_imbalance)
@@ -400,7 +410,8 @@ class Router:
                 continue
             target, up = choice
             if prompt is not None and target.routing == "prefix":
-                self._note_prompt(target.name, up, prompt)
+                self._note_prompt(target.name, up, prompt, count=not counted)
+                counted = True
             data = raw if target.name == asked else rewrite_model(raw, body, asked, target.name)
             if strip_usage:
                 data = ask_for_usage(data, body if target.name == asked else {**body, "model": target.name})
@@ -469,10 +480,12 @@ class Router:
             return None
         return prompt_key(body, path == CHAT, self.config.prefix_block_chars)
 
-    def _note_prompt(self, model: str, up: Upstream, prompt: PromptKey) -> None:
+    def _note_prompt(self, model: str, up: Upstream, prompt: PromptKey, *, count: bool) -> None:
         if up.prefixes is None:
             up.prefixes = PrefixIndex(self.config.prefix_index_blocks)
         held = up.prefixes.record(prompt.hashes)
+        if not count:
+            return
         counts = self._counts(model)
         counts[0] += len(prompt.hashes)
         counts[1] += held
@@ -504,9 +517,9 @@ class Router:
 
     def _engine_counts(self, up: Upstream, queries: float, hits: float) -> None:
         """From the load poller: an engine's prefix-cache counters moved (vLLM)."""
-        counts = self._counts(up.model)
-        counts[2] += round(queries)
-        counts[3] += round(min(hits, queries))
+        counts = self._polled_counts.setdefault(up.model, [0, 0])
+        counts[0] += round(queries)
+        counts[1] += round(min(hits, queries))
 
     def _counts(self, model: str) -> list[int]:
         counts = self._cache_counts.get(model)

@@ -29,7 +29,7 @@ def catalog_from_view(view: Mapping[str, Any]) -> RouteCatalog:
 def _routing(v: Any) -> str:
     # An older controller sends none; a newer one may name a policy this router does not know,
     # which it serves as the default rather than refusing the whole catalog.
-    return v if v in ROUTING_POLICIES else "least-outstanding"
+    return v if isinstance(v, str) and v in ROUTING_POLICIES else "least-outstanding"
 
 
 def route_catalog(catalog: Catalog) -> RouteCatalog:

@@ -178,7 +178,7 @@ class FeedClient:
             "router_id": self.router_id,
             "last_used": self.router.last_used(),
             "demand": {m: {"held": d.held, "inflight": d.inflight} for m, d in self.router.demand().items()},
-            "prompt_cache": {m: c.to_json() for m, c in self.router.prompt_cache().items()},
+            "prompt_cache": {m: c.to_json() for m, c in self.router.prompt_cache(polled=False).items()},
         }
         async with self._session.post(self.controller + REPORT_PATH, json=payload, headers=self._headers,
                                       timeout=aiohttp.ClientTimeout(total=5.0)) as resp:

@@ -42,6 +42,23 @@ async def read_queue(session: aiohttp.ClientSession, up: Upstream) -> tuple[int,
     return None if load is None else (load.running, load.waiting)
 
 
+def apply_load(u: Upstream, mine: int, load: Load, prefix_counts: PrefixCounts | None) -> None:
+    """One replica's reading: its outside load, and how far its prefix-cache counters moved."""
+    # The engine's count includes this router's requests of the moment it was read; taking the
+    # larger of before/after never invents outside load.
+    u.external = max(0, load.running + load.waiting - max(mine, u.inflight))
+    if load.prefix_queries is None or load.prefix_hits is None:
+        return
+    totals = (load.prefix_queries, load.prefix_hits)
+    last, u.prefix_totals = u.prefix_totals, totals
+    if last is None:
+        return  # the first reading is the engine's history before this router
+    if totals[0] < last[0]:
+        u.forget_prompts()  # counting from zero again: a restarted engine, with an empty cache
+    elif prefix_counts is not None:
+        prefix_counts(u, totals[0] - last[0], max(0.0, totals[1] - last[1]))
+
+
 async def poll_loads(table: Callable[[], EndpointTable], session: aiohttp.ClientSession, interval: float,
                      prefix_counts: PrefixCounts | None = None) -> None:
     """Refresh every replica's outside load forever (cancel to stop)."""
@@ -53,14 +70,8 @@ async def poll_loads(table: Callable[[], EndpointTable], session: aiohttp.Client
             for u, mine, load in zip(ups, before, results, strict=True):
                 if load is None:
                     continue
-                # The engine's count includes this router's requests of the moment it was
-                # read; taking the larger of before/after never invents outside load.
-                u.external = max(0, load.running + load.waiting - max(mine, u.inflight))
-                if load.prefix_queries is not None and load.prefix_hits is not None:
-                    totals = (load.prefix_queries, load.prefix_hits)
-                    last, u.prefix_totals = u.prefix_totals, totals
-                    # The first reading is the engine's history before this router; a drop is a
-                    # restarted engine counting from zero again.
-                    if prefix_counts is not None and last is not None and totals[0] >= last[0]:
-                        prefix_counts(u, totals[0] - last[0], max(0.0, totals[1] - last[1]))
+                try:
+                    apply_load(u, mine, load, prefix_counts)
+                except Exception:  # one odd reading must not stop the readings of every replica
+                    log.exception("ignoring the load read from %s", u.url)
         await asyncio.sleep(interval)

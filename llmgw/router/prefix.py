@@ -52,7 +52,8 @@ def prompt_key(body: Mapping[str, Any], chat: bool, block_chars: int = BLOCK_CHA
                max_blocks: int = MAX_BLOCKS) -> PromptKey | None:
     """The key of a chat or completions request body, or None when it has less than one block
     of text (or a shape no engine would take: that is the engine's answer to give)."""
-    text = render_chat(body) if chat else render_prompt(body)
+    limit = block_chars * max_blocks
+    text = render_chat(body, limit) if chat else render_prompt(body)
     n = min(len(text) // block_chars, max_blocks)
     if n == 0:
         return None
@@ -71,21 +72,27 @@ def chain_hashes(text: str, n: int, block_chars: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def render_chat(body: Mapping[str, Any]) -> str:
+def render_chat(body: Mapping[str, Any], limit: int = BLOCK_CHARS * MAX_BLOCKS) -> str:
     """The chat request's text in the order an engine's chat template puts it: tools, then each
     message's role and content. An approximation of the template, not the template: two requests
-    render alike exactly when they would start alike on the engine, which is all that matters."""
+    render alike exactly when they would start alike on the engine, which is all that matters.
+    Stops once ``limit`` characters are rendered: only the start is ever hashed."""
     messages = body.get("messages")
     if type(messages) is not list:
         return ""
     parts: list[str] = []
+    size = 0
     tools = body.get("tools")
     if tools:
-        try:
-            parts.append(json.dumps(tools, sort_keys=True, separators=(",", ":")))
+        try:  # in the client's own key order: one client sends its tools the same way each time
+            parts.append(json.dumps(tools, separators=(",", ":")))
+            size += len(parts[-1])
         except (TypeError, ValueError, RecursionError):
             pass
     for m in messages:
+        if size >= limit:
+            break
+        first = len(parts)
         if type(m) is not dict:
             break  # the engine refuses it; what came before is still a prefix
         role = m.get("role")
@@ -94,13 +101,14 @@ def render_chat(body: Mapping[str, Any]) -> str:
         if type(content) is str:
             parts.append(content)
         elif type(content) is list:
-            parts.append(_SEP.join(_part_text(p) for p in content))
+            parts.append(_SEP.join(_part_text(p) for p in content[:MAX_BLOCKS * 4]))
         calls = m.get("tool_calls")
         if calls:
             try:
-                parts.append(json.dumps(calls, sort_keys=True, separators=(",", ":")))
+                parts.append(json.dumps(calls, separators=(",", ":")))
             except (TypeError, ValueError, RecursionError):
                 pass
+        size += sum(len(p) + 1 for p in parts[first:])
     return _SEP.join(parts)
 
 

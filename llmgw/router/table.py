@@ -59,6 +59,7 @@ class Upstream:
     def update(self, endpoint: Endpoint) -> None:
         if endpoint.ready_since != self.endpoint.ready_since:
             self.forget_prompts()  # the engine was started again: its cache is empty
+            self.prefix_totals = None
         self.endpoint = endpoint
         self.model = endpoint.model
         # A weight of 0 (or less) means "only when nothing else is free": it never wins a tie.
@@ -215,8 +216,10 @@ def pick_prefix(groups: Iterable[tuple[Upstream, ...]], now: float, prompt: Prom
             # Nothing held anywhere: the least loaded, and of those the one remembering least,
             # so new prompts spread over the caches instead of crowding one that looks as idle.
             idle = [u for u, load in live if load == least]
-            fewest = min(_remembered(u) for u in idle)
-            best = [u for u in idle if _remembered(u) == fewest]
+            weighted = [u for u in idle if u.endpoint.weight > 0]
+            idle = weighted or idle  # weight 0: only when nothing else is free, as in pick()
+            fewest = min(_remembered(u) / u.weight for u in idle)
+            best = [u for u in idle if _remembered(u) / u.weight == fewest]
         if len(best) == 1:
             return best[0]
         return max(best, key=lambda u: rendezvous(prompt.anchor, u.replica_id, u.weight))

@@ -348,3 +348,68 @@ def test_a_routing_change_is_one_field_in_the_diff_and_restarts_nothing() -> Non
     assert [f.text() for f in change.fields] == ["routing: least-outstanding → prefix"]
     m0, m1 = before.models[0], after.models[0]
     assert fingerprint(m0, m0.profiles[0]) == fingerprint(m1, m1.profiles[0])  # the engines keep running
+
+
+# --- found in review ---------------------------------------------------------------------------
+
+def test_an_odd_engine_counter_neither_stops_the_poller_nor_poisons_the_counts() -> None:
+    from llmgw.router.load import apply_load
+
+    for bad in ("+Inf", "NaN", "-5"):
+        text = ("vllm:num_requests_running 0\nvllm:num_requests_waiting 3\n"
+                f"vllm:prefix_cache_queries_total {bad}\nvllm:prefix_cache_hits_total 1\n")
+        load = parse_load(text, "vllm")
+        assert load is not None and load.waiting == 3 and load.prefix_queries is None
+    t = fleet(1)
+    up = t.upstreams["r0"]
+    up.prefixes = PrefixIndex(100)
+    up.prefixes.record(key(DOC).hashes)
+    seen = []
+    reading = parse_load("vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+                         "vllm:prefix_cache_queries_total 900\nvllm:prefix_cache_hits_total 800\n", "vllm")
+    assert reading is not None
+    apply_load(up, 0, reading, lambda u, q, h: seen.append((q, h)))
+    apply_load(up, 0, replace(reading, prefix_queries=1000.0, prefix_hits=850.0), lambda u, q, h: seen.append((q, h)))
+    assert seen == [(100.0, 50.0)]  # the first reading is history; then the change
+    # The counters went down: a restarted engine, whose cache is empty.
+    apply_load(up, 0, replace(reading, prefix_queries=10.0, prefix_hits=0.0), lambda u, q, h: seen.append((q, h)))
+    assert up.prefixes.match(key(DOC).hashes) == 0 and len(seen) == 1
+
+
+def test_a_weight_zero_standby_does_not_take_new_prompts() -> None:
+    t = build_table([endpoint("m", "http://a", "a"), endpoint("m", "http://s", "standby", weight=0.0)], EMPTY)
+    for n in range(30):
+        up, _ = send(t, key(f"Tenant {n} handbook. " * 40))
+        assert up.replica_id == "a"
+
+
+def test_a_routing_value_of_another_shape_is_served_as_the_default() -> None:
+    view = catalog_view(Catalog(models=(model("a"),)))
+    view["models"][0]["routing"] = {"policy": "prefix"}  # type: ignore[typeddict-item]
+    assert catalog_from_view(view).model("a").routing == "least-outstanding"
+
+
+def test_report_counts_are_bounded_and_consistent() -> None:
+    with pytest.raises(ValueError):
+        PromptCache.from_json({"blocks": 1, "matched": 10 ** 400})
+    with pytest.raises(ValueError):
+        PromptCache.from_json({"blocks": 1, "matched": 2})
+    with pytest.raises(ValueError):
+        PromptCache.from_json({"prompt_tokens": 1, "cached_tokens": 5})
+    assert PromptCache.from_json({"blocks": 4, "matched": 3}).estimated_hit_ratio == 0.75
+
+
+def test_rendering_stops_after_what_is_hashed() -> None:
+    huge = {"messages": [{"role": "user", "content": "x" * 1000} for _ in range(20_000)]}  # 20 MB of prompt
+    k = prompt_key(huge, chat=True)
+    assert k is not None and len(k.hashes) == 512
+    assert len(render_chat(huge)) < 64 * 512 + 2000  # the other 19.97 MB are never joined
+
+
+def test_engine_wide_counters_stay_out_of_the_reports_routers_sum() -> None:
+    router = Router()
+    router.set_endpoints([endpoint("m", "http://a", "a")])
+    up = router.table.upstreams["a"]
+    router._engine_counts(up, 1000.0, 700.0)  # what the load poller adds for a vLLM engine
+    assert router.prompt_cache()["m"] == PromptCache(0, 0, 1000, 700)  # this router's own view
+    assert "m" not in router.prompt_cache(polled=False)  # its report: the controller reads the engine too
