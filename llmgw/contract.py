@@ -180,9 +180,10 @@ class ModelView(TypedDict):
     routing: str
 
 
-class CatalogView(TypedDict):
+class CatalogView(TypedDict, total=False):
     revision: str | None
     models: list[ModelView]
+    tenants: list[dict[str, Any]]  # llmgw.yaml's tenants: keys by name and their limits
 
 
 def catalog_view(catalog: Catalog) -> CatalogView:
@@ -193,4 +194,6 @@ def catalog_view(catalog: Catalog) -> CatalogView:
             "name": m.name, "aliases": list(m.aliases), "task": m.task, "fallbacks": list(m.fallbacks),
             "scaling": {"min": m.scaling.min, "max": m.scaling.max}, "routing": m.routing,
         } for m in catalog.models],
+        "tenants": [{"name": t.name, "keys": list(t.keys), "limits": asdict(t.limits),
+                     "models": {m: asdict(lim) for m, lim in t.models}} for t in catalog.settings.tenants],
     }

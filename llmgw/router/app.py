@@ -25,6 +25,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -39,6 +40,7 @@ from llmgw.router.config import RouterConfig
 from llmgw.router.demand import DemandBook
 from llmgw.router.feed import route_catalog
 from llmgw.router.keys import ApiKey, KeyRing
+from llmgw.router.limits import Limiter, Refusal, Ticket, prompt_estimate, reservation
 from llmgw.router.load import poll_loads
 from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
 from llmgw.router.prefix import PrefixIndex, PromptKey, prompt_key
@@ -53,6 +55,18 @@ from llmgw.serving import connection_cap, listen
 log = logging.getLogger(__name__)
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+
+
+@dataclass(frozen=True)
+class Account:
+    """Whom a request is counted against: the key's name ("" when open) and its tenant's ticket."""
+
+    key: str
+    ticket: Ticket | None = None
+    prompt_estimate: int = 0
+
+
+NO_ACCOUNT = Account("")
 
 
 class Router:
@@ -89,6 +103,7 @@ class Router:
         # reading one engine sees the same totals, so these stay out of the reports routers sum.
         self._polled_counts: dict[str, list[int]] = {}
         self._usage: dict[tuple[str, str], Usage] = {}  # (key name, model served) -> use since start
+        self._limiter = Limiter()  # tenants' limits, from the catalog (llmgw.yaml)
         self._budget = RetryBudget()
         self._handlers: set[asyncio.Task[object]] = set()  # requests being routed, for the drain
         self._unrunnable: dict[str, str] = {}  # model -> why no node can run it (from placement)
@@ -118,7 +133,9 @@ class Router:
         for m in routes.models:
             fallbacks = (routes.model(f) for f in m.fallbacks)
             chains[m.name] = (m, *(f for f in fallbacks if f is not None))
-        self.routes, self._chains, self.has_catalog = routes, chains, True
+        limiter = Limiter(routes.tenants)
+        limiter.carry_over(self._limiter)  # a new commit must not hand every tenant a fresh budget
+        self.routes, self._chains, self.has_catalog, self._limiter = routes, chains, True, limiter
         self._changes.notify()
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
@@ -368,23 +385,35 @@ class Router:
             return self._refuse(respond.bad_request(
                 f"The model `{asked}` is a {model.task} model: use {right}, not {path}.", "wrong_endpoint"),
                 model.name, t0)
-        return await self._route(request, path, raw, body, asked, model, stream and path != EMBEDDINGS, t0,
-                                 key.name if key is not None else "")
+        ticket = None
+        if key is not None:
+            admitted = self._limiter.admit(key.name, model.name, reservation(body, len(raw)), self._wall())
+            if isinstance(admitted, Refusal):
+                return self._refuse(respond.rate_limited(admitted.message, admitted.retry_after, admitted.headers),
+                                    model.name, t0)
+            ticket = admitted
+        account = Account(key.name if key is not None else "", ticket, prompt_estimate(len(raw)))
+        try:
+            return await self._route(request, path, raw, body, asked, model, stream and path != EMBEDDINGS, t0,
+                                     account)
+        finally:
+            if ticket is not None:
+                ticket.release()
 
     async def _route(self, request: web.Request, path: str, raw: bytes, body: dict, asked: str,
-                     model: RouteModel, stream: bool, t0: float, key: str) -> web.StreamResponse:
+                     model: RouteModel, stream: bool, t0: float, account: Account) -> web.StreamResponse:
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
         try:
             with self._budget.ticket() as ticket:
-                return await self._route_attempts(request, path, raw, body, asked, model, stream, t0, ticket, key)
+                return await self._route_attempts(request, path, raw, body, asked, model, stream, t0, ticket, account)
         finally:
             self._handlers.discard(task)
 
     async def _route_attempts(self, request: web.Request, path: str, raw: bytes, body: dict, asked: str,
                               model: RouteModel, stream: bool, t0: float, ticket: RetryTicket,
-                              key: str) -> web.StreamResponse:
+                              account: Account) -> web.StreamResponse:
         chain = self._chains.get(model.name, (model,))
         tried: tuple[Upstream, ...] = ()
         failure: UpstreamFailed | None = None
@@ -415,7 +444,7 @@ class Router:
             data = raw if target.name == asked else rewrite_model(raw, body, asked, target.name)
             if strip_usage:
                 data = ask_for_usage(data, body if target.name == asked else {**body, "model": target.name})
-            attempt = (request, up, path, data, target.name, stream, model.name, t0, key, strip_usage)
+            attempt = (request, up, path, data, target.name, stream, model.name, t0, account, strip_usage)
             try:
                 if target is model:
                     return await self._send(*attempt)
@@ -445,14 +474,15 @@ class Router:
                 self.metrics.retry(model.name, exc.reason)
 
     async def _send(self, request: web.Request, up: Upstream, path: str, data: bytes, served: str, stream: bool,
-                    label: str, t0: float, key: str = "", strip_usage: bool = False) -> web.StreamResponse:
+                    label: str, t0: float, account: Account = NO_ACCOUNT, strip_usage: bool = False,
+                    ) -> web.StreamResponse:
         pool = self._pool
         assert pool is not None, "Router.start() was not awaited"
         rid = up.replica_id
         up.inflight += 1
         self._last_used[rid] = self._wall()
         status: int | None = None
-        tap = self._answer_tap(served, key, up.endpoint.engine == "llama.cpp")
+        tap = self._answer_tap(served, account, up.endpoint.engine == "llama.cpp")
         try:
             if stream:
                 clock, metrics = self._clock, self.metrics
@@ -490,9 +520,11 @@ class Router:
         counts[0] += len(prompt.hashes)
         counts[1] += held
 
-    def _answer_tap(self, model: str, key: str, llama: bool) -> Tap:
+    def _answer_tap(self, model: str, account: Account, llama: bool) -> Tap:
         """What is counted from an answer's end: usage per key and model, and (llama.cpp, which
         says in every answer how much of the prompt it took from its cache) prompt-cache hits."""
+        key = account.key
+
         def tap(tail: bytes, events: int, complete: bool) -> None:
             entry = self._usage.get((key, model))
             if entry is None:
@@ -502,9 +534,13 @@ class Router:
             if reported is not None:
                 entry.prompt_tokens += reported[0]
                 entry.completion_tokens += reported[1]
+                if account.ticket is not None:
+                    account.ticket.settle(reported[0] + reported[1])
             else:  # cut short, or an engine that reports nothing: what was produced (usage.py)
                 entry.completion_tokens += events
                 entry.counted_from_stream += 1
+                if account.ticket is not None:  # a stream begun: the engine read the prompt, the estimate counts
+                    account.ticket.settle(account.prompt_estimate + events if tail else 0)
             if not complete:
                 entry.errors += 1
             if llama and complete:

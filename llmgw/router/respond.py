@@ -10,6 +10,7 @@ right exception class.
 from __future__ import annotations
 
 import json
+import math
 
 from aiohttp import web
 
@@ -63,3 +64,12 @@ def upstream_failed(message: str, *, timeout: bool, retry_after: int) -> web.Res
 
 def json_response(data: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=json.dumps(data).encode(), content_type=JSON)
+
+
+def rate_limited(message: str, retry_after: float, headers: dict[str, str]) -> web.Response:
+    """429 as OpenAI answers it: ``rate_limit_exceeded``, Retry-After (whole seconds, at least 1) and
+    ``retry-after-ms``, which the openai SDKs wait for before retrying, and the x-ratelimit-* headers."""
+    resp = error(429, message, kind="requests", code="rate_limit_exceeded", retry_after=max(1, math.ceil(retry_after)))
+    resp.headers["retry-after-ms"] = str(max(1, math.ceil(retry_after * 1000)))
+    resp.headers.update(headers)
+    return resp

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmgw.catalog.model import Tenant
+
 ROUTING_POLICIES = frozenset({"least-outstanding", "prefix"})
 
 
@@ -43,6 +45,7 @@ class RouteCatalog:
 
     models: tuple[RouteModel, ...] = ()
     revision: str | None = None
+    tenants: tuple[Tenant, ...] = ()
     _index: dict[str, RouteModel] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

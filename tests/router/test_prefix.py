@@ -365,14 +365,18 @@ def test_an_odd_engine_counter_neither_stops_the_poller_nor_poisons_the_counts()
     up.prefixes = PrefixIndex(100)
     up.prefixes.record(key(DOC).hashes)
     seen = []
+
+    def note(_u, q, h) -> None:  # noqa: ANN001
+        seen.append((q, h))
+
     reading = parse_load("vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
                          "vllm:prefix_cache_queries_total 900\nvllm:prefix_cache_hits_total 800\n", "vllm")
     assert reading is not None
-    apply_load(up, 0, reading, lambda u, q, h: seen.append((q, h)))
-    apply_load(up, 0, replace(reading, prefix_queries=1000.0, prefix_hits=850.0), lambda u, q, h: seen.append((q, h)))
+    apply_load(up, 0, reading, note)
+    apply_load(up, 0, replace(reading, prefix_queries=1000.0, prefix_hits=850.0), note)
     assert seen == [(100.0, 50.0)]  # the first reading is history; then the change
     # The counters went down: a restarted engine, whose cache is empty.
-    apply_load(up, 0, replace(reading, prefix_queries=10.0, prefix_hits=0.0), lambda u, q, h: seen.append((q, h)))
+    apply_load(up, 0, replace(reading, prefix_queries=10.0, prefix_hits=0.0), note)
     assert up.prefixes.match(key(DOC).hashes) == 0 and len(seen) == 1
 
 

@@ -1,0 +1,239 @@
+"""Tenants' limits, enforced at admission (issue 18): requests and tokens per minute, requests in
+flight, and a token budget per day or month.
+
+Per minute limits are buckets that refill continuously (a limit of 60 per minute is one a second,
+with bursts up to 60). Tokens are reserved at admission, the request's ``max_tokens`` (or
+:data:`DEFAULT_COMPLETION_TOKENS`) plus an estimate of its prompt, and settled when it ends from
+what the engine reported, so requests running at once cannot overshoot a budget by more than one
+reservation each, and a request that used less gives the rest back. A request must fit every
+scope it falls in: its tenant's limits, and that tenant's limits for the model, if any; a refusal
+takes nothing from any scope.
+
+In memory, for one router process. Pure: the clock is passed in; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from llmgw.catalog.model import Budget, Limits, Tenant
+
+DEFAULT_COMPLETION_TOKENS = 256  # reserved when a request sets no max_tokens
+
+
+def prompt_estimate(raw_size: int) -> int:
+    """Prompt tokens guessed from the body's size (~4 bytes a token), before the engine counts them."""
+    return raw_size // 4
+
+
+def reservation(body: Mapping[str, object], raw_size: int) -> int:
+    """Tokens a request reserves: its completion limit plus the prompt estimate."""
+    asked = body.get("max_completion_tokens", body.get("max_tokens"))
+    completion = asked if type(asked) is int and asked >= 0 else DEFAULT_COMPLETION_TOKENS
+    return completion + prompt_estimate(raw_size)
+
+
+def period_start(budget: Budget, now: float) -> float:
+    """Unix time the budget's current period began (day, or month from the 1st; at its UTC reset time)."""
+    t = datetime.fromtimestamp(now, UTC)
+    hour, minute = divmod(budget.reset_minute, 60)
+    start = t.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    if budget.per == "day":
+        if start > t:
+            start -= timedelta(days=1)
+        return start.timestamp()
+    start = start.replace(day=1)
+    if start > t:  # before this month's reset: the period began on the 1st of last month
+        start = (start - timedelta(days=1)).replace(day=1)
+    return start.timestamp()
+
+
+def next_period(budget: Budget, now: float) -> float:
+    start = datetime.fromtimestamp(period_start(budget, now), UTC)
+    if budget.per == "day":
+        return (start + timedelta(days=1)).timestamp()
+    return (start.replace(day=28) + timedelta(days=4)).replace(day=1).timestamp()
+
+
+@dataclass
+class Bucket:
+    """``capacity`` units, refilled at ``capacity`` per minute."""
+
+    capacity: float
+    level: float = math.nan
+    at: float = 0.0
+
+    def refill(self, now: float) -> float:
+        if math.isnan(self.level):
+            self.level, self.at = self.capacity, now
+        elif now > self.at:
+            self.level = min(self.capacity, self.level + (now - self.at) * self.capacity / 60.0)
+            self.at = now
+        return self.level
+
+    def wait(self, amount: float) -> float:
+        """Seconds until ``amount`` is available (after refill)."""
+        return 0.0 if self.level >= amount else (amount - self.level) * 60.0 / self.capacity
+
+    def until_full(self) -> float:
+        return (self.capacity - self.level) * 60.0 / self.capacity
+
+
+@dataclass
+class Scope:
+    """One tenant's (or one tenant-and-model's) limits and what is used of them."""
+
+    name: str  # "tenant" or "tenant/model", as messages show it
+    limits: Limits
+    requests: Bucket | None = None
+    tokens: Bucket | None = None
+    inflight: int = 0
+    period: float = 0.0  # start of the budget period the counts below belong to
+    used: int = 0        # tokens settled in this period
+    reserved: int = 0    # tokens reserved by requests in flight
+
+    def __post_init__(self) -> None:
+        if self.limits.requests_per_minute:
+            self.requests = Bucket(self.limits.requests_per_minute)
+        if self.limits.tokens_per_minute:
+            self.tokens = Bucket(self.limits.tokens_per_minute)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request was not admitted: the client's message, Retry-After and OpenAI's headers."""
+
+    message: str
+    retry_after: float
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class Ticket:
+    """An admitted request: settle its real tokens, then release it (both at most once)."""
+
+    __slots__ = ("_scopes", "_reserved", "_settled", "_released")
+
+    def __init__(self, scopes: tuple[Scope, ...], reserved: int) -> None:
+        self._scopes = scopes
+        self._reserved = reserved
+        self._settled = False
+        self._released = False
+
+    def settle(self, tokens: int) -> None:
+        """The request's real prompt + completion tokens: the reservation is replaced by them."""
+        if self._settled:
+            return
+        self._settled = True
+        for s in self._scopes:
+            s.reserved -= self._reserved
+            s.used += tokens
+            if s.tokens is not None:
+                # The bucket was charged the reservation: give back what was not used, or take the
+                # excess (it may go below zero: the next requests wait for it).
+                s.tokens.level = min(s.tokens.capacity, s.tokens.level + self._reserved - tokens)
+
+    def release(self) -> None:
+        """The request ended; unsettled, it is taken to have used nothing (it reached no engine)."""
+        if self._released:
+            return
+        self._released = True
+        self.settle(0)
+        for s in self._scopes:
+            s.inflight -= 1
+
+
+class Limiter:
+    """Every tenant's scopes, by key name."""
+
+    def __init__(self, tenants: Iterable[Tenant] = ()) -> None:
+        self._tenant_of: dict[str, str] = {}
+        self._scopes: dict[tuple[str, str], Scope] = {}
+        for t in tenants:
+            for k in t.keys:
+                self._tenant_of.setdefault(k, t.name)
+            self._scopes[(t.name, "")] = Scope(t.name, t.limits)
+            for model, limits in t.models:
+                self._scopes[(t.name, model)] = Scope(f"{t.name}/{model}", limits)
+
+    def tenant(self, key: str) -> str | None:
+        return self._tenant_of.get(key)
+
+    def carry_over(self, old: Limiter) -> None:
+        """Keep what was used of limits that stayed the same (a new catalog must not reset a budget)."""
+        for k, s in self._scopes.items():
+            prev = old._scopes.get(k)
+            if prev is not None and prev.limits == s.limits:
+                self._scopes[k] = prev
+
+    def admit(self, key: str, model: str, reserve: int, now: float) -> Ticket | Refusal | None:
+        """A ticket, a refusal, or None when the key is in no tenant (not limited)."""
+        tenant = self._tenant_of.get(key)
+        if tenant is None:
+            return None
+        scopes = tuple(s for s in (self._scopes.get((tenant, "")), self._scopes.get((tenant, model))) if s)
+        for s in scopes:
+            refused = self._check(s, reserve, now)
+            if refused is not None:
+                return refused
+        for s in scopes:
+            if s.requests is not None:
+                s.requests.level -= 1
+            if s.tokens is not None:
+                s.tokens.level -= reserve  # may go below zero: the next requests wait for it
+            s.inflight += 1
+            s.reserved += reserve
+        return Ticket(scopes, reserve)
+
+    def _check(self, s: Scope, reserve: int, now: float) -> Refusal | None:
+        lim = s.limits
+        if lim.concurrent is not None and s.inflight >= lim.concurrent:
+            return self._refuse(s, f"{s.inflight} requests of tenant `{s.name}` are in flight, its limit "
+                                   f"(concurrent: {lim.concurrent})", 1.0)
+        if s.requests is not None:
+            s.requests.refill(now)
+            if s.requests.level < 1:
+                return self._refuse(s, f"tenant `{s.name}` reached its limit of {lim.requests_per_minute} "
+                                       "requests per minute", s.requests.wait(1))
+        if s.tokens is not None:
+            s.tokens.refill(now)
+            need = min(reserve, s.tokens.capacity)
+            if s.tokens.level < need:
+                return self._refuse(s, f"tenant `{s.name}` reached its limit of {lim.tokens_per_minute} tokens "
+                                       f"per minute (this request reserves {reserve})", s.tokens.wait(need))
+        if lim.budget is not None:
+            start = period_start(lim.budget, now)
+            if start != s.period:
+                s.period, s.used = start, 0  # a new period: what was used before no longer counts
+            if s.used + s.reserved + reserve > lim.budget.tokens:
+                resets = next_period(lim.budget, now)
+                when = datetime.fromtimestamp(resets, UTC).strftime("%Y-%m-%d %H:%M UTC")
+                return self._refuse(s, f"tenant `{s.name}` has used {s.used} of its {lim.budget.tokens}-token budget "
+                                       f"per {lim.budget.per} (this request reserves {reserve}, {s.reserved} are "
+                                       f"reserved by requests in flight); it resets at {when}", resets - now)
+        return None
+
+    def _refuse(self, s: Scope, why: str, retry_after: float) -> Refusal:
+        headers: dict[str, str] = {}
+        if s.requests is not None:
+            headers["x-ratelimit-limit-requests"] = str(s.limits.requests_per_minute)
+            headers["x-ratelimit-remaining-requests"] = str(max(0, math.floor(s.requests.level)))
+            headers["x-ratelimit-reset-requests"] = duration(s.requests.until_full())
+        if s.tokens is not None:
+            headers["x-ratelimit-limit-tokens"] = str(s.limits.tokens_per_minute)
+            headers["x-ratelimit-remaining-tokens"] = str(max(0, math.floor(s.tokens.level)))
+            headers["x-ratelimit-reset-tokens"] = duration(s.tokens.until_full())
+        return Refusal(f"Rate limit reached: {why}. Retry in {duration(retry_after)}.", max(0.0, retry_after),
+                       headers)
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's spelling of a reset time: 20ms, 1s, 6m0s, 2h3m4s."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    s = math.ceil(seconds)
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    return (f"{h}h" if h else "") + (f"{m}m" if h or m else "") + f"{sec}s"

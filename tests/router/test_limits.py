@@ -1,0 +1,189 @@
+"""Tenants' limits (issue 18): the pure limiter with an injected clock, and the router answering
+429 in OpenAI's format to the real openai client, whose own retry honours it."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import openai
+import pytest
+
+from llmgw.catalog.model import Budget, Catalog, Limits, Settings, Tenant
+from llmgw.contract import catalog_view
+from llmgw.engines.testing import SimProcess
+from llmgw.router import KeyRing, Router, RouterConfig, catalog_from_view, hash_key
+from llmgw.router.limits import Limiter, Refusal, Ticket, duration, next_period, period_start
+from tests.router.conftest import endpoint, serving, sim_metric
+from tests.router.fake_controller import model
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+def at(text: str) -> float:
+    return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
+
+
+def limiter(**limits: object) -> Limiter:
+    return Limiter([Tenant("team", ("k",), Limits(**limits))])  # type: ignore[arg-type]
+
+
+# --- the pure limiter ---------------------------------------------------------------------------
+
+def test_requests_per_minute_refill_continuously() -> None:
+    lim = limiter(requests_per_minute=60)
+    now = 1000.0
+    tickets = [lim.admit("k", "m", 0, now) for _ in range(60)]
+    assert all(isinstance(t, Ticket) for t in tickets)
+    refused = lim.admit("k", "m", 0, now)
+    assert isinstance(refused, Refusal) and "60 requests per minute" in refused.message
+    assert refused.retry_after == pytest.approx(1.0)
+    assert refused.headers["x-ratelimit-limit-requests"] == "60"
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert isinstance(lim.admit("k", "m", 0, now + 1.0), Ticket)  # one a second comes back
+    assert lim.admit("other-key", "m", 0, now) is None  # a key in no tenant is not limited
+
+
+def test_concurrency_counts_requests_in_flight() -> None:
+    lim = limiter(concurrent=2)
+    a, b = lim.admit("k", "m", 0, 0.0), lim.admit("k", "m", 0, 0.0)
+    assert isinstance(a, Ticket) and isinstance(b, Ticket)
+    assert isinstance(lim.admit("k", "m", 0, 0.0), Refusal)
+    a.release()
+    a.release()  # at most once
+    assert isinstance(lim.admit("k", "m", 0, 0.0), Ticket)
+    assert isinstance(lim.admit("k", "m", 0, 0.0), Refusal)
+
+
+def test_tokens_are_reserved_then_settled_so_concurrent_requests_cannot_overshoot_the_budget() -> None:
+    lim = limiter(budget=Budget(tokens=1000, per="day"))
+    now = at("2026-12-03T12:00:00")
+    running = []
+    while isinstance(t := lim.admit("k", "m", 300, now), Ticket):
+        running.append(t)
+    assert len(running) == 3  # 3 × 300 reserved; a fourth would pass 1,000
+    for t in running:  # each really used 310: 10 over its reservation
+        t.settle(310)
+        t.release()
+    assert lim._scopes[("team", "")].used == 930  # at most one reservation's worth over, never more
+    refused = lim.admit("k", "m", 300, now)
+    assert isinstance(refused, Refusal)
+    assert "used 930 of its 1000-token budget per day" in refused.message
+    assert "resets at 2026-12-04 00:00 UTC" in refused.message
+    # Settled below the reservation: the rest is given back.
+    small = lim.admit("k", "m", 50, now)
+    assert isinstance(small, Ticket)
+    small.settle(5)
+    small.release()
+    assert lim._scopes[("team", "")].used == 935
+
+
+def test_the_budget_resets_at_the_period_boundary_in_utc() -> None:
+    lim = limiter(budget=Budget(tokens=100, per="day", reset="06:00"))
+    before = at("2026-12-04T05:59:00")
+    t = lim.admit("k", "m", 100, before)
+    assert isinstance(t, Ticket)
+    t.settle(100)
+    t.release()
+    refused = lim.admit("k", "m", 1, before)
+    assert isinstance(refused, Refusal) and "resets at 2026-12-04 06:00 UTC" in refused.message
+    assert refused.retry_after == pytest.approx(60.0)
+    assert isinstance(lim.admit("k", "m", 1, at("2026-12-04T06:00:00")), Ticket)  # a new day at 06:00
+    month = Budget(tokens=1, per="month", reset="00:30")
+    assert period_start(month, at("2026-12-01T00:10:00")) == at("2026-11-01T00:30:00")
+    assert period_start(month, at("2026-12-15T10:00:00")) == at("2026-12-01T00:30:00")
+    assert next_period(month, at("2026-12-15T10:00:00")) == at("2027-01-01T00:30:00")
+
+
+def test_a_request_must_fit_the_tenant_and_its_model_limits_and_a_refusal_takes_nothing() -> None:
+    lim = Limiter([Tenant("team", ("k",), Limits(requests_per_minute=10), (("big", Limits(requests_per_minute=1)),))])
+    assert isinstance(lim.admit("k", "big", 0, 0.0), Ticket)
+    refused = lim.admit("k", "big", 0, 0.0)
+    assert isinstance(refused, Refusal) and "team/big" in refused.message
+    for _ in range(9):  # the refused request took nothing from the tenant-wide bucket
+        assert isinstance(lim.admit("k", "small", 0, 0.0), Ticket)
+    assert isinstance(lim.admit("k", "small", 0, 0.0), Refusal)
+
+
+def test_a_new_catalog_keeps_what_was_used_of_limits_that_did_not_change() -> None:
+    old = limiter(requests_per_minute=1)
+    assert isinstance(old.admit("k", "m", 0, 0.0), Ticket)
+    same = limiter(requests_per_minute=1)
+    same.carry_over(old)
+    assert isinstance(same.admit("k", "m", 0, 0.0), Refusal)
+    raised = limiter(requests_per_minute=5)
+    raised.carry_over(old)
+    assert isinstance(raised.admit("k", "m", 0, 0.0), Ticket)
+
+
+def test_durations_are_spelled_as_openai_does() -> None:
+    assert [duration(x) for x in (0.02, 1.0, 59.2, 360.0, 7384.0)] == ["20ms", "1s", "1m0s", "6m0s", "2h3m4s"]
+
+
+def test_tenants_travel_in_the_catalog_view() -> None:
+    tenant = Tenant("team", ("k",), Limits(requests_per_minute=5, budget=Budget(9, "month", "01:00")),
+                    (("m", Limits(concurrent=2)),))
+    view = catalog_view(Catalog(models=(model("m"),), settings=Settings(tenants=(tenant,))))
+    assert catalog_from_view(view).tenants == (tenant,)
+    view["tenants"][0]["limits"]["concurrent"] = 0
+    with pytest.raises(ValueError):
+        catalog_from_view(view)
+
+
+# --- through the router -------------------------------------------------------------------------
+
+def keyed_router(chat_sim: SimProcess, limits: Limits, wall=None) -> Router:  # noqa: ANN001
+    keys = KeyRing.from_entries([{"name": "team-key", "sha256": hash_key("sk-team"), "models": ["*"]},
+                                 {"name": "free-key", "sha256": hash_key("sk-free"), "models": ["*"]}])
+    router = Router(keys=keys, config=RouterConfig(), **({"wall": wall} if wall else {}))
+    router.set_catalog(Catalog(models=(model("chat"),), settings=Settings(tenants=(
+        Tenant("team", ("team-key",), limits),))))
+    router.set_endpoints([endpoint("chat", chat_sim.endpoint)])
+    return router
+
+
+async def test_429_carries_openais_headers_and_the_sdk_retry_honours_them(chat_sim: SimProcess) -> None:
+    router = keyed_router(chat_sim, Limits(requests_per_minute=60))  # one a second after a burst of 60
+    before = sim_metric(chat_sim.endpoint, "llmgw_sim_requests_total")
+    async with serving(router) as base:
+        plain = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=0, timeout=15)
+        for _ in range(60):
+            await plain.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as refused:
+            await plain.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1)
+        r = refused.value.response
+        assert r.status_code == 429 and refused.value.code == "rate_limit_exceeded"
+        assert r.headers["x-ratelimit-limit-requests"] == "60" and r.headers["x-ratelimit-remaining-requests"] == "0"
+        assert r.headers["retry-after"] == "1" and 0 < int(r.headers["retry-after-ms"]) <= 1000
+        assert "60 requests per minute" in refused.value.message
+        # The SDK's own retry waits what the headers say and then gets through.
+        retrying = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=2, timeout=15)
+        answer = await retrying.chat.completions.with_raw_response.create(model="chat", messages=MESSAGES,
+                                                                         max_tokens=1)
+        assert answer.http_response.status_code == 200 and answer.retries_taken >= 1
+        # Another key, in no tenant: not limited.
+        free = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-free", max_retries=0, timeout=15)
+        await free.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1)
+        for c in (plain, retrying, free):
+            await c.close()
+    # Refused requests never reached the engine: 60 + 1 retried + 1 free.
+    assert sim_metric(chat_sim.endpoint, "llmgw_sim_requests_total") - before == 62
+
+
+async def test_a_spent_budget_says_which_and_when_it_resets(chat_sim: SimProcess) -> None:
+    clock = [at("2026-12-03T23:59:00")]
+    router = keyed_router(chat_sim, Limits(budget=Budget(tokens=60, per="day")), wall=lambda: clock[0])
+    async with serving(router) as base:
+        c = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=0, timeout=15)
+        used = 0
+        with pytest.raises(openai.RateLimitError) as refused:
+            for _ in range(10):
+                r = await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=5)
+                used += r.usage.total_tokens
+        assert "budget per day" in refused.value.message and "resets at 2026-12-04 00:00 UTC" in refused.value.message
+        assert 0 < used <= 60
+        clock[0] = at("2026-12-04T00:00:01")  # the next day
+        r = await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=5)
+        assert r.choices
+        await c.close()
+        await asyncio.sleep(0)
