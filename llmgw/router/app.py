@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from llmgw.catalog import Catalog
 from llmgw.contract import Demand, Endpoint, PromptCache
 from llmgw.router import respond
-from llmgw.router.answer import llama_prompt_cache
+from llmgw.router.answer import llama_prompt_cache, llama_usage
 from llmgw.router.changes import Changes
 from llmgw.router.config import RouterConfig
 from llmgw.router.demand import DemandBook
@@ -64,6 +64,7 @@ class Account:
     key: str
     ticket: Ticket | None = None
     prompt_estimate: int = 0
+    reserved: int = 0
 
 
 NO_ACCOUNT = Account("")
@@ -387,12 +388,14 @@ class Router:
                 model.name, t0)
         ticket = None
         if key is not None:
-            admitted = self._limiter.admit(key.name, model.name, reservation(body, len(raw)), self._wall())
+            chain = tuple(m.name for m in self._chains.get(model.name, (model,)))
+            admitted = self._limiter.admit(key.name, chain, reservation(body, len(raw)), self._wall())
             if isinstance(admitted, Refusal):
                 return self._refuse(respond.rate_limited(admitted.message, admitted.retry_after, admitted.headers),
                                     model.name, t0)
             ticket = admitted
-        account = Account(key.name if key is not None else "", ticket, prompt_estimate(len(raw)))
+        account = Account(key.name if key is not None else "", ticket, prompt_estimate(len(raw)),
+                          reservation(body, len(raw)))
         try:
             return await self._route(request, path, raw, body, asked, model, stream and path != EMBEDDINGS, t0,
                                      account)
@@ -442,9 +445,12 @@ class Router:
                 self._note_prompt(target.name, up, prompt, count=not counted)
                 counted = True
             data = raw if target.name == asked else rewrite_model(raw, body, asked, target.name)
-            if strip_usage:
+            # llama.cpp reports exact counts in its timings unasked; asked, it moves them into the
+            # usage event the client would then lose (answer.llama_usage).
+            ask = strip_usage and up.endpoint.engine != "llama.cpp"
+            if ask:
                 data = ask_for_usage(data, body if target.name == asked else {**body, "model": target.name})
-            attempt = (request, up, path, data, target.name, stream, model.name, t0, account, strip_usage)
+            attempt = (request, up, path, data, target.name, stream, model.name, t0, account, ask)
             try:
                 if target is model:
                     return await self._send(*attempt)
@@ -496,6 +502,12 @@ class Router:
         except BaseException as exc:
             if not isinstance(exc, UpstreamFailed):
                 status = CLIENT_GONE  # cancelled: the client went away
+                if not stream:
+                    # Gone before a whole answer came: the engine worked on it, how much is not
+                    # known, so the whole reservation is charged (a stream counts what it got).
+                    if account.ticket is not None:
+                        account.ticket.settle(account.reserved)
+                    tap(b"", 0, False)
             raise
         finally:
             up.inflight -= 1
@@ -530,17 +542,17 @@ class Router:
             if entry is None:
                 entry = self._usage[(key, model)] = Usage()
             entry.requests += 1
-            reported = reported_usage(tail) if complete else None
+            reported = None if not complete else reported_usage(tail) or (llama_usage(tail) if llama else None)
             if reported is not None:
                 entry.prompt_tokens += reported[0]
                 entry.completion_tokens += reported[1]
                 if account.ticket is not None:
                     account.ticket.settle(reported[0] + reported[1])
-            else:  # cut short, or an engine that reports nothing: what was produced (usage.py)
+            elif tail:  # cut short, or an engine that reports nothing: what was produced (usage.py)
                 entry.completion_tokens += events
                 entry.counted_from_stream += 1
                 if account.ticket is not None:  # a stream begun: the engine read the prompt, the estimate counts
-                    account.ticket.settle(account.prompt_estimate + events if tail else 0)
+                    account.ticket.settle(account.prompt_estimate + events)
             if not complete:
                 entry.errors += 1
             if llama and complete:

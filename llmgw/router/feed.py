@@ -40,15 +40,16 @@ def _limits(d: Mapping[str, Any] | None) -> Limits:
 
     def count(name: str) -> int | None:
         v = d.get(name)
-        if v is not None and (type(v) is not int or v < 1):
-            raise ValueError(f"{name} must be a whole number of at least 1, got {v!r}")
+        if v is not None and (type(v) is not int or not 1 <= v <= 10 ** 12):
+            raise ValueError(f"{name} must be a whole number from 1 to 10**12, got {v!r}")
         return v
 
     b = d.get("budget")
     budget = None
     if b is not None:
         tokens, per, reset = b["tokens"], b["per"], b.get("reset", "00:00")
-        if type(tokens) is not int or tokens < 1 or per not in ("day", "month") or not _HHMM.match(str(reset)):
+        if (type(tokens) is not int or not 1 <= tokens <= 10 ** 15 or per not in ("day", "month")
+                or not _HHMM.match(str(reset))):
             raise ValueError(f"malformed budget: {b!r}")
         budget = Budget(tokens=tokens, per=per, reset=reset)
     return Limits(requests_per_minute=count("requests_per_minute"), tokens_per_minute=count("tokens_per_minute"),

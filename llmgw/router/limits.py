@@ -29,11 +29,36 @@ def prompt_estimate(raw_size: int) -> int:
     return raw_size // 4
 
 
+MAX_RESERVATION = 2 ** 31  # a "max_tokens" beyond any context is reserved as this much
+
+
 def reservation(body: Mapping[str, object], raw_size: int) -> int:
-    """Tokens a request reserves: its completion limit plus the prompt estimate."""
-    asked = body.get("max_completion_tokens", body.get("max_tokens"))
-    completion = asked if type(asked) is int and asked >= 0 else DEFAULT_COMPLETION_TOKENS
-    return completion + prompt_estimate(raw_size)
+    """Tokens a request reserves: its completion limit (read as engines read it: the first of
+    ``max_completion_tokens`` and ``max_tokens`` that is set, a number or a numeric string), times
+    ``n`` and ``best_of`` answers, plus the prompt estimate."""
+    asked = body.get("max_completion_tokens")
+    if asked is None:
+        asked = body.get("max_tokens")
+    completion = _count(asked)
+    if completion is None or completion < 0:  # absent, or "unlimited" (llama.cpp's -1)
+        completion = DEFAULT_COMPLETION_TOKENS
+    answers = max(_count(body.get("n")) or 1, _count(body.get("best_of")) or 1, 1)
+    return min(MAX_RESERVATION, min(completion, MAX_RESERVATION) * min(answers, 128) + prompt_estimate(raw_size))
+
+
+def _count(v: object) -> int | None:
+    if type(v) is bool:
+        return None
+    if type(v) is int:
+        return v
+    if type(v) is float and math.isfinite(v):
+        return int(v)
+    if type(v) is str:
+        try:
+            return int(v.strip())
+        except ValueError:
+            return None
+    return None
 
 
 def period_start(budget: Budget, now: float) -> float:
@@ -97,9 +122,9 @@ class Scope:
 
     def __post_init__(self) -> None:
         if self.limits.requests_per_minute:
-            self.requests = Bucket(self.limits.requests_per_minute)
+            self.requests = Bucket(float(self.limits.requests_per_minute))
         if self.limits.tokens_per_minute:
-            self.tokens = Bucket(self.limits.tokens_per_minute)
+            self.tokens = Bucket(float(self.limits.tokens_per_minute))
 
 
 @dataclass(frozen=True)
@@ -162,18 +187,32 @@ class Limiter:
         return self._tenant_of.get(key)
 
     def carry_over(self, old: Limiter) -> None:
-        """Keep what was used of limits that stayed the same (a new catalog must not reset a budget)."""
-        for k, s in self._scopes.items():
+        """Keep what each scope has used and has in flight across a new catalog: lowering a budget
+        must not hand the tenant a fresh one. A bucket whose limit changed starts full at the new
+        limit; a budget's count restarts only when its period (``per`` or ``reset``) changed."""
+        for k, s in list(self._scopes.items()):
             prev = old._scopes.get(k)
-            if prev is not None and prev.limits == s.limits:
-                self._scopes[k] = prev
+            if prev is None:
+                continue
+            # The old scope object goes on, with the new limits: tickets in flight hold it.
+            if prev.limits.requests_per_minute != s.limits.requests_per_minute:
+                prev.requests = s.requests
+            if prev.limits.tokens_per_minute != s.limits.tokens_per_minute:
+                prev.tokens = s.tokens
+            a, b = prev.limits.budget, s.limits.budget
+            if a is None or b is None or (a.per, a.reset) != (b.per, b.reset):
+                prev.period, prev.used = 0.0, 0
+            prev.limits = s.limits
+            self._scopes[k] = prev
 
-    def admit(self, key: str, model: str, reserve: int, now: float) -> Ticket | Refusal | None:
-        """A ticket, a refusal, or None when the key is in no tenant (not limited)."""
+    def admit(self, key: str, models: tuple[str, ...], reserve: int, now: float) -> Ticket | Refusal | None:
+        """A ticket, a refusal, or None when the key is in no tenant (not limited). ``models``: the
+        model asked for and its fallbacks; any may serve, so the request must fit each one's limits."""
         tenant = self._tenant_of.get(key)
         if tenant is None:
             return None
-        scopes = tuple(s for s in (self._scopes.get((tenant, "")), self._scopes.get((tenant, model))) if s)
+        found = (self._scopes.get((tenant, "")), *(self._scopes.get((tenant, m)) for m in models))
+        scopes = tuple(s for s in found if s is not None)
         for s in scopes:
             refused = self._check(s, reserve, now)
             if refused is not None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _USAGE = b'"usage"'
+# The key, not a string value "usage" (a value is followed by , } or ], never by a colon).
+_USAGE_KEY = re.compile(rb'"usage"\s*:\s*\{')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,12})')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,12})')
 _INCLUDE = b'"stream_options":{"include_usage":true},'
@@ -49,10 +51,13 @@ def reported_usage(tail: bytes) -> tuple[int, int] | None:
     The search starts at the last ``"usage"`` key, which an engine writes after the content:
     text the model generated cannot fake it, because inside a JSON string its quotes are escaped.
     """
-    i = tail.rfind(_USAGE)
-    if i < 0:
+    found = None
+    for match in _USAGE_KEY.finditer(tail):  # the last one: totals follow the content
+        found = match
+    if found is None:
         return None
-    end = tail.find(b"}", i)
+    i = found.start()
+    end = tail.find(b"}", found.end())
     part = tail[i:] if end < 0 else tail[i:end]
     prompt, completion = _PROMPT.search(part), _COMPLETION.search(part)
     if prompt is None:
@@ -77,7 +82,7 @@ def ask_for_usage(raw: bytes, body: dict[str, Any]) -> bytes:
         return raw
     if "stream_options" not in body and b"stream_options" not in raw:
         i = raw.find(b"{")
-        if i >= 0:
+        if i >= 0 and not raw[:i].strip(b" \t\r\n\xef\xbb\xbf"):  # UTF-8 (a BOM at most) before the brace
             return raw[:i + 1] + _INCLUDE + raw[i + 1:]
     options = body.get("stream_options")
     merged = {**(options if type(options) is dict else {}), "include_usage": True}
@@ -88,14 +93,25 @@ def ask_for_usage(raw: bytes, body: dict[str, Any]) -> bytes:
 
 
 def strip_usage_events(chunk: bytes) -> bytes:
-    """``chunk`` without the usage-only events (``"choices":[]`` and a ``usage``) the router
-    asked for on the client's behalf. Events are whole in a chunk as engines write them; an
-    event split over two chunks is passed on (a valid chunk the SDKs accept), never cut."""
+    """``chunk`` without the whole usage-only events (``"choices":[]`` and a ``usage``) the
+    router asked for on the client's behalf, each with its blank line. Only events complete in
+    this chunk are taken out; a part of one (split over reads) is passed on untouched, so the
+    stream stays well-formed whatever the boundaries (the SDKs accept that chunk)."""
     if _USAGE not in chunk:
         return chunk
-    events = chunk.split(b"\n\n")
-    kept = [e for e in events if not (_USAGE in e and b'"choices":[]' in e.replace(b" ", b""))]
-    return b"\n\n".join(kept) if len(kept) != len(events) else chunk
+    parts = chunk.split(b"\n\n")
+    # parts[-1] is what follows the last blank line: the start of an event not complete here.
+    # parts[0] may be the end of an event begun in the last chunk: only an event that starts
+    # here ("data:", after the newlines that close the one before) is taken out.
+    out, dropped = [], False
+    for e in parts[:-1]:
+        body = e.lstrip(b"\r\n")
+        if body.startswith(b"data:") and _USAGE_KEY.search(body) and b'"choices":[]' in body.replace(b" ", b""):
+            out.append(e[:len(e) - len(body)])  # the newlines that belong to the event before
+            dropped = True
+        else:
+            out.append(e + b"\n\n")
+    return b"".join(out) + parts[-1] if dropped else chunk
 
 
 _CONTENT = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')  # a non-empty string: the role chunk's "" is not a token

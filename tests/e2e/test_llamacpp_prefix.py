@@ -117,3 +117,8 @@ async def test_a_tenants_next_request_reaches_the_replica_that_caches_its_prompt
     assert pc.cached_tokens == sum(c for _, c, _ in cached)
     assert pc.prompt_tokens == sum(c + p for _, c, p in cached)
     assert pc.matched > 0 and pc.estimated_hit_ratio is not None and pc.estimated_hit_ratio > 0.5
+    # Usage counted from the engine's own numbers, streamed answers included (llama.cpp's timings:
+    # asking it for a usage event would move them out of the event the client reads).
+    used = router.usage()[("", "smol")]
+    assert (used.requests, used.errors, used.counted_from_stream) == (6, 0, 0)
+    assert used.prompt_tokens == pc.prompt_tokens and used.completion_tokens == 6 * 2

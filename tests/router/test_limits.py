@@ -33,45 +33,45 @@ def limiter(**limits: object) -> Limiter:
 def test_requests_per_minute_refill_continuously() -> None:
     lim = limiter(requests_per_minute=60)
     now = 1000.0
-    tickets = [lim.admit("k", "m", 0, now) for _ in range(60)]
+    tickets = [lim.admit("k", ("m",), 0, now) for _ in range(60)]
     assert all(isinstance(t, Ticket) for t in tickets)
-    refused = lim.admit("k", "m", 0, now)
+    refused = lim.admit("k", ("m",), 0, now)
     assert isinstance(refused, Refusal) and "60 requests per minute" in refused.message
     assert refused.retry_after == pytest.approx(1.0)
     assert refused.headers["x-ratelimit-limit-requests"] == "60"
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
-    assert isinstance(lim.admit("k", "m", 0, now + 1.0), Ticket)  # one a second comes back
-    assert lim.admit("other-key", "m", 0, now) is None  # a key in no tenant is not limited
+    assert isinstance(lim.admit("k", ("m",), 0, now + 1.0), Ticket)  # one a second comes back
+    assert lim.admit("other-key", ("m",), 0, now) is None  # a key in no tenant is not limited
 
 
 def test_concurrency_counts_requests_in_flight() -> None:
     lim = limiter(concurrent=2)
-    a, b = lim.admit("k", "m", 0, 0.0), lim.admit("k", "m", 0, 0.0)
+    a, b = lim.admit("k", ("m",), 0, 0.0), lim.admit("k", ("m",), 0, 0.0)
     assert isinstance(a, Ticket) and isinstance(b, Ticket)
-    assert isinstance(lim.admit("k", "m", 0, 0.0), Refusal)
+    assert isinstance(lim.admit("k", ("m",), 0, 0.0), Refusal)
     a.release()
     a.release()  # at most once
-    assert isinstance(lim.admit("k", "m", 0, 0.0), Ticket)
-    assert isinstance(lim.admit("k", "m", 0, 0.0), Refusal)
+    assert isinstance(lim.admit("k", ("m",), 0, 0.0), Ticket)
+    assert isinstance(lim.admit("k", ("m",), 0, 0.0), Refusal)
 
 
 def test_tokens_are_reserved_then_settled_so_concurrent_requests_cannot_overshoot_the_budget() -> None:
     lim = limiter(budget=Budget(tokens=1000, per="day"))
     now = at("2026-12-03T12:00:00")
     running = []
-    while isinstance(t := lim.admit("k", "m", 300, now), Ticket):
+    while isinstance(t := lim.admit("k", ("m",), 300, now), Ticket):
         running.append(t)
     assert len(running) == 3  # 3 × 300 reserved; a fourth would pass 1,000
     for t in running:  # each really used 310: 10 over its reservation
         t.settle(310)
         t.release()
     assert lim._scopes[("team", "")].used == 930  # at most one reservation's worth over, never more
-    refused = lim.admit("k", "m", 300, now)
+    refused = lim.admit("k", ("m",), 300, now)
     assert isinstance(refused, Refusal)
     assert "used 930 of its 1000-token budget per day" in refused.message
     assert "resets at 2026-12-04 00:00 UTC" in refused.message
     # Settled below the reservation: the rest is given back.
-    small = lim.admit("k", "m", 50, now)
+    small = lim.admit("k", ("m",), 50, now)
     assert isinstance(small, Ticket)
     small.settle(5)
     small.release()
@@ -81,14 +81,14 @@ def test_tokens_are_reserved_then_settled_so_concurrent_requests_cannot_overshoo
 def test_the_budget_resets_at_the_period_boundary_in_utc() -> None:
     lim = limiter(budget=Budget(tokens=100, per="day", reset="06:00"))
     before = at("2026-12-04T05:59:00")
-    t = lim.admit("k", "m", 100, before)
+    t = lim.admit("k", ("m",), 100, before)
     assert isinstance(t, Ticket)
     t.settle(100)
     t.release()
-    refused = lim.admit("k", "m", 1, before)
+    refused = lim.admit("k", ("m",), 1, before)
     assert isinstance(refused, Refusal) and "resets at 2026-12-04 06:00 UTC" in refused.message
     assert refused.retry_after == pytest.approx(60.0)
-    assert isinstance(lim.admit("k", "m", 1, at("2026-12-04T06:00:00")), Ticket)  # a new day at 06:00
+    assert isinstance(lim.admit("k", ("m",), 1, at("2026-12-04T06:00:00")), Ticket)  # a new day at 06:00
     month = Budget(tokens=1, per="month", reset="00:30")
     assert period_start(month, at("2026-12-01T00:10:00")) == at("2026-11-01T00:30:00")
     assert period_start(month, at("2026-12-15T10:00:00")) == at("2026-12-01T00:30:00")
@@ -97,23 +97,23 @@ def test_the_budget_resets_at_the_period_boundary_in_utc() -> None:
 
 def test_a_request_must_fit_the_tenant_and_its_model_limits_and_a_refusal_takes_nothing() -> None:
     lim = Limiter([Tenant("team", ("k",), Limits(requests_per_minute=10), (("big", Limits(requests_per_minute=1)),))])
-    assert isinstance(lim.admit("k", "big", 0, 0.0), Ticket)
-    refused = lim.admit("k", "big", 0, 0.0)
+    assert isinstance(lim.admit("k", ("big",), 0, 0.0), Ticket)
+    refused = lim.admit("k", ("big",), 0, 0.0)
     assert isinstance(refused, Refusal) and "team/big" in refused.message
     for _ in range(9):  # the refused request took nothing from the tenant-wide bucket
-        assert isinstance(lim.admit("k", "small", 0, 0.0), Ticket)
-    assert isinstance(lim.admit("k", "small", 0, 0.0), Refusal)
+        assert isinstance(lim.admit("k", ("small",), 0, 0.0), Ticket)
+    assert isinstance(lim.admit("k", ("small",), 0, 0.0), Refusal)
 
 
 def test_a_new_catalog_keeps_what_was_used_of_limits_that_did_not_change() -> None:
     old = limiter(requests_per_minute=1)
-    assert isinstance(old.admit("k", "m", 0, 0.0), Ticket)
+    assert isinstance(old.admit("k", ("m",), 0, 0.0), Ticket)
     same = limiter(requests_per_minute=1)
     same.carry_over(old)
-    assert isinstance(same.admit("k", "m", 0, 0.0), Refusal)
+    assert isinstance(same.admit("k", ("m",), 0, 0.0), Refusal)
     raised = limiter(requests_per_minute=5)
     raised.carry_over(old)
-    assert isinstance(raised.admit("k", "m", 0, 0.0), Ticket)
+    assert isinstance(raised.admit("k", ("m",), 0, 0.0), Ticket)
 
 
 def test_durations_are_spelled_as_openai_does() -> None:
@@ -187,3 +187,48 @@ async def test_a_spent_budget_says_which_and_when_it_resets(chat_sim: SimProcess
         assert r.choices
         await c.close()
         await asyncio.sleep(0)
+
+
+# --- found in review -------------------------------------------------------------------------------
+
+def test_lowering_a_budget_keeps_what_was_used_and_what_is_in_flight() -> None:
+    old = limiter(budget=Budget(tokens=1000, per="day"), concurrent=2)
+    now = at("2026-12-03T12:00:00")
+    done = old.admit("k", ("m",), 100, now)
+    assert isinstance(done, Ticket)
+    done.settle(900)
+    done.release()
+    running = old.admit("k", ("m",), 50, now)
+    assert isinstance(running, Ticket)
+    lowered = limiter(budget=Budget(tokens=500, per="day"), concurrent=1)
+    lowered.carry_over(old)
+    refused = lowered.admit("k", ("m",), 1, now)
+    assert isinstance(refused, Refusal) and "concurrent: 1" in refused.message
+    running.settle(10)
+    running.release()  # the ticket admitted under the old catalog releases the scope that goes on
+    refused = lowered.admit("k", ("m",), 1, now)
+    assert isinstance(refused, Refusal) and "used 910 of its 500-token budget" in refused.message
+
+
+def test_huge_or_odd_max_tokens_are_read_as_engines_read_them_and_never_overflow() -> None:
+    from llmgw.router.limits import MAX_RESERVATION, reservation
+
+    assert reservation({"max_tokens": 10 ** 400}, 0) == MAX_RESERVATION
+    assert reservation({"max_tokens": "300"}, 0) == 300 and reservation({"max_tokens": 300.0}, 0) == 300
+    assert reservation({"max_completion_tokens": None, "max_tokens": 3000}, 0) == 3000
+    assert reservation({"max_tokens": -1}, 0) == 256  # llama.cpp's "unlimited": the default is reserved
+    assert reservation({"max_tokens": 10, "n": 5}, 40) == 60
+    lim = limiter(tokens_per_minute=1000)
+    t = lim.admit("k", ("m",), reservation({"max_tokens": 10 ** 400}, 0), 0.0)
+    assert isinstance(t, Ticket)
+    refused = lim.admit("k", ("m",), 10, 1.0)  # no OverflowError: a refusal with a finite wait
+    assert isinstance(refused, Refusal) and refused.retry_after < float("inf")
+    t.settle(5)
+    t.release()
+
+
+def test_a_fallback_must_fit_its_own_model_limits() -> None:
+    lim = Limiter([Tenant("team", ("k",), Limits(), (("big", Limits(requests_per_minute=1)),))])
+    assert isinstance(lim.admit("k", ("small", "big"), 0, 0.0), Ticket)
+    assert isinstance(lim.admit("k", ("small", "big"), 0, 0.0), Refusal)  # big may serve it: big's limit holds
+    assert isinstance(lim.admit("k", ("small",), 0, 0.0), Ticket)

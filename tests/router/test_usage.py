@@ -116,3 +116,21 @@ async def test_usage_is_kept_per_key(chat_sim: SimProcess) -> None:
     usage = router.usage()
     assert usage[("team-a", "chat")].requests == 2 and usage[("team-a", "chat")].completion_tokens == 6
     assert usage[("team-b", "chat")].requests == 1 and usage[("team-b", "chat")].completion_tokens == 9
+
+
+def test_only_whole_usage_events_are_stripped_whatever_the_read_boundaries() -> None:
+    stream = (b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+              b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+              b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}\n\n'
+              b"data: [DONE]\n\n")
+    want = stream.replace(b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}\n\n', b"")
+    for cut in range(1, len(stream)):
+        out = strip_usage_events(stream[:cut]) + strip_usage_events(stream[cut:])
+        events = [e for e in out.split(b"\n\n") if e]
+        # Every event the client gets is whole JSON (or [DONE]); the usage event is gone unless a
+        # read boundary split it, in which case it is passed on whole.
+        assert out in (want, stream), cut
+        assert all(e == b"data: [DONE]" or json.loads(e[6:]) for e in events), cut
+    # The word "usage" as a value (a token of prompt_logprobs) is not the usage object.
+    whole = b'{"usage":{"prompt_tokens":7,"completion_tokens":3},"prompt_logprobs":[{"1":{"decoded_token":"usage"}}]}'
+    assert reported_usage(whole) == (7, 3)
