@@ -35,11 +35,9 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -49,6 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from llmgw.catalog.model import Catalog, Model, Profile  # noqa: E402
 from llmgw.contract import Endpoint  # noqa: E402
+from llmgw.engines.testing import LlamaServers  # noqa: E402
 from llmgw.router import Router, RouterConfig  # noqa: E402
 from tests.e2e.test_llamacpp_fleet import llama_server, smollm2  # noqa: E402
 
@@ -60,54 +59,6 @@ WORDS = ("river stone cloud paper green light market winter signal garden copper
 def handbook(tenant: int, words: int) -> str:
     rng = random.Random(f"tenant-{tenant}")
     return f"Handbook of tenant {tenant}. " + " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Servers:
-    """Two fresh llama-server processes (an empty cache each), stopped on exit."""
-
-    def __init__(self, binary: Path, gguf: Path, cache_ram: int, ctx: int, logs: Path) -> None:
-        self.procs: list[subprocess.Popen] = []
-        self.urls: list[str] = []
-        for i in range(2):
-            port = free_port()
-            with (logs / f"llama-{port}.log").open("w") as log:
-                self.procs.append(subprocess.Popen(
-                    [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
-                     "-np", "1", "--cache-ram", str(cache_ram), "--ctx-size", str(ctx), "--metrics"],
-                    stdout=subprocess.DEVNULL, stderr=log))
-            self.urls.append(f"http://127.0.0.1:{port}")
-            del i
-        deadline = time.monotonic() + 60
-        for url, proc in zip(self.urls, self.procs, strict=True):
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"llama-server exited ({proc.returncode}); see {logs}")
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("llama-server did not become healthy in 60 s")
-                time.sleep(0.2)
-
-    def close(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 async def one(session: aiohttp.ClientSession, url: str, system: str, question: str) -> tuple[float, int, int]:
@@ -132,7 +83,7 @@ async def one(session: aiohttp.ClientSession, url: str, system: str, question: s
         int(timings.get("prompt_n", 0))
 
 
-async def replay(policy: str, sequence: list[tuple[str, str]], servers: Servers, clients: int) -> dict:
+async def replay(policy: str, sequence: list[tuple[str, str]], servers: LlamaServers, clients: int) -> dict:
     router: Router | None = None
     targets: list[str]
     if policy == "round-robin":
@@ -212,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{load} prefixes: {len(sequence)} requests, {tenants if load == 'shared' else len(sequence)} "
                   f"prompts of ~{words} words, {a.clients} client(s)", flush=True)
             for policy in ("prefix", "least-outstanding", "round-robin"):
-                servers = Servers(binary, gguf, cache_ram, 4096, Path(tmp))
+                servers = LlamaServers(binary, gguf, Path(tmp), extra=("--cache-ram", str(cache_ram), "--ctx-size",
+                                                                      "4096", "--metrics"))
                 try:
                     results[load][policy] = asyncio.run(replay(policy, sequence, servers, clients=a.clients))
                 finally:

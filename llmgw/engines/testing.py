@@ -117,3 +117,54 @@ class SimProcess:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
+
+
+class LlamaServers:
+    """``count`` real ``llama-server`` processes of one model on free ports, each with one slot
+    and ``threads`` threads (``extra`` args added), healthy once constructed; ``close()`` stops them.
+    For tests and benchmarks where a real engine's caching matters (tests/e2e, bench/prefix_bench)."""
+
+    def __init__(self, binary: Path, gguf: Path, logs: Path, *, count: int = 2, threads: int = 1,
+                 extra: tuple[str, ...] = (), timeout: float = 60.0) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.urls: list[str] = []
+        try:
+            for _ in range(count):
+                port = free_port()
+                with (logs / f"llama-{port}.log").open("w") as log:
+                    self.procs.append(subprocess.Popen(
+                        [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                         "--threads", str(threads), "-np", "1", *extra], stdout=subprocess.DEVNULL, stderr=log))
+                self.urls.append(f"http://127.0.0.1:{port}")
+            deadline = time.monotonic() + timeout
+            for url, proc in zip(self.urls, self.procs, strict=True):
+                while not _healthy(url):
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"llama-server exited ({proc.returncode}); its log is in {logs}")
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"llama-server did not become healthy in {timeout:g} s")
+                    time.sleep(0.2)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+def _healthy(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False

@@ -155,13 +155,8 @@ def pick(groups: Iterable[tuple[Upstream, ...]], now: float, rng: random.Random,
     for group in groups:
         best: list[Upstream] = []
         best_load = 0.0
-        for u in group:
-            if u in exclude:
-                continue
-            if u.cooldown_until > now:
-                if cooling is None or u.cooldown_until < cooling.cooldown_until:
-                    cooling = u
-                continue
+        live, cooling = _live(group, now, exclude, cooling)
+        for u in live:
             load = u.load()
             if not best or load < best_load:
                 best, best_load = [u], load
@@ -191,17 +186,10 @@ def pick_prefix(groups: Iterable[tuple[Upstream, ...]], now: float, prompt: Prom
     """
     cooling: Upstream | None = None
     for group in groups:
-        live: list[tuple[Upstream, float]] = []
-        for u in group:
-            if u in exclude:
-                continue
-            if u.cooldown_until > now:
-                if cooling is None or u.cooldown_until < cooling.cooldown_until:
-                    cooling = u
-                continue
-            live.append((u, u.load()))
-        if not live:
+        healthy, cooling = _live(group, now, exclude, cooling)
+        if not healthy:
             continue
+        live = [(u, u.load()) for u in healthy]
         least = min(load for _, load in live)
         best: list[Upstream] = []
         best_key = (0, 0.0)
@@ -228,3 +216,18 @@ def pick_prefix(groups: Iterable[tuple[Upstream, ...]], now: float, prompt: Prom
 
 def _remembered(u: Upstream) -> int:
     return 0 if u.prefixes is None else len(u.prefixes)
+
+
+def _live(group: tuple[Upstream, ...], now: float, exclude: tuple[Upstream, ...],
+          cooling: Upstream | None) -> tuple[list[Upstream], Upstream | None]:
+    """The group's replicas not tried and not cooling, and the cooling one that recovers first."""
+    live = []
+    for u in group:
+        if u in exclude:
+            continue
+        if u.cooldown_until > now:
+            if cooling is None or u.cooldown_until < cooling.cooldown_until:
+                cooling = u
+            continue
+        live.append(u)
+    return live, cooling

@@ -10,9 +10,6 @@ start). The router runs in this process on a real port; the client is the real o
 from __future__ import annotations
 
 import json
-import subprocess
-import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -21,8 +18,8 @@ import pytest
 
 from llmgw.catalog.model import Catalog
 from llmgw.contract import Endpoint
+from llmgw.engines.testing import LlamaServers
 from llmgw.router import Router, RouterConfig
-from tests.e2e.processes import free_port
 from tests.e2e.test_llamacpp_fleet import BINARY, GGUF, requires_engine
 from tests.router.conftest import serving
 from tests.router.fake_controller import model
@@ -39,38 +36,13 @@ def manual(tenant: int, words: int = 220) -> str:
 
 @pytest.fixture(scope="module")
 def two_llama_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    logs = tmp_path_factory.mktemp("llama")
-    procs, urls = [], []
+    assert BINARY is not None and GGUF is not None
+    servers = LlamaServers(BINARY, GGUF, tmp_path_factory.mktemp("llama"),
+                           extra=("--cache-ram", "0", "--ctx-size", "2048", "--metrics"))
     try:
-        for i in range(2):
-            port = free_port()
-            with (logs / f"llama-{i}.log").open("w") as log:
-                procs.append(subprocess.Popen(
-                    [str(BINARY), "-m", str(GGUF), "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
-                     "-np", "1", "--cache-ram", "0", "--ctx-size", "2048", "--metrics"],
-                    stdout=subprocess.DEVNULL, stderr=log))
-            urls.append(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + 60
-        for url, proc in zip(urls, procs, strict=True):
-            while True:
-                assert proc.poll() is None, (logs / f"llama-{urls.index(url)}.log").read_text()[-2000:]
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                assert time.monotonic() < deadline, "llama-server did not become healthy in 60 s"
-                time.sleep(0.2)
-        yield urls
+        yield servers.urls
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        servers.close()
 
 
 def llama_endpoint(rid: str, url: str) -> Endpoint:
