@@ -136,8 +136,21 @@ class Router:
             chains[m.name] = (m, *(f for f in fallbacks if f is not None))
         limiter = Limiter(routes.tenants)
         limiter.carry_over(self._limiter)  # a new commit must not hand every tenant a fresh budget
+        self._warn_unknown_tenant_keys(routes)
         self.routes, self._chains, self.has_catalog, self._limiter = routes, chains, True, limiter
         self._changes.notify()
+
+    def _warn_unknown_tenant_keys(self, routes: RouteCatalog) -> None:
+        """A tenant naming a key this router does not have limits nobody: a typo would leave the
+        real key unlimited, and git cannot know the key names (their hashes stay out of it)."""
+        if self.keys.open:
+            return
+        names = {k.name for k in self.keys.keys}
+        for t in routes.tenants:
+            unknown = [k for k in t.keys if k not in names]
+            if unknown:
+                log.warning("tenant %s names API key(s) this router does not have: %s (known: %s)", t.name,
+                            ", ".join(unknown), ", ".join(sorted(n for n in names if n)))
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         """Endpoint sink: replace the table with ``endpoints`` (ready replicas only) at once."""
@@ -391,6 +404,8 @@ class Router:
             chain = tuple(m.name for m in self._chains.get(model.name, (model,)))
             admitted = self._limiter.admit(key.name, chain, reservation(body, len(raw)), self._wall())
             if isinstance(admitted, Refusal):
+                if admitted.fits_never:
+                    return self._refuse(respond.bad_request(admitted.message, "exceeds_budget"), model.name, t0)
                 return self._refuse(respond.rate_limited(admitted.message, admitted.retry_after, admitted.headers),
                                     model.name, t0)
             ticket = admitted

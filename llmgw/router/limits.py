@@ -134,6 +134,7 @@ class Refusal:
     message: str
     retry_after: float
     headers: dict[str, str] = field(default_factory=dict)
+    fits_never: bool = False  # the request alone exceeds a limit: waiting cannot help (a 400)
 
 
 class Ticket:
@@ -243,6 +244,10 @@ class Limiter:
                 return self._refuse(s, f"tenant `{s.name}` reached its limit of {lim.tokens_per_minute} tokens "
                                        f"per minute (this request reserves {reserve})", s.tokens.wait(need))
         if lim.budget is not None:
+            if reserve > lim.budget.tokens:
+                return Refusal(f"This request reserves {reserve} tokens (max_tokens plus its prompt), more than tenant "
+                               f"`{s.name}`'s whole budget of {lim.budget.tokens} per {lim.budget.per}: lower "
+                               "max_tokens.", 0.0, fits_never=True)
             start = period_start(lim.budget, now)
             if start != s.period:
                 s.period, s.used = start, 0  # a new period: what was used before no longer counts

@@ -232,3 +232,30 @@ def test_a_fallback_must_fit_its_own_model_limits() -> None:
     assert isinstance(lim.admit("k", ("small", "big"), 0, 0.0), Ticket)
     assert isinstance(lim.admit("k", ("small", "big"), 0, 0.0), Refusal)  # big may serve it: big's limit holds
     assert isinstance(lim.admit("k", ("small",), 0, 0.0), Ticket)
+
+
+def test_a_request_larger_than_the_whole_budget_is_refused_as_such() -> None:
+    lim = limiter(budget=Budget(tokens=100, per="day"))
+    refused = lim.admit("k", ("m",), 500, 0.0)
+    assert isinstance(refused, Refusal) and refused.fits_never and "lower max_tokens" in refused.message
+    assert isinstance(lim.admit("k", ("m",), 50, 0.0), Ticket)  # and it took nothing
+
+
+async def test_the_router_answers_400_for_a_request_no_wait_can_admit(chat_sim: SimProcess) -> None:
+    router = keyed_router(chat_sim, Limits(budget=Budget(tokens=100, per="day")))
+    async with serving(router) as base:
+        c = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=0, timeout=15)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=5000)
+        assert refused.value.code == "exceeds_budget"
+        assert (await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=5)).choices
+        await c.close()
+
+
+def test_a_tenant_naming_an_unknown_key_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    keys = KeyRing.from_entries([{"name": "team-key", "sha256": hash_key("sk-team"), "models": ["*"]}])
+    router = Router(keys=keys)
+    with caplog.at_level("WARNING"):
+        router.set_catalog(Catalog(models=(model("chat"),), settings=Settings(tenants=(
+            Tenant("team", ("team-key", "tean-key"), Limits(concurrent=1)),))))
+    assert "tenant team names API key(s) this router does not have: tean-key (known: team-key)" in caplog.text
