@@ -47,6 +47,7 @@ from llmgw.router.prefix import PrefixIndex, PromptKey, prompt_key
 from llmgw.router.proxy import CLIENT_GONE, BadBody, Tap, forward_stream, forward_whole, parse_body, rewrite_model
 from llmgw.router.retry import RetryBudget, RetryTicket, next_step
 from llmgw.router.routes import RouteCatalog, RouteModel
+from llmgw.router.shared_limits import SharedLimits, SharedTicket
 from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, choose
 from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
 from llmgw.router.usage import Usage, ask_for_usage, reported_usage, wants_usage
@@ -62,7 +63,7 @@ class Account:
     """Whom a request is counted against: the key's name ("" when open) and its tenant's ticket."""
 
     key: str
-    ticket: Ticket | None = None
+    ticket: Ticket | SharedTicket | None = None
     prompt_estimate: int = 0
     reserved: int = 0
 
@@ -105,6 +106,7 @@ class Router:
         self._polled_counts: dict[str, list[int]] = {}
         self._usage: dict[tuple[str, str], Usage] = {}  # (key name, model served) -> use since start
         self._limiter = Limiter()  # tenants' limits, from the catalog (llmgw.yaml)
+        self._shared: SharedLimits | None = None  # the same limits counted in Redis, when configured
         self._budget = RetryBudget()
         self._handlers: set[asyncio.Task[object]] = set()  # requests being routed, for the drain
         self._unrunnable: dict[str, str] = {}  # model -> why no node can run it (from placement)
@@ -211,6 +213,8 @@ class Router:
         self._pool = UpstreamPool(connect_timeout=c.connect_timeout, read_timeout=c.first_byte_timeout,
                                   keepalive_timeout=c.keepalive_timeout, max_idle=c.max_idle)
         self._load_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
+        if c.limits_redis:
+            self._shared = SharedLimits(c.limits_redis, clock=self._clock)
         self._poller = asyncio.create_task(self._background(), name="router-background")
 
     async def _background(self) -> None:
@@ -268,6 +272,9 @@ class Router:
         if self._load_session is not None:
             await self._load_session.close()
             self._load_session = None
+        if self._shared is not None:
+            await self._shared.close()
+            self._shared = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.body_limit)
@@ -402,7 +409,11 @@ class Router:
         ticket = None
         if key is not None:
             chain = tuple(m.name for m in self._chains.get(model.name, (model,)))
-            admitted = self._limiter.admit(key.name, chain, reservation(body, len(raw)), self._wall())
+            if self._shared is not None:
+                admitted = await self._shared.admit(self._limiter, key.name, chain, reservation(body, len(raw)),
+                                                    self._wall())
+            else:
+                admitted = self._limiter.admit(key.name, chain, reservation(body, len(raw)), self._wall())
             if isinstance(admitted, Refusal):
                 if admitted.fits_never:
                     return self._refuse(respond.bad_request(admitted.message, "exceeds_budget"), model.name, t0)
@@ -643,7 +654,9 @@ class Router:
 
     # --- metrics -------------------------------------------------------------------------
     def _gauges(self) -> GaugeSnapshot:
-        return gauges(self.table, self._demand.held, self._clock(), self.prompt_cache(), self._usage)
+        snap = gauges(self.table, self._demand.held, self._clock(), self.prompt_cache(), self._usage)
+        snap.limits_degraded = self._shared is not None and self._shared.degraded
+        return snap
 
 
 def _model_entry(name: str, model: RouteModel, ready: bool) -> dict[str, object]:

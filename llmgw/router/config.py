@@ -36,3 +36,6 @@ class RouterConfig:
     # Blocks remembered per replica (LRU): 16,384 × 64 characters is ~1 MiB of text, ~250k tokens,
     # more than a small GPU's KV cache holds; ~1.5 MB of router memory per replica.
     prefix_index_blocks: int = 16384
+    # Tenants' limits counted in this Redis (redis://[:password@]host:port/db), shared by every
+    # router given the same URL; empty: each router counts on its own (llmgw.router.shared_limits).
+    limits_redis: str = ""

@@ -209,11 +209,9 @@ class Limiter:
     def admit(self, key: str, models: tuple[str, ...], reserve: int, now: float) -> Ticket | Refusal | None:
         """A ticket, a refusal, or None when the key is in no tenant (not limited). ``models``: the
         model asked for and its fallbacks; any may serve, so the request must fit each one's limits."""
-        tenant = self._tenant_of.get(key)
-        if tenant is None:
+        scopes = self.scopes_of(key, models)
+        if scopes is None:
             return None
-        found = (self._scopes.get((tenant, "")), *(self._scopes.get((tenant, m)) for m in models))
-        scopes = tuple(s for s in found if s is not None)
         for s in scopes:
             refused = self._check(s, reserve, now)
             if refused is not None:
@@ -226,6 +224,25 @@ class Limiter:
             s.inflight += 1
             s.reserved += reserve
         return Ticket(scopes, reserve)
+
+    def scopes_of(self, key: str, models: tuple[str, ...]) -> tuple[Scope, ...] | None:
+        """The scopes a request with ``key`` for ``models`` must fit; None when the key is in no tenant."""
+        tenant = self._tenant_of.get(key)
+        if tenant is None:
+            return None
+        found = (self._scopes.get((tenant, "")), *(self._scopes.get((tenant, m)) for m in models))
+        return tuple(s for s in found if s is not None)
+
+    @staticmethod
+    def never_fits(scopes: tuple[Scope, ...], reserve: int) -> Refusal | None:
+        """A refusal when ``reserve`` alone exceeds a scope's whole budget: waiting cannot help."""
+        for s in scopes:
+            b = s.limits.budget
+            if b is not None and reserve > b.tokens:
+                return Refusal(f"This request reserves {reserve} tokens (max_tokens plus its prompt), more than "
+                               f"tenant `{s.name}`'s whole budget of {b.tokens} per {b.per}: lower max_tokens.", 0.0,
+                               fits_never=True)
+        return None
 
     def _check(self, s: Scope, reserve: int, now: float) -> Refusal | None:
         lim = s.limits
@@ -244,10 +261,9 @@ class Limiter:
                 return self._refuse(s, f"tenant `{s.name}` reached its limit of {lim.tokens_per_minute} tokens "
                                        f"per minute (this request reserves {reserve})", s.tokens.wait(need))
         if lim.budget is not None:
-            if reserve > lim.budget.tokens:
-                return Refusal(f"This request reserves {reserve} tokens (max_tokens plus its prompt), more than tenant "
-                               f"`{s.name}`'s whole budget of {lim.budget.tokens} per {lim.budget.per}: lower "
-                               "max_tokens.", 0.0, fits_never=True)
+            never = self.never_fits((s,), reserve)
+            if never is not None:
+                return never
             start = period_start(lim.budget, now)
             if start != s.period:
                 s.period, s.used = start, 0  # a new period: what was used before no longer counts

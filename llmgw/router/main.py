@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmgw.router")
 
 TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
+LIMITS_REDIS_ENV = "LLMGW_LIMITS_REDIS"  # an environment variable keeps a password out of `ps`
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report-interval", type=float, default=2.0, help="seconds between usage reports")
     p.add_argument("--reconnect-max", type=float, default=10.0,
                    help="longest wait, seconds, between attempts to reach the controller")
+    p.add_argument("--limits-redis", default=None, metavar="URL",
+                   help=f"Redis shared by every router for tenants' limits, redis://[:password@]host:port/db "
+                        f"(default: ${LIMITS_REDIS_ENV}; none: this router counts on its own)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -91,7 +95,8 @@ def run(args: argparse.Namespace, console: Any = None) -> int:  # noqa: ARG001 -
     raise_fd_limit()
     config = RouterConfig(hold_timeout=args.hold_timeout, connect_timeout=args.connect_timeout,
                           first_byte_timeout=args.first_byte_timeout, body_limit=args.body_limit,
-                          drain_timeout=args.drain_timeout)
+                          drain_timeout=args.drain_timeout,
+                          limits_redis=args.limits_redis or os.environ.get(LIMITS_REDIS_ENV, ""))
     try:
         _run(_serve(args, token, host, port, keys, config))
     except OSError as exc:

@@ -103,11 +103,12 @@ class RouterMetrics:
 class GaugeSnapshot:
     """What the collector reports at scrape time; filled by the router."""
 
-    __slots__ = ("inflight", "held", "ready", "cooling", "table_version", "prompt_cache", "usage")
+    __slots__ = ("inflight", "held", "ready", "cooling", "table_version", "prompt_cache", "usage", "limits_degraded")
 
     def __init__(self) -> None:
         self.prompt_cache: Mapping[str, PromptCache] = {}
         self.usage: Mapping[tuple[str, str], Usage] = {}
+        self.limits_degraded = False
         self.inflight: dict[tuple[str, str], int] = {}  # (model, replica) → requests
         self.held: dict[str, int] = {}
         self.ready: dict[str, int] = {}
@@ -178,6 +179,9 @@ class _GaugeCollector(Collector):
             requests.add_metric((key, model, "stream"), u.counted_from_stream)
         yield tokens
         yield requests
+        yield GaugeMetricFamily("llmgw_router_limits_degraded", "1 while the Redis that shares tenants' limits "
+                                "cannot be reached and this router applies them alone.",
+                                value=1 if snap.limits_degraded else 0)
 
 
 _PROMPT_CACHE_COUNTERS = (
