@@ -276,17 +276,22 @@ class Limiter:
         return None
 
     def _refuse(self, s: Scope, why: str, retry_after: float) -> Refusal:
-        headers: dict[str, str] = {}
-        if s.requests is not None:
-            headers["x-ratelimit-limit-requests"] = str(s.limits.requests_per_minute)
-            headers["x-ratelimit-remaining-requests"] = str(max(0, math.floor(s.requests.level)))
-            headers["x-ratelimit-reset-requests"] = duration(s.requests.until_full())
-        if s.tokens is not None:
-            headers["x-ratelimit-limit-tokens"] = str(s.limits.tokens_per_minute)
-            headers["x-ratelimit-remaining-tokens"] = str(max(0, math.floor(s.tokens.level)))
-            headers["x-ratelimit-reset-tokens"] = duration(s.tokens.until_full())
-        return Refusal(f"Rate limit reached: {why}. Retry in {duration(retry_after)}.", max(0.0, retry_after),
-                       headers)
+        return refusal(s.limits, why, retry_after, None if s.requests is None else s.requests.level,
+                       None if s.tokens is None else s.tokens.level)
+
+
+def refusal(limits: Limits, why: str, retry_after: float, requests_left: float | None,
+            tokens_left: float | None) -> Refusal:
+    """The 429's message and OpenAI's headers, from what is left in each bucket (None: unknown, full)."""
+    headers: dict[str, str] = {}
+    for kind, cap, left in (("requests", limits.requests_per_minute, requests_left),
+                            ("tokens", limits.tokens_per_minute, tokens_left)):
+        if cap:
+            level = float(cap) if left is None else left
+            headers[f"x-ratelimit-limit-{kind}"] = str(cap)
+            headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(level)))
+            headers[f"x-ratelimit-reset-{kind}"] = duration(max(0.0, (cap - level) * 60.0 / cap))
+    return Refusal(f"Rate limit reached: {why}. Retry in {duration(retry_after)}.", max(0.0, retry_after), headers)
 
 
 def duration(seconds: float) -> str:

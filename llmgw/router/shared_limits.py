@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from llmgw.router.limits import Limiter, Refusal, Scope, Ticket, duration, next_period, period_start
+from llmgw.router.limits import Limiter, Refusal, Scope, Ticket, next_period, period_start, refusal
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ EXPIRE = 40 * 86400  # seconds a counter outlives its last use (a month's budget
 
 # KEYS: per scope, its base key. ARGV: now, reserve, then per scope rpm, tpm, concurrent,
 # budget tokens (0: none), period start. Returns {0} admitted, or {1, scope index, kind, wait,
-# requests left, tokens left, used, reserved}.
+# requests left, tokens left ("nil": not read), used, reserved}.
 _ADMIT = """
 local now, reserve = tonumber(ARGV[1]), tonumber(ARGV[2])
 local n = #KEYS
@@ -47,14 +47,14 @@ for i = 1, n do
   local rpm, tpm, conc, budget, period = tonumber(ARGV[b+1]), tonumber(ARGV[b+2]), tonumber(ARGV[b+3]),
     tonumber(ARGV[b+4]), ARGV[b+5]
   local k = KEYS[i]
-  local r, t = -1, -1
+  local r, t = nil, nil
   if conc > 0 then
     local inflight = tonumber(redis.call('GET', k .. ':inflight') or '0')
-    if inflight >= conc then return {1, i, 'concurrent', '1', '-1', '-1', tostring(inflight), '0'} end
+    if inflight >= conc then return {1, i, 'concurrent', '1', 'nil', 'nil', tostring(inflight), '0'} end
   end
   if rpm > 0 then
     r = bucket(k .. ':rpm', rpm)
-    if r < 1 then return {1, i, 'requests', tostring((1 - r) * 60 / rpm), tostring(r), '-1', '0', '0'} end
+    if r < 1 then return {1, i, 'requests', tostring((1 - r) * 60 / rpm), tostring(r), 'nil', '0', '0'} end
   end
   if tpm > 0 then
     t = bucket(k .. ':tpm', tpm)
@@ -235,20 +235,9 @@ class SharedLimits:
 
 
 def _refusal(s: Scope, r: list[str], reserve: int, now: float) -> Refusal:
+    """The refusal the Lua script described: which scope, which limit, what is left."""
     kind, wait = r[2], float(r[3])
     lim = s.limits
-    headers: dict[str, str] = {}
-    if lim.requests_per_minute:
-        left = float(r[4]) if float(r[4]) >= 0 else float(lim.requests_per_minute)
-        headers["x-ratelimit-limit-requests"] = str(lim.requests_per_minute)
-        headers["x-ratelimit-remaining-requests"] = str(max(0, int(left)))
-        headers["x-ratelimit-reset-requests"] = duration((lim.requests_per_minute - left) * 60
-                                                         / lim.requests_per_minute)
-    if lim.tokens_per_minute:
-        left = float(r[5]) if float(r[5]) >= 0 else float(lim.tokens_per_minute)
-        headers["x-ratelimit-limit-tokens"] = str(lim.tokens_per_minute)
-        headers["x-ratelimit-remaining-tokens"] = str(max(0, int(left)))
-        headers["x-ratelimit-reset-tokens"] = duration((lim.tokens_per_minute - left) * 60 / lim.tokens_per_minute)
     if kind == "concurrent":
         why = f"{r[6]} requests of tenant `{s.name}` are in flight, its limit (concurrent: {lim.concurrent})"
     elif kind == "requests":
@@ -263,4 +252,6 @@ def _refusal(s: Scope, r: list[str], reserve: int, now: float) -> Refusal:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(resets))
         why = (f"tenant `{s.name}` has used {r[6]} of its {lim.budget.tokens}-token budget per {lim.budget.per} "
                f"(this request reserves {reserve}, {r[7]} are reserved by requests in flight); it resets at {when}")
-    return Refusal(f"Rate limit reached: {why}. Retry in {duration(wait)}.", max(0.0, wait), headers)
+    def left(v: str) -> float | None:  # "nil": that bucket was not read (the script stopped before it)
+        return None if v == "nil" else float(v)
+    return refusal(lim, why, wait, left(r[4]), left(r[5]))
