@@ -13,7 +13,10 @@ over one long-lived HTTP response of JSON lines::
     {"keepalive": true}\\n                         every ~10 s, so a silent drop is noticed
     {"version": ..., ...}\\n                        a full snapshot again on every change
 
-When the controller's config has API keys, the snapshot also carries them, as the hashes and
+When the controller's config names a Redis for tenants' limits (``router.limits_redis``), the
+snapshot carries its URL (``"limits_redis"``), so every router counts the limits in the same
+place; a router started with its own ``--limits-redis`` keeps that. When the controller's config
+has API keys, the snapshot also carries them, as the hashes and
 model lists the config holds (``"api_keys": [{"name", "sha256", "models"}]``), so every router
 checks the same keys and a key added to the config reaches them all without a restart. A
 router started with its own ``--api-keys`` file keeps that instead.

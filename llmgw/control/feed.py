@@ -48,6 +48,7 @@ class FeedHub:
         self._catalog: CatalogView | None = None
         self._endpoints: list[dict[str, Any]] | None = None
         self._api_keys: list[dict[str, Any]] | None = None
+        self._limits_redis = ""
         self._unrunnable: dict[str, str] = {}
         self._line: bytes | None = None
         self._changes = Changes()
@@ -83,6 +84,12 @@ class FeedHub:
             self._api_keys = keys
             self._publish()
 
+    def set_limits_redis(self, url: str) -> None:
+        """The Redis every router counts tenants' limits in (the controller config's router.limits_redis)."""
+        if url != self._limits_redis:
+            self._limits_redis = url
+            self._publish()
+
     def snapshot(self) -> dict[str, Any] | None:
         """The snapshot watchers get, or None until both a catalog and endpoints were given."""
         if self._catalog is None or self._endpoints is None:
@@ -92,6 +99,8 @@ class FeedHub:
             snap["api_keys"] = self._api_keys
         if self._unrunnable:
             snap["unrunnable"] = self._unrunnable
+        if self._limits_redis:
+            snap["limits_redis"] = self._limits_redis
         return snap
 
     def _publish(self) -> None:

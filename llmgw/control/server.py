@@ -100,6 +100,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     # and their usage merged with the in-process router's.
     hub = FeedHub()
     hub.set_api_keys(cfg.api_keys)
+    hub.set_limits_redis(str(cfg.router.get("limits_redis", "")))
     controller = Controller(cfg.controller, sink=Fanout(router, hub), usage=MergedUsage(router, hub))
     wake = lambda _model: controller.reconciler.notify()  # noqa: E731 - one-line adapter
     attach_router(router, controller.desired, wake=wake)

@@ -142,6 +142,17 @@ class Router:
         self.routes, self._chains, self.has_catalog, self._limiter = routes, chains, True, limiter
         self._changes.notify()
 
+    def use_limits_redis(self, url: str) -> None:
+        """Count tenants' limits in the Redis at ``url`` (as the controller says), or locally ("")."""
+        current = self._shared.url if self._shared is not None else ""
+        if url == current:
+            return
+        old, self._shared = self._shared, SharedLimits(url, clock=self._clock) if url else None
+        if old is not None:
+            task = asyncio.get_running_loop().create_task(old.close())
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+
     def _warn_unknown_tenant_keys(self, routes: RouteCatalog) -> None:
         """A tenant naming a key this router does not have limits nobody: a typo would leave the
         real key unlimited, and git cannot know the key names (their hashes stay out of it)."""
@@ -654,7 +665,9 @@ class Router:
 
     # --- metrics -------------------------------------------------------------------------
     def _gauges(self) -> GaugeSnapshot:
-        snap = gauges(self.table, self._demand.held, self._clock(), self.prompt_cache(), self._usage)
+        tenant = self._limiter.tenant
+        usage = {(tenant(key) or "", key, model): u for (key, model), u in self._usage.items()}
+        snap = gauges(self.table, self._demand.held, self._clock(), self.prompt_cache(), usage)
         snap.limits_degraded = self._shared is not None and self._shared.degraded
         return snap
 

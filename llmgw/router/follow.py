@@ -142,11 +142,16 @@ class FeedClient:
             keys = None
             if self.follow_keys and snap.get("api_keys") is not None:
                 keys = KeyRing.from_entries(snap["api_keys"], where="the controller's api_keys")
+            limits_redis = snap.get("limits_redis", "")
+            if not isinstance(limits_redis, str):
+                raise TypeError("limits_redis must be a redis:// URL")
         except (ValueError, KeyError, TypeError, ConfigError) as exc:
             log.warning("ignoring a malformed snapshot from %s (%s); keeping the last one", self.controller, exc)
             return
         if keys is not None:
             self.router.keys = keys
+        if self.router.config.limits_redis == "":  # a router given its own Redis keeps it
+            self.router.use_limits_redis(limits_redis)
         self.router.set_routes(routes)
         self.router.set_endpoints(endpoints)
         self.router.set_unrunnable(unrunnable)

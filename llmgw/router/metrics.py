@@ -107,7 +107,7 @@ class GaugeSnapshot:
 
     def __init__(self) -> None:
         self.prompt_cache: Mapping[str, PromptCache] = {}
-        self.usage: Mapping[tuple[str, str], Usage] = {}
+        self.usage: Mapping[tuple[str, str, str], Usage] = {}  # (tenant, key, model)
         self.limits_degraded = False
         self.inflight: dict[tuple[str, str], int] = {}  # (model, replica) → requests
         self.held: dict[str, int] = {}
@@ -117,7 +117,7 @@ class GaugeSnapshot:
 
 
 def gauges(table: EndpointTable, held: Mapping[str, int], now: float,
-           prompt_cache: Mapping[str, PromptCache], usage: Mapping[tuple[str, str], Usage]) -> GaugeSnapshot:
+           prompt_cache: Mapping[str, PromptCache], usage: Mapping[tuple[str, str, str], Usage]) -> GaugeSnapshot:
     """The gauges of ``table``, the held requests, prompt-cache and usage counts, read at scrape time."""
     snap = GaugeSnapshot()
     snap.prompt_cache = prompt_cache
@@ -166,17 +166,18 @@ class _GaugeCollector(Collector):
             for model, c in sorted(snap.prompt_cache.items()):
                 family.add_metric((model,), getattr(c, attr))
             yield family
-        tokens = CounterMetricFamily("llmgw_router_usage_tokens", "Tokens per API key (empty: no keys configured), "
-                                     "model served and kind (prompt, completion), as the engines reported them.",
-                                     labels=("key", "model", "kind"))
-        requests = CounterMetricFamily("llmgw_router_usage_requests", "Answers per API key and model served, by "
-                                       "how their tokens were counted (reported by the engine, or from the stream).",
-                                       labels=("key", "model", "counted"))
-        for (key, model), u in sorted(snap.usage.items()):
-            tokens.add_metric((key, model, "prompt"), u.prompt_tokens)
-            tokens.add_metric((key, model, "completion"), u.completion_tokens)
-            requests.add_metric((key, model, "engine"), u.requests - u.counted_from_stream)
-            requests.add_metric((key, model, "stream"), u.counted_from_stream)
+        tokens = CounterMetricFamily("llmgw_router_usage_tokens", "Tokens per tenant (empty: the key is in none), "
+                                     "API key (empty: no keys configured), model served and kind (prompt, "
+                                     "completion), as the engines reported them.",
+                                     labels=("tenant", "key", "model", "kind"))
+        requests = CounterMetricFamily("llmgw_router_usage_requests", "Answers per tenant, API key and model served, "
+                                       "by how their tokens were counted (reported by the engine, or from the stream).",
+                                       labels=("tenant", "key", "model", "counted"))
+        for (tenant, key, model), u in sorted(snap.usage.items()):
+            tokens.add_metric((tenant, key, model, "prompt"), u.prompt_tokens)
+            tokens.add_metric((tenant, key, model, "completion"), u.completion_tokens)
+            requests.add_metric((tenant, key, model, "engine"), u.requests - u.counted_from_stream)
+            requests.add_metric((tenant, key, model, "stream"), u.counted_from_stream)
         yield tokens
         yield requests
         yield GaugeMetricFamily("llmgw_router_limits_degraded", "1 while the Redis that shares tenants' limits "

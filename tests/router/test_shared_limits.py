@@ -130,3 +130,37 @@ def test_the_redis_password_never_reaches_a_log() -> None:
     assert redacted("redis://:s3cret@10.0.0.5:6379/0") == "redis://:***@10.0.0.5:6379/0"
     assert redacted("redis://user:s3cret@cache/1") == "redis://user:***@cache/1"
     assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+async def test_a_standalone_router_takes_the_redis_the_controller_names(chat_sim: SimProcess, redis_url) -> None:  # noqa: ANN001
+    import json
+
+    from llmgw.contract import catalog_view
+    from llmgw.control.feed import FeedHub
+    from llmgw.router.follow import FeedClient
+
+    url, _ = redis_url
+    hub = FeedHub()
+    catalog = Catalog(models=(model("chat"),), settings=Settings(tenants=(
+        Tenant("team", ("team-key",), Limits(requests_per_minute=2)),)))
+    hub.set_catalog(catalog)
+    hub.set_endpoints([endpoint("chat", chat_sim.endpoint)])
+    hub.set_limits_redis(url)
+    snap = hub.snapshot()
+    assert snap is not None and snap["limits_redis"] == url and snap["catalog"] == catalog_view(catalog)
+    keys = KeyRing.from_entries([{"name": "team-key", "sha256": hash_key("sk-team"), "models": ["*"]}])
+    standalone = [Router(keys=keys) for _ in range(2)]
+    for r in standalone:
+        FeedClient(r, "http://controller.invalid", "token")._apply(json.dumps(snap).encode())
+    async with AsyncExitStack() as stack:
+        bases = [await stack.enter_async_context(serving(r)) for r in standalone]
+        answers = []
+        for i in range(4):
+            async with openai.AsyncOpenAI(base_url=bases[i % 2] + "/v1", api_key="sk-team", max_retries=0,
+                                          timeout=15) as c:
+                try:
+                    await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1)
+                    answers.append(200)
+                except openai.RateLimitError:
+                    answers.append(429)
+    assert answers == [200, 200, 429, 429]  # 2 a minute over both routers together
