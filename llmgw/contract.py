@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Protocol, TypedDict
+from typing import Any, NotRequired, Protocol, TypedDict
 
 from llmgw.catalog import Catalog
 
@@ -183,10 +183,10 @@ class ModelView(TypedDict):
     routing: str
 
 
-class CatalogView(TypedDict, total=False):
+class CatalogView(TypedDict):
     revision: str | None
     models: list[ModelView]
-    tenants: list[dict[str, Any]]  # llmgw.yaml's tenants: keys by name and their limits
+    tenants: NotRequired[list[dict[str, Any]]]  # llmgw.yaml's tenants (an older controller sends none)
 
 
 def catalog_view(catalog: Catalog) -> CatalogView:

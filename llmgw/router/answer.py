@@ -10,43 +10,50 @@ so the request path of every other answer pays nothing. Pure; nothing here does 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 TAIL_CHUNKS = 4  # the last chunks of a stream kept for reading: the totals are in the last event
 
-_TIMINGS = b'"timings"'
+# Keys, not string values: a value is followed by , } or ], never by a colon, and a quote inside
+# generated text is escaped, so the model cannot write something these match.
+_TIMINGS = re.compile(rb'"timings"\s*:\s*\{')
 _CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d{1,12})')
 _PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d{1,12})')
 _PREDICTED_N = re.compile(rb'"predicted_n"\s*:\s*(\d{1,12})')
 
 
-def llama_usage(tail: bytes) -> tuple[int, int] | None:
-    """(prompt, completion) tokens from llama.cpp's ``timings``: the prompt is what it computed
-    plus what it reused, the completion what it predicted. Exact, and in every answer's last event
-    without asking, where asking for a usage event would move the timings into it."""
-    i = tail.rfind(_TIMINGS)
-    if i < 0:
+def last_object(tail: bytes, key: re.Pattern[bytes]) -> bytes | None:
+    """The last ``"key": {...}`` of ``tail``, up to its first closing brace (the engines' totals
+    objects are flat), or None. The last one: a stream's final event carries the totals."""
+    found = None
+    for match in key.finditer(tail):
+        found = match
+    if found is None:
         return None
-    end = tail.find(b"}", i)
-    part = tail[i:] if end < 0 else tail[i:end]
+    end = tail.find(b"}", found.end())
+    return tail[found.start():] if end < 0 else tail[found.start():end]
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaTimings:
+    """llama.cpp's ``timings``: prompt tokens reused from its cache and computed, tokens predicted."""
+
+    cached: int
+    computed: int
+    predicted: int
+
+    @property
+    def prompt(self) -> int:
+        return self.cached + self.computed
+
+
+def llama_timings(tail: bytes) -> LlamaTimings | None:
+    """The last ``timings`` of a llama.cpp answer's end, or None. Exact counts, in every answer
+    without asking (asked for a usage event, llama.cpp moves them into it)."""
+    part = last_object(tail, _TIMINGS)
+    if part is None:
+        return None
     cached, computed, predicted = _CACHE_N.search(part), _PROMPT_N.search(part), _PREDICTED_N.search(part)
-    if cached is None or computed is None or predicted is None:
-        return None
-    return int(cached.group(1)) + int(computed.group(1)), int(predicted.group(1))
-
-
-def llama_prompt_cache(tail: bytes) -> tuple[int, int] | None:
-    """(prompt tokens, of which served from the engine's cache) from llama.cpp's ``timings``
-    (``prompt_n`` counts the tokens it computed, ``cache_n`` those it reused), or None.
-
-    The last ``timings`` object of ``tail`` is read: a stream's final event carries the totals.
-    """
-    i = tail.rfind(_TIMINGS)
-    if i < 0:
-        return None
-    end = tail.find(b"}", i)
-    part = tail[i:] if end < 0 else tail[i:end]
-    cached, computed = _CACHE_N.search(part), _PROMPT_N.search(part)
     if cached is None or computed is None:
         return None
-    hit, miss = int(cached.group(1)), int(computed.group(1))
-    return hit + miss, hit
+    return LlamaTimings(int(cached.group(1)), int(computed.group(1)), int(predicted.group(1)) if predicted else 0)

@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from llmgw.catalog import Catalog
 from llmgw.contract import Demand, Endpoint, PromptCache
 from llmgw.router import respond
-from llmgw.router.answer import llama_prompt_cache, llama_usage
+from llmgw.router.answer import llama_timings
 from llmgw.router.changes import Changes
 from llmgw.router.config import RouterConfig
 from llmgw.router.demand import DemandBook
@@ -107,6 +107,7 @@ class Router:
         self._usage: dict[tuple[str, str], Usage] = {}  # (key name, model served) -> use since start
         self._limiter = Limiter()  # tenants' limits, from the catalog (llmgw.yaml)
         self._shared: SharedLimits | None = None  # the same limits counted in Redis, when configured
+        self._unknown_tenant_keys: set[tuple[str, str]] = set()  # already warned about
         self._budget = RetryBudget()
         self._handlers: set[asyncio.Task[object]] = set()  # requests being routed, for the drain
         self._unrunnable: dict[str, str] = {}  # model -> why no node can run it (from placement)
@@ -159,11 +160,13 @@ class Router:
         if self.keys.open:
             return
         names = {k.name for k in self.keys.keys}
-        for t in routes.tenants:
-            unknown = [k for k in t.keys if k not in names]
-            if unknown:
-                log.warning("tenant %s names API key(s) this router does not have: %s (known: %s)", t.name,
-                            ", ".join(unknown), ", ".join(sorted(n for n in names if n)))
+        unknown = {(t.name, k) for t in routes.tenants for k in t.keys if k not in names}
+        # Once per change: a standalone router gets the catalog again with every endpoint change.
+        for tenant in sorted({t for t, _ in unknown - self._unknown_tenant_keys}):
+            keys = ", ".join(sorted(k for t, k in unknown if t == tenant))
+            log.warning("tenant %s names API key(s) this router does not have: %s (known: %s)", tenant, keys,
+                        ", ".join(sorted(n for n in names if n)))
+        self._unknown_tenant_keys = unknown
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         """Endpoint sink: replace the table with ``endpoints`` (ready replicas only) at once."""
@@ -418,21 +421,20 @@ class Router:
                 f"The model `{asked}` is a {model.task} model: use {right}, not {path}.", "wrong_endpoint"),
                 model.name, t0)
         ticket = None
+        reserve = reservation(body, len(raw)) if key is not None else 0  # only a key can be limited
         if key is not None:
             chain = tuple(m.name for m in self._chains.get(model.name, (model,)))
             if self._shared is not None:
-                admitted = await self._shared.admit(self._limiter, key.name, chain, reservation(body, len(raw)),
-                                                    self._wall())
+                admitted = await self._shared.admit(self._limiter, key.name, chain, reserve, self._wall())
             else:
-                admitted = self._limiter.admit(key.name, chain, reservation(body, len(raw)), self._wall())
+                admitted = self._limiter.admit(key.name, chain, reserve, self._wall())
             if isinstance(admitted, Refusal):
                 if admitted.fits_never:
                     return self._refuse(respond.bad_request(admitted.message, "exceeds_budget"), model.name, t0)
                 return self._refuse(respond.rate_limited(admitted.message, admitted.retry_after, admitted.headers),
                                     model.name, t0)
             ticket = admitted
-        account = Account(key.name if key is not None else "", ticket, prompt_estimate(len(raw)),
-                          reservation(body, len(raw)))
+        account = Account(key.name if key is not None else "", ticket, prompt_estimate(len(raw)), reserve)
         try:
             return await self._route(request, path, raw, body, asked, model, stream and path != EMBEDDINGS, t0,
                                      account)
@@ -483,7 +485,7 @@ class Router:
                 counted = True
             data = raw if target.name == asked else rewrite_model(raw, body, asked, target.name)
             # llama.cpp reports exact counts in its timings unasked; asked, it moves them into the
-            # usage event the client would then lose (answer.llama_usage).
+            # usage event the client would then lose (answer.llama_timings).
             ask = strip_usage and up.endpoint.engine != "llama.cpp"
             if ask:
                 data = ask_for_usage(data, body if target.name == asked else {**body, "model": target.name})
@@ -579,7 +581,9 @@ class Router:
             if entry is None:
                 entry = self._usage[(key, model)] = Usage()
             entry.requests += 1
-            reported = None if not complete else reported_usage(tail) or (llama_usage(tail) if llama else None)
+            timings = llama_timings(tail) if llama and complete else None
+            reported = None if not complete else reported_usage(tail) or (
+                (timings.prompt, timings.predicted) if timings is not None else None)
             if reported is not None:
                 entry.prompt_tokens += reported[0]
                 entry.completion_tokens += reported[1]
@@ -592,12 +596,10 @@ class Router:
                     account.ticket.settle(account.prompt_estimate + events)
             if not complete:
                 entry.errors += 1
-            if llama and complete:
-                seen = llama_prompt_cache(tail)
-                if seen is not None:
-                    counts = self._counts(model)
-                    counts[2] += seen[0]
-                    counts[3] += seen[1]
+            if timings is not None:
+                counts = self._counts(model)
+                counts[2] += timings.prompt
+                counts[3] += timings.cached
         return tap
 
     def _engine_counts(self, up: Upstream, queries: float, hits: float) -> None:

@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from llmgw.router.answer import last_object
+
 _USAGE = b'"usage"'
 # The key, not a string value "usage" (a value is followed by , } or ], never by a colon).
 _USAGE_KEY = re.compile(rb'"usage"\s*:\s*\{')
@@ -51,14 +53,9 @@ def reported_usage(tail: bytes) -> tuple[int, int] | None:
     The search starts at the last ``"usage"`` key, which an engine writes after the content:
     text the model generated cannot fake it, because inside a JSON string its quotes are escaped.
     """
-    found = None
-    for match in _USAGE_KEY.finditer(tail):  # the last one: totals follow the content
-        found = match
-    if found is None:
+    part = last_object(tail, _USAGE_KEY)
+    if part is None:
         return None
-    i = found.start()
-    end = tail.find(b"}", found.end())
-    part = tail[i:] if end < 0 else tail[i:end]
     prompt, completion = _PROMPT.search(part), _COMPLETION.search(part)
     if prompt is None:
         return None

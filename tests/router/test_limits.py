@@ -259,3 +259,14 @@ def test_a_tenant_naming_an_unknown_key_is_logged(caplog: pytest.LogCaptureFixtu
         router.set_catalog(Catalog(models=(model("chat"),), settings=Settings(tenants=(
             Tenant("team", ("team-key", "tean-key"), Limits(concurrent=1)),))))
     assert "tenant team names API key(s) this router does not have: tean-key (known: team-key)" in caplog.text
+
+
+def test_an_unknown_tenant_key_is_logged_once_not_at_every_snapshot(caplog: pytest.LogCaptureFixture) -> None:
+    keys = KeyRing.from_entries([{"name": "team-key", "sha256": hash_key("sk-team"), "models": ["*"]}])
+    router = Router(keys=keys)
+    catalog = Catalog(models=(model("chat"),), settings=Settings(tenants=(
+        Tenant("team", ("team-key", "tean-key"), Limits(concurrent=1)),)))
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            router.set_catalog(catalog)
+    assert caplog.text.count("names API key(s) this router does not have") == 1

@@ -18,7 +18,7 @@ from llmgw.control.feed import FeedHub, MergedUsage
 from llmgw.engines.health import parse_load
 from llmgw.engines.testing import SimProcess
 from llmgw.router import Router, RouterConfig, catalog_from_view
-from llmgw.router.answer import llama_prompt_cache
+from llmgw.router.answer import llama_timings
 from llmgw.router.prefix import PrefixIndex, prompt_key, render_chat, render_prompt
 from llmgw.router.routes import RouteModel
 from llmgw.router.table import EMPTY, build_table, choose, pick_prefix
@@ -212,14 +212,22 @@ def test_least_outstanding_models_ignore_the_prompt() -> None:
 def test_llama_timings_are_read_from_the_end_of_an_answer() -> None:
     whole = (b'{"choices":[{"message":{"content":"hi"}}],"timings":{"cache_n":1206,"prompt_n":16,'
              b'"prompt_ms":80.1,"predicted_n":4}}')
-    assert llama_prompt_cache(whole) == (1222, 1206)
+    assert prompt_cache(whole) == (1222, 1206)
     stream = (b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
               b'data: {"choices":[{"finish_reason":"stop","delta":{}}],"timings":{"cache_n":0,"prompt_n":266}}\n\n'
               b"data: [DONE]\n\n")
-    assert llama_prompt_cache(stream) == (266, 0)
-    assert llama_prompt_cache(b'{"timings": {"prompt_n": 5}}') is None
-    assert llama_prompt_cache(b'{"content": "the word \\"timings\\" said by the model"}') is None
-    assert llama_prompt_cache(b"") is None
+    assert prompt_cache(stream) == (266, 0)
+    assert prompt_cache(b'{"timings": {"prompt_n": 5}}') is None
+    assert prompt_cache(b'{"content": "the word \\"timings\\" said by the model"}') is None
+    assert prompt_cache(b"") is None
+    t = llama_timings(whole)
+    assert t is not None and (t.prompt, t.predicted) == (1222, 4)  # the usage llama.cpp reports unasked
+
+
+def prompt_cache(tail: bytes) -> tuple[int, int] | None:
+    """(prompt tokens, of which cached), as the router counts them from llama.cpp's timings."""
+    t = llama_timings(tail)
+    return None if t is None else (t.prompt, t.cached)
 
 
 def test_vllm_prefix_cache_counters_are_read_with_the_load() -> None:
