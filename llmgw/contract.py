@@ -27,7 +27,14 @@ controller's clock, so it grows across restarts too). Routers report back::
 
     POST /api/v1/router/report    {"router_id", "last_used": {replica_id: unix_time},
                                    "demand": {model: {"held": n, "inflight": n}},
-                                   "prompt_cache": {model: PromptCache.to_json()}}
+                                   "prompt_cache": {model: PromptCache.to_json()},
+                                   "usage": UsageBatch.to_json()}     (only when it has rows)
+    → {"ok": true, "version": ..., "usage_acked": seq}
+
+Usage goes as numbered batches of deltas (:class:`UsageBatch`): a router sends the same batch
+again until the controller acknowledges its ``seq``, and the controller records each
+(``instance``, ``seq``) once, in the same transaction as the rows, so a lost answer, a resent
+report or a restart on either side counts nothing twice.
 """
 
 from __future__ import annotations
@@ -137,6 +144,82 @@ class PromptCache:
         if c.matched > c.blocks or c.cached_tokens > c.prompt_tokens:
             raise ValueError("malformed prompt-cache counts: more matched than routed, or cached than processed")
         return c
+
+
+USAGE_COUNTS = ("requests", "errors", "prompt_tokens", "completion_tokens", "counted_from_stream")
+MAX_USAGE_ROWS = 100_000  # in one batch: a router away from its controller for a day, with many keys
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """One key's use of one model in one minute, as one router counted it (a delta).
+
+    ``minute``: the unix time the minute starts (UTC). ``tenant``: the key's tenant when the
+    request was made ("" for none), kept so a key moved to another tenant later keeps its past.
+    ``counted_from_stream``: requests whose tokens were counted from the stream (cut short, or an
+    engine that reported none) rather than taken from the engine's usage report.
+    """
+
+    minute: int
+    tenant: str
+    key: str
+    model: str
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    counted_from_stream: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> UsageRow:
+        """Off the wire; ValueError/TypeError when a name is not a string or a count is odd."""
+        names = [wire_str(d.get(n, "")) for n in ("tenant", "key", "model")]
+        numbers = [d.get("minute"), *(d.get(n, 0) for n in USAGE_COUNTS)]
+        if any(type(v) is not int or not 0 <= v < 2 ** 53 for v in numbers):
+            raise ValueError("malformed usage row: minute and counts must be whole numbers from 0 to 2**53")
+        if numbers[0] % 60 or any(len(n) > 256 for n in names):
+            raise ValueError("malformed usage row: minute must start a minute, names at most 256 characters")
+        minute, *counts = numbers
+        return cls(minute, names[0], names[1], names[2], *counts)
+
+
+@dataclass(frozen=True)
+class UsageBatch:
+    """The usage one router process (``instance``) counted since its batch ``seq - 1``."""
+
+    instance: str
+    seq: int
+    rows: tuple[UsageRow, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"instance": self.instance, "seq": self.seq, "rows": [r.to_json() for r in self.rows]}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> UsageBatch:
+        instance, seq, rows = wire_str(d["instance"]), d["seq"], d["rows"]
+        if type(seq) is not int or seq < 1 or not instance or len(instance) > 256:
+            raise ValueError("malformed usage batch: instance must be a name, seq a whole number from 1")
+        if not isinstance(rows, list) or len(rows) > MAX_USAGE_ROWS:
+            raise ValueError(f"malformed usage batch: rows must be a list of at most {MAX_USAGE_ROWS}")
+        return cls(instance, seq, tuple(UsageRow.from_json(r) for r in rows))
+
+
+class UsageLedger(Protocol):
+    """Where routers' usage is kept (the controller's store): each batch recorded at most once."""
+
+    def record_usage(self, batch: UsageBatch) -> bool:
+        """True when recorded now, False when this (instance, seq) was recorded before."""
+
+
+class UsageOutboxLike(Protocol):
+    """A router's usage not yet in the ledger: the batch to send, and its acknowledgement."""
+
+    def take(self) -> UsageBatch | None: ...
+
+    def acked(self, seq: int) -> None: ...
 
 
 class EndpointSink(Protocol):

@@ -2,10 +2,11 @@
 
 The applied revision (so a restart comes back on it without re-applying anything), the commit
 held for confirmation, the last rejection, the last rewrite of history, the replica records,
-operator node states, this controller's lease holder id, the replica generation counter, and the
-event log. Every kind has its own table or row and its own accessor here, and nowhere else knows
-a key: it used to be one string-keyed JSON table whose keys were spread across four packages,
-with no schema version.
+operator node states, this controller's lease holder id, the replica generation counter, the
+event log, and the usage ledger (tokens per tenant, key, model and minute, from every router).
+Every kind has its own table or row and its own accessor here, and nowhere else knows a key: it
+used to be one string-keyed JSON table whose keys were spread across four packages, with no
+schema version.
 
 ``schema_version`` is kept in ``meta``. A data dir made by an older llmgw is migrated when opened
 (v1, the key–value table, moves row by row into the typed tables in one transaction); one made by
@@ -28,13 +29,14 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from llmgw.contract import USAGE_COUNTS, UsageBatch
 from llmgw.decide.replica import Replica
 from llmgw.errors import ConfigError
 from llmgw.gitops.status import PendingPrune, Rejection, Rewrite
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sync (kind TEXT PRIMARY KEY, record TEXT NOT NULL);
@@ -47,7 +49,25 @@ CREATE TABLE IF NOT EXISTS events (
     subject TEXT NOT NULL,
     message TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS usage (
+    minute INTEGER NOT NULL,
+    tenant TEXT NOT NULL,
+    key TEXT NOT NULL,
+    model TEXT NOT NULL,
+    requests INTEGER NOT NULL,
+    errors INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    counted_from_stream INTEGER NOT NULL,
+    PRIMARY KEY (minute, tenant, key, model)
+);
+CREATE TABLE IF NOT EXISTS usage_batches (instance TEXT PRIMARY KEY, seq INTEGER NOT NULL, time REAL NOT NULL);
 """
+USAGE_GROUPS = ("tenant", "key", "model")
+# Minutes older than this are summed into hours (a year of minutes per key and model is a lot
+# of rows for a dashboard that shows hours).
+USAGE_MINUTES_KEPT = 7 * 86400
+_USAGE_SUMS = ", ".join(f"SUM({c})" for c in USAGE_COUNTS)
 
 
 class SyncKind(str, Enum):
@@ -250,6 +270,74 @@ class Store:
                 (after, limit),
             ).fetchall()
         return [Event(*r) for r in reversed(rows)]
+
+
+    # --- the usage ledger -----------------------------------------------------------------
+    def record_usage(self, batch: UsageBatch, *, now: float | None = None) -> bool:
+        """Add ``batch``'s rows unless this (instance, seq) was recorded before: one transaction
+        for the rows and the seq, so a crash between them cannot count a resent batch twice."""
+        t = time.time() if now is None else now
+        upsert = (f"INSERT INTO usage(minute, tenant, key, model, {', '.join(USAGE_COUNTS)}) "
+                  f"VALUES(?, ?, ?, ?, {', '.join('?' * len(USAGE_COUNTS))}) "
+                  "ON CONFLICT(minute, tenant, key, model) DO UPDATE SET "
+                  + ", ".join(f"{c} = {c} + excluded.{c}" for c in USAGE_COUNTS))
+        rows = [(r.minute, r.tenant, r.key, r.model, *(getattr(r, c) for c in USAGE_COUNTS)) for r in batch.rows]
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                last = self.db.execute("SELECT seq FROM usage_batches WHERE instance = ?", (batch.instance,)).fetchone()
+                if last is not None and batch.seq <= last[0]:
+                    self.db.execute("COMMIT")
+                    return False
+                self.db.executemany(upsert, rows)
+                self.db.execute("INSERT INTO usage_batches(instance, seq, time) VALUES(?, ?, ?) ON CONFLICT(instance) "
+                                "DO UPDATE SET seq = excluded.seq, time = excluded.time",
+                                (batch.instance, batch.seq, t))
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+        return True
+
+    def usage(self, since: float, until: float, *, by: tuple[str, ...] = USAGE_GROUPS, step: int = 0,
+              where: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        """Sums over minutes in [since, until), grouped by ``by`` (of tenant, key, model) and, with
+        ``step`` seconds, by time (each row's ``time`` is its step's start)."""
+        if not set(by) <= set(USAGE_GROUPS) or not set(where or {}) <= set(USAGE_GROUPS):
+            raise ValueError(f"usage is grouped and filtered by {', '.join(USAGE_GROUPS)} only")
+        # Only names from USAGE_GROUPS and a whole number reach the SQL text; values are bound.
+        groups = ([f"(minute / {int(step)}) * {int(step)}"] if step > 0 else []) + list(by)
+        filters = "".join(f" AND {c} = ?" for c in (where or {}))
+        sql = (f"SELECT {', '.join(groups + [_USAGE_SUMS])} FROM usage WHERE minute >= ? AND minute < ?{filters}"
+               + (f" GROUP BY {', '.join(groups)} ORDER BY {', '.join(groups)}" if groups else ""))
+        with self._lock:
+            rows = self.db.execute(sql, (int(since), int(until), *(where or {}).values())).fetchall()
+        names = (["time"] if step > 0 else []) + list(by) + list(USAGE_COUNTS)
+        return [dict(zip(names, r, strict=True)) for r in rows if r[-1] is not None]  # SUM of no rows is NULL
+
+    def compact_usage(self, *, now: float | None = None) -> int:
+        """Sum minutes older than USAGE_MINUTES_KEPT into their hours (returns how many minutes not
+        starting an hour were folded in). The batches' seqs are kept
+        (one row per router process ever): forgetting one would count its resent batch again."""
+        cutoff = int((time.time() if now is None else now) - USAGE_MINUTES_KEPT) // 3600 * 3600
+        cols = ", ".join(USAGE_COUNTS)
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                old = self.db.execute("SELECT COUNT(*) FROM usage WHERE minute < ? AND minute % 3600 != 0",
+                                      (cutoff,)).fetchone()[0]
+                if old:
+                    self.db.execute("CREATE TEMP TABLE hours AS SELECT minute / 3600 * 3600 AS minute, tenant, key, "
+                                    f"model, {_USAGE_SUMS} FROM usage "
+                                    "WHERE minute < ? GROUP BY 1, tenant, key, model", (cutoff,))
+                    self.db.execute("DELETE FROM usage WHERE minute < ?", (cutoff,))
+                    self.db.execute(f"INSERT INTO usage(minute, tenant, key, model, {cols}) SELECT * FROM hours")
+                    self.db.execute("DROP TABLE hours")
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+        return int(old)
 
 
 def _version(db: sqlite3.Connection) -> int:

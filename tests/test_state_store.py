@@ -75,3 +75,33 @@ def test_a_data_dir_from_a_newer_version_is_refused_not_half_read(tmp_path: Path
     db.close()
     with pytest.raises(ConfigError, match=f"made by a newer llmgw \\(state schema {SCHEMA_VERSION + 1}"):
         Store(path).open()
+
+
+def test_a_v2_data_dir_gains_the_usage_ledger_and_keeps_its_state(tmp_path: Path) -> None:
+    """Schema 2 (before the ledger), written as that version did: opened, it gets the usage
+    tables in the same transaction as the version bump, and its records are untouched."""
+    path = tmp_path / "llmgw.db"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        CREATE TABLE sync (kind TEXT PRIMARY KEY, record TEXT NOT NULL);
+        CREATE TABLE replicas (id TEXT PRIMARY KEY, record TEXT NOT NULL);
+        CREATE TABLE node_states (node TEXT PRIMARY KEY, state TEXT NOT NULL);
+        CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, kind TEXT NOT NULL,
+                             subject TEXT NOT NULL, message TEXT NOT NULL);
+        INSERT INTO meta VALUES ('schema_version', '2'), ('generation', '7');
+        INSERT INTO node_states VALUES ('n1', 'draining');
+    """)
+    db.commit()
+    db.close()
+    from llmgw.contract import UsageBatch, UsageRow
+
+    store = Store(path).open()
+    try:
+        assert store.node_states() == {"n1": "draining"} and store.next_generation() == 8
+        assert store.usage(0, 2 ** 40) == []
+        assert store.record_usage(UsageBatch("r", 1, (UsageRow(60, "t", "k", "m", 1, 0, 2, 3, 0),)))
+        assert store.usage(0, 2 ** 40)[0]["completion_tokens"] == 3
+    finally:
+        store.close()
+    assert sqlite3.connect(path).execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("3",)

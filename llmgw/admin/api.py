@@ -15,6 +15,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw.admin import views
+from llmgw.admin.usage import UsageQueryError, usage_view
+from llmgw.admin.usage import parse_query as usage_query
 from llmgw.control.orphans import list_orphans
 from llmgw.errors import CatalogError, DispatchError, GitError, LlmgwError, PushRejected
 from llmgw.inventory import NodeState
@@ -126,6 +128,21 @@ async def events(request: web.Request) -> web.Response:
     after = _int_param(request, "after", 0)
     limit = _int_param(request, "limit", 200, low=1, high=MAX_LIMIT)
     return web.json_response([e.to_json() for e in ctl(request).events(after=after, limit=limit)])
+
+
+async def usage(request: web.Request) -> web.Response:
+    """The ledger: ``since``/``until`` (default the last 24 h), ``by`` (tenant,key,model), an
+    optional ``step`` for a series per tenant, and filters ``tenant``, ``key``, ``model``."""
+    try:
+        q = usage_query(request.query, time.time())
+    except UsageQueryError as exc:
+        return error(400, str(exc))
+    c = ctl(request)
+    rows = await asyncio.to_thread(c.usage, q.since, q.until, by=q.by, where=q.where)
+    series = None
+    if q.step:
+        series = await asyncio.to_thread(c.usage, q.since, q.until, by=("tenant",), step=q.step, where=q.where)
+    return web.json_response(usage_view(q, rows, series))
 
 
 async def orphans(request: web.Request) -> web.Response:

@@ -137,6 +137,7 @@ def build_admin_app(
     r.add_get(f"{PREFIX}/weights/orphans", api.orphans)
     r.add_post(f"{PREFIX}/weights/collect", api.collect_weights)
     r.add_get(f"{PREFIX}/events", api.events)
+    r.add_get(f"{PREFIX}/usage", api.usage)
     r.add_get(f"{PREFIX}/inventory", api.inventory_export)
     r.add_get(f"{PREFIX}/plan", api.plan)
     r.add_get(f"{PREFIX}/metrics", api.metrics)

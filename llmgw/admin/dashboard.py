@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jinja2
 from aiohttp import web
 
-from llmgw.admin import api, views
+from llmgw.admin import api, usage, views
 from llmgw.admin.labels import confinement_label, node_problems
+
+if TYPE_CHECKING:
+    from llmgw.control.ops import FleetOps
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
@@ -50,10 +55,24 @@ async def dashboard(request: web.Request) -> web.Response:
         replicas=views.replicas_view(replicas, catalog, inventory, c.last_used(), now),
         events=list(reversed(c.events(limit=30))),
         unplaced_reasons=_unplaced_reasons(c, unplaced),
+        chart=await _usage_chart(c, now),
+        chart_w=usage.CHART_W, chart_h=usage.CHART_H, pad_l=usage.PAD_L, pad_b=usage.PAD_B,
+        clock=lambda t: time.strftime("%m-%d %H:%M", time.gmtime(t)),
     )
     # No copy of the fleet's state in caches, and no address of this page sent to a link's target.
     return web.Response(text=page, content_type="text/html",
                         headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+
+
+CHART_SPAN, CHART_STEP = 86400, 1800
+
+
+async def _usage_chart(c: FleetOps, now: float) -> usage.Chart:
+    """Tokens per tenant per half hour over the last day, from the ledger."""
+    until = (int(now) // CHART_STEP + 1) * CHART_STEP  # the step under way is the last point
+    since = until - CHART_SPAN
+    series = await asyncio.to_thread(c.usage, since, until, by=("tenant",), step=CHART_STEP)
+    return usage.tokens_chart(series, since, until, CHART_STEP)
 
 
 def _unplaced_reasons(c, unplaced) -> dict[str, list[str]]:  # noqa: ANN001 - internal helper

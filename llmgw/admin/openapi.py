@@ -34,7 +34,16 @@ def _arr(item: dict[str, Any]) -> dict[str, Any]:
 STR, NSTR, NUM, NNUM, INT, BOOL = _s("string"), _s("string", nullable=True), _s("number"), \
     _s("number", nullable=True), _s("integer"), _s("boolean")
 
+_USAGE_SUMS = {"requests": INT, "errors": INT, "prompt_tokens": INT, "completion_tokens": INT,
+               "counted_from_stream": INT, "total_tokens": INT}
+
 SCHEMAS: dict[str, Any] = {
+    "Usage": _obj({
+        "since": NUM, "until": NUM, "by": _arr(STR), "where": _s("object"),
+        "rows": _arr(_obj({"tenant": STR, "key": STR, "model": STR, **_USAGE_SUMS}, list(_USAGE_SUMS))),
+        "total": _obj(_USAGE_SUMS), "step": INT,
+        "series": _arr(_obj({"time": INT, "tenant": STR, **_USAGE_SUMS})),
+    }, ["since", "until", "by", "where", "rows", "total"]),
     "Error": {"type": "object", "properties": {"error": STR}, "required": ["error"]},
     "Problem": _obj({"file": STR, "line": INT, "col": INT, "message": STR}),
     "Sync": _obj({
@@ -166,6 +175,11 @@ def openapi_document(*, feed: bool = True) -> dict[str, Any]:
             body={"type": "object", "properties": {"collect": BOOL}})},
         f"{v}/events": {"get": _op("Events, oldest first", _json(_arr(_ref("Event"))), errors=BAD, params=[
             _q("after", _s("integer", minimum=0)), _q("limit", _s("integer", minimum=1, maximum=1000))])},
+        f"{v}/usage": {"get": _op(
+            "Tokens and requests per tenant, key and model over a time range (the usage ledger)",
+            _json(_ref("Usage")), errors=BAD, params=[
+                _q("since", STR), _q("until", STR), _q("by", STR), _q("step", STR), _q("tenant", STR),
+                _q("key", STR), _q("model", STR)])},
         f"{v}/inventory": {"get": _op("The fleet snapshot `llmgw diff --snapshot` reads", _json(_obj({
             "taken_at": NNUM, "inventory": _s("object"), "replicas": _arr(_s("object"))})))},
         f"{v}/plan": {"get": _op("Dry run of a fetched revision against the live fleet", _json(_obj({
@@ -188,9 +202,9 @@ def openapi_document(*, feed: bool = True) -> dict[str, Any]:
                 "content": {"application/x-ndjson": {"schema": STR}}})}
         paths[f"{v}/router/report"] = {"post": _op(
             "A standalone router's usage report (last use per replica, demand and prompt-cache counts per model)",
-            _json(_obj({"ok": BOOL, "version": INT})), errors=BAD,
+            _json(_obj({"ok": BOOL, "version": INT, "usage_acked": INT}, ["ok", "version"])), errors=BAD,
             body=_obj({"router_id": STR, "last_used": _s("object"), "demand": _s("object"),
-                       "prompt_cache": _s("object")}))}
+                       "prompt_cache": _s("object"), "usage": _s("object")}, ["router_id"]))}
     return {
         "openapi": "3.0.3",
         "info": {"title": "llmgw admin API", "version": __version__},

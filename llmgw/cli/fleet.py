@@ -263,6 +263,34 @@ def events(args: argparse.Namespace, client: Client, console: Console) -> int:
         time.sleep(args.interval)
 
 
+def usage(args: argparse.Namespace, client: Client, console: Console) -> int:
+    query = {"since": args.since, "until": args.until, "by": args.by,
+             **({"step": args.step} if args.step else {}),
+             **{g: getattr(args, g) for g in ("tenant", "key", "model") if getattr(args, g)}}
+    data = client.request("GET", "/api/v1/usage", query=query)
+    if args.output == "json":
+        print_json(console, data)
+        return 0
+    by = data["by"]
+    span = f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(data['since']))} to " \
+           f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(data['until']))} UTC"
+    t = _table(f"usage, {span}", [g.upper() for g in by] + ["REQUESTS", "ERRORS", "PROMPT", "COMPLETION", "TOTAL"])
+    for r in data["rows"]:
+        t.add_row(*(_e(r[g] or "-") for g in by), *_sums(r))
+    total = data["total"]
+    t.add_section()
+    t.add_row(*(["all"] + [""] * (len(by) - 1) if by else []), *_sums(total))
+    console.print(t)
+    if total["counted_from_stream"]:
+        console.print(f"{total['counted_from_stream']} requests were cut short or reported no usage: their "
+                      "completion tokens were counted from the stream, their prompt tokens are not known.")
+    return 0
+
+
+def _sums(r: dict[str, Any]) -> list[str]:
+    return [f"{r[c]:,}" for c in ("requests", "errors", "prompt_tokens", "completion_tokens", "total_tokens")]
+
+
 def sync(args: argparse.Namespace, client: Client, console: Console) -> int:
     with console.status("fetching…"):
         data = client.request("POST", "/api/v1/sync", {"allow_prune": bool(args.allow_prune)})
@@ -318,5 +346,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--follow", "-f", action="store_true")
     p.add_argument("--limit", type=int, default=100)
     p.add_argument("--interval", type=float, default=1.0)
+    p = add("usage", usage, "tokens and requests per tenant, API key and model (the usage ledger)")
+    p.add_argument("--since", default="24h", help="from: a duration back (24h, 7d), unix seconds or ISO 8601 "
+                                                  "(UTC unless it says otherwise); default 24h")
+    p.add_argument("--until", default="now", help="to (the same forms); default now")
+    p.add_argument("--by", default="tenant,key,model", help="group by some of tenant,key,model (comma-separated)")
+    p.add_argument("--step", help="with -o json, also a series per tenant by this step (1h, 5m, ...)")
+    for g in ("tenant", "key", "model"):
+        p.add_argument(f"--{g}", help=f"only this {g}")
     p = add("sync", sync, "fetch now; with --allow-prune, confirm a commit held by the prune guard")
     p.add_argument("--allow-prune", action="store_true")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -24,7 +25,17 @@ from typing import Any
 from aiohttp import web
 
 from llmgw.catalog import Catalog
-from llmgw.contract import KEEPALIVE, CatalogView, Demand, Endpoint, PromptCache, catalog_view, wire_str
+from llmgw.contract import (
+    KEEPALIVE,
+    CatalogView,
+    Demand,
+    Endpoint,
+    PromptCache,
+    UsageBatch,
+    UsageLedger,
+    catalog_view,
+    wire_str,
+)
 from llmgw.router.changes import Changes
 
 log = logging.getLogger(__name__)
@@ -53,6 +64,7 @@ class FeedHub:
         self._line: bytes | None = None
         self._changes = Changes()
         self._reports: dict[str, Report] = {}
+        self.ledger: UsageLedger | None = None  # the controller's store; without it no batch is acknowledged
         self.watchers = 0
 
     # --- the control plane's side -------------------------------------------------------
@@ -182,6 +194,7 @@ class FeedHub:
             cache = {wire_str(m): PromptCache.from_json(c) for m, c in (data.get("prompt_cache") or {}).items()}
             if len(cache) > MAX_REPORTED_MODELS:
                 raise ValueError(f"{len(cache)} models in one report (at most {MAX_REPORTED_MODELS})")
+            batch = UsageBatch.from_json(data["usage"]) if data.get("usage") is not None else None
         except KeyError as exc:
             # The admin API's error shape ({"error": "..."}), not the OpenAI one: this is an admin route.
             return web.json_response({"error": f"malformed router report: {exc.args[0]} is missing"}, status=400)
@@ -192,7 +205,16 @@ class FeedHub:
             for model, d in dem.items():
                 if d.held > 0:
                     self.wake(model)
-        return web.json_response({"ok": True, "version": self.version})
+        answer: dict[str, Any] = {"ok": True, "version": self.version}
+        if batch is not None and self.ledger is not None:
+            # Recorded now or before: either way the router may drop it. Not recorded (the
+            # store failed): no ack, and the router sends the same batch again.
+            try:
+                self.ledger.record_usage(batch)
+                answer["usage_acked"] = batch.seq
+            except sqlite3.Error as exc:
+                log.warning("usage ledger: could not record a batch from %s (%s)", router_id, exc)
+        return web.json_response(answer)
 
 
 class Fanout:

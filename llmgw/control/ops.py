@@ -66,6 +66,11 @@ class FleetOps:
     def events(self, *, after: int = 0, limit: int = 200) -> list[Event]:
         return self._c.store.events(after=after, limit=limit)
 
+    def usage(self, since: float, until: float, *, by: tuple[str, ...], step: int = 0,
+              where: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+        """The ledger's sums over [since, until) (every router's usage, as recorded so far)."""
+        return self._c.store.usage(since, until, by=by, step=step, where=dict(where or {}))
+
     # --- the catalog's history --------------------------------------------------------------
     async def has_revision(self, rev: str) -> bool:
         return await asyncio.to_thread(self._c.follower.mirror.has, rev)

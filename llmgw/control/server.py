@@ -20,6 +20,7 @@ from aiohttp import web
 from llmgw.admin.app import build_admin_app
 from llmgw.control.config import Listen, ServerConfig
 from llmgw.control.controller import Controller
+from llmgw.control.usage import UsageFlusher
 from llmgw.errors import ConfigError
 from llmgw.gitops.desired import ROUTER, DesiredState
 from llmgw.serving import connection_cap, listen, raise_fd_limit, throttle_loop_errors
@@ -59,6 +60,7 @@ class Running:
     runners: list[web.AppRunner]
     router_url: str
     admin_url: str
+    usage: UsageFlusher | None = None
 
     async def close(self, *, stop_engines: bool = False) -> None:
         """Shutdown in the order that starts nothing and leaves nothing (DESIGN §6): stop
@@ -69,6 +71,8 @@ class Running:
         log.info("stopping: %d requests in flight", self.router.inflight())
         await self.router.drain()
         log.info("router drained in %.1f s", time.monotonic() - t0)
+        if self.usage is not None:
+            await self.usage.close()  # the drained requests' tokens, into the ledger before it closes
         await self.controller.quiesce()
         if stop_engines:
             await self.controller.stop_engines()
@@ -108,6 +112,9 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     controller.desired.subscribe(hub.set_catalog, order=ROUTER)
     await router.start()
     await controller.start()
+    hub.ledger = controller.store
+    usage = UsageFlusher(router.usage_outbox, controller.store, compact=controller.store.compact_usage)
+    usage.start()
     runners: list[web.AppRunner] = []
     try:
         admin_app = build_admin_app(controller, token=cfg.admin_token, webhook_secret=cfg.webhook_secret, hub=hub)
@@ -117,11 +124,12 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     except BaseException:
         for runner in runners:
             await runner.cleanup()
+        await usage.close()
         await controller.close()
         await router.close()
         raise
     return Running(controller, router, runners, f"http://{cfg.router_listen.host}:{cfg.router_listen.port}",
-                   f"http://{cfg.admin_listen.host}:{cfg.admin_listen.port}")
+                   f"http://{cfg.admin_listen.host}:{cfg.admin_listen.port}", usage)
 
 
 async def serve_forever(cfg: ServerConfig, *, on_ready: Callable[[Running], None] | None = None) -> None:

@@ -50,7 +50,7 @@ from llmgw.router.routes import RouteCatalog, RouteModel
 from llmgw.router.shared_limits import SharedLimits, SharedTicket
 from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, choose
 from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
-from llmgw.router.usage import Usage, ask_for_usage, reported_usage, wants_usage
+from llmgw.router.usage import Usage, UsageOutbox, ask_for_usage, reported_usage, wants_usage
 from llmgw.serving import connection_cap, listen
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,8 @@ class Router:
         # reading one engine sees the same totals, so these stay out of the reports routers sum.
         self._polled_counts: dict[str, list[int]] = {}
         self._usage: dict[tuple[str, str], Usage] = {}  # (key name, model served) -> use since start
+        # The same counts by minute, until the controller's ledger has them (llmgw.contract).
+        self.usage_outbox = UsageOutbox()
         self._limiter = Limiter()  # tenants' limits, from the catalog (llmgw.yaml)
         self._shared: SharedLimits | None = None  # the same limits counted in Redis, when configured
         self._unknown_tenant_keys: set[tuple[str, str]] = set()  # already warned about
@@ -577,30 +579,32 @@ class Router:
         key = account.key
 
         def tap(tail: bytes, events: int, complete: bool) -> None:
-            entry = self._usage.get((key, model))
-            if entry is None:
-                entry = self._usage[(key, model)] = Usage()
-            entry.requests += 1
+            delta = Usage(requests=1, errors=0 if complete else 1)
             timings = llama_timings(tail) if llama and complete else None
             reported = None if not complete else reported_usage(tail) or (
                 (timings.prompt, timings.predicted) if timings is not None else None)
             if reported is not None:
-                entry.prompt_tokens += reported[0]
-                entry.completion_tokens += reported[1]
+                delta.prompt_tokens, delta.completion_tokens = reported
                 if account.ticket is not None:
                     account.ticket.settle(reported[0] + reported[1])
             elif tail:  # cut short, or an engine that reports nothing: what was produced (usage.py)
-                entry.completion_tokens += events
-                entry.counted_from_stream += 1
+                delta.completion_tokens, delta.counted_from_stream = events, 1
                 if account.ticket is not None:  # a stream begun: the engine read the prompt, the estimate counts
                     account.ticket.settle(account.prompt_estimate + events)
-            if not complete:
-                entry.errors += 1
+            self._count_usage(key, model, delta)
             if timings is not None:
                 counts = self._counts(model)
                 counts[2] += timings.prompt
                 counts[3] += timings.cached
         return tap
+
+    def _count_usage(self, key: str, model: str, delta: Usage) -> None:
+        entry = self._usage.get((key, model))
+        if entry is None:
+            entry = self._usage[(key, model)] = Usage()
+        entry.add(delta)
+        minute = int(self._wall()) // 60 * 60
+        self.usage_outbox.add(minute, self._limiter.tenant(key) or "", key, model, delta)
 
     def _engine_counts(self, up: Upstream, queries: float, hits: float) -> None:
         """From the load poller: an engine's prefix-cache counters moved (vLLM)."""

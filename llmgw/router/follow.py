@@ -69,6 +69,8 @@ class FeedClient:
                        asyncio.create_task(self._report_forever(), name="router-report")]
 
     async def close(self) -> None:
+        """Stop following; usage not yet acknowledged is sent once more first (drain the router
+        before, so its last answers are in it). What the controller does not take is logged."""
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -78,6 +80,16 @@ class FeedClient:
                 pass
         self._tasks = []
         if self._session is not None:
+            outbox = self.router.usage_outbox
+            for _ in range(2):  # the batch in flight, then what was counted since
+                if not outbox.pending:
+                    break
+                try:
+                    await self._report_once()
+                except (aiohttp.ClientError, TimeoutError, OSError, WatchRefused) as exc:
+                    log.warning("usage of %d (minute, key, model) rows not reported at stop (%s)", outbox.pending,
+                                exc)
+                    break
             await self._session.close()
             self._session = None
 
@@ -185,8 +197,19 @@ class FeedClient:
             "demand": {m: {"held": d.held, "inflight": d.inflight} for m, d in self.router.demand().items()},
             "prompt_cache": {m: c.to_json() for m, c in self.router.prompt_cache(polled=False).items()},
         }
+        outbox = self.router.usage_outbox
+        batch = outbox.take()
+        if batch is not None:
+            payload["usage"] = batch.to_json()
         async with self._session.post(self.controller + REPORT_PATH, json=payload, headers=self._headers,
                                       timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
-            await resp.read()
+            raw = await resp.read()
             if resp.status != 200:
                 raise WatchRefused(f"report answered {resp.status}")
+        if batch is not None:
+            try:
+                acked = json.loads(raw).get("usage_acked")
+            except (ValueError, AttributeError):
+                acked = None
+            if acked == batch.seq:
+                outbox.acked(batch.seq)

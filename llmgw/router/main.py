@@ -129,6 +129,7 @@ async def _serve(args: argparse.Namespace, token: str, host: str, port: int, key
         await stop.wait()
         log.info("stopping: %d requests in flight get %.0f s", router.inflight(), config.drain_timeout)
     finally:
+        await router.drain()  # first: the last answers' usage goes out with the feed's last report
         await feed.close()
         await router.close()
 
