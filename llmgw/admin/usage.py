@@ -59,7 +59,7 @@ def parse_query(args: Mapping[str, str], now: float) -> UsageQuery:
     until = parse_time(args.get("until", "now"), now, "until")
     if until <= since:
         raise UsageQueryError(f"until ({until:.0f}) must be after since ({since:.0f})")
-    by = tuple(b for b in (args.get("by") or ",".join(GROUPS)).split(",") if b)
+    by = tuple(b for b in args.get("by", ",".join(GROUPS)).split(",") if b)  # "by=": no groups, one sum
     bad = [b for b in by if b not in GROUPS]
     if bad or len(set(by)) != len(by):
         raise UsageQueryError(f"by: {', '.join(bad) or 'a group named twice'}: group by one or more of "

@@ -282,8 +282,8 @@ def usage(args: argparse.Namespace, client: Client, console: Console) -> int:
     t.add_row(*(["all"] + [""] * (len(by) - 1) if by else []), *_sums(total))
     console.print(t)
     if total["counted_from_stream"]:
-        console.print(f"{total['counted_from_stream']} requests were cut short or reported no usage: their "
-                      "completion tokens were counted from the stream, their prompt tokens are not known.")
+        console.print(f"requests cut short or without a usage report: {total['counted_from_stream']} (their "
+                      "completion tokens were counted from the stream; their prompt tokens are not known)")
     return 0
 
 
