@@ -115,6 +115,10 @@ class Simulator:
         self.cancelled_total = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # vLLM's own token counters: prompts taken in, tokens written out (a stream cut short
+        # counts the tokens it wrote before the client left, as vLLM counts what it generated).
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
         self._prefix_cache: OrderedDict[int, None] = OrderedDict()
         self.interval = 1.0 / config.tokens_per_second if config.tokens_per_second > 0 else 0.0
         self._slots = asyncio.Semaphore(config.max_running) if config.max_running > 0 else None
@@ -189,6 +193,12 @@ class Simulator:
             "# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached tokens.\n"
             "# TYPE vllm:prefix_cache_hits counter\n"
             f"vllm:prefix_cache_hits_total{label} {float(self.prefix_hits)}\n"
+            "# HELP vllm:prompt_tokens Number of prefill tokens processed.\n"
+            "# TYPE vllm:prompt_tokens counter\n"
+            f"vllm:prompt_tokens_total{label} {float(self.prompt_tokens)}\n"
+            "# HELP vllm:generation_tokens Number of generation tokens processed.\n"
+            "# TYPE vllm:generation_tokens counter\n"
+            f"vllm:generation_tokens_total{label} {float(self.generation_tokens)}\n"
             "# HELP llmgw_sim_requests_total Requests accepted by the simulator.\n"
             "# TYPE llmgw_sim_requests_total counter\n"
             f"llmgw_sim_requests_total{label} {float(self.requests_total)}\n"
@@ -273,6 +283,7 @@ class Simulator:
                 finally:
                     self.waiting -= 1
             self.running += 1
+            self.prompt_tokens += prompt_tokens
             try:
                 if body.get("stream"):
                     resp = web.StreamResponse(headers=SSE_HEADERS)
@@ -282,6 +293,7 @@ class Simulator:
                     await self._stream(resp, chat, words, finish, prompt_tokens if usage else None)
                     return resp
                 await self._pace(len(words))
+                self.generation_tokens += len(words)
                 return self._whole(chat, words, finish, prompt_tokens)
             finally:
                 self.running -= 1
@@ -348,11 +360,14 @@ class Simulator:
             await asyncio.sleep(self.config.ttft)
         if self.interval == 0:
             await resp.write(first + b"".join(chunks) + tail)
+            self.generation_tokens += len(chunks)
         else:
             await resp.write(first + (chunks[0] if chunks else b""))
+            self.generation_tokens += 1 if chunks else 0
             for chunk in chunks[1:]:
                 await asyncio.sleep(self.interval)
                 await resp.write(chunk)
+                self.generation_tokens += 1
             await resp.write(tail)
         await resp.write_eof()
 
