@@ -45,6 +45,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -389,39 +390,48 @@ async def wait_ready(bases: list[str]) -> None:
 
 # --- the cost run -----------------------------------------------------------------------------------
 
-def cost(tmp: Path, duration: float) -> dict:
+def cost(tmp: Path, duration: float, rounds: int) -> dict:
+    """Requests/s of one router with limits off, local and in Redis: the three measured in turn,
+    ``rounds`` times, each figure the median of its rounds (so a machine's drift during the run
+    falls on all three alike)."""
     procs: list[subprocess.Popen] = []
     script = tmp / "post.lua"
     b = json.dumps({"model": "chat", "messages": [{"role": "user", "content": "Say something."}],
                     "max_tokens": 16})
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
                       f'wrk.headers["Authorization"] = "Bearer {key("alpha", "whole")}"\nwrk.body = {json.dumps(b)}\n')
-    out: dict = {}
+    runs: dict[str, list[dict]] = {"off": [], "local": [], "on": []}
     try:
         redis, redis_url = start_redis(tmp, LOAD_CORE)
         engine_proc, engine = sim(LOAD_CORE, "chat")
         procs += [redis, engine_proc]
+        targets = {}
         for name, url in (("off", ""), ("local", "local"), ("on", redis_url)):
             port = free_port()
             r = spawn([sys.executable, __file__, "--serve", "router", "--port", str(port), "--engine", engine,
                        "--redis", url], SUT_CORE, env={"PYTHONPATH": str(REPO)}, log=tmp / f"cost-{name}.log")
             procs.append(r)
             wait_port(port, r, 15)
-            target = f"http://127.0.0.1:{port}/v1/chat/completions"
-            wrk(target, script, 8, 1.0)  # warm-up
-            res = wrk(target, script, 32, duration)
-            out[name] = res
-            print(f"limits {name:5s}: {res['rps']:.0f} req/s, p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms"
-                  + (f", NON-2XX {res['non2xx']}" if res["non2xx"] else ""), flush=True)
-            stop(r)
+            targets[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
+            wrk(targets[name], script, 8, 1.0)  # warm-up
+        for _ in range(rounds):
+            for name, target in targets.items():  # idle routers cost nothing: one at a time is measured
+                runs[name].append(wrk(target, script, 32, duration))
     finally:
         for p in reversed(procs):
             stop(p)
-    return {"rps_limits_off": out["off"]["rps"], "rps_limits_on": out["on"]["rps"],
-            "rps_limits_local": out["local"]["rps"], "local_vs_off": round(out["local"]["rps"] / out["off"]["rps"], 3),
-            "p99_ms_limits_off": out["off"]["p99_ms"], "p99_ms_limits_on": out["on"]["p99_ms"],
-            "on_vs_off": round(out["on"]["rps"] / out["off"]["rps"], 3),
-            "cost_errors": sum(r["non2xx"] for r in out.values())}
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms")}
+           for name, rs in runs.items()}
+    for name, m in med.items():
+        each = ", ".join(f"{r['rps']:.0f}" for r in runs[name])
+        print(f"limits {name:5s}: {m['rps']:.0f} req/s (median of {rounds}: {each}), p50 {m['p50_ms']:.2f} ms, "
+              f"p99 {m['p99_ms']:.2f} ms", flush=True)
+    return {"rps_limits_off": med["off"]["rps"], "rps_limits_local": med["local"]["rps"],
+            "rps_limits_on": med["on"]["rps"], "p99_ms_limits_off": med["off"]["p99_ms"],
+            "p99_ms_limits_on": med["on"]["p99_ms"], "rounds": rounds,
+            "local_vs_off": round(med["local"]["rps"] / med["off"]["rps"], 3),
+            "on_vs_off": round(med["on"]["rps"] / med["off"]["rps"], 3),
+            "cost_errors": sum(r["non2xx"] for rs in runs.values() for r in rs)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="under a minute")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--clients", type=int, default=32)
-    p.add_argument("--duration", type=float, default=None, help="seconds per wrk run (default 15, quick 5)")
+    p.add_argument("--duration", type=float, default=None, help="seconds per wrk run (default 5, quick 2)")
     p.add_argument("--serve", choices=("hub", "router"), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--db", help=argparse.SUPPRESS)
@@ -458,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{acc['aborted_tokens_client_read']} ≤ ledger {acc['aborted_tokens_ledger']} ≤ engine "
               f"{acc['aborted_tokens_engine_wrote']}; capped tenant {acc['capped_ledger_tokens']} tokens of "
               f"{acc['capped_budget']} (one reservation {acc['one_reservation']})", flush=True)
-        c = cost(tmp, a.duration or (5.0 if a.quick else 15.0))
+        c = cost(tmp, a.duration or (2.0 if a.quick else 5.0), 3 if a.quick else 5)
     checks = {
         "ledger = clients (0 tokens apart)": acc["tokens_ledger_vs_clients_diff"] == 0,
         "ledger = engines (0 tokens apart)": acc["tokens_ledger_vs_engines_diff"] == 0,

@@ -150,7 +150,7 @@ class Router:
         current = self._shared.url if self._shared is not None else ""
         if url == current:
             return
-        old, self._shared = self._shared, SharedLimits(url, clock=self._clock) if url else None
+        old, self._shared = self._shared, SharedLimits(url, clock=self._clock, wall=self._wall) if url else None
         if old is not None:
             task = asyncio.get_running_loop().create_task(old.close())
             self._handlers.add(task)
@@ -230,7 +230,7 @@ class Router:
                                   keepalive_timeout=c.keepalive_timeout, max_idle=c.max_idle)
         self._load_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
         if c.limits_redis:
-            self._shared = SharedLimits(c.limits_redis, clock=self._clock)
+            self._shared = SharedLimits(c.limits_redis, clock=self._clock, wall=self._wall)
         self._poller = asyncio.create_task(self._background(), name="router-background")
 
     async def _background(self) -> None:
