@@ -529,7 +529,13 @@ class Router:
         up.inflight += 1
         self._last_used[rid] = self._wall()
         status: int | None = None
-        tap = self._answer_tap(served, account, up.endpoint.engine == "llama.cpp")
+        counted = self._answer_tap(served, account, up.endpoint.engine == "llama.cpp")
+        whole = False
+
+        def tap(tail: bytes, events: int, complete: bool) -> None:
+            nonlocal whole
+            whole = complete
+            counted(tail, events, complete)
         try:
             if stream:
                 clock, metrics = self._clock, self.metrics
@@ -542,7 +548,9 @@ class Router:
             return resp
         except BaseException as exc:
             if not isinstance(exc, UpstreamFailed):
-                status = CLIENT_GONE  # cancelled: the client went away
+                # Cancelled: the client went away, before the answer's end or (a client that
+                # hangs up at the end marker) after it, which is an answer served.
+                status = 200 if whole else CLIENT_GONE
                 if not stream:
                     # Gone before a whole answer came: the engine worked on it, how much is not
                     # known, so the whole reservation is charged (a stream counts what it got).

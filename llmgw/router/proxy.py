@@ -41,6 +41,8 @@ def _skip_ws(text: str, i: int = 0) -> int:
 _DECODER = json.JSONDecoder()
 # Status recorded when the client went away before the answer was complete (nginx's convention).
 CLIENT_GONE = 499
+SSE_DONE = b"data: [DONE]"  # an OpenAI stream's last event
+_DONE_LINE = b"\n" + SSE_DONE
 
 
 class BadBody(ValueError):
@@ -207,11 +209,16 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
                         tail.append(chunk)
                         events += content_events(chunk)
                     await out.write(strip_usage_events(chunk) if strip_usage else chunk)
+                    # The engine's end marker makes the answer whole, whatever happens to the
+                    # body's last bytes: a client that got it may hang up at once (the sync
+                    # openai client does), and its usage, just before, is the engine's count.
+                    complete = complete or _ends_stream(chunk)
                     try:
                         chunk = await conn.read_chunk()
                     except UpstreamFailed as exc:
-                        await out.write(_sse_error(f"the engine failed mid-stream: {exc}"))
-                        status = 502
+                        if not complete:  # after the end marker the client has all it needs
+                            await out.write(_sse_error(f"the engine failed mid-stream: {exc}"))
+                            status = 502
                         break
                 else:
                     complete = True
@@ -226,6 +233,12 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
         # Back to the pool only when the answer was read to its end; otherwise the connection is
         # dropped, which is how the engine learns that nobody is listening and stops generating.
         conn.release()
+
+
+def _ends_stream(chunk: bytes) -> bool:
+    # A line of its own: text the model generates sits in a JSON string, where a newline is escaped.
+    end = chunk[-32:].rstrip()
+    return end.endswith(_DONE_LINE) or (end == SSE_DONE and len(chunk) <= 32)
 
 
 def _sse_error(message: str) -> bytes:

@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import aiohttp
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.catalog.model import Catalog
@@ -15,6 +16,7 @@ from llmgw.router import KeyRing, Router, RouterConfig, hash_key
 from llmgw.router.usage import ask_for_usage, content_events, reported_usage, strip_usage_events
 from tests.router.conftest import client, endpoint, serving
 from tests.router.fake_controller import model
+from tests.router.test_deliveries import engine
 
 MESSAGES = [{"role": "system", "content": "You count words."}, {"role": "user", "content": "one two three four"}]
 
@@ -103,6 +105,45 @@ async def test_a_stream_the_client_leaves_counts_what_was_produced(chat_sim: Sim
     # Produced by the engine and read by the router before the client left: at least what the
     # client saw, far fewer than the 200 asked for; the prompt is not known without the report.
     assert 3 <= u.completion_tokens < 20 and u.prompt_tokens == 0
+
+
+async def test_a_client_that_hangs_up_at_the_end_marker_was_served_whole() -> None:
+    """The sync openai client closes the connection as soon as it reads ``data: [DONE]``; an
+    engine whose body's last bytes come later (here 1 s) must not turn that into an abort:
+    the engine's usage is counted, no error, status 200."""
+    usage = b'data: {"id":"u","choices":[],"usage":{"prompt_tokens":11,"completion_tokens":2}}\n\n'
+    events = [b'data: {"id":"u","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n',
+              b'data: {"id":"u","choices":[{"index":0,"delta":{"content":"!"},"finish_reason":"stop"}]}\n\n',
+              usage + b"data: [DONE]\n\n"]
+
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for e in events:
+            w.write(b"%x\r\n%s\r\n" % (len(e), e))
+            await w.drain()
+        await asyncio.sleep(1.0)  # the body's end, held back
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+
+    async with engine(answer) as (url, _seen):
+        router = Router(config=RouterConfig())
+        router.set_catalog(Catalog(models=(model("chat"),)))
+        router.set_endpoints([endpoint("chat", url)])
+        async with serving(router) as base:
+            def ask() -> list[str]:
+                c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=10)
+                s = c.chat.completions.create(model="chat", messages=MESSAGES, stream=True,
+                                              stream_options={"include_usage": True})
+                return [ch.choices[0].delta.content or "" if ch.choices else "usage" for ch in s]
+            assert await asyncio.to_thread(ask) == ["hi", "!", "usage"]
+            await asyncio.sleep(0.3)  # the router's handler, cancelled by the hang-up, has ended
+            async with aiohttp.ClientSession() as http, http.get(base + "/metrics") as r:
+                metrics = await r.text()
+    u = router.usage()[("", "chat")]
+    assert (u.requests, u.errors, u.counted_from_stream, u.prompt_tokens, u.completion_tokens) == (1, 0, 0, 11, 2)
+    statuses = {s.labels["status"]: s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+                if s.name == "llmgw_router_requests_total"}
+    assert statuses == {"200": 1.0}
 
 
 async def test_usage_is_kept_per_key(chat_sim: SimProcess) -> None:
