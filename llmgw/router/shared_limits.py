@@ -7,12 +7,23 @@ one Lua script makes every check-and-take atomic for all routers. Keys:
 
 **Allowances.** A router does not ask Redis for every request: it takes an allowance of each
 limit (at most a twentieth of it, and never more than is left) and admits from it locally, so
-one script call serves many requests. Every :data:`SYNC_EVERY` seconds (and at close) it gives
-back what it did not use and reports the budget tokens its finished requests used. What this
-costs in exactness, and only for limits above 20 (smaller ones are asked for request by request,
-exactly as before): another router may be refused for up to SYNC_EVERY while this one holds an
-unused allowance. Nothing is ever admitted beyond a limit: an allowance is taken from what is
-left, in one atomic step, so a budget is overshot only by a request that uses more than it reserved.
+one script call serves many requests. A request the allowance cannot cover claims what is
+there and asks Redis for the rest in its own grant step (one step per scope also tops the
+allowance up), so what a router admits is always what Redis granted it. Every
+:data:`SYNC_EVERY` seconds (and at close) it gives back what it will not need (all but what
+requests took since the last sync: an idle router holds nothing after two syncs) and reports
+the budget tokens its finished requests used. What this costs in exactness, and only for
+limits above 20 (smaller ones are asked for request by request): another router may be refused
+for up to 2 x SYNC_EVERY while this one holds an unused allowance. Nothing is ever admitted
+beyond a limit: an allowance is taken from what is left, in one atomic step, so a budget is
+overshot only by a request that uses more than it reserved.
+
+**Leases.** What a router holds is written down under its instance, with a lease of
+:data:`LEASE` seconds renewed by each of its calls (and every :data:`HEARTBEAT` while its
+requests are in flight). A router killed, or cut off from Redis, gives back nothing itself: the
+first call of any router after its lease ran out gives back what it held. What it costs: the
+budget tokens its requests used in its last SYNC_EVERY are not reported, and a router that
+stalls past its lease with requests in flight may see their reservations granted again.
 
 Degraded mode: when Redis does not answer within :data:`TIMEOUT`, the router applies the limits
 with its own in-memory :class:`~llmgw.router.limits.Limiter` (each router then allows the whole
@@ -25,9 +36,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -40,9 +52,13 @@ RETRY_AFTER = 5.0    # seconds before a degraded router tries Redis again
 EXPIRE = 40 * 86400  # seconds a budget's counts outlive their period (a month's budget and then some)
 SYNC_EVERY = 0.25    # seconds an unused allowance stays with a router
 CHUNK_SHARE = 20     # an allowance is at most 1/CHUNK_SHARE of its limit
+LEASE = 15.0         # seconds a router's holdings outlive its last call to Redis
+HEARTBEAT = 3.0      # seconds between calls that renew the lease while requests are in flight
 # Script calls one router has under way at once: each carries every step queued while the
 # other was out, so requests that need Redis at the same time share a round trip.
 CALLS_IN_FLIGHT = 1
+# Times a request waits for other requests' grants before it asks for its own.
+WAITS = 2
 
 # ARGV[1]: a JSON list of steps, each one of
 #   ["g", keys, now, [per scope: rpm, tpm, concurrent, budget tokens, period,
@@ -51,10 +67,20 @@ CALLS_IN_FLIGHT = 1
 #   ["y", keys, now, [per scope: rpm, tpm, period, requests, tokens, budget tokens and slots
 #                     given back, budget tokens used]]
 #       sync: give back what a router did not use; what its requests used moves from reserved to used
+# ARGV[2]: the calling router's instance; ARGV[3]: its lease, in seconds.
 # Returns a JSON list with, per "g" step in order, [0, [[requests, tokens, budget, slots] per
 # scope]] granted, or [1, scope index, kind, wait, requests left, tokens left ("nil": not read),
 # used, reserved]. (The keys are not declared: one Redis, not a cluster.)
+#
+# What a router holds (budget tokens reserved, slots in flight) is also written down under its
+# instance, with a lease renewed by each of its calls: the first call after a lease ran out
+# (a router killed, or cut off) gives what that router held back to everyone, so a crash does
+# not keep a twentieth of a budget reserved until the period ends.
 _STEPS = """
+local inst, lease = ARGV[2], tonumber(ARGV[3])
+local held = 'llmgw:limits:held:' .. inst
+local LEASES = 'llmgw:limits:leases'
+
 local function bucket(key, cap, now)
   local v = redis.call('HMGET', key, 'level', 'at')
   local level, at = tonumber(v[1]), tonumber(v[2])
@@ -63,12 +89,52 @@ local function bucket(key, cap, now)
   return level
 end
 
+-- n more of a count (a budget's reserved tokens, or a scope's slots in flight), at f.
+local function count(f, n)
+  if string.sub(f, -9) == ':inflight' then
+    if redis.call('INCRBY', f, n) < 0 then redis.call('SET', f, 0) end
+  else
+    local r = redis.call('HINCRBY', f, 'reserved', n)
+    -- Never below 0: a Redis that lost its data (restarted without persistence) must not
+    -- hand out what routers give back of an allowance it no longer knows.
+    if r < 0 then redis.call('HSET', f, 'reserved', 0) end
+    -- A period's budget expires once it cannot be asked for again.
+    if n > 0 and r == n then redis.call('EXPIRE', f, %d) end
+  end
+end
+
+-- This router takes n (n > 0) or gives back -n: never more than it holds, so a router whose
+-- holdings were already given back for it (its lease ran out) takes nothing from the others.
+local function hold(f, n)
+  if n < 0 then
+    n = -math.min(-n, tonumber(redis.call('HGET', held, f) or '0'))
+    if n == 0 then return end
+  end
+  if redis.call('HINCRBY', held, f, n) <= 0 then redis.call('HDEL', held, f) end
+  count(f, n)
+end
+
+local clock = redis.call('TIME')
+clock = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
+for _, other in ipairs(redis.call('ZRANGEBYSCORE', LEASES, '-inf', clock, 'LIMIT', 0, 16)) do
+  if other ~= inst then
+    local h = 'llmgw:limits:held:' .. other
+    local kv = redis.call('HGETALL', h)
+    for j = 1, #kv, 2 do
+      if redis.call('EXISTS', kv[j]) == 1 then count(kv[j], -tonumber(kv[j + 1])) end
+    end
+    redis.call('DEL', h)
+  end
+  redis.call('ZREM', LEASES, other)
+end
+redis.call('ZADD', LEASES, clock + lease, inst)
+
 local function grant(K, L, now)
   local got = {}
   for i = 1, #K do
     local x, k = L[i], K[i]
     local rpm, tpm, conc, budget, period = x[1], x[2], x[3], x[4], x[5]
-    local g = {0, 0, 0, 0, nil, nil, false}
+    local g = {0, 0, 0, 0, nil, nil}
     local r, t = nil, nil
     if conc > 0 and x[12] > 0 then
       local inflight = tonumber(redis.call('GET', k .. ':inflight') or '0')
@@ -98,7 +164,6 @@ local function grant(K, L, now)
         return {1, i, 'budget', '0', tostring(r), tostring(t), tostring(used), tostring(reserved)}
       end
       g[3] = math.min(x[11], budget - used - reserved)
-      g[7] = v[1] == false and v[2] == false  -- no such key yet: this step makes it
     end
     got[i] = g
   end
@@ -106,19 +171,11 @@ local function grant(K, L, now)
   for i = 1, #K do
     local x, k, g = L[i], K[i], got[i]
     -- The buckets (one per scope, a few per tenant) need no expiry: a bucket left alone is
-    -- full when read again. A period's budget gets its expiry once, when its key is made.
+    -- full when read again.
     if g[1] > 0 then redis.call('HSET', k .. ':rpm', 'level', g[5] - g[1], 'at', now) end
     if g[2] > 0 then redis.call('HSET', k .. ':tpm', 'level', g[6] - g[2], 'at', now) end
-    if g[4] > 0 then
-      -- Renewed with every grant: the count of a router that died holding slots heals an hour
-      -- after the tenant's last request, rather than never.
-      redis.call('INCRBY', k .. ':inflight', g[4])
-      redis.call('EXPIRE', k .. ':inflight', 3600)
-    end
-    if g[3] > 0 then
-      redis.call('HINCRBY', k .. ':budget:' .. x[5], 'reserved', g[3])
-      if g[7] then redis.call('EXPIRE', k .. ':budget:' .. x[5], %d) end
-    end
+    if g[4] > 0 then hold(k .. ':inflight', g[4]) end
+    if g[3] > 0 then hold(k .. ':budget:' .. x[5], g[3]) end
     out[i] = {g[1], g[2], g[3], g[4]}
   end
   return {0, out}
@@ -134,18 +191,10 @@ local function give_back(K, L, now)
     if tpm > 0 and x[5] ~= 0 then
       redis.call('HSET', k .. ':tpm', 'level', math.min(tpm, bucket(k .. ':tpm', tpm, now) + x[5]), 'at', now)
     end
-    if x[6] + x[8] ~= 0 then
-      -- Never below 0: a Redis that lost its data (restarted without persistence) must not
-      -- hand out what routers give back of an allowance it no longer knows.
-      if redis.call('HINCRBY', k .. ':budget:' .. period, 'reserved', -(x[6] + x[8])) < 0 then
-        redis.call('HSET', k .. ':budget:' .. period, 'reserved', 0)
-      end
-    end
+    -- A negative part is a debt (taken beyond the allowance when grants fell behind): held more.
+    if x[6] + x[8] ~= 0 then hold(k .. ':budget:' .. period, -(x[6] + x[8])) end
     if x[8] ~= 0 then redis.call('HINCRBY', k .. ':budget:' .. period, 'used', x[8]) end
-    if x[7] ~= 0 then
-      local left = redis.call('DECRBY', k .. ':inflight', x[7])
-      if left < 0 then redis.call('SET', k .. ':inflight', 0) end
-    end
+    if x[7] ~= 0 then hold(k .. ':inflight', -x[7]) end
   end
 end
 
@@ -162,7 +211,20 @@ return cjson.encode(out)
 """ % EXPIRE
 
 # A step queued for the next call, and (a grant) who waits for its answer.
-Step = tuple[list[Any], "asyncio.Future[Any] | None"]
+Counts = tuple[int, int, int, int]  # requests, tokens, budget tokens, slots
+
+
+@dataclass
+class Pending:
+    """A step queued for the next script call. A grant also says who waits for its answer, and
+    what of it is that request's own (``needs``, per allowance); the rest tops the allowances up.
+    ``abandoned``: the request is gone, all of it goes to the allowances."""
+
+    step: list[Any]
+    answer: asyncio.Future[Any] | None = None
+    allowances: list[Allowance] | None = None
+    needs: list[Counts] | None = None
+    abandoned: bool = False
 
 
 def redacted(url: str) -> str:
@@ -193,25 +255,51 @@ class Allowance:
     budget: int = 0
     slots: int = 0
     used: int = 0  # budget tokens finished requests used, not reported yet (in Redis still as reserved)
+    # What requests took of each count since the last sync: as much is kept for the next one.
+    recent: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
 
-    def needs(self, reserve: int) -> tuple[int, int, int, int]:
-        """What is missing for one request of ``reserve`` tokens: requests, tokens, budget, slots."""
+    def request(self, reserve: int) -> Counts:
+        """What one request of ``reserve`` tokens takes of each limit: requests, tokens, budget, slots.
+        (Tokens per minute: at most the whole bucket; a bigger request leaves a debt, as in memory.)"""
         lim = self.scope.limits
-        return (max(0, 1 - self.requests) if lim.requests_per_minute else 0,
-                max(0, min(reserve, lim.tokens_per_minute) - self.tokens) if lim.tokens_per_minute else 0,
-                max(0, reserve - self.budget) if lim.budget else 0,
-                max(0, 1 - self.slots) if lim.concurrent else 0)
+        return (1 if lim.requests_per_minute else 0,
+                min(reserve, lim.tokens_per_minute) if lim.tokens_per_minute else 0,
+                reserve if lim.budget else 0,
+                1 if lim.concurrent else 0)
+
+    def fits(self, reserve: int) -> bool:
+        r = self.request(reserve)
+        return self.requests >= r[0] and self.tokens >= r[1] and self.budget >= r[2] and self.slots >= r[3]
+
+    def claim(self, wanted: Counts) -> Counts:
+        """Take what this allowance has of ``wanted`` (all of it, or part of one count); returns that."""
+        have = (max(0, min(self.requests, wanted[0])), max(0, min(self.tokens, wanted[1])),
+                max(0, min(self.budget, wanted[2])), max(0, min(self.slots, wanted[3])))
+        self.add(have, -1)
+        return have
+
+    def add(self, counts: Counts | list[int], sign: int = 1) -> None:
+        self.requests += sign * counts[0]
+        self.tokens += sign * counts[1]
+        self.budget += sign * counts[2]
+        self.slots += sign * counts[3]
 
     def take(self, reserve: int) -> None:
-        lim = self.scope.limits
-        if lim.requests_per_minute:
-            self.requests -= 1
-        if lim.tokens_per_minute:
-            self.tokens -= reserve
-        if lim.budget:
-            self.budget -= reserve
-        if lim.concurrent:
-            self.slots -= 1
+        """One request admitted from here (what :meth:`fits` said it has)."""
+        whole = self.request(reserve)
+        self.add(whole, -1)
+        self.took(whole)
+        self.owe(reserve)
+
+    def took(self, counts: Counts) -> None:
+        for i in range(4):
+            self.recent[i] += counts[i]
+
+    def owe(self, reserve: int) -> None:
+        """A request bigger than the tokens-per-minute bucket takes it below zero (given back as a debt)."""
+        tpm = self.scope.limits.tokens_per_minute
+        if tpm and reserve > tpm:
+            self.tokens -= reserve - tpm
 
     def end(self, reserved: int, used: int) -> None:
         """A request admitted from here ended having used ``used`` of its ``reserved`` tokens."""
@@ -224,13 +312,25 @@ class Allowance:
         if lim.concurrent:
             self.slots += 1
 
-    def give_back(self) -> list[Any] | None:
-        """This allowance as a sync's part (and emptied), or None when there is nothing to give."""
+    def give_back(self, everything: bool) -> list[Any] | None:
+        """This allowance's part of a sync, or None when there is nothing to give. Kept back (not
+        ``everything``): at most what requests took since the last sync, so a router under steady
+        load does not give back and ask again four times a second, and an idle one holds nothing
+        after two syncs."""
         lim = self.scope.limits
-        part = [lim.requests_per_minute or 0, lim.tokens_per_minute or 0, self.period, self.requests, self.tokens,
-                self.budget if lim.budget else 0, self.slots, self.used if lim.budget else 0]
-        self.requests = self.tokens = self.budget = self.slots = self.used = 0
+        have = (self.requests, self.tokens, self.budget if lim.budget else 0, self.slots)
+        keep = (0, 0, 0, 0) if everything else tuple(max(0, min(h, r)) for h, r in zip(have, self.recent, strict=True))
+        part = [lim.requests_per_minute or 0, lim.tokens_per_minute or 0, self.period,
+                have[0] - keep[0], have[1] - keep[1], have[2] - keep[2], have[3] - keep[3],
+                self.used if lim.budget else 0]
+        self.requests, self.tokens, self.budget, self.slots = keep
+        self.used = 0
+        self.recent = [0, 0, 0, 0]
         return part if any(part[3:]) else None
+
+    @property
+    def holds(self) -> bool:
+        return bool(self.requests or self.tokens or self.budget or self.slots)
 
 
 class SharedTicket:
@@ -239,6 +339,7 @@ class SharedTicket:
     __slots__ = ("_owner", "_allowances", "_reserved", "_used", "_released")
 
     def __init__(self, owner: SharedLimits, allowances: list[Allowance], reserved: int) -> None:
+        owner.in_flight += 1
         self._owner = owner
         self._allowances = allowances
         self._reserved = reserved
@@ -256,7 +357,7 @@ class SharedTicket:
         self._released = True
         for a in self._allowances:
             a.end(self._reserved, self._used or 0)
-        self._owner.schedule_sync()  # what it did not use goes back within SYNC_EVERY
+        self._owner.ended()
 
 
 class SharedLimits:
@@ -267,6 +368,8 @@ class SharedLimits:
         import redis.asyncio as redis  # only routers configured with Redis load the client
 
         self.url = url
+        self.instance = secrets.token_hex(8)  # whose holdings these are, in Redis
+        self.in_flight = 0  # requests admitted from allowances and not ended
         self._redis = redis.from_url(url, socket_timeout=TIMEOUT, socket_connect_timeout=TIMEOUT)
         self._clock = clock
         self._wall = wall
@@ -275,10 +378,11 @@ class SharedLimits:
         self._steps = self._redis.register_script(_STEPS)
         self._allowances: dict[tuple[str, str], Allowance] = {}  # (scope name, budget period)
         self._grants: dict[str, asyncio.Future[Any]] = {}  # scope name -> a grant under way
-        self._queue: list[Step] = []
+        self._queue: list[Pending] = []
         self._calls: set[asyncio.Task[None]] = set()
         self._kick_scheduled = False
         self._sync: asyncio.TimerHandle | None = None
+        self._beat: asyncio.TimerHandle | None = None
         self._retired: list[Allowance] = []  # of an ended period or old limits, to give back
 
     async def admit(self, limiter: Limiter, key: str, models: tuple[str, ...], reserve: int,
@@ -293,26 +397,21 @@ class SharedLimits:
         if self._clock() < self._down_until:
             return limiter.admit(key, models, reserve, now)
         allowances = [self._allowance(s, now) for s in scopes]
-        for _ in range(8):
-            if not any(any(a.needs(reserve)) for a in allowances):
-                break
-            # A grant under way for another request may bring enough for this one too; else ask.
-            # Checked again after every wait: other requests (or a sync) may have taken it meanwhile.
+        for _ in range(WAITS):
+            if all(a.fits(reserve) for a in allowances):
+                for a in allowances:
+                    a.take(reserve)
+                return SharedTicket(self, allowances, reserve)
+            # A grant under way for another request may top the allowances up enough for this
+            # one too (checked again after the wait: others may have taken it meanwhile).
             waiting = {id(f): f for a in allowances if (f := self._grants.get(a.scope.name)) is not None}
-            if waiting:
-                await asyncio.wait(list(waiting.values()))
-                continue
-            refused = await self._grant(allowances, reserve, now)
-            if isinstance(refused, Refusal):
-                return refused
-            if refused is not None:  # Redis failed: this router limits alone meanwhile
-                return limiter.admit(key, models, reserve, now)
-        # (Still short after eight rounds, under extreme contention: taken as a debt, which the
-        # next sync gives back as such, so Redis's counts stay right.)
-        for a in allowances:
-            a.take(reserve)
-        self.schedule_sync()
-        return SharedTicket(self, allowances, reserve)
+            if not waiting:
+                break
+            await asyncio.wait(list(waiting.values()))
+        got = await self._grant(allowances, reserve, now)
+        if isinstance(got, Exception):  # Redis failed: this router limits alone meanwhile
+            return limiter.admit(key, models, reserve, now)
+        return got
 
     def _allowance(self, s: Scope, now: float) -> Allowance:
         period = str(int(period_start(s.limits.budget, now))) if s.limits.budget else "0"
@@ -327,26 +426,56 @@ class SharedLimits:
             self._allowances[(s.name, period)] = a
         return a
 
-    async def _grant(self, allowances: list[Allowance], reserve: int, now: float) -> Refusal | Exception | None:
-        """Top up ``allowances`` to a chunk each (at least what one request needs), in Redis."""
-        parts = []
+    async def _grant(self, allowances: list[Allowance], reserve: int, now: float,
+                     ) -> SharedTicket | Refusal | Exception:
+        """This request's own grant: what the allowances have of it is claimed at once (no one
+        else can take it meanwhile), the rest asked of Redis together with a top-up to a chunk
+        of each limit; the answer's part for this request is its own, whoever runs first."""
+        haves, needs, parts = [], [], []
         for a in allowances:
+            # One grant under way per scope asks for a chunk; the others only for their own request.
+            top_up = a.scope.name not in self._grants
+            whole = a.request(reserve)
+            have = a.claim(whole)
+            need = (whole[0] - have[0], whole[1] - have[1], whole[2] - have[2], whole[3] - have[3])
+            haves.append(have)
+            needs.append(need)
             lim = a.scope.limits
-            need = a.needs(reserve)
-            want = (max(need[0], chunk(lim.requests_per_minute) - a.requests) if need[0] else 0,
-                    max(need[1], chunk(lim.tokens_per_minute) - a.tokens) if need[1] else 0,
-                    max(need[2], chunk(lim.budget.tokens if lim.budget else 0) - a.budget) if need[2] else 0,
-                    max(need[3], chunk(lim.concurrent) - a.slots) if need[3] else 0)
+            want = [max(n, chunk(c) - left) if n and top_up else n for n, c, left in zip(
+                need, (lim.requests_per_minute, lim.tokens_per_minute, lim.budget.tokens if lim.budget else 0,
+                       lim.concurrent), (a.requests, a.tokens, a.budget, a.slots), strict=True)]
             parts.append([lim.requests_per_minute or 0, lim.tokens_per_minute or 0, lim.concurrent or 0,
                           lim.budget.tokens if lim.budget else 0, a.period,
                           need[0], want[0], need[1], want[1], need[2], want[2], need[3], want[3]])
+        if not any(any(n) for n in needs):  # all of it was here after all
+            for a, have in zip(allowances, haves, strict=True):
+                a.took(have)
+                a.owe(reserve)
+            return SharedTicket(self, allowances, reserve)
         answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         for a in allowances:
             self._grants.setdefault(a.scope.name, answer)
-        self._enqueue((["g", [a.key for a in allowances], now, parts], answer))
+        pending = Pending(["g", [a.key for a in allowances], now, parts], answer, allowances, needs)
+        self._enqueue(pending)
+
+        def unclaim(granted: bool) -> None:
+            for a, have, need in zip(allowances, haves, needs, strict=True):
+                a.add(have)
+                if granted:
+                    a.add(need)
+            self.schedule_sync()
+
         try:
             result = await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            # The request is gone: what it claimed goes back, and what Redis grants it, or
+            # (answered already) granted it, goes to the allowances.
+            answered = answer.done() and answer.exception() is None and int(answer.result()[0]) == 0
+            pending.abandoned = not answer.done()
+            unclaim(answered)
+            raise
         except Exception as exc:  # noqa: BLE001 - any failure of Redis: the limits are kept locally
+            unclaim(False)
             self._went_down(exc)
             return exc
         finally:
@@ -357,42 +486,64 @@ class SharedLimits:
             self.degraded = False
             log.warning("limits are shared again through Redis at %s", redacted(self.url))
         if int(result[0]) != 0:
+            unclaim(False)
             return _refusal(allowances[int(result[1]) - 1].scope, [str(x) for x in result], reserve, now)
-        return None
+        for a, have, need in zip(allowances, haves, needs, strict=True):
+            a.took((have[0] + need[0], have[1] + need[1], have[2] + need[2], have[3] + need[3]))
+            a.owe(reserve)
+        return SharedTicket(self, allowances, reserve)
 
-    def _granted(self, step: list[Any], result: list[Any]) -> None:
-        """A grant's answer, added to the allowances it was for (whoever still waits for it)."""
+    def _granted(self, pending: Pending, result: list[Any]) -> None:
+        """A grant's answer: beyond what its request needs (all of it, the request gone), to the allowances."""
         if int(result[0]) != 0:
             return
-        keys, parts = step[1], step[3]
-        for key, part, got in zip(keys, parts, result[1], strict=True):
-            a = self._allowances.get((key.removeprefix("llmgw:limits:"), part[4]))
-            if a is None or a.key != key:
-                continue
-            a.requests += int(got[0])
-            a.tokens += int(got[1])
-            a.budget += int(got[2])
-            a.slots += int(got[3])
+        assert pending.allowances is not None and pending.needs is not None
+        for a, need, got in zip(pending.allowances, pending.needs, result[1], strict=True):
+            a.add(got)
+            if not pending.abandoned:
+                a.add(need, -1)
         self.schedule_sync()  # the requests it was for may be gone: it goes back unused
+
+    def ended(self) -> None:
+        """A request admitted from the allowances ended: what it did not use goes back within SYNC_EVERY."""
+        self.in_flight -= 1
+        self.schedule_sync()
 
     def schedule_sync(self) -> None:
         if self._sync is None:
             self._sync = asyncio.get_running_loop().call_later(SYNC_EVERY, self._send_sync)
+        if self._beat is None:
+            self._beat = asyncio.get_running_loop().call_later(HEARTBEAT, self._heartbeat)
 
-    def _send_sync(self) -> None:
-        """Give back every allowance's unused part and report what finished requests used."""
+    def _heartbeat(self) -> None:
+        """While its requests are in flight, a router renews its lease even when it has nothing to say."""
+        self._beat = None
+        if self.in_flight > 0:
+            if not self._queue and not self._calls:
+                self._enqueue(Pending(["y", [], self._wall(), []]))
+            self._beat = asyncio.get_running_loop().call_later(HEARTBEAT, self._heartbeat)
+
+    def _send_sync(self, everything: bool = False) -> None:
+        """Give back what the allowances will not need (``everything``: all of it) and report
+        what finished requests used."""
         self._sync = None
         by_key: dict[str, list[Any]] = {}
-        for a in [*self._retired, *self._allowances.values()]:
-            part = a.give_back()
-            if part is not None:
+        for a in self._retired:
+            if (part := a.give_back(True)) is not None:
                 by_key.setdefault(a.key, []).append(part)
         self._retired = []
+        kept = False
+        for a in self._allowances.values():
+            if (part := a.give_back(everything)) is not None:
+                by_key.setdefault(a.key, []).append(part)
+            kept = kept or a.holds
+        if kept and not everything:
+            self.schedule_sync()  # given back at the next sync if no request takes it meanwhile
         if by_key:
             keys = [k for k, ps in by_key.items() for _ in ps]
-            self._enqueue((["y", keys, self._wall(), [p for ps in by_key.values() for p in ps]], None))
+            self._enqueue(Pending(["y", keys, self._wall(), [p for ps in by_key.values() for p in ps]]))
 
-    def _enqueue(self, step: Step) -> None:
+    def _enqueue(self, step: Pending) -> None:
         self._queue.append(step)
         if not self._kick_scheduled and len(self._calls) < CALLS_IN_FLIGHT:
             # After the callbacks already due: the steps other requests queue in this turn of
@@ -413,23 +564,23 @@ class SharedLimits:
         if self._queue and not self._kick_scheduled:
             self._kick()
 
-    async def _call(self, steps: list[Step]) -> None:
+    async def _call(self, steps: list[Pending]) -> None:
         """Send ``steps`` as one script call; hand each grant its answer."""
-        payload = json.dumps([step for step, _ in steps], separators=(",", ":"))
+        payload = json.dumps([p.step for p in steps], separators=(",", ":"))
         try:
             async with asyncio.timeout(TIMEOUT):
-                results = json.loads(await self._steps(args=[payload]))
+                results = json.loads(await self._steps(args=[payload, self.instance, LEASE]))
         except Exception as exc:  # noqa: BLE001 - any failure of Redis: the waiting requests go local
             self._went_down(exc)
-            for _, answer in steps:
-                if answer is not None and not answer.done():
-                    answer.set_exception(exc)
+            for p in steps:
+                if p.answer is not None and not p.answer.done():
+                    p.answer.set_exception(exc)
             return
-        grants = ((step, answer) for step, answer in steps if answer is not None)
-        for (step, answer), result in zip(grants, results, strict=True):
-            self._granted(step, result)  # into the allowances, even if its request is gone
-            if not answer.done():
-                answer.set_result(result)
+        grants = [p for p in steps if p.answer is not None]
+        for p, result in zip(grants, results, strict=True):
+            self._granted(p, result)  # into the allowances, even if its request is gone
+            if p.answer is not None and not p.answer.done():
+                p.answer.set_result(result)
 
     def _went_down(self, exc: BaseException) -> None:
         self._down_until = self._clock() + RETRY_AFTER
@@ -442,8 +593,11 @@ class SharedLimits:
         """Give back what this router holds (within a second), then disconnect."""
         if self._sync is not None:
             self._sync.cancel()
+        if self._beat is not None:
+            self._beat.cancel()
+            self._beat = None
         if not self.degraded:
-            self._send_sync()
+            self._send_sync(everything=True)
         if self._sync is not None:
             self._sync.cancel()
             self._sync = None

@@ -26,13 +26,17 @@ Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 @asynccontextmanager
 async def engine(script: Script) -> AsyncIterator[tuple[str, list[bytes]]]:
-    """A raw engine: reads each request whole (head and Content-Length body), records it, runs script."""
+    """A raw engine: reads each request whole (head and Content-Length body), records it, runs script;
+    a GET (the router's load poll) is answered 404."""
     seen: list[bytes] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                if not head.startswith(b"POST"):  # the router's load poll: not an engine's work
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    continue
                 length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                               if line.lower().startswith(b"content-length:"))
                 seen.append(head + await reader.readexactly(length))

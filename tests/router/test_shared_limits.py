@@ -3,6 +3,8 @@ does when Redis goes away (degraded mode: it limits on its own, says so, and doe
 
 from __future__ import annotations
 
+import asyncio
+import json
 import shutil
 import subprocess
 import time
@@ -16,9 +18,11 @@ import pytest
 from llmgw.catalog.model import Budget, Catalog, Limits, Settings, Tenant
 from llmgw.engines.testing import SimProcess, free_port
 from llmgw.router import KeyRing, Router, RouterConfig, hash_key
-from llmgw.router.shared_limits import redacted
+from llmgw.router.limits import Limiter, period_start
+from llmgw.router.shared_limits import SharedLimits, SharedTicket, redacted
 from tests.router.conftest import endpoint, serving, sim_metric
 from tests.router.fake_controller import model
+from tests.router.test_deliveries import engine
 
 pytestmark = pytest.mark.skipif(not shutil.which("redis-server"),
                                 reason="redis-server is not installed (apt-get install redis-server)")
@@ -48,10 +52,14 @@ def redis_url() -> Iterator[tuple[str, subprocess.Popen]]:
 
 
 def router(chat_sim: SimProcess, url: str, limits: Limits) -> Router:
+    return router_at(chat_sim.endpoint, url, limits)
+
+
+def router_at(engine_url: str, url: str, limits: Limits) -> Router:
     keys = KeyRing.from_entries([{"name": "team-key", "sha256": hash_key("sk-team"), "models": ["*"]}])
     r = Router(keys=keys, config=RouterConfig(limits_redis=url))
     r.set_catalog(Catalog(models=(model("chat"),), settings=Settings(tenants=(Tenant("team", ("team-key",), limits),))))
-    r.set_endpoints([endpoint("chat", chat_sim.endpoint)])
+    r.set_endpoints([endpoint("chat", engine_url)])
     return r
 
 
@@ -164,3 +172,109 @@ async def test_a_standalone_router_takes_the_redis_the_controller_names(chat_sim
                 except openai.RateLimitError:
                     answers.append(429)
     assert answers == [200, 200, 429, 429]  # 2 a minute over both routers together
+
+
+# --- allowances: many requests at once, and a router that dies holding some ---------------------
+
+def budget_key(budget: Budget) -> str:
+    return f"llmgw:limits:team:budget:{int(period_start(budget, time.time()))}"
+
+
+async def test_two_routers_under_load_stay_within_the_limits_and_hold_nothing_once_idle(redis_url) -> None:  # noqa: ANN001
+    """20 clients at once through two routers: never more than 3 at the engine (the tenant's
+    concurrent limit), the budget not overshot, and once the requests are over, nothing is left
+    reserved or in flight in Redis: every allowance went back."""
+    url, _ = redis_url
+    budget = Budget(tokens=500, per="day")
+    running = peak = 0
+
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.05)
+        running -= 1
+        body = json.dumps({"id": "x", "object": "chat.completion", "model": "chat", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 10, "total_tokens": 11}}).encode()
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body))
+        await w.drain()
+
+    served = 0
+    refusals: set[str] = set()
+    async with engine(answer) as (engine_url, _), AsyncExitStack() as stack:
+        bases = []
+        for _ in range(2):
+            r = router_at(engine_url, url, Limits(concurrent=3, budget=budget))
+            bases.append(await stack.enter_async_context(serving(r)))
+
+        async def client(base: str) -> None:
+            nonlocal served
+            async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=0, timeout=15) as c:
+                while True:
+                    try:
+                        await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=10)
+                        served += 1
+                    except openai.RateLimitError as exc:
+                        if "budget" in exc.message:
+                            refusals.add("budget")
+                            return
+                        refusals.add("concurrent")
+                        await asyncio.sleep(0.02)
+
+        await asyncio.gather(*(client(bases[i % 2]) for i in range(20)))
+        await asyncio.sleep(1.0)  # past the routers' syncs
+        import redis
+
+        with redis.Redis.from_url(url) as db:
+            used, reserved = (int(v or 0) for v in db.hmget(budget_key(budget), "used", "reserved"))
+            inflight = int(db.get("llmgw:limits:team:inflight") or 0)
+            held = [k for k in db.scan_iter("llmgw:limits:held:*") if db.hlen(k)]
+    assert peak <= 3 and refusals == {"budget", "concurrent"}
+    assert used == 11 * served and 400 <= used <= 500, (served, used)
+    assert (reserved, inflight, held) == (0, 0, [])
+
+
+async def test_what_a_dead_router_held_goes_back_when_its_lease_runs_out(redis_url, monkeypatch) -> None:  # noqa: ANN001
+    """A router that stops calling Redis (killed, or cut off) with an allowance and a request in
+    flight: once its lease has run out, the next call of another router gives back what it held;
+    if it comes back, its own give-back takes nothing from the other's holdings."""
+    from llmgw.router import shared_limits
+
+    monkeypatch.setattr(shared_limits, "LEASE", 0.5)
+    url, _ = redis_url
+    budget = Budget(tokens=1000, per="day")
+    limiter = Limiter((Tenant("team", ("team-key",), Limits(budget=budget, concurrent=100)),))
+    import redis
+
+    db = redis.Redis.from_url(url)
+
+    def counts() -> tuple[int, int]:
+        return int(db.hget(budget_key(budget), "reserved") or 0), int(db.get("llmgw:limits:team:inflight") or 0)
+
+    a, b = SharedLimits(url), SharedLimits(url)
+    ticket_a = await a.admit(limiter, "team-key", ("chat",), 10, time.time())
+    assert isinstance(ticket_a, SharedTicket)
+    assert counts() == (50, 5)  # a twentieth of each limit, held by a
+    if a._sync is not None:  # a says nothing more: no sync, no heartbeat
+        a._sync.cancel()
+        a._sync = None
+    if a._beat is not None:
+        a._beat.cancel()
+        a._beat = None
+    await asyncio.sleep(0.7)
+    ticket_b = await b.admit(limiter, "team-key", ("chat",), 10, time.time())
+    assert isinstance(ticket_b, SharedTicket)
+    assert counts() == (50, 5)  # a's given back, b's taken
+    ticket_a.settle(7)
+    ticket_a.release()  # a comes back: its request ended, it gives back what it no longer holds
+    await a.close()
+    assert counts() == (50, 5)
+    assert int(db.hget(budget_key(budget), "used") or 0) == 7  # what was used is used all the same
+    ticket_b.settle(4)
+    ticket_b.release()
+    await b.close()
+    assert counts() == (0, 0)
+    assert int(db.hget(budget_key(budget), "used") or 0) == 11
+    db.close()
