@@ -414,9 +414,12 @@ def cost(tmp: Path, duration: float, rounds: int) -> dict:
             wait_port(port, r, 15)
             targets[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
             wrk(targets[name], script, 8, 1.0)  # warm-up
-        for _ in range(rounds):
-            for name, target in targets.items():  # idle routers cost nothing: one at a time is measured
-                runs[name].append(wrk(target, script, 32, duration))
+        order = list(targets)
+        for i in range(rounds):
+            # Idle routers cost nothing: one at a time is measured, each round in another order
+            # (whoever goes first in a round is not always the same one).
+            for name in order[i % 3:] + order[:i % 3]:
+                runs[name].append(wrk(targets[name], script, 32, duration))
     finally:
         for p in reversed(procs):
             stop(p)

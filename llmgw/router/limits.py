@@ -104,7 +104,7 @@ def _next_period_from(budget: Budget, period: float) -> float:
     return (start.replace(day=28) + timedelta(days=4)).replace(day=1).timestamp()
 
 
-@dataclass
+@dataclass(slots=True)
 class Bucket:
     """``capacity`` units, refilled at ``capacity`` per minute."""
 
@@ -128,7 +128,7 @@ class Bucket:
         return (self.capacity - self.level) * 60.0 / self.capacity
 
 
-@dataclass
+@dataclass(slots=True)
 class Scope:
     """One tenant's (or one tenant-and-model's) limits and what is used of them."""
 
@@ -192,12 +192,17 @@ class Ticket:
             s.inflight -= 1
 
 
+_UNKNOWN = object()
+
+
 class Limiter:
     """Every tenant's scopes, by key name."""
 
     def __init__(self, tenants: Iterable[Tenant] = ()) -> None:
         self._tenant_of: dict[str, str] = {}
         self._scopes: dict[tuple[str, str], Scope] = {}
+        # Asked on every request with a key: found once per key and model chain.
+        self._scopes_of: dict[tuple[str, tuple[str, ...]], tuple[Scope, ...] | None] = {}
         for t in tenants:
             for k in t.keys:
                 self._tenant_of.setdefault(k, t.name)
@@ -226,6 +231,7 @@ class Limiter:
                 prev.period, prev.used = 0.0, 0
             prev.limits = s.limits
             self._scopes[k] = prev
+        self._scopes_of.clear()
 
     def admit(self, key: str, models: tuple[str, ...], reserve: int, now: float) -> Ticket | Refusal | None:
         """A ticket, a refusal, or None when the key is in no tenant (not limited). ``models``: the
@@ -248,11 +254,19 @@ class Limiter:
 
     def scopes_of(self, key: str, models: tuple[str, ...]) -> tuple[Scope, ...] | None:
         """The scopes a request with ``key`` for ``models`` must fit; None when the key is in no tenant."""
+        known = self._scopes_of.get((key, models), _UNKNOWN)
+        if known is not _UNKNOWN:
+            return known  # type: ignore[return-value]
         tenant = self._tenant_of.get(key)
         if tenant is None:
-            return None
-        found = (self._scopes.get((tenant, "")), *(self._scopes.get((tenant, m)) for m in models))
-        return tuple(s for s in found if s is not None)
+            scopes = None
+        else:
+            found = (self._scopes.get((tenant, "")), *(self._scopes.get((tenant, m)) for m in models))
+            scopes = tuple(s for s in found if s is not None)
+        if len(self._scopes_of) > 4096:  # keys times models, bounded whatever clients send
+            self._scopes_of.clear()
+        self._scopes_of[(key, models)] = scopes
+        return scopes
 
     @staticmethod
     def never_fits(scopes: tuple[Scope, ...], reserve: int) -> Refusal | None:
@@ -282,9 +296,8 @@ class Limiter:
                 return self._refuse(s, f"tenant `{s.name}` reached its limit of {lim.tokens_per_minute} tokens "
                                        f"per minute (this request reserves {reserve})", s.tokens.wait(need))
         if lim.budget is not None:
-            never = self.never_fits((s,), reserve)
-            if never is not None:
-                return never
+            if reserve > lim.budget.tokens:
+                return self.never_fits((s,), reserve)
             start = period_start(lim.budget, now)
             if start != s.period:
                 s.period, s.used = start, 0  # a new period: what was used before no longer counts
