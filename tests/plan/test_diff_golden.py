@@ -164,3 +164,32 @@ def test_ci_examples_parse_and_run_validate_and_diff() -> None:
         assert "llmgw validate" in steps and "llmgw diff" in steps and "--format markdown" in steps
     hooks = yaml.safe_load((REPO_ROOT / "examples/ci/.pre-commit-config.yaml").read_text())
     assert hooks["repos"][0]["hooks"][0]["id"] == "llmgw-validate"
+
+
+def test_a_tenants_limits_change_shows_field_by_field(run_cli, repo: Path, snapshot: Path) -> None:
+    """Two commits of llmgw.yaml: what a reviewer must see is which limit of which tenant moved,
+    and that no engine restarts for it."""
+    settings = ("tenants:\n  - name: search\n    keys: [search-prod]\n    limits:\n"
+                "      requests_per_minute: 600\n      concurrent: 16\n"
+                "      budget: {tokens: 5000000, per: day}\n"
+                "    models:\n      chat: {requests_per_minute: 30}\n")
+    apply(repo, Scenario("tenants", {"llmgw.yaml": settings}, "Tenants"))
+    (repo / "llmgw.yaml").write_text(settings.replace("concurrent: 16", "concurrent: 8")
+                                     .replace("per: day}", "per: month, reset: \"06:00\"}")
+                                     .replace("chat: {requests_per_minute: 30}", "chat: {tokens_per_minute: 9000}"))
+    git(repo, "commit", "-q", "-am", "Tighter search", env=FIXED_DATES)
+    code, out = run_cli("diff", "HEAD~1", "HEAD", "--repo", str(repo), "--snapshot", str(snapshot),
+                        "--format", "json")
+    p = json.loads(out)
+    assert code == 2, out
+    [change] = p["changes"]
+    assert (change["kind"], change["name"], change["op"]) == ("settings", "llmgw.yaml", "~")
+    assert {(f["path"], f["before"], f["after"]) for f in change["fields"]} == {
+        ("tenants.search.limits.concurrent", 16, 8),
+        ("tenants.search.limits.budget.per", "day", "month"),
+        ("tenants.search.limits.budget.reset", "00:00", "06:00"),
+        ("tenants.search.models.chat.requests_per_minute", 30, None),
+        ("tenants.search.models.chat.tokens_per_minute", None, 9000)}
+    assert p["plan"]["steps"] == []
+    code, text = run_cli("diff", "HEAD~1", "HEAD", "--repo", str(repo), "--snapshot", str(snapshot))
+    assert "tenants.search.limits.concurrent: 16 → 8" in text, text
