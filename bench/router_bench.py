@@ -236,6 +236,15 @@ def wrk(url: str, script: Path, connections: int, duration: float) -> dict[str, 
             else ""}
 
 
+def have_tools(tools: tuple[str, ...], packages: str) -> bool:
+    """Whether every tool is on PATH; else says which is missing and what to install."""
+    for tool in tools:
+        if shutil.which(tool) is None:
+            print(f"{tool} is missing: apt-get install -y {packages}", file=sys.stderr)
+            return False
+    return True
+
+
 def _ms(value: str, unit: str) -> float:
     return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
 
@@ -316,10 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.serve:
         run_loop(serve_bare(a.port, a.engine))
         return 0
-    for tool in ("wrk", "nginx", "taskset"):
-        if shutil.which(tool) is None:
-            print(f"{tool} is missing: apt-get install -y nginx wrk util-linux", file=sys.stderr)
-            return 2
+    if not have_tools(("wrk", "nginx", "taskset"), "nginx wrk util-linux"):
+        return 2
     started = time.monotonic()
     duration = a.duration or (2.0 if a.quick else 15.0)
     warmup = 1.0 if a.quick else 3.0

@@ -44,7 +44,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -58,7 +57,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from router_bench import LOAD_CORE, SUT_CORE, free_port, run_loop, spawn, stop, wait_port, wrk  # noqa: E402
+from router_bench import LOAD_CORE, SUT_CORE, free_port, have_tools, run_loop, spawn, stop, wait_port, wrk  # noqa: E402
 
 TOKEN = "usage-bench-admin-token"
 TENANTS = ("alpha", "beta", "capped")
@@ -456,10 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.serve == "router":
         run_loop(serve_router(a.port, a.engine, a.redis))
         return 0
-    for tool in ("redis-server", "wrk", "taskset"):
-        if shutil.which(tool) is None:
-            print(f"{tool} is missing: apt-get install -y redis-server wrk util-linux", file=sys.stderr)
-            return 2
+    if not have_tools(("redis-server", "wrk", "taskset"), "redis-server wrk util-linux"):
+        return 2
     started = time.monotonic()
     os.sched_setaffinity(0, {int(LOAD_CORE)})
     with tempfile.TemporaryDirectory(prefix="llmgw-usage-bench-") as d:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from llmgw.contract import UsageLedger, UsageOutboxLike
+from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,6 @@ class UsageFlusher:
 
     async def close(self) -> None:
         """Stop, after one last flush (call it after the router drained: its last answers count)."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         self.flush()

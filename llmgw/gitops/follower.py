@@ -26,6 +26,7 @@ from llmgw.gitops.status import History, PendingPrune, Rejection, Rewrite, SyncS
 from llmgw.inventory import Inventory
 from llmgw.plan.guard import PruneVerdict, allows_prune, judge_prune
 from llmgw.state import Applied, Store
+from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +120,7 @@ class GitOpsFollower:
     async def close(self) -> None:
         if self._stop is not None:
             self._stop.set()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(*self._tasks)
         self._tasks.clear()
 
     def trigger(self) -> None:

@@ -31,6 +31,7 @@ from llmgw.reconciler.config import ReconcilerConfig
 from llmgw.reconciler.lifecycle import Lifecycle
 from llmgw.reconciler.live import LiveInventory
 from llmgw.state import Store
+from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +90,8 @@ class Reconciler:
             self._task = asyncio.create_task(self._run(), name="reconciler")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -52,6 +52,7 @@ from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, choo
 from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
 from llmgw.router.usage import Usage, UsageOutbox, ask_for_usage, reported_usage, wants_usage
 from llmgw.serving import connection_cap, listen
+from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -275,13 +276,8 @@ class Router:
 
     async def close(self) -> None:
         await self.drain()
-        if self._poller is not None:
-            self._poller.cancel()
-            try:
-                await self._poller
-            except asyncio.CancelledError:
-                pass
-            self._poller = None
+        await cancel_and_wait(self._poller)
+        self._poller = None
         if self._pool is not None:
             await self._pool.close()
             self._pool = None

@@ -29,6 +29,7 @@ from llmgw.errors import ConfigError, LlmgwError
 from llmgw.router.app import Router
 from llmgw.router.feed import catalog_from_view
 from llmgw.router.keys import KeyRing
+from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +72,7 @@ class FeedClient:
     async def close(self) -> None:
         """Stop following; usage not yet acknowledged is sent once more first (drain the router
         before, so its last answers are in it). What the controller does not take is logged."""
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
         if self._session is not None:
             outbox = self.router.usage_outbox
