@@ -572,6 +572,7 @@ class SharedLimits:
                 results = json.loads(await self._steps(args=[payload, self.instance, LEASE]))
         except Exception as exc:  # noqa: BLE001 - any failure of Redis: the waiting requests go local
             self._went_down(exc)
+            self._forget_holdings()
             for p in steps:
                 if p.answer is not None and not p.answer.done():
                     p.answer.set_exception(exc)
@@ -581,6 +582,15 @@ class SharedLimits:
             self._granted(p, result)  # into the allowances, even if its request is gone
             if p.answer is not None and not p.answer.done():
                 p.answer.set_result(result)
+
+    def _forget_holdings(self) -> None:
+        """After a call that failed, what this router holds in Redis is not known: a call that
+        timed out here may have run there. It starts again as a new instance, from nothing; what
+        the old one held goes back to everyone when its lease runs out. (Its requests in flight
+        end into the old allowances, which are not given back: their lease does it.)"""
+        self.instance = secrets.token_hex(8)
+        self._allowances = {}
+        self._retired = []
 
     def _went_down(self, exc: BaseException) -> None:
         self._down_until = self._clock() + RETRY_AFTER

@@ -18,7 +18,7 @@ import pytest
 from llmgw.catalog.model import Budget, Catalog, Limits, Settings, Tenant
 from llmgw.engines.testing import SimProcess, free_port
 from llmgw.router import KeyRing, Router, RouterConfig, hash_key
-from llmgw.router.limits import Limiter, period_start
+from llmgw.router.limits import Limiter, Refusal, period_start
 from llmgw.router.shared_limits import SharedLimits, SharedTicket, redacted
 from tests.router.conftest import endpoint, serving, sim_metric
 from tests.router.fake_controller import model
@@ -278,3 +278,46 @@ async def test_what_a_dead_router_held_goes_back_when_its_lease_runs_out(redis_u
     assert counts() == (0, 0)
     assert int(db.hget(budget_key(budget), "used") or 0) == 11
     db.close()
+
+
+async def test_a_grant_redis_ran_after_the_router_gave_up_on_it_is_not_held_for_ever(redis_url, monkeypatch) -> None:  # noqa: ANN001
+    """Redis busy for 0.4 s (a slow command): the router's call times out, it limits alone for a
+    while, and Redis then runs the grant anyway. What that grant holds goes back once the lease
+    of the instance that asked runs out, though the router lives on under a new one."""
+    import threading
+
+    import redis
+
+    from llmgw.router import shared_limits
+
+    monkeypatch.setattr(shared_limits, "LEASE", 1.0)
+    monkeypatch.setattr(shared_limits, "RETRY_AFTER", 0.3)
+    url, _ = redis_url
+    limiter = Limiter((Tenant("team", ("team-key",), Limits(concurrent=1)),))
+    a, b = SharedLimits(url), SharedLimits(url)
+    first = await a.admit(limiter, "team-key", ("chat",), 10, time.time())  # the script is loaded
+    assert isinstance(first, SharedTicket)
+    first.release()
+    await asyncio.sleep(0.6)  # given back
+
+    def busy() -> None:
+        with redis.Redis.from_url(url) as db:
+            db.eval("local t0 = redis.call('TIME') local s = t0[1] + t0[2] / 1e6 while true do "
+                    "local t = redis.call('TIME') if t[1] + t[2] / 1e6 - s > 0.4 then break end end return 1", 0)
+
+    slow = threading.Thread(target=busy)
+    slow.start()
+    await asyncio.sleep(0.05)
+    alone = await a.admit(limiter, "team-key", ("chat",), 10, time.time())
+    assert a.degraded and not isinstance(alone, (SharedTicket, Refusal))  # admitted in memory
+    alone.release()
+    slow.join()
+    with redis.Redis.from_url(url) as db:
+        assert int(db.get("llmgw:limits:team:inflight") or 0) == 1  # run by Redis, unknown to the router
+        await asyncio.sleep(1.5)  # the lease of the instance that asked runs out
+        again = await b.admit(limiter, "team-key", ("chat",), 10, time.time())
+        assert isinstance(again, SharedTicket), again
+        again.release()
+        await b.close()
+        await a.close()
+        assert int(db.get("llmgw:limits:team:inflight") or 0) == 0
