@@ -94,6 +94,17 @@ def wire_str(v: Any) -> str:
     return v
 
 
+def wire_name(v: Any) -> str:
+    """A name off the wire that can be stored: a string that is valid Unicode (JSON lets a lone
+    surrogate through, which SQLite cannot encode), or ValueError/TypeError."""
+    s = wire_str(v)
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"{s!r} is not valid Unicode") from None
+    return s
+
+
 @dataclass(frozen=True)
 class Demand:
     """The router's view of a model: requests held for want of a replica, and in flight."""
@@ -147,7 +158,13 @@ class PromptCache:
 
 
 USAGE_COUNTS = ("requests", "errors", "prompt_tokens", "completion_tokens", "counted_from_stream")
-MAX_USAGE_ROWS = 100_000  # in one batch: a router away from its controller for a day, with many keys
+# Rows in one batch: what is counted beyond waits for the next one. ~200 bytes a row, so a batch
+# stays well inside the admin API's body limit (2 MiB): a batch refused for its size would be sent
+# again for ever, and the router's reports with it.
+MAX_USAGE_ROWS = 2_000
+# A row's counts: a trillion tokens a minute per key and model is beyond any fleet; the bound keeps
+# the ledger's sums inside SQLite's 64-bit integers whatever a router sends.
+MAX_USAGE_COUNT = 2 ** 40
 
 
 @dataclass(frozen=True)
@@ -176,10 +193,10 @@ class UsageRow:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> UsageRow:
         """Off the wire; ValueError/TypeError when a name is not a string or a count is odd."""
-        names = [wire_str(d.get(n, "")) for n in ("tenant", "key", "model")]
+        names = [wire_name(d.get(n, "")) for n in ("tenant", "key", "model")]
         numbers = [d.get("minute"), *(d.get(n, 0) for n in USAGE_COUNTS)]
-        if any(type(v) is not int or not 0 <= v < 2 ** 53 for v in numbers):
-            raise ValueError("malformed usage row: minute and counts must be whole numbers from 0 to 2**53")
+        if any(type(v) is not int or not 0 <= v < MAX_USAGE_COUNT for v in numbers):
+            raise ValueError("malformed usage row: minute and counts must be whole numbers from 0 to 2**40")
         if numbers[0] % 60 or any(len(n) > 256 for n in names):
             raise ValueError("malformed usage row: minute must start a minute, names at most 256 characters")
         minute, *counts = numbers
@@ -199,12 +216,30 @@ class UsageBatch:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> UsageBatch:
-        instance, seq, rows = wire_str(d["instance"]), d["seq"], d["rows"]
-        if type(seq) is not int or seq < 1 or not instance or len(instance) > 256:
-            raise ValueError("malformed usage batch: instance must be a name, seq a whole number from 1")
+        batch, problems = cls.parse(d)
+        if problems:
+            raise ValueError(problems[0])
+        return batch
+
+    @classmethod
+    def parse(cls, d: Mapping[str, Any]) -> tuple[UsageBatch, list[str]]:
+        """The batch with the rows that can be kept, and what was wrong with the others (a key
+        name the controller cannot store must not cost the other keys their usage). ValueError/
+        TypeError/KeyError when the batch itself (instance, seq, the list) is malformed."""
+        instance, seq, rows = wire_name(d["instance"]), d["seq"], d["rows"]
+        if type(seq) is not int or not 1 <= seq < 2 ** 53 or not instance or len(instance) > 256:
+            raise ValueError("malformed usage batch: instance must be a name, seq a whole number from 1 to 2**53")
         if not isinstance(rows, list) or len(rows) > MAX_USAGE_ROWS:
             raise ValueError(f"malformed usage batch: rows must be a list of at most {MAX_USAGE_ROWS}")
-        return cls(instance, seq, tuple(UsageRow.from_json(r) for r in rows))
+        kept, problems = [], []
+        for i, r in enumerate(rows):
+            try:
+                if not isinstance(r, dict):
+                    raise TypeError(f"expected an object, got {type(r).__name__}")
+                kept.append(UsageRow.from_json(r))
+            except (ValueError, TypeError) as exc:
+                problems.append(f"row {i}: {exc}")
+        return cls(instance, seq, tuple(kept)), problems
 
 
 class UsageLedger(Protocol):

@@ -67,7 +67,9 @@ USAGE_GROUPS = ("tenant", "key", "model")
 # Minutes older than this are summed into hours (a year of minutes per key and model is a lot
 # of rows for a dashboard that shows hours).
 USAGE_MINUTES_KEPT = 7 * 86400
-_USAGE_SUMS = ", ".join(f"SUM({c})" for c in USAGE_COUNTS)
+# TOTAL, not SUM: SUM raises on a 64-bit overflow, and one bad router's rows would then fail every
+# query of the ledger; a total is exact below 2**53 and saturates above.
+_USAGE_SUMS = ", ".join(f"CAST(TOTAL({c}) AS INTEGER)" for c in USAGE_COUNTS)
 
 
 class SyncKind(str, Enum):

@@ -194,18 +194,33 @@ class FeedHub:
             cache = {wire_str(m): PromptCache.from_json(c) for m, c in (data.get("prompt_cache") or {}).items()}
             if len(cache) > MAX_REPORTED_MODELS:
                 raise ValueError(f"{len(cache)} models in one report (at most {MAX_REPORTED_MODELS})")
-            batch = UsageBatch.from_json(data["usage"]) if data.get("usage") is not None else None
         except KeyError as exc:
             # The admin API's error shape ({"error": "..."}), not the OpenAI one: this is an admin route.
             return web.json_response({"error": f"malformed router report: {exc.args[0]} is missing"}, status=400)
-        except (ValueError, TypeError, AttributeError) as exc:
+        except (ValueError, TypeError, AttributeError, OverflowError) as exc:
             return web.json_response({"error": f"malformed router report: {exc}"}, status=400)
+        # The usage on its own: a batch the controller cannot take must not cost the router its
+        # demand and last use (scale from zero, idle decisions), nor come back for ever.
+        batch, rejected = None, None
+        if isinstance(data, dict) and data.get("usage") is not None:
+            try:
+                batch, problems = UsageBatch.parse(data["usage"])
+                if problems:
+                    log.error("usage ledger: %d of %d rows from router %s were refused and are lost (%s)",
+                              len(problems), len(problems) + len(batch.rows), router_id, problems[0])
+            except (KeyError, ValueError, TypeError, AttributeError, OverflowError) as exc:
+                seq = data["usage"].get("seq") if isinstance(data["usage"], dict) else None
+                rejected = seq if type(seq) is int else None
+                log.error("usage ledger: a batch from router %s was refused and is lost (%s)", router_id,
+                          f"missing {exc.args[0]}" if isinstance(exc, KeyError) else exc)
         self._reports[router_id] = (self.clock(), used, dem, cache)
         if self.wake is not None:
             for model, d in dem.items():
                 if d.held > 0:
                     self.wake(model)
         answer: dict[str, Any] = {"ok": True, "version": self.version}
+        if rejected is not None:
+            answer["usage_rejected"] = rejected
         if batch is not None and self.ledger is not None:
             # Recorded now or before: either way the router may drop it. Not recorded (the
             # store failed): no ack, and the router sends the same batch again.

@@ -203,8 +203,13 @@ class FeedClient:
                 raise WatchRefused(f"report answered {resp.status}")
         if batch is not None:
             try:
-                acked = json.loads(raw).get("usage_acked")
+                answer = json.loads(raw)
+                acked, rejected = answer.get("usage_acked"), answer.get("usage_rejected")
             except (ValueError, AttributeError):
-                acked = None
+                acked = rejected = None
             if acked == batch.seq:
+                outbox.acked(batch.seq)
+            elif rejected == batch.seq:  # sending it again cannot help: dropped, and said so
+                log.error("usage batch %d (%d rows) was refused by the controller and is dropped",
+                          batch.seq, len(batch.rows))
                 outbox.acked(batch.seq)

@@ -24,7 +24,7 @@ import secrets
 from dataclasses import dataclass, fields
 from typing import Any
 
-from llmgw.contract import UsageBatch, UsageRow
+from llmgw.contract import MAX_USAGE_ROWS, UsageBatch, UsageRow
 from llmgw.router.answer import last_object
 
 _USAGE = b'"usage"'
@@ -82,8 +82,10 @@ class UsageOutbox:
         """The batch to send: the one not acknowledged yet, else what was counted since (or None)."""
         if self._sent is None and self._open:
             self._seq += 1
-            rows = tuple(UsageRow(m, t, k, mo, **u.to_json()) for (m, t, k, mo), u in sorted(self._open.items()))
-            self._sent, self._open = UsageBatch(self.instance, self._seq, rows), {}
+            # Oldest first, at most MAX_USAGE_ROWS: the rest goes in the batches after.
+            taken = sorted(self._open)[:MAX_USAGE_ROWS]
+            rows = tuple(UsageRow(m, t, k, mo, **self._open.pop((m, t, k, mo)).to_json()) for m, t, k, mo in taken)
+            self._sent = UsageBatch(self.instance, self._seq, rows)
         return self._sent
 
     def acked(self, seq: int) -> None:

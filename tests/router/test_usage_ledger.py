@@ -5,13 +5,15 @@ FeedHub over HTTP and a real SQLite store."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import openai
+import pytest
 from aiohttp import web
 
 from llmgw.catalog.model import Catalog, Limits, Settings, Tenant
-from llmgw.contract import REPORT_PATH, UsageBatch, UsageRow
+from llmgw.contract import MAX_USAGE_ROWS, REPORT_PATH, UsageBatch, UsageRow
 from llmgw.control.feed import FeedHub
 from llmgw.engines.testing import SimProcess, free_port
 from llmgw.router import KeyRing, Router, RouterConfig, hash_key
@@ -180,4 +182,87 @@ async def test_a_router_stopping_sends_its_last_usage_and_a_controller_away_lose
         await runner.cleanup()
     got = totals(store)
     assert (got["requests"], got["prompt_tokens"], got["completion_tokens"]) == (9, *sent)
+    store.close()
+
+
+def test_a_batch_holds_at_most_max_usage_rows_and_the_rest_follows() -> None:
+    box = UsageOutbox("r-1")
+    for i in range(MAX_USAGE_ROWS + 500):
+        box.add(60 * (i + 1), "t", f"k{i % 7}", "m", Usage(requests=1, completion_tokens=2))
+    first = box.take()
+    assert first is not None and len(first.rows) == MAX_USAGE_ROWS
+    assert [r.minute for r in first.rows] == [60 * (i + 1) for i in range(MAX_USAGE_ROWS)]  # oldest first
+    box.acked(first.seq)
+    second = box.take()
+    assert second is not None and len(second.rows) == 500 and box.pending == 500
+    box.acked(second.seq)
+    assert box.take() is None
+
+
+async def test_usage_the_controller_cannot_keep_costs_neither_the_report_nor_the_other_keys(
+        chat_sim: SimProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A key name too long for the ledger (the router took it; the controller cannot store it):
+    its rows are refused and said so, the other key's usage and the router's report are kept, and
+    nothing is sent again for ever."""
+    long_name = "k" * 300
+    keys = KeyRing.from_entries([{"name": "web", "sha256": hash_key("sk-web"), "models": ["*"]},
+                                 {"name": long_name, "sha256": hash_key("sk-long"), "models": ["*"]}])
+    store = Store(tmp_path / "llmgw.db").open()
+    hub = FeedHub(keepalive=0.2)
+    hub.ledger = store
+    hub.set_catalog(CATALOG)
+    hub.set_endpoints([endpoint("chat", chat_sim.endpoint)])
+    router = Router(keys=keys, config=RouterConfig())
+    port = free_port()
+    runner = await serve(make_app(hub, TOKEN), port)
+    try:
+        async with following(router, f"http://127.0.0.1:{port}"), serving(router) as base:
+            await until(lambda: router.table.has("chat"))
+            async with client(base, "sk-web") as web_c, client(base, "sk-long") as long_c:
+                told = await ask(web_c, stream=False)
+                await ask(long_c, stream=True)
+            await until(lambda: router.usage_outbox.pending == 0, timeout=10)
+            assert len(hub.routers()) == 1  # its report was taken
+    finally:
+        await runner.cleanup()
+    got = totals(store)
+    store.close()
+    assert (got["requests"], got["prompt_tokens"], got["completion_tokens"]) == (1, *told)
+    assert "1 of 2 rows" in caplog.text and "at most 256 characters" in caplog.text
+
+
+async def test_odd_reports_are_refused_in_words_and_odd_batches_are_not_sent_again(tmp_path: Path) -> None:
+    """Numbers too big for SQLite or a float, a lone surrogate, a batch that is not one: the
+    report answers 400 naming it, or (the batch alone is wrong) 200 with ``usage_rejected``."""
+    import aiohttp
+
+    store = Store(tmp_path / "llmgw.db").open()
+    hub = FeedHub()
+    hub.ledger = store
+    port = free_port()
+    runner = await serve(make_app(hub, TOKEN), port)
+    row = {"minute": 60, "tenant": "t", "key": "k", "model": "m", "requests": 1}
+    cases = [
+        ({"router_id": "r", "demand": {"m": {"held": float("inf")}}}, 400, None),
+        ({"router_id": "r", "usage": {"instance": "i", "seq": 2 ** 70, "rows": [row]}}, 200, 2 ** 70),
+        ({"router_id": "r", "usage": {"instance": "\ud800", "seq": 3, "rows": [row]}}, 200, 3),
+        ({"router_id": "r", "usage": {"instance": "i", "seq": 4, "rows": "all"}}, 200, 4),
+        ({"router_id": "r", "usage": {"instance": "i", "seq": 5, "rows": [{**row, "key": "\udfff"},
+                                                                          {**row, "requests": 2 ** 41}]}}, 200, None),
+    ]
+    try:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as s:
+            for body, status, rejected in cases:
+                raw = json.dumps(body).encode()  # inf and lone surrogates as JSON writes them
+                async with s.post(f"http://127.0.0.1:{port}{REPORT_PATH}", data=raw,
+                                  headers={"Content-Type": "application/json"}) as r:
+                    answer = await r.json()
+                    assert r.status == status, (body, answer)
+                    if status == 400:
+                        assert "malformed router report" in answer["error"]
+                    else:
+                        assert answer.get("usage_rejected") == rejected, (body, answer)
+    finally:
+        await runner.cleanup()
+    assert not totals(store).get("requests")  # nothing of it was kept
     store.close()
