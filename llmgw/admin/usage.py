@@ -6,6 +6,7 @@ Pure: the query's text in, the store's rows in, data out (the admin API, the das
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from llmgw.contract import USAGE_COUNTS
 GROUPS = ("tenant", "key", "model")
 MAX_POINTS = 2000  # time steps in one series: a year by the minute is not a chart
 _UNIX = re.compile(r"\d{9,11}(\.\d+)?")
+_SECONDS = re.compile(r"[0-9]{1,12}")  # a step in plain seconds (ASCII digits: "²".isdigit() is true)
+MAX_TIME = 2 ** 40
 
 
 class UsageQueryError(ValueError):
@@ -35,8 +38,18 @@ class UsageQuery:
 
 def parse_time(text: str, now: float, what: str) -> float:
     """``now``; a duration back from now (``24h``, ``7d``); unix seconds; or ISO 8601 (UTC unless
-    it says otherwise: the ledger's minutes and the budgets' periods are UTC)."""
-    text = text.strip()
+    it says otherwise: the ledger's minutes and the budgets' periods are UTC). Between 1970 and
+    ~36,800 (2**40 s): beyond, SQLite's integers and Python's floats stop being exact."""
+    try:
+        t = _parse_time(text.strip(), now, what)
+    except OverflowError:
+        t = math.inf
+    if not 0 <= t <= MAX_TIME:
+        raise UsageQueryError(f"{what}: {text[:40]!r} is out of range (from 1970 to 2**40 seconds after)")
+    return t
+
+
+def _parse_time(text: str, now: float, what: str) -> float:
     if text in ("", "now"):
         return now
     if _UNIX.fullmatch(text):
@@ -66,10 +79,13 @@ def parse_query(args: Mapping[str, str], now: float) -> UsageQuery:
                               f"{', '.join(GROUPS)}, each once")
     step = 0
     if args.get("step"):
+        text = args["step"]
         try:
-            step = int(parse_duration(args["step"])) if not args["step"].isdigit() else int(args["step"])
-        except DurationError as exc:
-            raise UsageQueryError(f"step: {exc}") from None
+            step = int(text) if _SECONDS.fullmatch(text) else int(parse_duration(text))
+        except (DurationError, OverflowError, ValueError):
+            step = -1
+        if not 0 < step <= MAX_TIME:
+            raise UsageQueryError(f"step: {text[:40]!r} is not a step (whole minutes, such as 5m, 1h or 3600)")
         if step < 60 or step % 60:
             raise UsageQueryError("step must be whole minutes (60 s at least): the ledger counts by the minute")
         if (until - since) / step > MAX_POINTS:

@@ -71,5 +71,9 @@ def rate_limited(message: str, retry_after: float, headers: dict[str, str]) -> w
     ``retry-after-ms``, which the openai SDKs wait for before retrying, and the x-ratelimit-* headers."""
     resp = error(429, message, kind="requests", code="rate_limit_exceeded", retry_after=max(1, math.ceil(retry_after)))
     resp.headers["retry-after-ms"] = str(max(1, math.ceil(retry_after * 1000)))
+    if retry_after > 60:
+        # The openai SDKs retry at once when Retry-After is over a minute (they wait at most 60 s):
+        # a spent budget would be asked again for nothing, max_retries times.
+        resp.headers["x-should-retry"] = "false"
     resp.headers.update(headers)
     return resp

@@ -189,6 +189,29 @@ async def test_a_spent_budget_says_which_and_when_it_resets(chat_sim: SimProcess
         await asyncio.sleep(0)
 
 
+async def test_a_budget_hours_from_its_reset_tells_the_sdk_not_to_retry(chat_sim: SimProcess) -> None:
+    """Retry-After of hours: the openai SDK waits at most a minute, so it would ask again at once,
+    max_retries times, for nothing. ``x-should-retry: false`` stops it: one refused request."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    clock = [at("2026-12-03T12:00:00")]
+    router = keyed_router(chat_sim, Limits(budget=Budget(tokens=40, per="day")), wall=lambda: clock[0])
+    async with serving(router) as base:
+        c = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=3, timeout=15)
+        with pytest.raises(openai.RateLimitError) as refused:
+            for _ in range(10):
+                await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=5)
+        await c.close()
+        assert "resets at 2026-12-04 00:00 UTC" in refused.value.message
+        assert refused.value.response.headers["x-should-retry"] == "false"
+        async with aiohttp.ClientSession() as http, http.get(base + "/metrics") as r:
+            metrics = await r.text()
+    refusals = sum(s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+                   if s.name == "llmgw_router_requests_total" and s.labels["status"] == "429")
+    assert refusals == 1  # asked once, not 1 + max_retries times
+
+
 # --- found in review -------------------------------------------------------------------------------
 
 def test_lowering_a_budget_keeps_what_was_used_and_what_is_in_flight() -> None:
