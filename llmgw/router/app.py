@@ -40,7 +40,15 @@ from llmgw.router.config import RouterConfig
 from llmgw.router.demand import DemandBook
 from llmgw.router.feed import route_catalog
 from llmgw.router.keys import ApiKey, KeyRing
-from llmgw.router.limits import Limiter, Refusal, Ticket, prompt_estimate, reservation
+from llmgw.router.limits import (
+    DEFAULT_COMPLETION_TOKENS,
+    Limiter,
+    Refusal,
+    Ticket,
+    completion_asked,
+    prompt_estimate,
+    reservation,
+)
 from llmgw.router.load import poll_loads
 from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
 from llmgw.router.prefix import PrefixIndex, PromptKey, prompt_key
@@ -50,7 +58,7 @@ from llmgw.router.routes import RouteCatalog, RouteModel
 from llmgw.router.shared_limits import SharedLimits, SharedTicket
 from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, choose
 from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
-from llmgw.router.usage import Usage, UsageOutbox, ask_for_usage, reported_usage, wants_usage
+from llmgw.router.usage import Usage, UsageOutbox, ask_for_usage, reported_usage, wants_usage, with_field
 from llmgw.serving import connection_cap, listen
 from llmgw.tasks import cancel_and_wait
 
@@ -432,6 +440,13 @@ class Router:
                 return self._refuse(respond.rate_limited(admitted.message, admitted.retry_after, admitted.headers),
                                     model.name, t0)
             ticket = admitted
+            if ticket is not None and path != EMBEDDINGS and completion_asked(body) is None \
+                    and Limiter.has_budget(self._limiter.scopes_of(key.name, chain) or ()):
+                # A budget is a cap: what is reserved is what the engine may write. Unasked, an
+                # engine writes up to its context, many reservations past the budget.
+                field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+                raw = with_field(raw, body, field, DEFAULT_COMPLETION_TOKENS)
+                body = {**body, field: DEFAULT_COMPLETION_TOKENS}
         account = Account(key.name if key is not None else "", ticket, prompt_estimate(len(raw)), reserve)
         try:
             return await self._route(request, path, raw, body, asked, model, stream and path != EMBEDDINGS, t0,

@@ -36,14 +36,21 @@ def reservation(body: Mapping[str, object], raw_size: int) -> int:
     """Tokens a request reserves: its completion limit (read as engines read it: the first of
     ``max_completion_tokens`` and ``max_tokens`` that is set, a number or a numeric string), times
     ``n`` and ``best_of`` answers, plus the prompt estimate."""
+    completion = completion_asked(body)
+    if completion is None:
+        completion = DEFAULT_COMPLETION_TOKENS
+    answers = max(_count(body.get("n")) or 1, _count(body.get("best_of")) or 1, 1)
+    return min(MAX_RESERVATION, min(completion, MAX_RESERVATION) * min(answers, 128) + prompt_estimate(raw_size))
+
+
+def completion_asked(body: Mapping[str, object]) -> int | None:
+    """The completion limit a request sets, as engines read it (the first of
+    ``max_completion_tokens`` and ``max_tokens``); None when absent or "unlimited" (llama.cpp's -1)."""
     asked = body.get("max_completion_tokens")
     if asked is None:
         asked = body.get("max_tokens")
     completion = _count(asked)
-    if completion is None or completion < 0:  # absent, or "unlimited" (llama.cpp's -1)
-        completion = DEFAULT_COMPLETION_TOKENS
-    answers = max(_count(body.get("n")) or 1, _count(body.get("best_of")) or 1, 1)
-    return min(MAX_RESERVATION, min(completion, MAX_RESERVATION) * min(answers, 128) + prompt_estimate(raw_size))
+    return None if completion is None or completion < 0 else completion
 
 
 def _count(v: object) -> int | None:
@@ -251,6 +258,10 @@ class Limiter:
             s.inflight += 1
             s.reserved += reserve
         return Ticket(scopes, reserve)
+
+    @staticmethod
+    def has_budget(scopes: Iterable[Scope]) -> bool:
+        return any(s.limits.budget is not None for s in scopes)
 
     def scopes_of(self, key: str, models: tuple[str, ...]) -> tuple[Scope, ...] | None:
         """The scopes a request with ``key`` for ``models`` must fit; None when the key is in no tenant."""

@@ -32,7 +32,6 @@ _USAGE = b'"usage"'
 _USAGE_KEY = re.compile(rb'"usage"\s*:\s*\{')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,12})')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,12})')
-_INCLUDE = b'"stream_options":{"include_usage":true},'
 
 
 @dataclass
@@ -128,16 +127,22 @@ def ask_for_usage(raw: bytes, body: dict[str, Any]) -> bytes:
     """
     if wants_usage(body):
         return raw
-    if "stream_options" not in body and b"stream_options" not in raw:
+    options = body.get("stream_options")
+    return with_field(raw, body, "stream_options", {**(options if type(options) is dict else {}),
+                                                    "include_usage": True})
+
+
+def with_field(raw: bytes, body: dict[str, Any], name: str, value: Any) -> bytes:
+    """``raw`` with the top-level ``name`` set to ``value``: written in after the opening brace
+    when the body has no such field (the rest byte for byte), else the body written again."""
+    if name not in body and f'"{name}"'.encode() not in raw:
         i = raw.find(b"{")
         if i >= 0 and not raw[:i].strip(b" \t\r\n\xef\xbb\xbf"):  # UTF-8 (a BOM at most) before the brace
-            return raw[:i + 1] + _INCLUDE + raw[i + 1:]
-    options = body.get("stream_options")
-    merged = {**(options if type(options) is dict else {}), "include_usage": True}
+            return raw[:i + 1] + json.dumps({name: value}, separators=(",", ":")).encode()[1:-1] + b"," + raw[i + 1:]
     try:
-        return json.dumps({**body, "stream_options": merged}, ensure_ascii=False, separators=(",", ":")).encode()
+        return json.dumps({**body, name: value}, ensure_ascii=False, separators=(",", ":")).encode()
     except UnicodeEncodeError:  # a lone surrogate: kept as its escape
-        return json.dumps({**body, "stream_options": merged}, separators=(",", ":")).encode()
+        return json.dumps({**body, name: value}, separators=(",", ":")).encode()
 
 
 def strip_usage_events(chunk: bytes) -> bytes:
@@ -162,7 +167,10 @@ def strip_usage_events(chunk: bytes) -> bytes:
     return b"".join(out) + parts[-1] if dropped else chunk
 
 
-_CONTENT = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')  # a non-empty string: the role chunk's "" is not a token
+# A non-empty string (the role chunk's "" is not a token) of what a model generates: text,
+# reasoning (vLLM's and DeepSeek's reasoning_content, newer vLLM's reasoning) and a tool call's
+# arguments. Inside generated text these names are escaped (\"content\"): text cannot fake one.
+_CONTENT = re.compile(rb'"(?:content|text|reasoning_content|reasoning|arguments)"\s*:\s*"[^"]')
 
 
 def content_events(chunk: bytes) -> int:

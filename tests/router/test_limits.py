@@ -212,6 +212,44 @@ async def test_a_budget_hours_from_its_reset_tells_the_sdk_not_to_retry(chat_sim
     assert refusals == 1  # asked once, not 1 + max_retries times
 
 
+async def test_a_budget_caps_what_a_request_without_max_tokens_may_generate() -> None:
+    """Unasked, an engine writes up to its context: a tenant with a budget has the reservation's
+    completion sent as max_tokens (max_completion_tokens, if that is what the client named); a
+    request that sets its own limit, and a key without a budget, go as they came."""
+    import json
+
+    from tests.router.test_deliveries import engine
+
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        body = json.dumps({"id": "x", "object": "chat.completion", "model": "chat", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body))
+        await w.drain()
+
+    async with engine(answer) as (url, seen):
+        keys = KeyRing.from_entries([{"name": "team-key", "sha256": hash_key("sk-team"), "models": ["*"]},
+                                     {"name": "free-key", "sha256": hash_key("sk-free"), "models": ["*"]}])
+        router = Router(keys=keys, config=RouterConfig())
+        router.set_catalog(Catalog(models=(model("chat"),), settings=Settings(tenants=(
+            Tenant("team", ("team-key",), Limits(budget=Budget(tokens=100_000, per="day"))),))))
+        router.set_endpoints([endpoint("chat", url)])
+        async with serving(router) as base:
+            team = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=0, timeout=15)
+            free = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-free", max_retries=0, timeout=15)
+            await team.chat.completions.create(model="chat", messages=MESSAGES)
+            await team.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=9)
+            await team.chat.completions.create(model="chat", messages=MESSAGES, max_completion_tokens=-1)
+            await free.chat.completions.create(model="chat", messages=MESSAGES)
+            await team.close()
+            await free.close()
+    sent = [json.loads(r.split(b"\r\n\r\n", 1)[1]) for r in seen]
+    assert [(b.get("max_tokens"), b.get("max_completion_tokens")) for b in sent] == [
+        (256, None), (9, None), (None, 256), (None, None)]
+    assert all(b["messages"] == MESSAGES for b in sent)
+
+
 # --- found in review -------------------------------------------------------------------------------
 
 def test_lowering_a_budget_keeps_what_was_used_and_what_is_in_flight() -> None:

@@ -53,6 +53,10 @@ def test_the_usage_event_is_asked_for_and_taken_out_again() -> None:
     assert strip_usage_events(spoken) == spoken and reported_usage(spoken) is None
     assert content_events(b'{"delta":{"role":"assistant","content":""}}{"delta":{"content":"a"}}'
                           b'{"choices":[{"text":"b"}]}') == 2
+    # What a reasoning model thinks and a tool call's arguments are generated tokens too.
+    assert content_events(b'{"delta":{"reasoning_content":"Let"}}{"delta":{"reasoning":" me"}}'
+                          b'{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\\"x"}}]}}'
+                          b'{"delta":{"content":"said \\"content\\": \\"no"}}') == 4
 
 
 # --- through the router ------------------------------------------------------------------------
