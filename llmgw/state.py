@@ -108,6 +108,8 @@ class Store:
         self.path = path
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
+        self._read_lock = threading.Lock()
+        self._reader: sqlite3.Connection | None = None
 
     # --- opening, and the schema ---------------------------------------------------------
     def open(self) -> Store:
@@ -127,6 +129,10 @@ class Store:
         return self
 
     def close(self) -> None:
+        with self._read_lock:
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
         if self._db is not None:
             self._db.close()
             self._db = None
@@ -310,12 +316,25 @@ class Store:
         # Only names from USAGE_GROUPS and a whole number reach the SQL text; values are bound.
         groups = ([f"(minute / {int(step)}) * {int(step)}"] if step > 0 else []) + list(by)
         filters = "".join(f" AND {c} = ?" for c in (where or {}))
-        sql = (f"SELECT {', '.join(groups + [_USAGE_SUMS])} FROM usage WHERE minute >= ? AND minute < ?{filters}"
-               + (f" GROUP BY {', '.join(groups)} ORDER BY {', '.join(groups)}" if groups else ""))
-        with self._lock:
-            rows = self.db.execute(sql, (int(since), int(until), *(where or {}).values())).fetchall()
+        sql = (f"SELECT {', '.join(groups + [_USAGE_SUMS])}, COUNT(*) FROM usage WHERE minute >= ? AND minute < ?"
+               f"{filters}" + (f" GROUP BY {', '.join(groups)} ORDER BY {', '.join(groups)}" if groups else ""))
+        db, lock = self._reader_for_queries()
+        with lock:
+            rows = db.execute(sql, (int(since), int(until), *(where or {}).values())).fetchall()
         names = (["time"] if step > 0 else []) + list(by) + list(USAGE_COUNTS)
-        return [dict(zip(names, r, strict=True)) for r in rows if r[-1] is not None]  # SUM of no rows is NULL
+        return [dict(zip(names, r[:-1], strict=True)) for r in rows if r[-1]]  # no rows: no sums
+
+    def _reader_for_queries(self) -> tuple[sqlite3.Connection, threading.Lock]:
+        """A connection of its own for the ledger's queries (WAL lets it read while the main one
+        writes): a year of rows summed in a thread must not hold the lock that routers' reports,
+        recorded on the event loop, wait for. ":memory:" has one connection only."""
+        if str(self.path) == ":memory:":
+            return self.db, self._lock
+        with self._read_lock:
+            if self._reader is None:
+                self.db  # noqa: B018 - opened first (the schema is the main connection's to upgrade)
+                self._reader = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+            return self._reader, self._read_lock
 
     def compact_usage(self, *, now: float | None = None) -> int:
         """Sum minutes older than USAGE_MINUTES_KEPT into their hours (returns how many minutes not

@@ -266,3 +266,13 @@ async def test_odd_reports_are_refused_in_words_and_odd_batches_are_not_sent_aga
         await runner.cleanup()
     assert not totals(store).get("requests")  # nothing of it was kept
     store.close()
+
+
+def test_a_ledger_query_does_not_wait_for_the_writer(tmp_path: Path) -> None:
+    """A long query (a year of rows, in a thread) must not hold what routers' reports, recorded
+    on the controller's event loop, wait for; nor a write in progress hold up a query."""
+    store = Store(tmp_path / "llmgw.db").open()
+    store.record_usage(UsageBatch("r-1", 1, (UsageRow(120, "search", "web", "chat", 2, 0, 10, 20, 0),)))
+    with store._lock:  # the writer's lock, as a report being recorded holds it
+        assert totals(store)["requests"] == 2
+    store.close()
