@@ -273,6 +273,14 @@ def test_a_ledger_query_does_not_wait_for_the_writer(tmp_path: Path) -> None:
     on the controller's event loop, wait for; nor a write in progress hold up a query."""
     store = Store(tmp_path / "llmgw.db").open()
     store.record_usage(UsageBatch("r-1", 1, (UsageRow(120, "search", "web", "chat", 2, 0, 10, 20, 0),)))
+    import threading
+
+    got: list[dict[str, int]] = []
     with store._lock:  # the writer's lock, as a report being recorded holds it
-        assert totals(store)["requests"] == 2
+        reader = threading.Thread(target=lambda: got.append(totals(store)), daemon=True)
+        reader.start()
+        reader.join(5)
+        answered = not reader.is_alive()
+    reader.join(5)
+    assert answered and got[0]["requests"] == 2
     store.close()
