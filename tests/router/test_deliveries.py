@@ -8,6 +8,7 @@ all), one that reads and never answers (a first-byte timeout must not regenerate
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -51,6 +52,16 @@ async def engine(script: Script) -> AsyncIterator[tuple[str, list[bytes]]]:
         yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", seen
     finally:
         server.close()
+
+
+async def write_completion(w: asyncio.StreamWriter, prompt: int, completion: int) -> None:
+    """A whole chat completion that says it used ``prompt`` + ``completion`` tokens."""
+    body = json.dumps({"id": "x", "object": "chat.completion", "model": "chat", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                  "total_tokens": prompt + completion}}).encode()
+    w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    await w.drain()
 
 
 async def read_then_drop(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:

@@ -218,15 +218,10 @@ async def test_a_budget_caps_what_a_request_without_max_tokens_may_generate() ->
     request that sets its own limit, and a key without a budget, go as they came."""
     import json
 
-    from tests.router.test_deliveries import engine
+    from tests.router.test_deliveries import engine, write_completion
 
     async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        body = json.dumps({"id": "x", "object": "chat.completion", "model": "chat", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
-        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                % (len(body), body))
-        await w.drain()
+        await write_completion(w, 1, 1)
 
     async with engine(answer) as (url, seen):
         keys = KeyRing.from_entries([{"name": "team-key", "sha256": hash_key("sk-team"), "models": ["*"]},
