@@ -260,11 +260,8 @@ class Simulator:
         try:
             body = await self._accept(request, want_task="chat")
             seed, prompt_tokens = _chat_seed(body) if chat else _completion_seed(body)
-            requested = body.get("max_completion_tokens") if chat else None
-            requested = body.get("max_tokens", requested)
-            if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)
-                                          or requested < 0):
-                raise Rejected(400, "max_tokens must be a non-negative integer", "BadRequestError")
+            requested = _completion_limit(body)
+            answers = _answers(body)
         except Rejected as exc:
             return exc.response
         count = self.config.max_tokens_default if requested is None else requested
@@ -290,11 +287,11 @@ class Simulator:
                     await resp.prepare(request)
                     usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get(
                         "include_usage")
-                    await self._stream(resp, chat, words, finish, prompt_tokens if usage else None)
+                    await self._stream(resp, chat, words, finish, prompt_tokens if usage else None, answers)
                     return resp
                 await self._pace(len(words))
-                self.generation_tokens += len(words)
-                return self._whole(chat, words, finish, prompt_tokens)
+                self.generation_tokens += len(words) * answers
+                return self._whole(chat, words, finish, prompt_tokens, answers)
             finally:
                 self.running -= 1
                 if self._slots is not None:
@@ -313,23 +310,25 @@ class Simulator:
         if delay > 0:
             await asyncio.sleep(delay)
 
-    def _whole(self, chat: bool, words: list[int], finish: str, prompt_tokens: int) -> web.Response:
-        text = " ".join([VOCAB[w] for w in words])
-        n = len(words)
+    def _whole(self, chat: bool, words: list[int], finish: str, prompt_tokens: int, answers: int = 1,
+               ) -> web.Response:
+        text = json.dumps(" ".join([VOCAB[w] for w in words]))
+        n = len(words) * answers
         rid = next(self._ids)
         if chat:
-            choice = '{"index":0,"message":{"role":"assistant","content":%s},"logprobs":null,"finish_reason":"%s"}'
+            choice = '{"index":%d,"message":{"role":"assistant","content":%s},"logprobs":null,"finish_reason":"%s"}'
             head = '{"id":"chatcmpl-sim-%d","object":"chat.completion"' % rid
         else:
-            choice = '{"index":0,"text":%s,"logprobs":null,"finish_reason":"%s"}'
+            choice = '{"index":%d,"text":%s,"logprobs":null,"finish_reason":"%s"}'
             head = '{"id":"cmpl-sim-%d","object":"text_completion"' % rid
+        choices = ",".join(choice % (i, text, finish) for i in range(answers))
         body = '%s,"created":%d,"model":%s,"choices":[%s],"usage":{"prompt_tokens":%d,"completion_tokens":%d,' \
                '"total_tokens":%d}}' % (head, int(time.time()), self.model_json.decode(),
-                                       choice % (json.dumps(text), finish), prompt_tokens, n, prompt_tokens + n)
+                                       choices, prompt_tokens, n, prompt_tokens + n)
         return web.Response(body=body.encode(), content_type="application/json")
 
     async def _stream(self, resp: web.StreamResponse, chat: bool, words: list[int], finish: str,
-                      usage_prompt_tokens: int | None) -> None:
+                      usage_prompt_tokens: int | None, answers: int = 1) -> None:
         rid = next(self._ids)
         created = int(time.time())
         if chat:
@@ -348,14 +347,17 @@ class Simulator:
             last = head + b'"","logprobs":null,"finish_reason":"%s"}]}\n\n' % finish.encode()
             usage_head = b'data: {"id":"cmpl-sim-%d","object":"text_completion","created":%d,"model":%s,' \
                          b'"choices":[],' % (rid, created, self.model_json)
+        chunks = [token_pre + (VOCAB_JSON if i == 0 else VOCAB_JSON_SPACED)[w] + token_post
+                  for i, w in enumerate(words)]
+        if answers > 1:  # each further answer streams after the first, under its own index
+            chunks += [c.replace(b'"index":0', b'"index":%d' % a, 1) for a in range(1, answers) for c in chunks]
+            last = b"".join(last.replace(b'"index":0', b'"index":%d' % a, 1) for a in range(answers))
         tail = last
         if usage_prompt_tokens is not None:
-            n = len(words)
+            n = len(chunks)
             tail += usage_head + b'"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}\n\n' % (
                 usage_prompt_tokens, n, usage_prompt_tokens + n)
         tail += DONE
-        chunks = [token_pre + (VOCAB_JSON if i == 0 else VOCAB_JSON_SPACED)[w] + token_post
-                  for i, w in enumerate(words)]
         if self.config.ttft > 0:
             await asyncio.sleep(self.config.ttft)
         if self.interval == 0:
@@ -370,6 +372,36 @@ class Simulator:
                 self.generation_tokens += 1
             await resp.write(tail)
         await resp.write_eof()
+
+
+# Every field an engine reads as the completion limit: vLLM and SGLang take max_completion_tokens
+# or (when it is unset or 0) max_tokens; llama.cpp takes n_predict, then max_completion_tokens,
+# then max_tokens. The simulator writes the most any of them would for the body, so a router that
+# forwards contradictory fields sees what the worst engine would serve (llmgw.router.limits).
+COMPLETION_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
+
+
+def _completion_limit(body: dict[str, Any]) -> int | None:
+    """The largest completion limit the body sets (None: none set), or :class:`Rejected`."""
+    found = None
+    for name in COMPLETION_FIELDS:
+        v = body.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise Rejected(400, f"{name} must be a non-negative integer", "BadRequestError")
+        found = v if found is None else max(found, v)
+    return found
+
+
+def _answers(body: dict[str, Any]) -> int:
+    """Answers asked for (``n``, as vLLM reads it), 1 to 128."""
+    n = body.get("n", 1)
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
+        raise Rejected(400, "n must be an integer from 1 to 128", "BadRequestError")
+    return n
 
 
 def _prefix_blocks(seed: str) -> list[int]:

@@ -41,13 +41,14 @@ from llmgw.router.demand import DemandBook
 from llmgw.router.feed import route_catalog
 from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.limits import (
-    DEFAULT_COMPLETION_TOKENS,
+    BadLimitField,
     Limiter,
     Refusal,
     Ticket,
-    completion_asked,
+    asked_for,
+    capped_fields,
     prompt_estimate,
-    reservation,
+    reserve_for,
 )
 from llmgw.router.load import poll_loads
 from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
@@ -58,7 +59,7 @@ from llmgw.router.routes import RouteCatalog, RouteModel
 from llmgw.router.shared_limits import SharedLimits, SharedTicket
 from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, choose
 from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
-from llmgw.router.usage import Usage, UsageOutbox, ask_for_usage, reported_usage, wants_usage, with_field
+from llmgw.router.usage import Usage, UsageOutbox, ask_for_usage, reported_usage, wants_usage, with_fields
 from llmgw.serving import connection_cap, listen
 from llmgw.tasks import cancel_and_wait
 
@@ -427,8 +428,13 @@ class Router:
                 f"The model `{asked}` is a {model.task} model: use {right}, not {path}.", "wrong_endpoint"),
                 model.name, t0)
         ticket = None
-        reserve = reservation(body, len(raw)) if key is not None else 0  # only a key can be limited
-        if key is not None:
+        reserve = 0
+        if key is not None and self._limiter.tenant(key.name) is not None:  # only a tenant's key is limited
+            try:
+                ask = asked_for(body)
+            except BadLimitField as exc:
+                return self._refuse(respond.bad_request(str(exc), "invalid_value"), model.name, t0)
+            reserve = reserve_for(ask, len(raw))
             chain = tuple(m.name for m in self._chains.get(model.name, (model,)))
             if self._shared is not None:
                 admitted = await self._shared.admit(self._limiter, key.name, chain, reserve, self._wall())
@@ -440,13 +446,15 @@ class Router:
                 return self._refuse(respond.rate_limited(admitted.message, admitted.retry_after, admitted.headers),
                                     model.name, t0)
             ticket = admitted
-            if ticket is not None and path != EMBEDDINGS and completion_asked(body) is None \
-                    and Limiter.has_budget(self._limiter.scopes_of(key.name, chain) or ()):
-                # A budget is a cap: what is reserved is what the engine may write. Unasked, an
-                # engine writes up to its context, many reservations past the budget.
-                field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-                raw = with_field(raw, body, field, DEFAULT_COMPLETION_TOKENS)
-                body = {**body, field: DEFAULT_COMPLETION_TOKENS}
+            if ticket is not None and path != EMBEDDINGS:
+                # What is reserved is what the engine may write: every completion-limit field is
+                # sent as the reserved limit (engines differ in which one they read), and a budget
+                # is a cap even for a request that sets none (limits.capped_fields).
+                fields = capped_fields(ask, cap_unasked=Limiter.has_budget(
+                    self._limiter.scopes_of(key.name, chain) or ()))
+                if fields:
+                    raw = with_fields(raw, body, fields)
+                    body = {**body, **fields}
         account = Account(key.name if key is not None else "", ticket, prompt_estimate(len(raw)), reserve)
         try:
             return await self._route(request, path, raw, body, asked, model, stream and path != EMBEDDINGS, t0,

@@ -30,27 +30,113 @@ def prompt_estimate(raw_size: int) -> int:
 
 
 MAX_RESERVATION = 2 ** 31  # a "max_tokens" beyond any context is reserved as this much
+# Every field an engine reads as the completion limit of a request, and how it reads them: vLLM and
+# SGLang take ``max_completion_tokens or max_tokens`` (so a 0 falls through to the other), llama.cpp
+# takes ``n_predict``, then ``max_completion_tokens``, then ``max_tokens``, and reads -1 as
+# "unlimited"; the completions endpoints of vLLM and SGLang read ``max_tokens`` alone. Which one
+# wins differs, so a request reserves the largest of them, and the body is sent with each of them
+# set to that (``capped_fields``): a request naming 1 in one field and 50,000 in another reserved 1
+# and was served 50,000.
+COMPLETION_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
+# Answers per prompt: OpenAI's and vLLM's ``n``, ``best_of`` (generated, then the best n returned),
+# llama.cpp's ``n_cmpl`` (read before its alias ``n``). Each answer may write the whole limit.
+ANSWER_FIELDS = ("n", "best_of", "n_cmpl")
+# OpenAI's own bound on n. Beyond it a request is refused (400) rather than reserved as if it
+# asked for fewer answers than the engine will write.
+MAX_ANSWERS = 128
+
+
+class BadLimitField(ValueError):
+    """A completion-limit or answer-count field no engine would read as a count (a 400)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a request asks engines to generate, read as the most generous engine reads it."""
+
+    completion: int | None  # the largest completion limit set; None: none set, or "unlimited"
+    answers: int            # answers per prompt times prompts (each may write ``completion``)
+    fields: tuple[str, ...]  # the completion-limit fields present in the body
+    plain: bool              # every present field is already the whole number ``completion``
+
+
+def asked_for(body: Mapping[str, object]) -> Asked:
+    """The request's completion limit and answer count; :class:`BadLimitField` when a field holds
+    something that is not a count (engines disagree on what such a value means)."""
+    completion: int | None = None
+    fields = tuple(f for f in COMPLETION_FIELDS if f in body)
+    plain = True
+    for f in fields:
+        v = body[f]
+        if v is None:
+            plain = False  # llama.cpp would look at a null before the next field: rewritten too
+            continue
+        n = _count(v)
+        if n is None:
+            raise BadLimitField(f, f"`{f}` must be a whole number of tokens, not {_shown(v)}.")
+        plain = plain and type(v) is int
+        if n >= 0:  # negative: llama.cpp's "unlimited" (-1); vLLM and SGLang refuse it
+            completion = n if completion is None else max(completion, n)
+    if completion is not None and any(body[f] != completion for f in fields):
+        plain = False
+    answers = 1
+    for f in ANSWER_FIELDS:
+        v = body.get(f)
+        if v is None:
+            continue
+        n = _count(v)
+        if n is None or not 1 <= n <= MAX_ANSWERS:
+            raise BadLimitField(f, f"`{f}` must be a whole number from 1 to {MAX_ANSWERS}, not {_shown(v)}: "
+                                   "each answer is reserved from the tenant's limits.")
+        answers = max(answers, n)
+    return Asked(completion, answers * _prompts(body.get("prompt")), fields, plain)
+
+
+def _prompts(prompt: object) -> int:
+    """Prompts in a completions request: a list of strings or of token lists is a batch, each
+    prompt answered on its own (vLLM, SGLang and llama.cpp alike)."""
+    if type(prompt) is list and prompt and type(prompt[0]) in (str, list):
+        return len(prompt)
+    return 1
+
+
+def _shown(v: object) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def reservation(body: Mapping[str, object], raw_size: int) -> int:
-    """Tokens a request reserves: its completion limit (read as engines read it: the first of
-    ``max_completion_tokens`` and ``max_tokens`` that is set, a number or a numeric string), times
-    ``n`` and ``best_of`` answers, plus the prompt estimate."""
-    completion = completion_asked(body)
-    if completion is None:
-        completion = DEFAULT_COMPLETION_TOKENS
-    answers = max(_count(body.get("n")) or 1, _count(body.get("best_of")) or 1, 1)
-    return min(MAX_RESERVATION, min(completion, MAX_RESERVATION) * min(answers, 128) + prompt_estimate(raw_size))
+    """Tokens a request reserves: its completion limit (the largest of every field an engine
+    reads, a number or a numeric string; :data:`DEFAULT_COMPLETION_TOKENS` when none is set),
+    times its answers and prompts, plus the prompt estimate. :class:`BadLimitField` as :func:`asked_for`."""
+    return reserve_for(asked_for(body), raw_size)
+
+
+def reserve_for(a: Asked, raw_size: int) -> int:
+    completion = DEFAULT_COMPLETION_TOKENS if a.completion is None else a.completion
+    return min(MAX_RESERVATION, min(completion, MAX_RESERVATION) * a.answers + prompt_estimate(raw_size))
+
+
+def capped_fields(a: Asked, *, cap_unasked: bool) -> dict[str, int] | None:
+    """The completion-limit fields to send so that no engine writes more than was reserved, or
+    None when the body already says so. Every field present is set to the reserved limit (an
+    engine reads whichever it prefers; each now says the same). A request that sets no limit is
+    sent with the default only when ``cap_unasked`` (a tenant with a budget: unasked, an engine
+    writes up to its context, many reservations past the budget)."""
+    if a.completion is not None:
+        return None if a.plain else {f: a.completion for f in a.fields}
+    if not cap_unasked:
+        return None
+    return {f: DEFAULT_COMPLETION_TOKENS for f in a.fields} or {"max_tokens": DEFAULT_COMPLETION_TOKENS}
 
 
 def completion_asked(body: Mapping[str, object]) -> int | None:
-    """The completion limit a request sets, as engines read it (the first of
-    ``max_completion_tokens`` and ``max_tokens``); None when absent or "unlimited" (llama.cpp's -1)."""
-    asked = body.get("max_completion_tokens")
-    if asked is None:
-        asked = body.get("max_tokens")
-    completion = _count(asked)
-    return None if completion is None or completion < 0 else completion
+    """The largest completion limit a request sets; None when absent or "unlimited" (llama.cpp's -1)."""
+    return asked_for(body).completion
 
 
 def _count(v: object) -> int | None:
@@ -285,7 +371,8 @@ class Limiter:
         for s in scopes:
             b = s.limits.budget
             if b is not None and reserve > b.tokens:
-                return Refusal(f"This request reserves {reserve} tokens (max_tokens plus its prompt), more than "
+                return Refusal(f"This request reserves {reserve} tokens (the largest of its max_tokens, "
+                               "max_completion_tokens and n_predict, times its answers, plus its prompt), more than "
                                f"tenant `{s.name}`'s whole budget of {b.tokens} per {b.per}: lower max_tokens.", 0.0,
                                fits_never=True)
         return None

@@ -145,6 +145,17 @@ def with_field(raw: bytes, body: dict[str, Any], name: str, value: Any) -> bytes
         return json.dumps({**body, name: value}, separators=(",", ":")).encode()
 
 
+def with_fields(raw: bytes, body: dict[str, Any], fields: dict[str, Any]) -> bytes:
+    """``raw`` with each of the top-level ``fields`` set (one: as :func:`with_field` does)."""
+    if len(fields) == 1:
+        (name, value), = fields.items()
+        return with_field(raw, body, name, value)
+    try:
+        return json.dumps({**body, **fields}, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:  # a lone surrogate: kept as its escape
+        return json.dumps({**body, **fields}, separators=(",", ":")).encode()
+
+
 def strip_usage_events(chunk: bytes) -> bytes:
     """``chunk`` without the whole usage-only events (``"choices":[]`` and a ``usage``) the
     router asked for on the client's behalf, each with its blank line. Only events complete in

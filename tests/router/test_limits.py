@@ -326,3 +326,97 @@ def test_an_unknown_tenant_key_is_logged_once_not_at_every_snapshot(caplog: pyte
         for _ in range(3):
             router.set_catalog(catalog)
     assert caplog.text.count("names API key(s) this router does not have") == 1
+
+
+# --- issue 24: every completion-limit field an engine honours -----------------------------------
+
+def test_a_request_reserves_the_largest_limit_any_engine_reads_and_its_answers() -> None:
+    from llmgw.router.limits import BadLimitField, asked_for, capped_fields, reservation
+
+    # vLLM and SGLang: max_completion_tokens or max_tokens (0 falls through); llama.cpp: n_predict first.
+    assert reservation({"max_completion_tokens": 1, "max_tokens": 50_000}, 0) == 50_000
+    assert reservation({"max_completion_tokens": 0, "max_tokens": 700}, 0) == 700
+    assert reservation({"max_tokens": 5, "n_predict": 900}, 0) == 900
+    assert reservation({"max_tokens": 10, "n_cmpl": 3}, 0) == 30
+    assert reservation({"max_tokens": 10, "best_of": 4}, 0) == 40
+    assert reservation({"prompt": ["a", "b", "c"], "max_tokens": 10}, 0) == 30  # a batch: each prompt answered
+    assert reservation({"prompt": [[1, 2], [3]], "max_tokens": 10, "n": 2}, 0) == 40
+    assert reservation({"prompt": [1, 2, 3], "max_tokens": 10}, 0) == 10  # token ids: one prompt
+    for body, field in (({"n": 129}, "n"), ({"best_of": 1000}, "best_of"), ({"n_cmpl": 0}, "n_cmpl"),
+                        ({"max_tokens": "lots"}, "max_tokens"), ({"n_predict": True}, "n_predict"),
+                        ({"max_completion_tokens": [1]}, "max_completion_tokens")):
+        with pytest.raises(BadLimitField) as bad:
+            reservation(body, 0)
+        assert bad.value.field == field and f"`{field}`" in str(bad.value)
+    # What is sent: every field the body names, as the reserved limit; nothing when already so.
+    assert capped_fields(asked_for({"max_completion_tokens": 1, "max_tokens": 500}), cap_unasked=False) == {
+        "max_completion_tokens": 500, "max_tokens": 500}
+    assert capped_fields(asked_for({"max_tokens": "300"}), cap_unasked=False) == {"max_tokens": 300}
+    assert capped_fields(asked_for({"max_completion_tokens": None, "max_tokens": 30}), cap_unasked=False) == {
+        "max_completion_tokens": 30, "max_tokens": 30}
+    assert capped_fields(asked_for({"max_tokens": 30}), cap_unasked=True) is None
+    assert capped_fields(asked_for({"n_predict": -1}), cap_unasked=True) == {"n_predict": 256}
+    assert capped_fields(asked_for({"n_predict": -1}), cap_unasked=False) is None
+    assert capped_fields(asked_for({}), cap_unasked=True) == {"max_tokens": 256}
+
+
+async def test_contradictory_limit_fields_cannot_spend_past_a_budget(chat_sim: SimProcess) -> None:
+    """The attack of issue 24: ``max_completion_tokens: 1`` reserved 1 while the engine wrote
+    ``max_tokens``. Through the real openai client, the simulator writing the most any engine
+    would: what it generated stays within the budget, and a request bigger than the budget, or
+    with more answers than the bound, is refused up front naming the field."""
+    budget = 2_000
+    router = keyed_router(chat_sim, Limits(budget=Budget(tokens=budget, per="day")))
+    before = sim_metric(chat_sim.endpoint, "vllm:generation_tokens_total")
+    async with serving(router) as base:
+        c = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=0, timeout=15)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await c.chat.completions.create(model="chat", messages=MESSAGES, max_completion_tokens=1,
+                                            max_tokens=50_000)
+        assert refused.value.code == "exceeds_budget" and "reserves 500" in refused.value.message
+        with pytest.raises(openai.BadRequestError) as refused:
+            await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1, n=129)
+        assert refused.value.code == "invalid_value" and "`n`" in refused.value.message
+        served = 0
+        with pytest.raises(openai.RateLimitError):
+            for i in range(10):
+                extra = {"max_tokens": 1_200}
+                if i % 2:  # a stream, the same way
+                    s = await c.chat.completions.create(model="chat", messages=MESSAGES, max_completion_tokens=0,
+                                                        stream=True, stream_options={"include_usage": True},
+                                                        extra_body=extra)
+                    async for chunk in s:
+                        served += chunk.usage.completion_tokens if chunk.usage else 0
+                else:
+                    r = await c.chat.completions.create(model="chat", messages=MESSAGES, max_completion_tokens=1,
+                                                        extra_body=extra)
+                    served += r.usage.completion_tokens
+        await c.close()
+    generated = sim_metric(chat_sim.endpoint, "vllm:generation_tokens_total") - before
+    assert served == generated == 1_200  # one request: a second would have gone past the budget
+    assert generated <= budget
+
+
+async def test_every_limit_field_is_sent_as_the_reserved_limit() -> None:
+    import json
+
+    from tests.router.test_deliveries import engine, write_completion
+
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await write_completion(w, 1, 1)
+
+    async with engine(answer) as (url, seen):
+        keys = KeyRing.from_entries([{"name": "team-key", "sha256": hash_key("sk-team"), "models": ["*"]}])
+        router = Router(keys=keys, config=RouterConfig())
+        router.set_catalog(Catalog(models=(model("chat"),), settings=Settings(tenants=(
+            Tenant("team", ("team-key",), Limits(tokens_per_minute=1_000_000)),))))
+        router.set_endpoints([endpoint("chat", url)])
+        async with serving(router) as base:
+            team = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=0, timeout=15)
+            await team.chat.completions.create(model="chat", messages=MESSAGES, max_completion_tokens=1,
+                                               extra_body={"max_tokens": 50, "n_predict": 9})
+            await team.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=7)
+            await team.close()
+    sent = [json.loads(r.split(b"\r\n\r\n", 1)[1]) for r in seen]
+    assert [(b.get("max_completion_tokens"), b.get("max_tokens"), b.get("n_predict")) for b in sent] == [
+        (50, 50, 50), (None, 7, None)]
