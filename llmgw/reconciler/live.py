@@ -53,27 +53,37 @@ class LiveInventory:
         node = self._nodes[node_id]
         self._nodes[node_id] = replace(node, state=self._state(node))
 
-    def _state(self, node: Node) -> NodeState:
+    def _state(self, node: Node, operator: dict[str, str] | None = None) -> NodeState:
+        """What the node is now: observed (unreachable, unknown, fenced) or else the operator's
+        state (``operator``: the stored states, read once by a caller settling many nodes)."""
         if node.unreachable_since is not None:
             return NodeState.UNREACHABLE
         if node.report is None:
             return NodeState.UNKNOWN
         if node.report.lease is not None and not node.report.lease.held:
             return NodeState.FENCED
-        return self.operator_state(node.id)
+        stored = (operator if operator is not None else self.store.node_states()).get(node.id)
+        return NodeState(stored or NodeState.READY.value)
 
     # --- observation ------------------------------------------------------------------
     async def poll(self) -> Inventory:
-        """Ask every node for its inventory at once; the new snapshot."""
+        """Ask every node for its inventory at once; the new snapshot.
+
+        Each node's state is settled here, when the answers are written back, not when its node
+        answered: a cordon or drain that lands while the poll gathers (the API answers it at once)
+        must not be overwritten by a state computed before it (seen: a cordon lost this way).
+        """
         ids = list(self._nodes)
         answers = await asyncio.gather(*(self._poll_one(i) for i in ids))
+        operator = self.store.node_states()  # once, after the gather: the operator's latest word
         for node_id, node in zip(ids, answers, strict=True):
             if node is not None and node_id in self._nodes:
-                self._nodes[node_id] = node
+                self._nodes[node_id] = replace(node, state=self._state(node, operator))
         self._taken_at = self.clock()
         return self.snapshot()
 
     async def _poll_one(self, node_id: str) -> Node | None:
+        """The node as it answered (or failed to); its state is settled by :meth:`poll`."""
         node = self._nodes.get(node_id)
         if node is None:
             return None
@@ -86,12 +96,10 @@ class LiveInventory:
             if node.unreachable_since is None:
                 self.store.add_event("node-unreachable", node_id, str(exc))
                 log.warning("node %s unreachable: %s", node_id, exc)
-            updated = replace(node, unreachable_since=since, error=str(exc))
-            return replace(updated, state=self._state(updated))
+            return replace(node, unreachable_since=since, error=str(exc))
         except (KeyError, TypeError, ValueError) as exc:  # an answer we cannot read is a node problem
-            updated = replace(node, unreachable_since=node.unreachable_since or now,
-                              error=f"unreadable inventory: {exc}")
-            return replace(updated, state=self._state(updated))
+            return replace(node, unreachable_since=node.unreachable_since or now,
+                           error=f"unreadable inventory: {exc}")
         if node.unreachable_since is not None:
             self.store.add_event("node-reachable", node_id, f"node {node_id} answers again")
         lease = report.lease
@@ -103,8 +111,7 @@ class LiveInventory:
         elif not fenced and node.state == NodeState.FENCED:
             self.store.add_event("node-lease", node_id, f"node {node_id}: this controller holds its lease "
                                  f"(epoch {lease.epoch if lease else '?'})")
-        updated = replace(node, report=report, last_seen=now, unreachable_since=None, error=fenced)
-        return replace(updated, state=self._state(updated))
+        return replace(node, report=report, last_seen=now, unreachable_since=None, error=fenced)
 
     def snapshot(self) -> Inventory:
         return Inventory(dict(self._nodes), self._taken_at)
