@@ -77,7 +77,10 @@ class LiveInventory:
         answers = await asyncio.gather(*(self._poll_one(i) for i in ids))
         operator = self.store.node_states()  # once, after the gather: the operator's latest word
         for node_id, node in zip(ids, answers, strict=True):
-            if node is not None and node_id in self._nodes:
+            current = self._nodes.get(node_id)
+            if node is not None and current is not None:
+                # nodes.yaml may have changed under the gather too (a takeover polls outside a tick).
+                node = replace(node, spec=current.spec)
                 self._nodes[node_id] = replace(node, state=self._state(node, operator))
         self._taken_at = self.clock()
         return self.snapshot()

@@ -87,3 +87,18 @@ def test_an_uncordon_during_a_poll_is_kept_too(tmp_path: Path) -> None:
         await _cordon_during_poll(live, dispatcher, "n1", NodeState.READY)
 
     asyncio.run(main())
+
+
+def test_a_node_spec_changed_during_a_poll_is_kept(tmp_path: Path) -> None:
+    async def main() -> None:
+        dispatcher = HeldInventory(["n1", "n2"], held="n2")
+        live = _live(tmp_path, dispatcher)
+        poll = asyncio.create_task(live.poll())
+        await asyncio.wait_for(dispatcher.asked.wait(), 10)
+        live.set_nodes([NodeSpec(NodeId("n1"), "127.0.0.1", pool="big"), NodeSpec(NodeId("n2"), "127.0.0.1")])
+        dispatcher.release.set()
+        snapshot = await asyncio.wait_for(poll, 10)
+        assert snapshot.node("n1").spec.pool == "big"  # type: ignore[union-attr]
+        assert snapshot.node("n1").report is not None  # type: ignore[union-attr]
+
+    asyncio.run(main())
