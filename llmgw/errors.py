@@ -14,7 +14,8 @@ callers retry by type, never by message::
     │   └── AgentError        the agent answered with an error for this request
     │       └── StartRefused  the node's owner does not allow what a start asked (env, args, user)
     ├── EngineArgsError       a (model, profile, shard) an engine cannot be started with
-    └── ConfigError           the controller's own configuration is unusable
+    ├── ConfigError           the controller's own configuration is unusable
+    └── AccessError           no single source names a controller's admin URL and token
 """
 
 from __future__ import annotations
@@ -77,3 +78,7 @@ class EngineArgsError(LlmgwError):
 
 class ConfigError(LlmgwError):
     """The controller's own configuration is unusable."""
+
+
+class AccessError(LlmgwError):
+    """A command cannot tell which controller to talk to, or with which token (llmgw.adminaccess)."""

@@ -2,6 +2,15 @@
 
 Exit codes as `terraform plan -detailed-exitcode`: 0 no change, 2 changes, 1 error
 (including a catalog that does not validate).
+
+The fleet to plan against: ``--snapshot FILE``; else a controller named as in every other
+command (``--url``/``--token``, ``--data-dir``, or ``LLMGW_ADMIN_URL`` with ``LLMGW_ADMIN_TOKEN``;
+``--controller`` is the older spelling of ``--url``); else the `llmgw up` whose catalog this
+is, when it runs; else none (catalog changes and validation only).
+
+Whatever happens, the output is a document in the format asked for: an error under
+``--format markdown`` is a markdown comment saying what went wrong (CI posts it on the pull
+request rather than an empty comment), under ``--format json`` an ``{"error": ...}`` object.
 """
 
 from __future__ import annotations
@@ -13,7 +22,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from llmgw.cli.client import ApiError, Client, resolve_client
+from llmgw.adminaccess import given
+from llmgw.cli.client import ApiError, Client, add_options, resolve_client
 from llmgw.cli.output import fail, print_json
 from llmgw.errors import CatalogError, GitError
 
@@ -24,9 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("head", nargs="?", help="head revision (default: the working tree, uncommitted edits included)")
     p.add_argument("--repo", default=".", help="the catalog directory in a git checkout (default: .)")
     p.add_argument("--branch", default="main", help="branch the controller follows (default: main)")
-    p.add_argument("--controller", help="plan against this controller's live fleet (admin URL)")
-    p.add_argument("--token", help="admin token for --controller")
-    p.add_argument("--snapshot", help="plan against a fleet exported by `llmgw inventory export`")
+    add_options(p, url_aliases=("--controller",))  # plan against that controller's live fleet
+    p.add_argument("--snapshot", help="plan against a fleet exported by `llmgw inventory export` (instead of a "
+                                      "controller)")
     p.add_argument("--format", choices=["text", "markdown", "json"], default="text")
     p.set_defaults(func=run)
 
@@ -34,9 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     isub = inv.add_subparsers(dest="inventory_action", required=True)
     e = isub.add_parser("export", help="write the live fleet (nodes and replicas) as JSON")
     e.add_argument("-f", "--file", default="-", help="output file (default: stdout)")
-    e.add_argument("--url")
-    e.add_argument("--token")
-    e.add_argument("--data-dir")
+    add_options(e)
     e.set_defaults(func=export)
 
 
@@ -57,11 +65,10 @@ def export(args: argparse.Namespace, console: Console) -> int:
 def _local_up(repo_root: Path) -> Client | None:
     """The controller of a `llmgw up` whose catalog repository this is, if it runs."""
     data = repo_root.parent
-    url_file, token_file = data / "admin.url", data / "admin.token"
-    if not (url_file.exists() and token_file.exists()):
+    if not ((data / "admin.url").exists() and (data / "admin.token").exists()):
         return None
-    client = Client(url_file.read_text().strip(), token_file.read_text().strip(), timeout=5)
     try:
+        client = resolve_client(None, None, str(data), timeout=5)
         client.request("GET", "/api/v1/healthz")
     except ApiError:
         return None
@@ -74,22 +81,29 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from llmgw.gitops.gitcli import has_commit, read_tree, resolve_commit, work_tree_root
     from llmgw.plan import FleetSnapshot, build_report, render_json, render_markdown, render_text
 
+    if args.snapshot and (args.url or args.token or args.data_dir):
+        return _fail(console, args.format, "--snapshot and a controller (--url, --token, --data-dir) both name "
+                                           "the fleet to plan against: give one")
     try:
         root = repo = work_tree_root(args.repo)
     except GitError as exc:
-        return fail(console, str(exc))
+        return _fail(console, args.format, str(exc))
     catalog_dir = Path(args.repo).resolve()
     if not catalog_dir.is_relative_to(root):
         # A symlink that leaves the repository: reading through it would publish that
         # directory's files in the comment CI posts.
-        return fail(console, f"{args.repo}: resolves outside the repository {root}")
+        return _fail(console, args.format, f"{args.repo}: resolves outside the repository {root}")
     subdir = catalog_dir.relative_to(root).as_posix()
     subdir = "" if subdir == "." else subdir
     client = None
     try:
-        if args.controller:
-            client = resolve_client(args.controller, args.token, None)
-        elif not args.snapshot:
+        if args.snapshot:
+            pass
+        elif given(args.url, args.token, args.data_dir):
+            # Named (a flag or the environment): a controller that cannot be reached is an error,
+            # never a quiet plan without a fleet.
+            client = resolve_client(args.url, args.token, args.data_dir)
+        else:
             client = _local_up(root)
         base_rev = args.base
         if base_rev is None and client is not None:
@@ -115,7 +129,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             fleet = FleetSnapshot.from_json(client.request("GET", "/api/v1/inventory"))
             note = f"live fleet at {client.url}"
     except (GitError, CatalogError, ApiError, OSError, ValueError, KeyError) as exc:
-        return fail(console, str(exc))
+        return _fail(console, args.format, str(exc))
     base_name = (base_sha[:12] if base_rev == base_sha else base_rev if base_rev == base_sha[: len(base_rev)]
                  else f"{base_rev} ({base_sha[:12]})")
     report = build_report(base_name, base_files, head_name, head_files, fleet, now=time.time(), fleet_note=note)
@@ -128,3 +142,17 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if report.problems:
         return 1
     return 2 if report.changed else 0
+
+
+def _fail(console: Console, fmt: str, message: str) -> int:
+    """The error as a document of the format asked for: a PR comment is never left empty."""
+    from llmgw.plan.render import render_error_markdown
+
+    if fmt == "markdown":
+        console.file.write(render_error_markdown(message))
+        console.file.flush()
+        return 1
+    if fmt == "json":
+        print_json(console, {"error": message})
+        return 1
+    return fail(console, message)

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from llmgw.admin.labels import confinement_label, node_problems
-from llmgw.cli.client import ApiError, Client, resolve_client
+from llmgw.cli.client import ApiError, Client, add_options, resolve_client
 from llmgw.cli.output import fail, print_json
 
 Command = Callable[[argparse.Namespace, Client, Console], int]
@@ -24,12 +24,7 @@ Command = Callable[[argparse.Namespace, Client, Console], int]
 
 def common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    # URL and token always come from one place; llmgw/cli/client.py has the rule.
-    p.add_argument("--url", help="admin API address, given with --token (alone, it must match the address "
-                                 "of wherever the token comes from)")
-    p.add_argument("--token", help="admin token for --url")
-    p.add_argument("--data-dir", help="a local `llmgw up`'s data dir: its admin URL and token (without any of "
-                                      "these flags: $LLMGW_ADMIN_URL with $LLMGW_ADMIN_TOKEN, else `up`'s default)")
+    add_options(p)  # --url, --token, --data-dir: the same in every command (llmgw/adminaccess.py has the rule)
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     return p
 
@@ -113,7 +108,10 @@ def nodes(args: argparse.Namespace, client: Client, console: Console) -> int:
 
 def models(args: argparse.Namespace, client: Client, console: Console) -> int:
     if args.models_action == "add":
-        text = Path(args.file).read_text(encoding="utf-8") if args.file != "-" else sys.stdin.read()
+        try:  # a missing or binary file is an error message, not a traceback
+            text = Path(args.file).read_text(encoding="utf-8") if args.file != "-" else sys.stdin.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            return fail(console, f"{args.file}: cannot read it: {getattr(exc, 'strerror', None) or exc}")
         try:
             yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -281,10 +279,23 @@ def usage(args: argparse.Namespace, client: Client, console: Console) -> int:
     t.add_section()
     t.add_row(*(["all"] + [""] * (len(by) - 1) if by else []), *_sums(total))
     console.print(t)
+    if data.get("series") is not None:  # --step: once read as JSON only, silently dropped from the table
+        console.print(_series_table(data))
     if total["counted_from_stream"]:
         console.print(f"requests cut short or without a usage report: {total['counted_from_stream']} (their "
                       "completion tokens were counted from the stream; their prompt tokens are not known)")
     return 0
+
+
+def _series_table(data: dict[str, Any]) -> Table:
+    """--step: each tenant's sums per step, oldest first (steps without use are not listed)."""
+    step = data["step"]
+    width = f"{step // 3600}h" if step % 3600 == 0 else f"{step // 60}m"
+    t = _table(f"per {width}, by tenant", ["FROM (UTC)", "TENANT", "REQUESTS", "ERRORS", "PROMPT", "COMPLETION",
+                                           "TOTAL"])
+    for p in sorted(data["series"], key=lambda p: (p["time"], p["tenant"] or "")):
+        t.add_row(time.strftime("%Y-%m-%d %H:%M", time.gmtime(p["time"])), _e(p["tenant"] or "-"), *_sums(p))
+    return t
 
 
 def _sums(r: dict[str, Any]) -> list[str]:
@@ -351,7 +362,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                                   "(UTC unless it says otherwise); default 24h")
     p.add_argument("--until", default="now", help="to (the same forms); default now")
     p.add_argument("--by", default="tenant,key,model", help="group by some of tenant,key,model (comma-separated)")
-    p.add_argument("--step", help="with -o json, also a series per tenant by this step (1h, 5m, ...)")
+    p.add_argument("--step", help="also each tenant's use per step of this length (1h, 5m, ...)")
     for g in ("tenant", "key", "model"):
         p.add_argument(f"--{g}", help=f"only this {g}")
     p = add("sync", sync, "fetch now; with --allow-prune, confirm a commit held by the prune guard")

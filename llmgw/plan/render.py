@@ -7,7 +7,7 @@ from typing import Any
 
 from llmgw.catalog import Problem
 from llmgw.plan.changes import Change, _show
-from llmgw.plan.plan import Plan
+from llmgw.plan.plan import NodeUse, Plan
 
 MARKDOWN_LIMIT = 65_536  # GitHub's limit on a comment body
 
@@ -48,6 +48,41 @@ def _plan_summary(report: DiffReport) -> str:
 
 
 NO_CANDIDATE = "no node in nodes.yaml to try"
+NO_FLEET = "pass --url URL (with --token) or --snapshot FILE from `llmgw inventory export`"
+
+
+@dataclass(frozen=True)
+class FreeUse:
+    """A node's room before and after the change, as `llmgw nodes` counts it: free of total.
+
+    The plan computes what is used; a reviewer reads this beside `llmgw nodes` (GPUS FREE/TOTAL,
+    DISK FREE/TOTAL GB), and "1/2" meaning "used" in one and "free" in the other is the
+    misreading this prevents.
+    """
+
+    gpus_total: int
+    gpus_free_before: int
+    gpus_free_after: int
+    disk_total_gb: float | None
+    disk_free_before_gb: float | None
+    disk_free_after_gb: float | None
+
+    @classmethod
+    def of(cls, u: NodeUse) -> FreeUse:
+        def free(used: float | None) -> float | None:
+            return None if used is None or u.disk_total_gb is None else round(u.disk_total_gb - used, 1)
+
+        return cls(u.gpus_total, u.gpus_total - u.gpus_before, u.gpus_total - u.gpus_after,
+                   u.disk_total_gb, free(u.disk_before_gb), free(u.disk_after_gb))
+
+    def gpus_text(self) -> str:
+        return f"{self.gpus_free_before}/{self.gpus_total} → {self.gpus_free_after}/{self.gpus_total}"
+
+    def disk_text(self) -> str | None:
+        if self.disk_total_gb is None:
+            return None
+        t = self.disk_total_gb
+        return f"{self.disk_free_before_gb:g}/{t:g} → {self.disk_free_after_gb:g}/{t:g} GB"
 
 
 def prune_line(plan: Plan | None) -> str | None:
@@ -77,7 +112,7 @@ def render_text(r: DiffReport) -> str:
     out += ["", "Plan against the fleet" + (f" ({r.fleet_note})" if r.fleet_note else "") + ":"]
     p = r.plan
     if p is None:
-        out.append("  (no fleet: pass --controller URL or --snapshot FILE from `llmgw inventory export`)")
+        out.append(f"  (no fleet: {NO_FLEET})")
     else:
         if p.empty:
             out.append("  (nothing to do)")
@@ -102,9 +137,9 @@ def render_text(r: DiffReport) -> str:
         for node, name, gb in p.new_orphans:
             out.append(f"  orphan  {node}: {name} ({gb:g} GB) — `llmgw weights collect --collect` removes it")
         for u in p.node_use:
-            disk = (f", disk {u.disk_before_gb:g}/{u.disk_total_gb:g} GB → {u.disk_after_gb:g}/{u.disk_total_gb:g}"
-                    if u.disk_total_gb is not None else "")
-            out.append(f"  {u.node}: {u.gpus_before}/{u.gpus_total} GPUs → {u.gpus_after}/{u.gpus_total}{disk}")
+            free = FreeUse.of(u)
+            disk = free.disk_text()
+            out.append(f"  {u.node}: GPUs free {free.gpus_text()}" + (f", disk free {disk}" if disk else ""))
         for model, why in p.without_ready:
             out.append(f"  no ready replica during the change: {model} ({why})")
     out.append("")
@@ -142,7 +177,7 @@ def render_markdown(r: DiffReport) -> str:
     p = r.plan
     out += ["#### Plan against the fleet" + (f" ({_md(r.fleet_note)})" if r.fleet_note else ""), ""]
     if p is None:
-        out += ["No fleet given: pass `--controller URL` or `--snapshot FILE`.", ""]
+        out += ["No fleet given: pass `--url URL` (with `--token`) or `--snapshot FILE`.", ""]
     else:
         if p.steps:
             out += ["| action | model | where | why |", "|---|---|---|---|"]
@@ -168,12 +203,10 @@ def render_markdown(r: DiffReport) -> str:
             out += ["**Weights that become orphans:** " + ", ".join(f"{_md(n)}: `{_md(x)}` ({gb:g} GB)"
                                                                      for n, x, gb in p.new_orphans), ""]
         if p.node_use:
-            out += ["| node | GPUs | disk |", "|---|---|---|"]
+            out += ["| node | GPUs free/total | disk free/total |", "|---|---|---|"]
             for u in p.node_use:
-                disk = (f"{u.disk_before_gb:g}/{u.disk_total_gb:g} → {u.disk_after_gb:g}/{u.disk_total_gb:g} GB"
-                        if u.disk_total_gb is not None else "shared")
-                out.append(f"| {_md(u.node)} | {u.gpus_before}/{u.gpus_total} → {u.gpus_after}/{u.gpus_total} "
-                           f"| {disk} |")
+                free = FreeUse.of(u)
+                out.append(f"| {_md(u.node)} | {free.gpus_text()} | {free.disk_text() or 'shared'} |")
             out.append("")
         for model, why in p.without_ready:
             out.append(f"- :hourglass: no ready replica during the change: **{_md(model)}** ({_md(why)})")
@@ -182,6 +215,22 @@ def render_markdown(r: DiffReport) -> str:
         note = "\n\n_…truncated: the full plan is longer than a PR comment allows; run `llmgw diff` locally._\n"
         text = text[: MARKDOWN_LIMIT - len(note)] + note
     return text
+
+
+def render_error_markdown(message: str) -> str:
+    """`llmgw diff --format markdown` when it could not run: a comment that says so and why."""
+    fence = "`" * max(3, _longest_backtick_run(message) + 1)  # the message cannot close the block
+    text = f"### :x: llmgw diff could not run\n\n{fence}text\n{message}\n{fence}\n"
+    tail = f"\n…\n{fence}\n"
+    return text if len(text) <= MARKDOWN_LIMIT else text[: MARKDOWN_LIMIT - len(tail)] + tail
+
+
+def _longest_backtick_run(text: str) -> int:
+    best = run = 0
+    for ch in text:
+        run = run + 1 if ch == "`" else 0
+        best = max(best, run)
+    return best
 
 
 # --- json --------------------------------------------------------------------------------
@@ -205,7 +254,8 @@ def render_json(r: DiffReport) -> dict[str, Any]:
                 for m, n in sorted(p.unplaced_counts.items())},
             "fetches": [{"node": n, "model": m, "gb": gb} for n, m, gb in p.fetches],
             "new_orphans": [{"node": n, "name": x, "gb": gb} for n, x, gb in p.new_orphans],
-            "node_use": [u.__dict__ for u in p.node_use],
+            # The used counts as planned, and the free ones `llmgw nodes -o json` (gpu_free) compares with.
+            "node_use": [{**u.__dict__, **FreeUse.of(u).__dict__} for u in p.node_use],
             "without_ready": [{"model": m, "why": w} for m, w in p.without_ready],
             "still_unplaced": dict(sorted(p.still_unplaced.items())),
             "prune_guard": None if p.prune is None else {

@@ -3,10 +3,12 @@
 As many of these as a load balancer needs can run beside (or far from) the controller; each
 serves from the last snapshot it received while the controller is away::
 
-    llmgw router --controller http://ctl:9090 --admin-token "$TOKEN" --listen 0.0.0.0:8000 \\
-                 --api-keys keys.yaml
+    LLMGW_ADMIN_TOKEN=… llmgw router --url http://ctl:9090 --listen 0.0.0.0:8000 --api-keys keys.yaml
 
-The admin token may come from ``LLMGW_ADMIN_TOKEN`` instead (it is never logged). The process
+The controller is named as in every other command (`llmgw.adminaccess`): ``--url`` with
+``--token`` or ``$LLMGW_ADMIN_TOKEN`` (which keeps it out of `ps`; it is never logged),
+``--data-dir`` of a local `llmgw up`, or ``LLMGW_ADMIN_URL`` with ``LLMGW_ADMIN_TOKEN``;
+``--controller`` and ``--admin-token`` are the older spellings. The process
 stops on SIGTERM/SIGINT, giving requests in flight ``--drain-timeout`` seconds to finish.
 """
 
@@ -20,7 +22,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from llmgw.errors import ConfigError
+from llmgw.adminaccess import AdminAccess, add_options, resolve
+from llmgw.errors import AccessError, ConfigError
 from llmgw.router.config import RouterConfig  # a dataclass only: cheap for the CLI to import
 from llmgw.serving import STOP_SIGNALS, raise_fd_limit, throttle_loop_errors
 
@@ -29,15 +32,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmgw.router")
 
-TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
 LIMITS_REDIS_ENV = "LLMGW_LIMITS_REDIS"  # an environment variable keeps a password out of `ps`
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `llmgw router` (shared by the `llmgw` CLI and ``python -m llmgw.router.main``)."""
     d = RouterConfig()
-    p.add_argument("--controller", required=True, help="the controller's admin API URL, e.g. http://ctl:9090")
-    p.add_argument("--admin-token", default=None, help=f"admin API token (default: ${TOKEN_ENV})")
+    add_options(p, url_aliases=("--controller",), token_aliases=("--admin-token",))
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="client listener")
     p.add_argument("--api-keys", metavar="FILE", default=None,
                    help="YAML/JSON list of {name, sha256, models}; without it the router checks the keys the "
@@ -83,13 +84,11 @@ def run(args: argparse.Namespace, console: Any = None) -> int:  # noqa: ARG001 -
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from llmgw.router.keys import KeyRing
 
-    token = args.admin_token or os.environ.get(TOKEN_ENV)
     try:
-        if not token:
-            raise ConfigError(f"an admin token is required (--admin-token or ${TOKEN_ENV})")
+        access = resolve(args.url, args.token, args.data_dir)
         host, port = parse_listen(args.listen)
         keys = KeyRing.load(args.api_keys) if args.api_keys else KeyRing()
-    except ConfigError as exc:
+    except (AccessError, ConfigError) as exc:
         print(f"llmgw router: {exc}", file=sys.stderr)
         return 2
     raise_fd_limit()
@@ -98,20 +97,20 @@ def run(args: argparse.Namespace, console: Any = None) -> int:  # noqa: ARG001 -
                           drain_timeout=args.drain_timeout,
                           limits_redis=args.limits_redis or os.environ.get(LIMITS_REDIS_ENV, ""))
     try:
-        _run(_serve(args, token, host, port, keys, config))
+        _run(_serve(args, access, host, port, keys, config))
     except OSError as exc:
         print(f"llmgw router: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     return 0
 
 
-async def _serve(args: argparse.Namespace, token: str, host: str, port: int, keys: KeyRing,
+async def _serve(args: argparse.Namespace, access: AdminAccess, host: str, port: int, keys: KeyRing,
                  config: RouterConfig) -> None:
     from llmgw.router.app import Router
     from llmgw.router.follow import FeedClient
 
     router = Router(keys=keys, config=config)
-    feed = FeedClient(router, args.controller, token, router_id=args.router_id,
+    feed = FeedClient(router, access.url, access.token, router_id=args.router_id,
                       report_interval=args.report_interval, backoff_max=args.reconnect_max,
                       follow_keys=not args.api_keys)
     router.wake = feed.report_soon
@@ -125,7 +124,7 @@ async def _serve(args: argparse.Namespace, token: str, host: str, port: int, key
         bound = await router.listen(host, port)
         await feed.start()
         log.info("router %s listening on http://%s:%d, following %s (%s)", feed.router_id, host, bound,
-                 args.controller, "open: no API keys" if keys.open else f"{len(keys.keys)} API keys")
+                 access.url, "open: no API keys" if keys.open else f"{len(keys.keys)} API keys")
         await stop.wait()
         log.info("stopping: %d requests in flight get %.0f s", router.inflight(), config.drain_timeout)
     finally:

@@ -9,22 +9,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from llmgw.admin.labels import confinement_label
 from llmgw.cli.client import ApiError, resolve_client
-
-SUMMARY = {
-    "sync": {"state": "synced", "applied_sha": "a" * 40, "head_sha": "a" * 40, "branch": "main", "url": "repo"},
-    "nodes": 1, "nodes_ready": 1, "nodes_by_state": {"ready": 1}, "gpus_total": 0, "gpus_unhealthy": 0,
-    "models": 0, "replicas": 0, "replicas_ready": 0, "replicas_by_state": {}, "unplaced": {},
-}
+from tests.cli.conftest import up_dir
 
 
 def node(id_: str, confinement: object = ..., **over: object) -> dict:
@@ -34,91 +25,6 @@ def node(id_: str, confinement: object = ..., **over: object) -> dict:
     if confinement is not ...:  # ... : the field absent, as from a controller that predates it
         n["confinement"] = confinement
     return n
-
-
-@dataclass
-class AdminServer:
-    """A stand-in admin API: answers with its token only, remembers every Authorization header."""
-
-    token: str
-    nodes: list[dict] = field(default_factory=list)
-    redirect_to: str | None = None
-    seen: list[str | None] = field(default_factory=list)
-    url: str = ""
-
-    def handler(self) -> type[BaseHTTPRequestHandler]:
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                server.seen.append(self.headers.get("Authorization"))
-                if server.redirect_to:
-                    self.send_response(302)
-                    self.send_header("Location", server.redirect_to + self.path)
-                    self.end_headers()
-                    return
-                if self.headers.get("Authorization") != f"Bearer {server.token}":
-                    self.reply(401, {"error": "missing or invalid admin token"})
-                elif self.path == "/api/v1/summary":
-                    self.reply(200, SUMMARY)
-                elif self.path == "/api/v1/nodes":
-                    self.reply(200, server.nodes)
-                else:
-                    self.reply(404, {"error": "not found"})
-
-            def reply(self, status: int, body: object) -> None:
-                raw = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        return Handler
-
-    @property
-    def authorizations(self) -> list[str]:
-        return [a for a in self.seen if a is not None]
-
-
-@pytest.fixture
-def admin_server() -> Iterator[Callable[..., AdminServer]]:
-    started: list[ThreadingHTTPServer] = []
-
-    def make(token: str, **kw: object) -> AdminServer:
-        s = AdminServer(token, **kw)  # type: ignore[arg-type]
-        httpd = ThreadingHTTPServer(("127.0.0.1", 0), s.handler())
-        s.url = f"http://127.0.0.1:{httpd.server_address[1]}"
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
-        started.append(httpd)
-        return s
-
-    yield make
-    for httpd in started:
-        httpd.shutdown()
-        httpd.server_close()
-
-
-def up_dir(path: Path, url: str | None, token: str | None) -> Path:
-    """A data dir as a running `llmgw up` leaves it."""
-    path.mkdir(parents=True)
-    if url is not None:
-        (path / "admin.url").write_text(url + "\n")
-    if token is not None:
-        (path / "admin.token").write_text(token + "\n")
-    return path
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """No admin settings from the developer's shell, and an empty default data dir."""
-    monkeypatch.delenv("LLMGW_ADMIN_URL", raising=False)
-    monkeypatch.delenv("LLMGW_ADMIN_TOKEN", raising=False)
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
-    return tmp_path / "xdg" / "llmgw"
 
 
 def test_data_dir_sends_its_token_only_to_its_own_server(run_cli, admin_server, tmp_path: Path,
@@ -164,8 +70,13 @@ def test_flags_come_as_a_pair(run_cli, admin_server) -> None:
     assert code == 0, out
     code, out = run_cli("status", "--token", "t")
     assert code == 1 and "--token needs --url" in out
+    # What is missing is the token, and the message says so (it once blamed `up`'s admin.url).
     code, out = run_cli("status", "--url", s.url)
-    assert code == 1 and "no admin URL and token" in out
+    assert code == 1
+    assert out.strip() == (f"error: --url {s.url} was given without a token: pass its token with --token, "
+                           "or set LLMGW_ADMIN_TOKEN")
+    code, out = run_cli("status")
+    assert code == 1 and "no admin URL and token: pass --url and --token" in out
     assert s.authorizations == ["Bearer t"]
     code, out = run_cli("status", "--url", "file:///etc/passwd", "--token", "t")
     assert code == 1 and "is not an http:// or https:// address" in out
@@ -193,6 +104,42 @@ def test_environment_comes_as_a_pair(run_cli, admin_server, monkeypatch: pytest.
     code, out = run_cli("status")  # nothing given: the default `up`, URL and token both
     assert code == 0, out
     assert local.authorizations == ["Bearer local-token"] and env.authorizations == ["Bearer env-token"]
+
+
+def test_url_without_a_token_blames_the_missing_token(run_cli, admin_server, clean_env: Path) -> None:
+    """The report: `status --url X` on a machine where an `up` once ran (its data dir keeps the token,
+    not the URL) said the data dir had no admin.url, which was not what was missing."""
+    s = admin_server("t")
+    up_dir(clean_env, None, "stale-up-token")
+    code, out = run_cli("status", "--url", s.url)
+    assert code == 1
+    assert out.strip() == (f"error: --url {s.url} was given without a token: pass its token with --token, "
+                           "or set LLMGW_ADMIN_TOKEN")
+    assert s.seen == []
+
+
+def test_url_flag_with_the_token_in_the_environment(run_cli, admin_server, monkeypatch: pytest.MonkeyPatch,
+                                                    clean_env: Path) -> None:
+    """CI and services keep the token out of `ps`: `LLMGW_ADMIN_TOKEN=… llmgw CMD --url U` sends it to U.
+    The environment's token goes with the --url given when the environment names no address itself."""
+    s, local = admin_server("env-token"), admin_server("local-token")
+    up_dir(clean_env, local.url, "local-token")
+    monkeypatch.setenv("LLMGW_ADMIN_TOKEN", "env-token")
+    code, out = run_cli("status", "--url", s.url)
+    assert code == 0, out
+    assert s.authorizations == ["Bearer env-token"] and local.seen == []
+    code, out = run_cli("status")  # no address at all: the token is not sent to `up`'s
+    assert code == 1
+    assert out.strip() == ("error: LLMGW_ADMIN_TOKEN is set but LLMGW_ADMIN_URL is not: set both, or pass the "
+                           "controller's address with --url")
+    monkeypatch.delenv("LLMGW_ADMIN_TOKEN")
+    monkeypatch.setenv("LLMGW_ADMIN_URL", s.url)
+    code, out = run_cli("status", "--url", s.url)  # an address twice, a token nowhere
+    assert code == 1 and f"--url {s.url} was given without a token" in out
+    code, out = run_cli("status")
+    assert code == 1 and "LLMGW_ADMIN_URL is set but LLMGW_ADMIN_TOKEN is not: set both, or pass --url and " \
+                         "--token" in out
+    assert s.authorizations == ["Bearer env-token"] and local.seen == []
 
 
 def test_a_redirect_is_not_followed_with_the_token(run_cli, admin_server) -> None:
