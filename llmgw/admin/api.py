@@ -18,6 +18,7 @@ from llmgw.admin import views
 from llmgw.admin.usage import UsageQueryError, usage_view
 from llmgw.admin.usage import parse_query as usage_query
 from llmgw.control.orphans import list_orphans
+from llmgw.decide import holding
 from llmgw.errors import CatalogError, DispatchError, GitError, LlmgwError, PushRejected
 from llmgw.inventory import NodeState
 from llmgw.placement import explain
@@ -106,8 +107,8 @@ async def explain_placement(request: web.Request) -> web.Response:
     if catalog is None or model is None:
         return error(404, f'model "{name}" is not in the catalog')
     replicas = c.replicas()
-    placements = [r.placement for r in replicas if r.state.live]
-    e = explain(catalog, c.inventory(), placements, name)
+    inventory = c.inventory()
+    e = explain(catalog, inventory, holding(inventory, replicas), name)  # counted as placement counts
     # Placed is not running: a node may have refused the start (its env allow-list, its
     # sandbox), and that reason is the answer to "why does it not run".
     errors = [{"replica": r.id, "state": r.state.value, "error": r.error}

@@ -77,15 +77,17 @@ async def _usage_chart(c: FleetOps, now: float) -> usage.Chart:
 
 def _unplaced_reasons(c, unplaced) -> dict[str, list[str]]:  # noqa: ANN001 - internal helper
     """Why each unplaced model cannot run, one line per profile: the closest candidates."""
+    from llmgw.decide import holding
     from llmgw.placement import explain
 
     catalog = c.catalog
     out: dict[str, list[str]] = {}
     if catalog is None:
         return out
-    placements = [r.placement for r in c.replicas() if r.state.live]
+    inventory = c.inventory()
+    placements = holding(inventory, c.replicas())  # counted as placement counts
     for name in unplaced:
-        e = explain(catalog, c.inventory(), placements, name)
+        e = explain(catalog, inventory, placements, name)
         lines = [f"{x.profile} on {x.node}: {'; '.join(x.reasons)}" for x in e.candidates if not x.fits]
         out[name] = lines[:6] + ([f"… {len(lines) - 6} more"] if len(lines) > 6 else [])
     return out

@@ -11,10 +11,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llmgw.catalog import Catalog, Model
+from llmgw.catalog import Catalog, Model, NodeId
 from llmgw.contract import PromptCache
-from llmgw.decide import Replica, ReplicaState
+from llmgw.decide import Replica, ReplicaState, holding
 from llmgw.inventory import Inventory, Node, NodeState
+from llmgw.placement.capacity import NodeFree, free_capacity
 
 GB = 1024**3
 
@@ -23,11 +24,13 @@ def _ago(t: float | None, now: float) -> float | None:
     return None if t is None else round(now - t, 1)
 
 
-def node_view(node: Node, replicas: Sequence[Replica], now: float) -> dict[str, Any]:
+def node_view(node: Node, replicas: Sequence[Replica], now: float, *,
+              free: Mapping[NodeId, NodeFree] | None = None) -> dict[str, Any]:
+    """One node; ``free`` is the fleet's free capacity when the caller has it (:func:`nodes_view`)."""
     r = node.report
     gpus = r.gpus if r else ()
-    used = {i for rep in replicas if rep.state.live or rep.state == ReplicaState.STOPPING
-            for s in rep.placement.shards if s.node == node.id for i in s.gpus}
+    if free is None:
+        free = _free(Inventory({node.id: node}), replicas)
     local = [f for f in (r.filesystems if r else ()) if not f.shared]
     cache = r.cache_fs if r else None
     claimed = {s.agent_id for rep in replicas for s in rep.shards if s.node == node.id}
@@ -41,7 +44,9 @@ def node_view(node: Node, replicas: Sequence[Replica], now: float) -> dict[str, 
         "hostname": r.hostname if r else None,
         "labels": dict(node.spec.labels),
         "gpu_total": len(gpus),
-        "gpu_free": len([g for g in gpus if g.healthy and g.index not in used]),
+        # Counted as placement counts (holding): our replicas not yet stopped and engines no
+        # replica claims, e.g. another controller's (seen: shown free where nothing was placed).
+        "gpu_free": len(free[node.id].free) if node.id in free else 0,
         "gpu_classes": sorted({g.gpu_class for g in gpus}),
         "fabrics": [node.spec.fabric] if node.spec.fabric else [],
         "unhealthy_gpus": [f"gpu{g.index}: {', '.join(g.problems) or 'unhealthy'}" for g in gpus if not g.healthy],
@@ -71,7 +76,12 @@ def node_view(node: Node, replicas: Sequence[Replica], now: float) -> dict[str, 
 
 
 def nodes_view(inventory: Inventory, replicas: Sequence[Replica], now: float) -> list[dict[str, Any]]:
-    return [node_view(n, replicas, now) for n in sorted(inventory.nodes.values(), key=lambda n: n.id)]
+    free = _free(inventory, replicas)
+    return [node_view(n, replicas, now, free=free) for n in sorted(inventory.nodes.values(), key=lambda n: n.id)]
+
+
+def _free(inventory: Inventory, replicas: Sequence[Replica]) -> dict[NodeId, NodeFree]:
+    return free_capacity(inventory, holding(inventory, replicas))
 
 
 def model_view(model: Model, replicas: Sequence[Replica], unplaced: Mapping[str, int],

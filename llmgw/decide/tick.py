@@ -8,7 +8,7 @@ tested without a single engine.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -56,6 +56,14 @@ def unclaimed_engines(inventory: Inventory, replicas: Sequence[Replica]) -> list
     return [Placement(ModelName(f"(engine {e.replica_id})"), "", (Shard(node.id, 0, e.gpus),))
             for node in inventory.nodes.values() if node.report is not None
             for e in node.report.engines if e.alive and e.gpus and (node.id, e.replica_id) not in claimed]
+
+
+def holding(inventory: Inventory, replicas: Sequence[Replica], *, lost: Collection[str] = ()) -> list[Placement]:
+    """What holds GPUs, RAM and disk now: every replica not stopped (a stopping one until it has
+    stopped; ``lost`` ones excepted) and every live engine no replica claims. Placement, `explain`
+    and `llmgw nodes` all count with this, so none calls a GPU free that another would not use."""
+    return ([r.placement for r in replicas if r.id not in lost and r.state != ReplicaState.STOPPED]
+            + unclaimed_engines(inventory, replicas))
 
 
 def _draining(inventory: Inventory, node_id: NodeId) -> bool:
@@ -234,10 +242,8 @@ def _place_new(t: _Tick, replacements: dict[str, list[str]], *,
         if t.replace[o] == Replace.NODE_DRAINING}
     # Most ticks want nothing new: skip building the fleet's free-capacity index then.
     if any(wanted.values()):
-        lost_ids = t.lost_ids
-        holding = [r.placement for r in t.replicas if r.id not in lost_ids and r.state != ReplicaState.STOPPED]
-        holding += unclaimed_engines(t.inventory, t.replicas)
-        result = place(t.catalog, t.inventory, holding, now=t.now, wanted=wanted, avoid=avoid, reasons=with_reasons)
+        held = holding(t.inventory, t.replicas, lost=t.lost_ids)
+        result = place(t.catalog, t.inventory, held, now=t.now, wanted=wanted, avoid=avoid, reasons=with_reasons)
     else:
         result = PlacementResult()
     create: list[NewReplica] = []

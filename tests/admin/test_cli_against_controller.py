@@ -53,6 +53,29 @@ def test_status_nodes_models_replicas_explain(run_cli, running: Running) -> None
     assert code == 1 and 'model "nope" is not in the catalog' in out
 
 
+def test_gpus_an_engine_no_replica_claims_holds_are_not_free_in_nodes_or_explain(run_cli, running: Running) -> None:
+    # An engine started on n2 outside this controller's replicas (by hand here; another controller's
+    # looks the same): `llmgw nodes` and `llmgw explain` count its GPUs as placement does, taken.
+    running.call(running.controller.fleet.start("n2", {
+        "replica_id": "by-hand-gpus", "engine": "pyhttp", "args": ["{port}", "--bind", "{host}"], "gpus": [0, 1],
+        "labels": {}}))
+    try:
+        running.call(running.controller.inventory.poll())
+        code, out = cli(run_cli, running, "nodes", "-o", "json")
+        data = {n["id"]: n for n in json.loads(out)}
+        assert (data["n2"]["gpu_total"], data["n2"]["gpu_free"]) == (2, 0), data["n2"]
+        assert [e["id"] for e in data["n2"]["unclaimed_engines"]] == ["by-hand-gpus"]
+        code, out = cli(run_cli, running, "nodes")
+        assert code == 0 and "0/2" in out
+        code, out = cli(run_cli, running, "explain", "chat")
+        assert "  sim on n2: rejected: needs 1 free GPU of class sim, has 0 (of 2: 2 in use)" in out, out
+    finally:
+        running.call(running.controller.fleet.stop("n2", "by-hand-gpus", grace_seconds=2))
+    running.call(running.controller.inventory.poll())
+    code, out = cli(run_cli, running, "nodes", "-o", "json")
+    assert {n["id"]: n["gpu_free"] for n in json.loads(out)}["n2"] == 2
+
+
 def test_cordon_uncordon_drain_and_events(run_cli, running: Running) -> None:
     code, out = cli(run_cli, running, "cordon", "n2")
     assert code == 0 and out.strip() == "node n2 is now cordoned"
