@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from llmgw.decide import ReplicaState
+from llmgw.decide import holding
 from llmgw.inventory import NodeState
+from llmgw.placement.capacity import free_capacity
 
 if TYPE_CHECKING:
     from llmgw.control.ops import FleetOps
@@ -36,13 +37,11 @@ class FleetCollector(Collector):
             nodes.add_metric([state], count)
         yield nodes
 
-        used: dict[str, set[int]] = {}
-        for r in c.replicas():
-            if r.state.live or r.state == ReplicaState.STOPPING:
-                for s in r.placement.shards:
-                    used.setdefault(s.node, set()).update(s.gpus)
+        # Counted as placement counts (holding): engines no replica claims take their GPUs too.
+        capacity = free_capacity(inv, holding(inv, c.replicas()))
         total = GaugeMetricFamily("llmgw_gpus", "GPUs per node and class", labels=["node", "class"])
-        free = GaugeMetricFamily("llmgw_gpus_free", "Healthy GPUs no replica uses", labels=["node", "class"])
+        free = GaugeMetricFamily("llmgw_gpus_free", "Healthy GPUs nothing uses (placement's count)",
+                                 labels=["node", "class"])
         sick = GaugeMetricFamily("llmgw_gpus_unhealthy", "Unhealthy GPUs", labels=["node", "class"])
         for n in inv.nodes.values():
             if n.report is None:
@@ -52,7 +51,7 @@ class FleetCollector(Collector):
                 by_class.setdefault(g.gpu_class, []).append(g)
             for cls, gs in by_class.items():
                 total.add_metric([n.id, cls], len(gs))
-                free.add_metric([n.id, cls], len([g for g in gs if g.healthy and g.index not in used.get(n.id, ())]))
+                free.add_metric([n.id, cls], len([g for g in gs if g.index in capacity[n.id].free]))
                 sick.add_metric([n.id, cls], len([g for g in gs if not g.healthy]))
         yield total
         yield free

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import pytest
 
@@ -69,6 +70,9 @@ def test_gpus_an_engine_no_replica_claims_holds_are_not_free_in_nodes_or_explain
         assert code == 0 and "0/2" in out
         code, out = cli(run_cli, running, "explain", "chat")
         assert "  sim on n2: rejected: needs 1 free GPU of class sim, has 0 (of 2: 2 in use)" in out, out
+        metrics = urllib.request.Request(running.url + "/api/v1/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(metrics, timeout=30) as r:
+            assert 'llmgw_gpus_free{class="sim",node="n2"} 0.0' in r.read().decode()
     finally:
         running.call(running.controller.fleet.stop("n2", "by-hand-gpus", grace_seconds=2))
     running.call(running.controller.inventory.poll())

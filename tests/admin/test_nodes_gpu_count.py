@@ -45,3 +45,4 @@ def test_a_stopping_replica_holds_its_gpu_and_a_stopped_one_does_not() -> None:
     stopped = [replica("m-g1", gpu=0, state=ReplicaState.STOPPED)]
     assert nodes_view(inv, stopped, now=0.0)[0]["gpu_free"] == 2
 
+
