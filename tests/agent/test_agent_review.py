@@ -138,8 +138,9 @@ def test_the_copy_checks_the_roots_itself_not_only_fetch(node: Node, agent_modul
     outside.write_text("OUTSIDE")
     (allowed / "model.bin").symlink_to(outside)
     roots = (os.path.realpath(allowed),)
-    assert agent_module._local_files(str(allowed / "model.bin"), roots) == []
-    assert agent_module._local_files(str(allowed), roots) == []
+    for source in (allowed / "model.bin", allowed):  # refused, naming the link, not skipped
+        with pytest.raises(agent_module.FetchFailed, match=f"^{allowed}/model.bin is a symlink that leads out of"):
+            list(agent_module.local_files(str(source), roots))
 
 
 # ---------------------------------------------------------------------------------------------
