@@ -42,15 +42,16 @@ async def one_stream(session: aiohttp.ClientSession, base: str, i: int) -> str |
 
 
 async def wait_inflight_zero(router: Proc) -> None:
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 30  # a bound on a hang, not on the machine's speed
     while (n := get_json(router.url + "/health")["inflight"]) != 0:
         assert time.monotonic() < deadline, f"{n} requests still in flight"
         await asyncio.sleep(0.05)
 
 
 async def test_500_concurrent_streams_complete_and_memory_stays_flat(tmp_path: Path) -> None:
-    # 8 tokens at 10/s: ~0.8 s each, so all 500 overlap even on a machine busy with other tests.
-    with SimProcess("load", "--tokens-per-second", "10") as sim:
+    # The engine holds every first token until 500 generations run at once: the overlap is proven
+    # by the engine, not hoped for from a pace (on a busy 2-core machine only 309 had overlapped).
+    with SimProcess("load", "--hold-until-running", "500", "--hold-timeout", "40") as sim:
         state = tmp_path / "state.json"
         write_state(state, [{"name": "load"}], [endpoint("load", sim.endpoint)])
         ctl = fake_controller(tmp_path, state).start("/test/usage")
@@ -59,18 +60,20 @@ async def test_500_concurrent_streams_complete_and_memory_stays_flat(tmp_path: P
             rss = []
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
                 for round_ in range(6):
-                    t0 = time.monotonic()
                     streams = asyncio.gather(*(one_stream(session, router.url, round_ * 1000 + i)
                                                for i in range(500)))
                     peak = 0
                     while not streams.done():
-                        peak = max(peak, get_json(router.url + "/health")["inflight"])
+                        # Polled on the test's own loop: a blocking urlopen here stalled every
+                        # stream of the round for as long as the router took to answer.
+                        async with session.get(router.url + "/health",
+                                               timeout=aiohttp.ClientTimeout(total=30)) as health:
+                            peak = max(peak, (await health.json())["inflight"])
                         await asyncio.wait([streams], timeout=0.05)
                     problems = streams.result()
                     assert peak >= 400, f"only {peak} requests were in flight at once"
                     bad = [p for p in problems if p is not None]
                     assert not bad, bad[:5]
-                    assert time.monotonic() - t0 < 15
                     await wait_inflight_zero(router)
                     rss.append(router.rss_kb())
             # The first rounds grow the pools (connections, buffers); after that, nothing may leak.
