@@ -70,6 +70,11 @@ class SimConfig:
     # Blocks of 16 prompt words the simulated prefix cache keeps (LRU), counted as vLLM counts its
     # own (vllm:prefix_cache_queries_total / _hits_total, in tokens); 0 turns it off.
     prefix_cache_blocks: int = 4096
+    # Each generation waits before its first token until this many run at once (0: never), or
+    # until hold_timeout has passed: how a test proves a router carries N streams together
+    # whatever the machine's speed (a pace of tokens per second proves it only on an idle box).
+    hold_until_running: int = 0
+    hold_timeout: float = 60.0
 
 
 class Rejected(Exception):
@@ -122,6 +127,7 @@ class Simulator:
         self._prefix_cache: OrderedDict[int, None] = OrderedDict()
         self.interval = 1.0 / config.tokens_per_second if config.tokens_per_second > 0 else 0.0
         self._slots = asyncio.Semaphore(config.max_running) if config.max_running > 0 else None
+        self._gathered = asyncio.Event()  # hold_until_running reached; cleared when all have ended
         self._ids = itertools.count(1)
         self._log = open(config.request_log, "a", buffering=1) if config.request_log else None  # noqa: SIM115
         self._models_body = json.dumps({"object": "list", "data": [
@@ -282,6 +288,7 @@ class Simulator:
             self.running += 1
             self.prompt_tokens += prompt_tokens
             try:
+                await self._hold()
                 if body.get("stream"):
                     resp = web.StreamResponse(headers=SSE_HEADERS)
                     await resp.prepare(request)
@@ -294,6 +301,8 @@ class Simulator:
                 return self._whole(chat, words, finish, prompt_tokens, answers)
             finally:
                 self.running -= 1
+                if self.running == 0:
+                    self._gathered.clear()
                 if self._slots is not None:
                     self._slots.release()
         except asyncio.CancelledError:
@@ -304,6 +313,17 @@ class Simulator:
             if resp is None:
                 raise
             return resp
+
+    async def _hold(self) -> None:
+        want = self.config.hold_until_running
+        if want <= 0:
+            return
+        if self.running >= want:
+            self._gathered.set()
+        try:
+            await asyncio.wait_for(self._gathered.wait(), self.config.hold_timeout)
+        except TimeoutError:
+            pass  # the caller sees fewer at once than it wanted, and says so; never a hang
 
     async def _pace(self, count: int) -> None:
         delay = self.config.ttft + max(0, count - 1) * self.interval
@@ -468,13 +488,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str, int]:
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--dist-init-addr", default=None)
+    p.add_argument("--hold-until-running", type=int, default=0,
+                   help="hold each first token until this many generations run at once (tests)")
+    p.add_argument("--hold-timeout", type=float, default=60.0, help="seconds a held generation waits at most")
     a = p.parse_args(argv)
     task = "chat" if a.task == "completion" else a.task
     config = SimConfig(model=a.model, aliases=tuple(a.alias), task=task, startup_delay=a.startup_delay,
                        ttft=a.ttft, tokens_per_second=a.tokens_per_second,
                        max_tokens_default=a.max_tokens_default, max_running=a.max_running,
                        embedding_dim=a.embedding_dim, request_log=a.request_log,
-                       prefix_cache_blocks=a.prefix_cache_blocks)
+                       prefix_cache_blocks=a.prefix_cache_blocks, hold_until_running=a.hold_until_running,
+                       hold_timeout=a.hold_timeout)
     return config, a.host, a.port
 
 
