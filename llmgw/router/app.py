@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from llmgw.catalog import Catalog
 from llmgw.contract import Demand, Endpoint, PromptCache
@@ -119,6 +119,10 @@ class Router:
         self.usage_outbox = UsageOutbox()
         self._limiter = Limiter()  # tenants' limits, from the catalog (llmgw.yaml)
         self._shared: SharedLimits | None = None  # the same limits counted in Redis, when configured
+        self._limits_errors = Counter(
+            "llmgw_router_limits_errors", "Calls to the Redis that shares tenants' limits that failed for another "
+            "reason than Redis being away (a script error, a reply not understood), by error; the requests that "
+            "needed them were refused with a 503", ["error"], registry=self.registry)
         self._unknown_tenant_keys: set[tuple[str, str]] = set()  # already warned about
         self._budget = RetryBudget()
         self._handlers: set[asyncio.Task[object]] = set()  # requests being routed, for the drain
@@ -160,11 +164,15 @@ class Router:
         current = self._shared.url if self._shared is not None else ""
         if url == current:
             return
-        old, self._shared = self._shared, SharedLimits(url, clock=self._clock, wall=self._wall) if url else None
+        old, self._shared = self._shared, self._shared_limits(url) if url else None
         if old is not None:
             task = asyncio.get_running_loop().create_task(old.close())
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
+
+    def _shared_limits(self, url: str) -> SharedLimits:
+        errors = self._limits_errors
+        return SharedLimits(url, clock=self._clock, wall=self._wall, on_error=lambda e: errors.labels(e).inc())
 
     def _warn_unknown_tenant_keys(self, routes: RouteCatalog) -> None:
         """A tenant naming a key this router does not have limits nobody: a typo would leave the
@@ -240,7 +248,7 @@ class Router:
                                   keepalive_timeout=c.keepalive_timeout, max_idle=c.max_idle)
         self._load_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
         if c.limits_redis:
-            self._shared = SharedLimits(c.limits_redis, clock=self._clock, wall=self._wall)
+            self._shared = self._shared_limits(c.limits_redis)
         self._poller = asyncio.create_task(self._background(), name="router-background")
 
     async def _background(self) -> None:
@@ -441,6 +449,9 @@ class Router:
             else:
                 admitted = self._limiter.admit(key.name, chain, reserve, self._wall())
             if isinstance(admitted, Refusal):
+                if admitted.unavailable:  # fail closed: N routers on their own would be N times the limit
+                    return self._refuse(respond.error(503, admitted.message, kind="service_unavailable",
+                                                      code="limits_unavailable", retry_after=1), model.name, t0)
                 if admitted.fits_never:
                     return self._refuse(respond.bad_request(admitted.message, "exceeds_budget"), model.name, t0)
                 return self._refuse(respond.rate_limited(admitted.message, admitted.retry_after, admitted.headers),

@@ -233,12 +233,29 @@ class Scope:
     period: float = 0.0  # start of the budget period the counts below belong to
     used: int = 0        # tokens settled in this period
     reserved: int = 0    # tokens reserved by requests in flight
+    # What the controller's ledger says this scope used in a period (its start, tokens): every
+    # router's reported use, so a router restarted mid-period (or the controller's own, restarted
+    # with it) does not hand a tenant a fresh budget. At most one report interval behind.
+    ledger: tuple[float, int] = (0.0, 0)
+    # Degraded mode (the shared limits' Redis away): the tokens this router alone may grant this
+    # period, its share of what was left; ``used`` then counts what it granted since. None: not degraded.
+    share: int | None = None
+    base: int = 0  # degraded mode: what was known to be spent (ledger, Redis) when it began
 
     def __post_init__(self) -> None:
         if self.limits.requests_per_minute:
             self.requests = Bucket(float(self.limits.requests_per_minute))
         if self.limits.tokens_per_minute:
             self.tokens = Bucket(float(self.limits.tokens_per_minute))
+
+    def ledger_used(self, period: float) -> int:
+        """What the ledger says was used in the period starting at ``period`` (0: not known)."""
+        return self.ledger[1] if self.ledger[0] == period else 0
+
+    def spent(self) -> int:
+        """Tokens this period counts as used: the most that is known (what this router settled,
+        or what every router reported), or in degraded mode what this router granted of its share."""
+        return self.used if self.share is not None else max(self.used, self.ledger_used(self.period))
 
 
 @dataclass(frozen=True)
@@ -249,6 +266,7 @@ class Refusal:
     retry_after: float
     headers: dict[str, str] = field(default_factory=dict)
     fits_never: bool = False  # the request alone exceeds a limit: waiting cannot help (a 400)
+    unavailable: bool = False  # the limits could not be checked (a 503): not the tenant's doing
 
 
 class Ticket:
@@ -294,6 +312,10 @@ class Limiter:
     def __init__(self, tenants: Iterable[Tenant] = ()) -> None:
         self._tenant_of: dict[str, str] = {}
         self._scopes: dict[tuple[str, str], Scope] = {}
+        # The ledger's figures, by (tenant, model or ""), and the routers the controller knows of.
+        self._ledger: dict[tuple[str, str], tuple[float, int]] = {}
+        self.routers = 1
+        self.degraded = False  # budgets granted from this router's share (see degrade())
         # Asked on every request with a key: found once per key and model chain.
         self._scopes_of: dict[tuple[str, tuple[str, ...]], tuple[Scope, ...] | None] = {}
         for t in tenants:
@@ -325,6 +347,41 @@ class Limiter:
             prev.limits = s.limits
             self._scopes[k] = prev
         self._scopes_of.clear()
+        self.set_spent(old._ledger, routers=old.routers)
+
+    def set_spent(self, figures: Mapping[tuple[str, str], tuple[float, int]], *, routers: int) -> None:
+        """The ledger's figures (tenant, model or "" → period start, tokens used) and how many
+        routers share the limits, as the controller last said."""
+        self._ledger = dict(figures)
+        self.routers = max(1, routers)
+        for k, s in self._scopes.items():
+            s.ledger = self._ledger.get(k, (0.0, 0))
+
+    def scopes(self) -> Iterable[Scope]:
+        return self._scopes.values()
+
+    def degrade(self, known: Mapping[str, tuple[float, int]], now: float) -> None:
+        """Redis went away: from now on each budget is granted from this router's share of what
+        was left (its remaining tokens per the ledger, or ``known`` — scope name → period, tokens
+        Redis last said were used and reserved — whichever says more was spent, divided among the
+        routers), never from a fresh budget: N routers alone must not grant N budgets. Scopes
+        already degraded (carried over from the last catalog) keep their share."""
+        self.degraded = True
+        for s in self._scopes.values():
+            b = s.limits.budget
+            if b is None or s.share is not None:
+                continue
+            start = period_start(b, now)
+            seen = known.get(s.name)
+            base = max(s.ledger_used(start), seen[1] if seen is not None and seen[0] == start else 0)
+            s.period, s.used, s.base = start, 0, base
+            s.share = max(0, b.tokens - base) // self.routers
+
+    def undegrade(self) -> None:
+        """Redis answers again: budgets are counted there (the in-memory counts wait for the next time)."""
+        self.degraded = False
+        for s in self._scopes.values():
+            s.share = None
 
     def admit(self, key: str, models: tuple[str, ...], reserve: int, now: float) -> Ticket | Refusal | None:
         """A ticket, a refusal, or None when the key is in no tenant (not limited). ``models``: the
@@ -399,12 +456,20 @@ class Limiter:
             start = period_start(lim.budget, now)
             if start != s.period:
                 s.period, s.used = start, 0  # a new period: what was used before no longer counts
-            if s.used + s.reserved + reserve > lim.budget.tokens:
+                if s.share is not None:  # degraded across the reset: a share of the new period
+                    s.base = s.ledger_used(start)
+                    s.share = max(0, lim.budget.tokens - s.base) // self.routers
+            spent = s.spent()
+            if spent + s.reserved + reserve > (lim.budget.tokens if s.share is None else s.share):
                 resets = next_period(lim.budget, now)
                 when = datetime.fromtimestamp(resets, UTC).strftime("%Y-%m-%d %H:%M UTC")
-                return self._refuse(s, f"tenant `{s.name}` has used {s.used} of its {lim.budget.tokens}-token budget "
+                used = spent if s.share is None else s.base + spent
+                alone = "" if s.share is None else (
+                    f"; while the routers cannot share limits (Redis away) this router may grant {s.share} of "
+                    f"the {max(0, lim.budget.tokens - s.base)} left, its share of {self.routers} routers")
+                return self._refuse(s, f"tenant `{s.name}` has used {used} of its {lim.budget.tokens}-token budget "
                                        f"per {lim.budget.per} (this request reserves {reserve}, {s.reserved} are "
-                                       f"reserved by requests in flight); it resets at {when}", resets - now)
+                                       f"reserved by requests in flight{alone}); it resets at {when}", resets - now)
         return None
 
     def _refuse(self, s: Scope, why: str, retry_after: float) -> Refusal:

@@ -25,10 +25,21 @@ first call of any router after its lease ran out gives back what it held. What i
 budget tokens its requests used in its last SYNC_EVERY are not reported, and a router that
 stalls past its lease with requests in flight may see their reservations granted again.
 
-Degraded mode: when Redis does not answer within :data:`TIMEOUT`, the router applies the limits
-with its own in-memory :class:`~llmgw.router.limits.Limiter` (each router then allows the whole
-limit on its own share of the traffic), says so in ``llmgw_router_limits_degraded`` and in its
-log, and tries Redis again after :data:`RETRY_AFTER`. It never lets a tenant through unlimited.
+Degraded mode: when Redis does not answer within :data:`TIMEOUT` (a connection refused or
+reset, a timeout: Redis away), the router applies the limits with its own in-memory
+:class:`~llmgw.router.limits.Limiter`, says so in ``llmgw_router_limits_degraded`` and in its
+log, and tries Redis again after :data:`RETRY_AFTER`. It never lets a tenant through unlimited,
+and never grants a fresh budget: each budget goes on from what was known to be spent (the
+ledger's figure, or what Redis last said, whichever is more), and this router grants only its
+share of what was left (divided among the routers the controller knows of). Rates and
+concurrency are each router's own meanwhile (each allows the whole limit on its share of the
+traffic).
+
+Anything else that goes wrong with a call (the script raising, a reply that does not parse) is
+not "Redis away": it is a bug, and treating it as an outage would silently turn N routers into
+N times every limit. It is logged with its traceback, counted in
+``llmgw_router_limits_errors_total``, and the requests that needed Redis are refused with a 503
+(fail closed) until calls succeed again.
 """
 
 from __future__ import annotations
@@ -61,16 +72,27 @@ CALLS_IN_FLIGHT = 1
 WAITS = 2
 
 # ARGV[1]: a JSON list of steps, each one of
-#   ["g", keys, now, [per scope: rpm, tpm, concurrent, budget tokens, period,
-#                     need and want of requests, of tokens, of budget tokens, of slots]]
+#   ["g", keys, [per scope: rpm, tpm, concurrent, budget tokens, period, need and want of requests,
+#                of tokens, of budget tokens, of slots, ledger floor, period end]]
 #       grant: for each limit at least `need` (else refuse, taking nothing) and at most `want`
-#   ["y", keys, now, [per scope: rpm, tpm, period, requests, tokens, budget tokens and slots
-#                     given back, budget tokens used]]
+#   ["y", keys, [per scope: rpm, tpm, period, requests, tokens, budget tokens and slots given back,
+#                budget tokens used]]
 #       sync: give back what a router did not use; what its requests used moves from reserved to used
 # ARGV[2]: the calling router's instance; ARGV[3]: its lease, in seconds.
-# Returns a JSON list with, per "g" step in order, [0, [[requests, tokens, budget, slots] per
-# scope]] granted, or [1, scope index, kind, wait, requests left, tokens left ("nil": not read),
-# used, reserved]. (The keys are not declared: one Redis, not a cluster.)
+# Returns {"t": the Redis server's time, "r": [per "g" step in order: [0, [[requests, tokens,
+# budget, slots, budget used, budget reserved (-1: not read)] per scope]] granted, or [1, scope
+# index, kind, wait, requests left, tokens left ("nil": not read), used, reserved] refused, or [2]
+# when the router's budget period is not the one the server's clock is in]}. (The keys are not
+# declared: one Redis, not a cluster.)
+#
+# One clock: buckets refill, periods are checked and leases run by the Redis server's TIME, never
+# by a router's own clock (a router 60 s behind let a 5-a-minute limit admit 30 in 9 s, each
+# router's refill undoing the other's). Scripts that call TIME before writing need effects
+# replication, the default since Redis 5.
+#
+# Budgets start from the ledger: a grant carries what the controller's ledger says the scope used
+# this period (``floor``), and a budget's ``used`` is never below it, so a Redis restarted without
+# its data (or a new one) does not hand every tenant a fresh budget.
 #
 # What a router holds (budget tokens reserved, slots in flight) is also written down under its
 # instance, with a lease renewed by each of its calls: the first call after a lease ran out
@@ -81,11 +103,14 @@ local inst, lease = ARGV[2], tonumber(ARGV[3])
 local held = 'llmgw:limits:held:' .. inst
 local LEASES = 'llmgw:limits:leases'
 
-local function bucket(key, cap, now)
+local clock = redis.call('TIME')
+clock = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
+
+local function bucket(key, cap)
   local v = redis.call('HMGET', key, 'level', 'at')
   local level, at = tonumber(v[1]), tonumber(v[2])
   if level == nil then return cap end
-  if now > at then level = math.min(cap, level + (now - at) * cap / 60) end
+  if clock > at then level = math.min(cap, level + (clock - at) * cap / 60) end
   return level
 end
 
@@ -114,8 +139,6 @@ local function hold(f, n)
   count(f, n)
 end
 
-local clock = redis.call('TIME')
-clock = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
 for _, other in ipairs(redis.call('ZRANGEBYSCORE', LEASES, '-inf', clock, 'LIMIT', 0, 16)) do
   if other ~= inst then
     local h = 'llmgw:limits:held:' .. other
@@ -129,12 +152,12 @@ for _, other in ipairs(redis.call('ZRANGEBYSCORE', LEASES, '-inf', clock, 'LIMIT
 end
 redis.call('ZADD', LEASES, clock + lease, inst)
 
-local function grant(K, L, now)
+local function grant(K, L)
   local got = {}
   for i = 1, #K do
     local x, k = L[i], K[i]
     local rpm, tpm, conc, budget, period = x[1], x[2], x[3], x[4], x[5]
-    local g = {0, 0, 0, 0, nil, nil}
+    local g = {0, 0, 0, 0, nil, nil, -1, -1}
     local r, t = nil, nil
     if conc > 0 and x[12] > 0 then
       local inflight = tonumber(redis.call('GET', k .. ':inflight') or '0')
@@ -144,13 +167,13 @@ local function grant(K, L, now)
       g[4] = math.min(x[13], conc - inflight)
     end
     if rpm > 0 and x[6] > 0 then
-      r = bucket(k .. ':rpm', rpm, now)
+      r = bucket(k .. ':rpm', rpm)
       if r < x[6] then return {1, i, 'requests', tostring((x[6] - r) * 60 / rpm), tostring(r), 'nil', '0', '0'} end
       g[1] = math.max(x[6], math.min(x[7], math.floor(r)))
       g[5] = r
     end
     if tpm > 0 and x[8] > 0 then
-      t = bucket(k .. ':tpm', tpm, now)
+      t = bucket(k .. ':tpm', tpm)
       if t < x[8] then
         return {1, i, 'tokens', tostring((x[8] - t) * 60 / tpm), tostring(r), tostring(t), '0', '0'}
       end
@@ -158,12 +181,22 @@ local function grant(K, L, now)
       g[6] = t
     end
     if budget > 0 and x[10] > 0 then
-      local v = redis.call('HMGET', k .. ':budget:' .. period, 'used', 'reserved')
+      -- The router named its period from its own clock: the server's decides which it is.
+      if clock < tonumber(period) or clock >= x[15] then return {2} end
+      local f = k .. ':budget:' .. period
+      local v = redis.call('HMGET', f, 'used', 'reserved')
       local used, reserved = tonumber(v[1] or '0'), tonumber(v[2] or '0')
+      if x[14] > used then  -- the ledger knows of more: a Redis that lost its data, or a new one
+        local new = redis.call('EXISTS', f) == 0
+        redis.call('HSET', f, 'used', x[14])
+        if new then redis.call('EXPIRE', f, %d) end
+        used = x[14]
+      end
       if budget - used - reserved < x[10] then
         return {1, i, 'budget', '0', tostring(r), tostring(t), tostring(used), tostring(reserved)}
       end
       g[3] = math.min(x[11], budget - used - reserved)
+      g[7], g[8] = used, reserved + g[3]
     end
     got[i] = g
   end
@@ -172,24 +205,24 @@ local function grant(K, L, now)
     local x, k, g = L[i], K[i], got[i]
     -- The buckets (one per scope, a few per tenant) need no expiry: a bucket left alone is
     -- full when read again.
-    if g[1] > 0 then redis.call('HSET', k .. ':rpm', 'level', g[5] - g[1], 'at', now) end
-    if g[2] > 0 then redis.call('HSET', k .. ':tpm', 'level', g[6] - g[2], 'at', now) end
+    if g[1] > 0 then redis.call('HSET', k .. ':rpm', 'level', g[5] - g[1], 'at', clock) end
+    if g[2] > 0 then redis.call('HSET', k .. ':tpm', 'level', g[6] - g[2], 'at', clock) end
     if g[4] > 0 then hold(k .. ':inflight', g[4]) end
     if g[3] > 0 then hold(k .. ':budget:' .. x[5], g[3]) end
-    out[i] = {g[1], g[2], g[3], g[4]}
+    out[i] = {g[1], g[2], g[3], g[4], g[7], g[8]}
   end
   return {0, out}
 end
 
-local function give_back(K, L, now)
+local function give_back(K, L)
   for i = 1, #K do
     local x, k = L[i], K[i]
     local rpm, tpm, period = x[1], x[2], x[3]
     if rpm > 0 and x[4] ~= 0 then
-      redis.call('HSET', k .. ':rpm', 'level', math.min(rpm, bucket(k .. ':rpm', rpm, now) + x[4]), 'at', now)
+      redis.call('HSET', k .. ':rpm', 'level', math.min(rpm, bucket(k .. ':rpm', rpm) + x[4]), 'at', clock)
     end
     if tpm > 0 and x[5] ~= 0 then
-      redis.call('HSET', k .. ':tpm', 'level', math.min(tpm, bucket(k .. ':tpm', tpm, now) + x[5]), 'at', now)
+      redis.call('HSET', k .. ':tpm', 'level', math.min(tpm, bucket(k .. ':tpm', tpm) + x[5]), 'at', clock)
     end
     -- A negative part is a debt (taken beyond the allowance when grants fell behind): held more.
     if x[6] + x[8] ~= 0 then hold(k .. ':budget:' .. period, -(x[6] + x[8])) end
@@ -201,17 +234,26 @@ end
 local out = {}
 for _, step in ipairs(cjson.decode(ARGV[1])) do
   if step[1] == 'g' then
-    out[#out + 1] = grant(step[2], step[4], step[3])
+    out[#out + 1] = grant(step[2], step[3])
   else
-    give_back(step[2], step[4], step[3])
+    give_back(step[2], step[3])
   end
 end
-if #out == 0 then return '[]' end  -- cjson writes an empty table as {}
-return cjson.encode(out)
-""" % EXPIRE
+-- cjson writes an empty table as {}; the time as a number with its microseconds.
+return '{"t":' .. string.format('%%.6f', clock) .. ',"r":' .. (#out == 0 and '[]' or cjson.encode(out)) .. '}'
+""" % (EXPIRE, EXPIRE)
 
 # A step queued for the next call, and (a grant) who waits for its answer.
 Counts = tuple[int, int, int, int]  # requests, tokens, budget tokens, slots
+ERROR_LOG_EVERY = 60.0  # seconds between tracebacks of the same kind of failed call (each is counted)
+
+
+class LimitsBroken(Exception):
+    """A call to Redis failed with anything but Redis being away: a script error, a bad reply."""
+
+
+class PeriodMoved(Exception):
+    """Redis's clock is in another budget period than the router's: asked again with Redis's time."""
 
 
 @dataclass
@@ -364,10 +406,21 @@ class SharedLimits:
     """The limits of a :class:`Limiter` (its tenants and scopes), counted in Redis at ``url``."""
 
     def __init__(self, url: str, *, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, on_error: Callable[[str], None] | None = None) -> None:
         import redis.asyncio as redis  # only routers configured with Redis load the client
+        import redis.exceptions as errors
 
         self.url = url
+        # Redis away: what degraded mode is for. Anything else is a bug, refused loudly (_broken).
+        self._away: tuple[type[Exception], ...] = (errors.ConnectionError, errors.TimeoutError, TimeoutError,
+                                                       OSError)
+        self._on_error = on_error
+        self._error_logged: dict[str, float] = {}
+        # Redis's clock minus this router's (``wall``), from the last reply: periods are named by it.
+        self.offset = 0.0
+        # Scope name -> (budget period, tokens used and reserved) as Redis last said: where degraded
+        # mode starts from when Redis goes away.
+        self._known: dict[str, tuple[float, int]] = {}
         self.instance = secrets.token_hex(8)  # whose holdings these are, in Redis
         self.in_flight = 0  # requests admitted from allowances and not ended
         self._redis = redis.from_url(url, socket_timeout=TIMEOUT, socket_connect_timeout=TIMEOUT)
@@ -387,15 +440,40 @@ class SharedLimits:
 
     async def admit(self, limiter: Limiter, key: str, models: tuple[str, ...], reserve: int,
                     now: float) -> Ticket | SharedTicket | Refusal | None:
-        """As :meth:`Limiter.admit`, counted in Redis; in memory while Redis cannot be reached."""
+        """As :meth:`Limiter.admit`, counted in Redis; in memory while Redis cannot be reached;
+        a 503 refusal (``unavailable``) when a call failed for another reason."""
         scopes = limiter.scopes_of(key, models)
         if scopes is None:
             return None
         never = limiter.never_fits(scopes, reserve)
         if never is not None:
             return never
+        now += self.offset  # periods by Redis's clock
         if self._clock() < self._down_until:
-            return limiter.admit(key, models, reserve, now)
+            return self._alone(limiter, key, models, reserve, now)
+        for _ in range(2):
+            got = await self._admit(limiter, scopes, reserve, now)
+            if not isinstance(got, PeriodMoved):
+                break
+            now = float(got.args[0])  # the period Redis is in, by its own time (at most once more)
+        if isinstance(got, PeriodMoved):
+            return Refusal("Rate limit reached: the budget period is changing over; retry in a second.", 1.0)
+        if isinstance(got, LimitsBroken):
+            return Refusal("The tenants' limits could not be checked (the limits store failed: see the router's "
+                           "log); retry shortly.", 1.0, unavailable=True)
+        if isinstance(got, Exception):  # Redis away: this router limits alone meanwhile
+            return self._alone(limiter, key, models, reserve, now)
+        return got
+
+    def _alone(self, limiter: Limiter, key: str, models: tuple[str, ...], reserve: int,
+               now: float) -> Ticket | Refusal | None:
+        """Degraded mode: in memory, each budget from this router's share of what was left."""
+        if not limiter.degraded:
+            limiter.degrade(self._known, now)
+        return limiter.admit(key, models, reserve, now)
+
+    async def _admit(self, limiter: Limiter, scopes: tuple[Scope, ...], reserve: int,
+                     now: float) -> SharedTicket | Refusal | Exception:
         allowances = [self._allowance(s, now) for s in scopes]
         for _ in range(WAITS):
             if all(a.fits(reserve) for a in allowances):
@@ -408,10 +486,7 @@ class SharedLimits:
             if not waiting:
                 break
             await asyncio.wait(list(waiting.values()))
-        got = await self._grant(allowances, reserve, now)
-        if isinstance(got, Exception):  # Redis failed: this router limits alone meanwhile
-            return limiter.admit(key, models, reserve, now)
-        return got
+        return await self._grant(limiter, allowances, reserve, now)
 
     def _allowance(self, s: Scope, now: float) -> Allowance:
         period = str(int(period_start(s.limits.budget, now))) if s.limits.budget else "0"
@@ -426,7 +501,7 @@ class SharedLimits:
             self._allowances[(s.name, period)] = a
         return a
 
-    async def _grant(self, allowances: list[Allowance], reserve: int, now: float,
+    async def _grant(self, limiter: Limiter, allowances: list[Allowance], reserve: int, now: float,
                      ) -> SharedTicket | Refusal | Exception:
         """This request's own grant: what the allowances have of it is claimed at once (no one
         else can take it meanwhile), the rest asked of Redis together with a top-up to a chunk
@@ -446,7 +521,9 @@ class SharedLimits:
                        lim.concurrent), (a.requests, a.tokens, a.budget, a.slots), strict=True)]
             parts.append([lim.requests_per_minute or 0, lim.tokens_per_minute or 0, lim.concurrent or 0,
                           lim.budget.tokens if lim.budget else 0, a.period,
-                          need[0], want[0], need[1], want[1], need[2], want[2], need[3], want[3]])
+                          need[0], want[0], need[1], want[1], need[2], want[2], need[3], want[3],
+                          a.scope.ledger_used(float(a.period)),
+                          next_period(lim.budget, now) if lim.budget else 0])
         if not any(any(n) for n in needs):  # all of it was here after all
             for a, have in zip(allowances, haves, strict=True):
                 a.took(have)
@@ -455,7 +532,7 @@ class SharedLimits:
         answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         for a in allowances:
             self._grants.setdefault(a.scope.name, answer)
-        pending = Pending(["g", [a.key for a in allowances], now, parts], answer, allowances, needs)
+        pending = Pending(["g", [a.key for a in allowances], parts], answer, allowances, needs)
         self._enqueue(pending)
 
         def unclaim(granted: bool) -> None:
@@ -474,7 +551,10 @@ class SharedLimits:
             pending.abandoned = not answer.done()
             unclaim(answered)
             raise
-        except Exception as exc:  # noqa: BLE001 - any failure of Redis: the limits are kept locally
+        except LimitsBroken as exc:  # logged and counted where it happened (_call)
+            unclaim(False)
+            return exc
+        except self._away as exc:
             unclaim(False)
             self._went_down(exc)
             return exc
@@ -484,10 +564,18 @@ class SharedLimits:
                     del self._grants[a.scope.name]
         if self.degraded:
             self.degraded = False
+            limiter.undegrade()
             log.warning("limits are shared again through Redis at %s", redacted(self.url))
+        if int(result[0]) == 2:
+            unclaim(False)
+            return PeriodMoved(self._wall() + self.offset)
         if int(result[0]) != 0:
             unclaim(False)
-            return _refusal(allowances[int(result[1]) - 1].scope, [str(x) for x in result], reserve, now)
+            scope = allowances[int(result[1]) - 1].scope
+            if result[2] == "budget":
+                self._known[scope.name] = (float(allowances[int(result[1]) - 1].period),
+                                           int(result[6]) + int(result[7]))
+            return _refusal(scope, [str(x) for x in result], reserve, now)
         for a, have, need in zip(allowances, haves, needs, strict=True):
             a.took((have[0] + need[0], have[1] + need[1], have[2] + need[2], have[3] + need[3]))
             a.owe(reserve)
@@ -502,6 +590,8 @@ class SharedLimits:
             a.add(got)
             if not pending.abandoned:
                 a.add(need, -1)
+            if got[4] >= 0:
+                self._known[a.scope.name] = (float(a.period), got[4] + got[5])
         self.schedule_sync()  # the requests it was for may be gone: it goes back unused
 
     def ended(self) -> None:
@@ -520,7 +610,7 @@ class SharedLimits:
         self._beat = None
         if self.in_flight > 0:
             if not self._queue and not self._calls:
-                self._enqueue(Pending(["y", [], self._wall(), []]))
+                self._enqueue(Pending(["y", [], []]))
             self._beat = asyncio.get_running_loop().call_later(HEARTBEAT, self._heartbeat)
 
     def _send_sync(self, everything: bool = False) -> None:
@@ -541,7 +631,7 @@ class SharedLimits:
             self.schedule_sync()  # given back at the next sync if no request takes it meanwhile
         if by_key:
             keys = [k for k, ps in by_key.items() for _ in ps]
-            self._enqueue(Pending(["y", keys, self._wall(), [p for ps in by_key.values() for p in ps]]))
+            self._enqueue(Pending(["y", keys, [p for ps in by_key.values() for p in ps]]))
 
     def _enqueue(self, step: Pending) -> None:
         self._queue.append(step)
@@ -567,21 +657,66 @@ class SharedLimits:
     async def _call(self, steps: list[Pending]) -> None:
         """Send ``steps`` as one script call; hand each grant its answer."""
         payload = json.dumps([p.step for p in steps], separators=(",", ":"))
+        grants = [p for p in steps if p.answer is not None]
+        failed: BaseException | None = None
         try:
             async with asyncio.timeout(TIMEOUT):
-                results = json.loads(await self._steps(args=[payload, self.instance, LEASE]))
-        except Exception as exc:  # noqa: BLE001 - any failure of Redis: the waiting requests go local
+                reply = await self._steps(args=[payload, self.instance, LEASE])
+            results = self._read(reply, grants)
+        except self._away as exc:  # the waiting requests go local (degraded mode)
             self._went_down(exc)
+            failed = exc
+        except Exception as exc:  # noqa: BLE001 - not Redis away: a bug, logged with its traceback, counted, refused
+            self._broken(exc)
+            failed = LimitsBroken(f"{type(exc).__name__}: {exc}")
+        if failed is not None:
+            # A call that failed may have run in Redis, wholly or in part (a script that raises
+            # keeps what it wrote): what this router holds there is not known any more.
             self._forget_holdings()
             for p in steps:
                 if p.answer is not None and not p.answer.done():
-                    p.answer.set_exception(exc)
+                    p.answer.set_exception(failed)
             return
-        grants = [p for p in steps if p.answer is not None]
         for p, result in zip(grants, results, strict=True):
             self._granted(p, result)  # into the allowances, even if its request is gone
             if p.answer is not None and not p.answer.done():
                 p.answer.set_result(result)
+
+    def _read(self, reply: Any, grants: list[Pending]) -> list[Any]:
+        """The script's reply, checked against the grants it answers (ValueError when it does not
+        fit: a reply not understood must not be read as a grant); learns Redis's clock."""
+        if isinstance(reply, bytes):
+            reply = reply.decode()
+        data = json.loads(reply)
+        if not isinstance(data, dict) or type(data.get("t")) not in (int, float) or not isinstance(data.get("r"), list):
+            raise ValueError(f"unexpected reply {str(reply)[:200]!r}")
+        results = data["r"]
+        if len(results) != len(grants):
+            raise ValueError(f"{len(results)} answers to {len(grants)} grants")
+        for p, r in zip(grants, results, strict=True):
+            assert p.allowances is not None
+            ok = isinstance(r, list) and bool(r) and r[0] in (0, 1, 2)
+            if ok and r[0] == 0:
+                ok = len(r) == 2 and isinstance(r[1], list) and len(r[1]) == len(p.allowances) and all(
+                    isinstance(g, list) and len(g) == 6 and all(type(v) is int for v in g) for g in r[1])
+            elif ok and r[0] == 1:
+                ok = len(r) == 8 and type(r[1]) is int and 1 <= r[1] <= len(p.allowances) and r[2] in (
+                    "concurrent", "requests", "tokens", "budget")
+            if not ok:
+                raise ValueError(f"unexpected answer {str(r)[:200]!r} to a grant of {len(p.allowances)} scopes")
+        self.offset = float(data["t"]) - self._wall()
+        return results
+
+    def _broken(self, exc: BaseException) -> None:
+        kind = type(exc).__name__
+        if self._on_error is not None:
+            self._on_error(kind)
+        now = self._clock()
+        if now - self._error_logged.get(kind, -ERROR_LOG_EVERY) >= ERROR_LOG_EVERY:
+            self._error_logged[kind] = now
+            log.error("the shared limits' call to Redis at %s failed (%s), not for want of Redis: requests that "
+                      "needed it are refused (503) rather than admitted on this router's own limits",
+                      redacted(self.url), kind, exc_info=exc)
 
     def _forget_holdings(self) -> None:
         """After a call that failed, what this router holds in Redis is not known: a call that
@@ -597,7 +732,8 @@ class SharedLimits:
         if not self.degraded:
             self.degraded = True
             log.error("Redis at %s cannot be reached (%s): limits are applied by this router alone until it "
-                      "answers again (degraded mode)", redacted(self.url), type(exc).__name__)
+                      "answers again (degraded mode: budgets from its share of what was left)", redacted(self.url),
+                      type(exc).__name__)
 
     async def close(self) -> None:
         """Give back what this router holds (within a second), then disconnect."""

@@ -320,3 +320,104 @@ async def test_a_grant_redis_ran_after_the_router_gave_up_on_it_is_not_held_for_
         await b.close()
         await a.close()
         assert int(db.get("llmgw:limits:team:inflight") or 0) == 0
+
+
+# --- issue 24: one clock, and a bug is not an outage -----------------------------------------------
+
+def skewed_router(engine_url: str, url: str, limits: Limits, skew: float) -> Router:
+    keys = KeyRing.from_entries([{"name": "team-key", "sha256": hash_key("sk-team"), "models": ["*"]}])
+    r = Router(keys=keys, config=RouterConfig(limits_redis=url), wall=lambda: time.time() + skew)
+    r.set_catalog(Catalog(models=(model("chat"),), settings=Settings(tenants=(Tenant("team", ("team-key",), limits),))))
+    r.set_endpoints([endpoint("chat", engine_url)])
+    return r
+
+
+async def test_a_router_with_a_skewed_clock_cannot_refill_a_shared_limit(chat_sim: SimProcess, redis_url) -> None:  # noqa: ANN001
+    """One router 60 s behind the other: each refilled the bucket from its own clock, undoing the
+    other's (a 5-a-minute limit admitted 30 of 30 in 9 s). Refills go by Redis's clock."""
+    url, _ = redis_url
+    async with AsyncExitStack() as stack:
+        bases = [await stack.enter_async_context(serving(skewed_router(chat_sim.endpoint, url,
+                                                                       Limits(requests_per_minute=5), skew)))
+                 for skew in (0.0, -60.0)]
+        clients = [openai.AsyncOpenAI(base_url=b + "/v1", api_key="sk-team", max_retries=0, timeout=15) for b in bases]
+        started = time.monotonic()
+        ok = 0
+        for i in range(30):
+            try:
+                await clients[i % 2].chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1)
+                ok += 1
+            except openai.RateLimitError:
+                pass
+        elapsed = time.monotonic() - started
+        for c in clients:
+            await c.close()
+    assert ok <= 5 + int(elapsed * 5 / 60), (ok, elapsed)  # the burst, and what refilled meanwhile
+
+
+async def test_a_router_a_day_behind_spends_the_same_budget_period(chat_sim: SimProcess, redis_url) -> None:  # noqa: ANN001
+    """Budget periods are named by Redis's clock too: a router whose clock is a day behind would
+    otherwise count yesterday's budget, untouched, and hand the tenant a fresh one."""
+    url, _ = redis_url
+    async with AsyncExitStack() as stack:
+        bases = [await stack.enter_async_context(serving(skewed_router(
+            chat_sim.endpoint, url, Limits(budget=Budget(tokens=200, per="day")), skew))) for skew in (0.0, -86_400.0)]
+        right, behind = (openai.AsyncOpenAI(base_url=b + "/v1", api_key="sk-team", max_retries=0, timeout=15)
+                         for b in bases)
+        with pytest.raises(openai.RateLimitError):
+            for _ in range(50):
+                await right.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=20)
+        with pytest.raises(openai.RateLimitError) as refused:
+            await behind.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=20)
+        assert "budget" in refused.value.message
+        await right.close()
+        await behind.close()
+
+
+async def test_a_script_error_is_refused_loudly_not_taken_for_redis_away(chat_sim: SimProcess, redis_url,  # noqa: ANN001
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A key of the wrong type makes the script fail (as a bug would): every router treating that
+    as "Redis is down" would admit the whole limit on its own, N routers N times the limit. It is
+    a 503 naming the cause, logged with its traceback and counted; not degraded mode."""
+    import redis
+
+    url, _ = redis_url
+    with redis.Redis.from_url(url) as db:
+        db.set("llmgw:limits:team:rpm", "not a bucket")
+    before = sim_metric(chat_sim.endpoint, "llmgw_sim_requests_total")
+    async with AsyncExitStack() as stack:
+        bases = [await stack.enter_async_context(serving(router(chat_sim, url, Limits(requests_per_minute=30))))
+                 for _ in range(2)]
+        statuses = []
+        for i in range(6):
+            async with openai.AsyncOpenAI(base_url=bases[i % 2] + "/v1", api_key="sk-team", max_retries=0,
+                                          timeout=15) as c:
+                try:
+                    await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1)
+                    statuses.append(200)
+                except openai.APIStatusError as exc:
+                    statuses.append(exc.status_code)
+                    assert exc.code == "limits_unavailable" and "could not be checked" in exc.message
+        assert statuses == [503] * 6
+        assert await metric(bases[0], "llmgw_router_limits_degraded") == 0
+        assert await metric(bases[0], 'llmgw_router_limits_errors_total{error="ResponseError"}') == 3
+    assert sim_metric(chat_sim.endpoint, "llmgw_sim_requests_total") == before  # none reached the engine
+    assert "not for want of Redis" in caplog.text and "Traceback" in caplog.text and "WRONGTYPE" in caplog.text
+    assert "degraded mode" not in caplog.text
+
+
+async def test_a_reply_the_router_does_not_understand_is_not_read_as_a_grant(redis_url, monkeypatch) -> None:  # noqa: ANN001
+    from llmgw.router import shared_limits
+
+    url, _ = redis_url
+    limiter = Limiter((Tenant("team", ("team-key",), Limits(requests_per_minute=100)),))
+    monkeypatch.setattr(shared_limits, "_STEPS", "return '{\"t\": 1, \"r\": [[0, [[5, 0]]]]}'")
+    shared = SharedLimits(url)
+    got = await shared.admit(limiter, "team-key", ("chat",), 1, time.time())
+    assert isinstance(got, Refusal) and got.unavailable and not shared.degraded
+    monkeypatch.setattr(shared_limits, "_STEPS", "return 'not json'")
+    shared2 = SharedLimits(url)
+    got = await shared2.admit(limiter, "team-key", ("chat",), 1, time.time())
+    assert isinstance(got, Refusal) and got.unavailable and not shared2.degraded
+    await shared.close()
+    await shared2.close()
