@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -57,7 +59,9 @@ def trust_node(args: argparse.Namespace, console: Console) -> int:
 def run_controller(args: argparse.Namespace, console: Console) -> int:
     from llmgw.control.config import load_config
     from llmgw.control.server import serve_forever
+    from llmgw.stdio import guard
 
+    guard()  # before logging, whose handler keeps the stream it is given
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config)
@@ -69,21 +73,29 @@ def run_controller(args: argparse.Namespace, console: Console) -> int:
         console.print(f"  router:    {running.router_url}/v1")
         console.print(f"  admin API: {running.admin_url}/api/v1  dashboard: {running.admin_url}/")
 
-    return run_until_signal(serve_forever(cfg, on_ready=ready), console)
+    return run_until_signal(lambda stop: serve_forever(cfg, stop=stop, on_ready=ready), console)
 
 
-def run_until_signal(main, console: Console) -> int:  # noqa: ANN001 - a coroutine
-    """Run ``main`` until SIGINT/SIGTERM/SIGHUP, then let it clean up; errors as messages, not tracebacks."""
+def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]], console: Console) -> int:
+    """Run ``main(stop)``: the first SIGINT, SIGTERM or SIGHUP sets ``stop``, and ``main`` shuts down
+    in its own time. Later signals are noted, not obeyed: a second Ctrl-C, or the HUP a shell passes
+    on when its terminal closes, once cancelled `up`'s shutdown half-way and left its engines
+    running. A signal while ``main`` is still starting is kept until it waits for one. Errors as
+    messages, not tracebacks."""
 
     async def runner() -> None:
-        task = asyncio.ensure_future(main)
+        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if stop.is_set():
+                console.print(f"{sig.name}: already stopping, engines included; it ends by itself "
+                              "(SIGKILL would leave engines running)", style="dim")
+            stop.set()
+
         for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, task.cancel)
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
+            loop.add_signal_handler(sig, on_signal, sig)
+        await main(stop)
 
     try:
         asyncio.run(runner())

@@ -19,6 +19,7 @@ from llmgw.cli.serve import run_until_signal
 from llmgw.paths import default_data_dir
 
 if TYPE_CHECKING:
+    from llmgw.control.server import Running
     from llmgw.control.up import UpLayout
 
 
@@ -37,7 +38,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from llmgw.control.server import start
     from llmgw.control.up import UpLayout, prepare
     from llmgw.errors import LlmgwError
+    from llmgw.stdio import guard
 
+    # Before logging (its handler keeps the stream it is given): output that cannot abort or block
+    # the shutdown below, whatever became of the pipe or terminal it goes to.
+    guard()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     data_dir = Path(args.data_dir).resolve() if args.data_dir else default_data_dir()
     try:
@@ -47,26 +52,34 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return fail(console, str(exc))
     layout = UpLayout(data_dir)
 
-    async def main() -> None:
+    async def main(stop: asyncio.Event) -> None:
         running = await start(cfg, router_flag="--router-port", admin_flag="--admin-port")
-        # With admin.token, the address operator commands (`--data-dir`, or none) and `llmgw diff`
-        # in the catalog repository send that token to: written only once this controller listens.
+        # From here on the reconciler may be starting engines: whatever happens next, the
+        # `finally` stops them. (A signal that came while starting has set `stop` already.)
         url_file = layout.data_dir / URL_FILE
-        _write_atomically(url_file, running.admin_url + "\n")
         try:
+            # With admin.token, the address operator commands (`--data-dir`, or none) and `llmgw diff`
+            # in the catalog repository send that token to: written only once this controller listens.
+            _write_atomically(url_file, running.admin_url + "\n")
             _welcome(console, running.router_url, running.admin_url, layout, cfg.admin_token)
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
-            console.print("stopping: in-flight requests, the control plane, then the engines…")
-            # Unlike a fleet controller, `up` owns its engines: none outlives it.
-            await running.close(stop_engines=True)
-            # A stopped `up`'s port may be anyone's next: no command should send the token there.
-            with contextlib.suppress(OSError):
-                if url_file.read_text().strip() == running.admin_url:
-                    url_file.unlink()
-            console.print("stopped; `llmgw up` again comes back on the same catalog and state.")
+            await _shut_down(console, running, url_file)
 
-    return run_until_signal(main(), console)
+    return run_until_signal(main, console)
+
+
+async def _shut_down(console: Console, running: Running, url_file: Path) -> None:
+    """Stop everything, engines included: `up` owns its engines, none outlives it."""
+    try:
+        console.print("stopping: in-flight requests, the control plane, then the engines…")
+    finally:  # output is guarded (llmgw.stdio) and cannot raise; if it ever did, the engines still stop
+        await running.close(stop_engines=True)
+    # A stopped `up`'s port may be anyone's next: no command should send the token there.
+    with contextlib.suppress(OSError):
+        if url_file.read_text().strip() == running.admin_url:
+            url_file.unlink()
+    console.print("stopped; `llmgw up` again comes back on the same catalog and state.")
 
 
 def _write_atomically(path: Path, text: str) -> None:

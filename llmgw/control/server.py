@@ -132,11 +132,13 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
                    f"http://{cfg.admin_listen.host}:{cfg.admin_listen.port}", usage)
 
 
-async def serve_forever(cfg: ServerConfig, *, on_ready: Callable[[Running], None] | None = None) -> None:
+async def serve_forever(cfg: ServerConfig, *, stop: asyncio.Event,
+                        on_ready: Callable[[Running], None] | None = None) -> None:
+    """Serve until ``stop`` is set (a signal while starting is seen once started), then close."""
     running = await start(cfg)
-    if on_ready is not None:
-        on_ready(running)
     try:
-        await asyncio.Event().wait()
+        if on_ready is not None:
+            on_ready(running)
+        await stop.wait()
     finally:
         await running.close()
