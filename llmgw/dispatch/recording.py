@@ -146,6 +146,7 @@ class RecordingDispatcher(AgentVerbs):
             "foreign": list(node.foreign),
             "engines": [self._engine_view(e) for e in node.engines.values()],
             "fetches": [],
+            "locked": node.locked,  # as the SSH dispatcher adds it (the connection's finding)
         }
 
     def _fetch(self, node: FakeNode, request: Answer) -> Answer:

@@ -169,8 +169,12 @@ class SshDispatcher(AgentVerbs):
     # --- calls -----------------------------------------------------------------------------
 
     async def call(self, node_id: str, verb: str, request: Answer, *, timeout: float | None = None) -> Answer:
-        """Send one request to the node's agent and return its answer."""
-        answer, _ = await self._call(node_id, verb, request, timeout)
+        """Send one request to the node's agent and return its answer (an inventory's with ``locked``)."""
+        answer, channel = await self._call(node_id, verb, request, timeout)
+        if verb == "inventory":
+            # Only the connection knows whether the node pins our key to its agent, and the inventory
+            # is what `llmgw nodes` shows: without this a node logged as locked read `"locked": false`.
+            return {**answer, "locked": channel.connection.locked}
         return answer
 
     async def hello(self, node_id: str) -> HelloAnswer:

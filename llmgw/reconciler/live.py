@@ -114,7 +114,8 @@ class LiveInventory:
         elif not fenced and node.state == NodeState.FENCED:
             self.store.add_event("node-lease", node_id, f"node {node_id}: this controller holds its lease "
                                  f"(epoch {lease.epoch if lease else '?'})")
-        return replace(node, report=report, last_seen=now, unreachable_since=None, error=fenced)
+        return replace(node, report=report, last_seen=now, unreachable_since=None, error=fenced,
+                       locked=bool(raw.get("locked", False)))  # the SSH transport's finding, not the agent's
 
     def snapshot(self) -> Inventory:
         return Inventory(dict(self._nodes), self._taken_at)
