@@ -68,15 +68,17 @@ class Running:
         reconciler, then, for `up`, which owns its engines, stop them; the admin API answers
         until the end."""
         t0 = time.monotonic()
-        log.info("stopping: %d requests in flight", self.router.inflight())
-        await self.router.drain()
-        log.info("router drained in %.1f s", time.monotonic() - t0)
-        if self.usage is not None:
-            await self.usage.close()  # the drained requests' tokens, into the ledger before it closes
-        await self.controller.quiesce()
-        if stop_engines:
-            await self.controller.stop_engines()
-            log.info("engines stopped at %.1f s", time.monotonic() - t0)
+        try:
+            log.info("stopping: %d requests in flight", self.router.inflight())
+            await self.router.drain()
+            log.info("router drained in %.1f s", time.monotonic() - t0)
+            if self.usage is not None:
+                await self.usage.close()  # the drained requests' tokens, into the ledger before it closes
+            await self.controller.quiesce()
+        finally:  # a failure above must not leave `up`'s engines running
+            if stop_engines:
+                await self.controller.stop_engines()
+                log.info("engines stopped at %.1f s", time.monotonic() - t0)
         for runner in self.runners:
             await runner.cleanup()
         await self.controller.close()

@@ -80,6 +80,9 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 
 def run(args: argparse.Namespace, console: Any = None) -> int:  # noqa: ARG001 - CLI convention
+    from llmgw.stdio import guard
+
+    guard()  # a full or closed pipe must not block or abort the router (llmgw.stdio); before logging
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from llmgw.router.keys import KeyRing
