@@ -555,11 +555,21 @@ def inspect_entry(cache_dir: str, name: str) -> Tuple[Optional[JsonDict], Option
 
 # --- fencing: which controller may drive this node (DESIGN §4) ---------------------------------
 # Two controllers pointed at one fleet (a failover, a copy started by mistake, a restored backup)
-# stopped each other's engines. The node keeps a lease: the holder it obeys, an epoch raised each
-# time the holder changes, and an expiry. Changes (start, stop, remove-weights) must carry the
-# current holder and epoch; a takeover (an operator's, or after expiry) raises the epoch, so the
-# old holder's next command is refused with the reason.
+# stopped each other's engines. The node keeps a lease: the holder it obeys, the instance of that
+# holder (a nonce each controller process makes at start), an epoch raised each time the holder
+# changes, and an expiry. Changes (start, stop, remove-weights) must carry the current holder,
+# instance and epoch; a takeover (an operator's, or after expiry) raises the epoch, so the old
+# holder's next command is refused with the reason.
+#
+# The holder id lives in the controller's data dir, so a copied or restored data dir has the same
+# one: the instance tells the two processes apart (seen: each obeyed, each stopped the other's
+# engines as stale). Another instance of the holder is fenced like any other controller while the
+# holding instance is heard from (each of its polls touches lease.beat). Once that instance has
+# been silent for the grace it asked for (it died: a controller restarted after a crash), another
+# instance of the same holder succeeds it at the same epoch: the same controller, so its engines
+# stay its own and are adopted. A live copy keeps renewing, so it cannot be displaced that way.
 MAX_LEASE_TTL = 3600.0
+DEFAULT_SUCCESSION_GRACE = 20.0
 
 
 MAX_HOLDER = 200
@@ -568,6 +578,37 @@ DAMAGED = "(an unreadable lease file)"
 
 def _lease_path(cfg: NodeConfig) -> str:
     return os.path.join(cfg.state_dir, "lease.json")
+
+
+def _beat_path(cfg: NodeConfig) -> str:
+    return os.path.join(cfg.state_dir, "lease.beat")
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path, follow_symlinks=False).st_mtime
+    except OSError:
+        return 0.0
+
+
+def lease_heard(cfg: NodeConfig) -> float:
+    """When the holding instance was last heard from: its last poll (lease.beat) or the last
+    write of the lease. An mtime, not a durable write per poll: a poll that renews nothing must
+    stay cheap and must not wait for the lease lock a start holds."""
+    return max(_mtime(_lease_path(cfg)), _mtime(_beat_path(cfg)))
+
+
+def _beat(cfg: NodeConfig) -> None:
+    """The holding instance was heard from now (a poll, a renewal)."""
+    path = _beat_path(cfg)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.utime(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # a missed beat costs only time: the successor waits for the lease to expire instead
 
 
 def read_lease(cfg: NodeConfig) -> Optional[JsonDict]:
@@ -583,6 +624,7 @@ def read_lease(cfg: NodeConfig) -> Optional[JsonDict]:
     expires = lease.get("expires") if lease is not None else None
     if (lease is None or not isinstance(lease.get("holder"), str) or not lease["holder"]
             or len(lease["holder"]) > MAX_HOLDER or not _is_int(lease.get("epoch")) or lease["epoch"] < 0
+            or not isinstance(lease.get("instance", ""), (str, type(None)))
             or not isinstance(expires, (int, float)) or isinstance(expires, bool) or not math.isfinite(expires)):
         epoch = lease.get("epoch") if lease is not None else None
         return {"holder": DAMAGED, "epoch": epoch if isinstance(epoch, int) and _is_int(epoch) and epoch >= 0 else 0,
@@ -594,17 +636,42 @@ def read_lease(cfg: NodeConfig) -> Optional[JsonDict]:
     return lease
 
 
-def lease_view(lease: Optional[JsonDict], holder: Optional[str], now: float) -> JsonDict:
-    """The lease as a controller sees it: who holds it, whether that is the asker, how long left."""
+@dataclass(frozen=True)
+class Asker:
+    """Who asks for the lease: a controller's holder id, the instance (None from a controller
+    older than instances), how long a lease lasts and how long a silence ends it for a sibling."""
+
+    holder: str
+    instance: Optional[str] = None
+    ttl: float = 60.0
+    grace: float = DEFAULT_SUCCESSION_GRACE
+
+
+def _lease_grace(lease: JsonDict) -> float:
+    grace = lease.get("grace")
+    ok = isinstance(grace, (int, float)) and not isinstance(grace, bool) and math.isfinite(grace) and grace >= 1
+    return float(grace) if ok else DEFAULT_SUCCESSION_GRACE
+
+
+def lease_view(lease: Optional[JsonDict], asker: Optional[Asker], now: float, *, heard: float = 0.0) -> JsonDict:
+    """The lease as a controller sees it: who holds it, whether that is the asker, how long left.
+
+    ``sibling``: held by another instance of the asker's own holder id (a copy of its data dir, or
+    its own earlier life); ``heard`` is when the holding instance last spoke (the node's clock) and
+    ``grace`` how long a silence lets a sibling succeed it. Another instance's nonce is not shown.
+    """
     if lease is None:
-        return {"holder": None, "epoch": 0, "expires": None, "held": False, "expired": True}
+        return {"holder": None, "epoch": 0, "expires": None, "held": False, "expired": True, "sibling": False,
+                "heard": None, "grace": None}
     damaged = lease["holder"] == DAMAGED
+    same = not damaged and asker is not None and lease["holder"] == asker.holder
+    mine = same and asker is not None and lease.get("instance") == asker.instance
     return {"holder": lease["holder"], "epoch": lease["epoch"], "expires": lease.get("expires"),
-            "held": not damaged and holder is not None and lease["holder"] == holder,
-            "expired": not damaged and now >= float(lease["expires"])}
+            "held": mine, "expired": not damaged and now >= float(lease["expires"]),
+            "sibling": same and not mine, "heard": heard or None, "grace": None if damaged else _lease_grace(lease)}
 
 
-def _lease_request(raw: Any) -> Tuple[str, float]:
+def _lease_request(raw: Any) -> Asker:
     if not isinstance(raw, dict) or not isinstance(raw.get("holder"), str) or not raw["holder"].strip():
         raise AgentError("lease: holder must be a non-empty string")
     if len(raw["holder"]) > MAX_HOLDER:
@@ -612,61 +679,82 @@ def _lease_request(raw: Any) -> Tuple[str, float]:
     ttl = raw.get("ttl", 60)
     if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not 1 <= ttl <= MAX_LEASE_TTL:
         raise AgentError(f"lease: ttl must be a number of seconds from 1 to {MAX_LEASE_TTL:g}")
-    return raw["holder"], float(ttl)
+    instance = raw.get("instance")
+    if instance is not None and (not isinstance(instance, str) or not instance.strip() or len(instance) > MAX_HOLDER):
+        raise AgentError(f"lease: instance must be a non-empty string of at most {MAX_HOLDER} characters")
+    grace = raw.get("grace", min(DEFAULT_SUCCESSION_GRACE, float(ttl)))
+    if (not isinstance(grace, (int, float)) or isinstance(grace, bool) or not math.isfinite(grace)
+            or not 1 <= grace <= ttl):
+        raise AgentError("lease: grace must be a number of seconds from 1 to the ttl")
+    return Asker(raw["holder"], instance, float(ttl), float(grace))
 
 
 def _lease_lock(cfg: NodeConfig) -> str:
     return _lease_path(cfg) + ".lock"
 
 
-def take_lease(cfg: NodeConfig, holder: str, ttl: float, *, takeover: bool) -> JsonDict:
-    """Grant or renew the lease to ``holder``: when it holds it, when nobody does, when it has
-    expired, or on ``takeover``. Otherwise the view of the lease as it stands (``held`` false)."""
+def _succeeds(view: JsonDict, now: float) -> bool:
+    """A sibling may take a live lease whose instance has been silent past the lease's grace."""
+    return bool(view["sibling"]) and view["heard"] is not None and now - float(view["heard"]) >= float(view["grace"])
+
+
+def take_lease(cfg: NodeConfig, asker: Asker, *, takeover: bool) -> JsonDict:
+    """Grant or renew the lease to ``asker``: when it holds it, when nobody does, when it has
+    expired, when it succeeds a silent instance of its own holder, or on ``takeover``. Otherwise
+    the view of the lease as it stands (``held`` false)."""
     now = time.time()
     current = read_lease(cfg)
-    view = lease_view(current, holder, now)
-    # Most polls change nothing (not ours, or ours with time left): no lock, no write. A fenced
-    # verb holds the lock for its whole run, and a poll must not wait behind a stop's grace.
-    if not takeover and not view["expired"] and (not view["held"] or
-                                                 float(current["expires"]) - now >= ttl / 2):  # type: ignore[index]
+    view = lease_view(current, asker, now, heard=lease_heard(cfg))
+    # Most polls change nothing (not ours, or ours with time left): no lock, no write, only the
+    # beat. A fenced verb holds the lock for its whole run; a poll must not wait behind it.
+    if not takeover and not view["expired"] and not _succeeds(view, now) and (
+            not view["held"] or float(current["expires"]) - now >= asker.ttl / 2):  # type: ignore[index]
+        if view["held"]:
+            _beat(cfg)
         return view
     with _locked(_lease_lock(cfg)):
         now = time.time()
         lease = read_lease(cfg)
-        current_view = lease_view(lease, holder, now)
-        if not (current_view["held"] or current_view["expired"] or takeover):
+        current_view = lease_view(lease, asker, now, heard=lease_heard(cfg))
+        if not (current_view["held"] or current_view["expired"] or takeover or _succeeds(current_view, now)):
             return current_view
-        same = lease is not None and lease["holder"] == holder
+        # The same holder id is the same controller (restarted, or moved with its data dir): its
+        # epoch stays, so the engines it started remain its own. Another holder, or an operator's
+        # takeover, raises the epoch: what was started before is someone else's.
+        same = lease is not None and lease["holder"] == asker.holder
         epoch = int(lease["epoch"]) if lease is not None else 0
         if not same or takeover:
             epoch += 1
         since = lease.get("since", now) if lease is not None and same else now
-        lease = {"holder": holder, "epoch": epoch, "expires": now + ttl, "since": since}
+        lease = {"holder": asker.holder, "instance": asker.instance, "epoch": epoch, "expires": now + asker.ttl,
+                 "since": since, "grace": asker.grace}
         write_json_atomic(_lease_path(cfg), lease, durable=True)
-        return lease_view(lease, holder, now)
+        _beat(cfg)
+        return lease_view(lease, asker, now, heard=now)
 
 
 def verb_lease(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     """Take the lease (``takeover`` true: even from a live holder), renew it, or ``release`` it."""
-    holder, ttl = _lease_request(request)
+    asker = _lease_request(request)
     takeover, release = request.get("takeover", False), request.get("release", False)
     if not isinstance(takeover, bool) or not isinstance(release, bool):
         raise AgentError("lease: takeover and release must be true or false")
     if release:
-        return release_lease(cfg, holder)
-    return take_lease(cfg, holder, ttl, takeover=takeover)
+        return release_lease(cfg, asker)
+    return take_lease(cfg, asker, takeover=takeover)
 
 
-def release_lease(cfg: NodeConfig, holder: str) -> JsonDict:
-    """End the holder's lease now (a controller stopping cleanly), keeping its epoch: the next
-    controller to ask gets the node without waiting for the expiry, at a higher epoch."""
+def release_lease(cfg: NodeConfig, asker: Asker) -> JsonDict:
+    """End the asker's lease now (a controller stopping cleanly), keeping its epoch: the next
+    controller to ask gets the node without waiting for the expiry. Only the instance holding it
+    can: a copy of the data dir stopping must not give away the live controller's nodes."""
     with _locked(_lease_lock(cfg)):
         now = time.time()
         lease = read_lease(cfg)
-        if lease is not None and lease["holder"] == holder:
-            lease = dict(lease, expires=now)
+        if lease_view(lease, asker, now)["held"]:
+            lease = dict(lease, expires=now)  # type: ignore[arg-type]
             write_json_atomic(_lease_path(cfg), lease, durable=True)
-        return lease_view(lease, holder, now)
+        return lease_view(lease, asker, now, heard=lease_heard(cfg))
 
 
 @contextlib.contextmanager
@@ -687,9 +775,14 @@ def fenced(cfg: NodeConfig, verb: str, request: JsonDict, *, hold: bool = True) 
             fence = request.get("fence")
             holder = fence.get("holder") if isinstance(fence, dict) else None
             epoch = fence.get("epoch") if isinstance(fence, dict) else None
+            instance = fence.get("instance") if isinstance(fence, dict) else None
             if lease["holder"] == DAMAGED:
                 raise Refused(f"{verb}: this node's lease file is unreadable, so it obeys no controller until one "
                               "takes it over (`llmgw node takeover`)", setting="lease")
+            if holder == lease["holder"] and instance != lease.get("instance"):
+                raise Refused(f"{verb}: this node is driven by another instance of controller {lease['holder']!r} "
+                              f"(a copied data dir?) (epoch {lease['epoch']}); refused from this one; stop the "
+                              "other, or `llmgw node takeover` moves the node here", setting="lease")
             if holder != lease["holder"] or not _is_int(epoch) or epoch != lease["epoch"]:
                 asker = (f"controller {holder!r} (epoch {epoch!r})" if holder is not None
                          else "a request without a lease")
@@ -712,10 +805,9 @@ def verb_inventory(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     # A controller's poll renews its lease (or takes one nobody holds): no extra round trip.
     asked = request.get("lease")
     if asked is not None:
-        holder, ttl = _lease_request(asked)
-        lease = take_lease(cfg, holder, ttl, takeover=False)
+        lease = take_lease(cfg, _lease_request(asked), takeover=False)
     else:
-        lease = lease_view(read_lease(cfg), None, time.time())
+        lease = lease_view(read_lease(cfg), None, time.time(), heard=lease_heard(cfg))
     gpus, gpu_error = gpu_inventory(cfg)
     engines = engine_views(cfg)
     weights, invalid, foreign = cache_listing(cfg, engines)
@@ -2344,8 +2436,11 @@ def _start(cfg: NodeConfig, request: JsonDict, lease: Optional[JsonDict]) -> Jso
         existing = load_record(cfg, spec.replica_id)
         if existing is not None and record_alive(existing):
             owner = existing.get("holder")
-            if lease is not None and owner is not None and owner != lease["holder"]:
-                # Two controllers number their replicas alike: another's engine is not ours to adopt.
+            if lease is not None and owner is not None and (owner, existing.get("epoch")) != (lease["holder"],
+                                                                                              lease["epoch"]):
+                # Two controllers number their replicas alike (two copies of one data dir, the
+                # same holder id, too): another's engine is not ours to adopt. The same holder at
+                # the same epoch is this controller, restarted: its engine is adopted.
                 raise Refused(f"start: replica {spec.replica_id} is already running here, started by controller "
                               f"{owner!r} (epoch {existing.get('epoch')}); stop it first "
                               "(`llmgw node takeover --stop-foreign`)", setting="lease")

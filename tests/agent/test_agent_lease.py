@@ -4,6 +4,7 @@ node, how the epoch moves, and what is refused to anyone else."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -55,8 +56,9 @@ def test_an_expired_or_released_lease_goes_to_the_next_controller_at_a_higher_ep
     path = node.state / "lease.json"
     lease = json.loads(path.read_text())
     path.write_text(json.dumps({**lease, "expires": time.time() - 1}))  # A has been gone a minute
-    assert node.ok("inventory", {"lease": B})["lease"] | {"expires": None} == {
-        "holder": "ctl-b", "epoch": 2, "expires": None, "held": True, "expired": False}
+    assert node.ok("inventory", {"lease": B})["lease"] | {"expires": None, "heard": None} == {
+        "holder": "ctl-b", "epoch": 2, "expires": None, "held": True, "expired": False, "sibling": False,
+        "heard": None, "grace": 20.0}
     released = node.ok("lease", {**B, "release": True})
     assert released["expired"] and released["holder"] == "ctl-b"
     assert node.ok("lease", A)["epoch"] == 3  # no takeover needed after a release
@@ -70,7 +72,8 @@ def test_a_node_nobody_leased_obeys_anyone(node: Node) -> None:
 
 
 @pytest.mark.parametrize("damage", ["", "{", json.dumps({"holder": None, "epoch": 1, "expires": 1e12}),
-                                    "NAN-EXPIRES", json.dumps({"holder": "ctl-a", "epoch": "1", "expires": 1e12})])
+                                    "NAN-EXPIRES", json.dumps({"holder": "ctl-a", "epoch": "1", "expires": 1e12}),
+                                    json.dumps({"holder": "ctl-a", "epoch": 1, "expires": 1e12, "instance": 7})])
 def test_a_damaged_lease_file_fences_everyone_until_a_takeover(node: Node, damage: str) -> None:
     node.ok("inventory", {"lease": A})
     path = node.state / "lease.json"
@@ -114,3 +117,97 @@ def test_a_lease_renewed_while_the_clock_ran_fast_ends_rather_than_fencing_its_h
     path.write_text(json.dumps({**lease, "expires": time.time() + 7200}))  # renewed an hour "ahead"
     again = node.ok("inventory", {"lease": A})["lease"]
     assert again["held"] and again["holder"] == "ctl-a" and again["epoch"] == 1  # still ours, not damaged
+
+
+# --- instances: one holder id, two processes (a restart after a crash; a copied data dir) ---------
+# A controller's holder id lives in its data dir, so a restored backup or a copy has the same id.
+# Each start also sends an instance nonce: another instance of the same holder is fenced like any
+# other controller while the one holding the lease is heard from, and succeeds it (same epoch:
+# the same controller, restarted) only once that one has been silent for the lease's grace.
+A1 = {"holder": "ctl-a", "instance": "i1", "ttl": 60, "grace": 5}
+A2 = {"holder": "ctl-a", "instance": "i2", "ttl": 60, "grace": 5}
+FENCE_1 = {"holder": "ctl-a", "epoch": 1, "instance": "i1"}
+FENCE_2 = {"holder": "ctl-a", "epoch": 1, "instance": "i2"}
+
+
+def silence(node: Node, seconds: float) -> None:
+    """As if the lease's holder was last heard ``seconds`` ago (no waiting in a test)."""
+    then = time.time() - seconds
+    for name in ("lease.json", "lease.beat"):
+        path = node.state / name
+        if path.exists():
+            os.utime(path, (then, then))
+
+
+def test_another_instance_of_the_holder_is_fenced_while_the_holder_is_heard_from(node: Node) -> None:
+    assert node.ok("inventory", {"lease": A1})["lease"]["held"]
+    view = node.ok("inventory", {"lease": A2})["lease"]
+    assert (view["holder"], view["epoch"], view["held"], view["sibling"]) == ("ctl-a", 1, False, True)
+    assert "instance" not in view or view["instance"] != "i1"  # another's nonce is not handed out
+    message = refused(node, "start", {**ENGINE, "fence": FENCE_2})
+    assert "another instance of controller 'ctl-a' (a copied data dir?)" in message
+    assert "another instance" in refused(node, "stop", {"replica_id": "r1", "fence": FENCE_2})
+    assert "another instance" in refused(node, "remove-weights", {"paths": [], "fence": FENCE_2})
+    # No ping-pong: the two ask in turn, the holder keeps renewing, the lease never moves.
+    for _ in range(3):
+        silence(node, 4)  # close to the grace, but the holder speaks before it runs out
+        assert node.ok("inventory", {"lease": A1})["lease"]["held"]
+        assert not node.ok("inventory", {"lease": A2})["lease"]["held"]
+    assert node.ok("lease", A2)["held"] is False
+    lease = json.loads((node.state / "lease.json").read_text())
+    assert (lease["instance"], lease["epoch"]) == ("i1", 1)
+
+
+def test_a_restarted_controller_succeeds_its_silent_old_instance_and_keeps_its_engines(node: Node) -> None:
+    node.ok("inventory", {"lease": A1})
+    node.ok("start", {**ENGINE, "fence": FENCE_1})
+    try:
+        assert not node.ok("inventory", {"lease": A2})["lease"]["held"]  # i1 was heard just now
+        silence(node, 6)  # i1 died (kill -9): not heard for longer than its grace
+        view = node.ok("inventory", {"lease": A2})["lease"]
+        assert (view["held"], view["epoch"], view["sibling"]) == (True, 1, False)  # same controller: same epoch
+        # Its engines are the restarted controller's: a start of the same replica is that engine.
+        again = node.ok("start", {**ENGINE, "fence": FENCE_2})
+        assert again["already_running"] is True
+        # The old instance, should it come back, is fenced, and cannot take the lease back.
+        assert "another instance" in refused(node, "stop", {"replica_id": "r1", "fence": FENCE_1})
+        assert not node.ok("inventory", {"lease": A1})["lease"]["held"]
+    finally:
+        node.ok("stop", {"replica_id": "r1", "grace_seconds": 1, "fence": FENCE_2})
+
+
+def test_only_the_instance_holding_the_lease_can_release_it(node: Node) -> None:
+    node.ok("inventory", {"lease": A1})
+    # A copy stopping cleanly must not hand the live controller's nodes to whoever asks next.
+    after = node.ok("lease", {**A2, "release": True})
+    assert not after["expired"] and not after["held"]
+    assert node.ok("inventory", {"lease": B})["lease"]["held"] is False
+    released = node.ok("lease", {**A1, "release": True})
+    assert released["expired"]
+    # The next start of the same controller continues at once, at the same epoch.
+    view = node.ok("inventory", {"lease": A2})["lease"]
+    assert (view["held"], view["epoch"]) == (True, 1)
+
+
+def test_a_takeover_by_another_instance_raises_the_epoch_and_fences_the_first(node: Node) -> None:
+    node.ok("inventory", {"lease": A1})
+    node.ok("start", {**ENGINE, "fence": FENCE_1})
+    fence = {"holder": "ctl-a", "epoch": 2, "instance": "i2"}
+    try:
+        taken = node.ok("lease", {**A2, "takeover": True})
+        assert (taken["held"], taken["epoch"]) == (True, 2)
+        assert "another instance" in refused(node, "stop", {"replica_id": "r1", "fence": FENCE_1})
+        assert not node.ok("inventory", {"lease": A1})["lease"]["held"]
+        # The first instance's engine is not the second's, though both carry the same holder id.
+        message = refused(node, "start", {**ENGINE, "gpus": [1], "fence": fence})
+        assert "already running here, started by controller 'ctl-a' (epoch 1)" in message
+    finally:
+        node.ok("stop", {"replica_id": "r1", "grace_seconds": 1, "fence": fence})
+
+
+def test_an_instance_and_a_grace_must_be_sane(node: Node) -> None:
+    assert "instance must be" in node.fail("lease", {**A1, "instance": ""})[1]
+    assert "instance must be" in node.fail("lease", {**A1, "instance": "x" * 201})[1]
+    assert "instance must be" in node.fail("lease", {**A1, "instance": 5})[1]
+    for grace in (0, -1, 61, True, "5", float("nan")):
+        assert "grace must be" in node.fail("lease", {**A1, "grace": grace})[1], grace
