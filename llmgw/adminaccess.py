@@ -61,18 +61,22 @@ class AdminAccess:
     source: str  # where the token came from, for the message when a controller refuses it
 
 
-def add_options(p: argparse.ArgumentParser, *, url_aliases: Sequence[str] = (),
-                token_aliases: Sequence[str] = ()) -> None:
-    """``--url``, ``--token`` and ``--data-dir`` (plus a command's older spellings, same dest)."""
-    old = lambda names: f" ({', '.join(names)}: the older spelling)" if names else ""  # noqa: E731
+def add_options(p: argparse.ArgumentParser, *, url_aliases: Sequence[str] = (), token_aliases: Sequence[str] = (),
+                fallback: str = "`llmgw up`'s default data dir") -> None:
+    """``--url``, ``--token`` and ``--data-dir`` (plus a command's older spellings, same dest).
+
+    ``fallback`` says, in the help, what the command uses when none of them is given.
+    """
+    def old(names: Sequence[str]) -> str:
+        return f" ({', '.join(names)}: the older spelling)" if names else ""
+
     p.add_argument("--url", *url_aliases, dest="url", metavar="URL",
-                   help=f"the controller's admin API address, with --token or ${ENV_TOKEN} (alone, it must "
-                        f"match the address of wherever the token comes from){old(url_aliases)}")
+                   help=f"the controller's admin API address; its token: --token or ${ENV_TOKEN}{old(url_aliases)}")
     p.add_argument("--token", *token_aliases, dest="token", metavar="TOKEN",
-                   help=f"admin token for --url (or ${ENV_TOKEN}, which keeps it out of `ps`){old(token_aliases)}")
+                   help=f"the admin token for --url (or ${ENV_TOKEN}, which keeps it out of `ps`){old(token_aliases)}")
     p.add_argument("--data-dir", dest="data_dir", metavar="DIR",
-                   help=f"a local `llmgw up`'s data dir: its admin URL and token (without any of these flags: "
-                        f"${ENV_URL} with ${ENV_TOKEN}, else `up`'s default)")
+                   help=f"a local `llmgw up`'s data dir: its admin URL and token. Without any of these flags: "
+                        f"${ENV_URL} with ${ENV_TOKEN}, else {fallback}")
 
 
 def given(url: str | None, token: str | None, data_dir: str | None, *, env: Mapping[str, str] | None = None) -> bool:

@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("head", nargs="?", help="head revision (default: the working tree, uncommitted edits included)")
     p.add_argument("--repo", default=".", help="the catalog directory in a git checkout (default: .)")
     p.add_argument("--branch", default="main", help="branch the controller follows (default: main)")
-    add_options(p, url_aliases=("--controller",))  # plan against that controller's live fleet
+    # The controller whose live fleet to plan against.
+    add_options(p, url_aliases=("--controller",), fallback="the `llmgw up` whose catalog this is, if it runs")
     p.add_argument("--snapshot", help="plan against a fleet exported by `llmgw inventory export` (instead of a "
                                       "controller)")
     p.add_argument("--format", choices=["text", "markdown", "json"], default="text")
