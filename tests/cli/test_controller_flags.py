@@ -10,6 +10,7 @@ parser (or, for a quoted `llmgw CMD --flag`, in CMD's).
 from __future__ import annotations
 
 import argparse
+import ast
 import io
 import re
 import shutil
@@ -189,11 +190,21 @@ def test_every_hint_names_flags_the_command_has(path: Path_, run_any, tmp_path: 
         assert unknown_flags(out, path) == []
 
 
+def python_strings(source: str) -> Iterator[str]:
+    """The string literals of a module as Python reads them (a literal split over lines is one)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.value
+        elif isinstance(node, ast.JoinedStr):
+            yield "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+
+
 def source_strings() -> Iterator[tuple[str, str]]:
-    """Every quoted `llmgw ...` in the package's code and in the README: (where, text)."""
+    """Every quoted `llmgw ...` in the package's strings and docstrings and in the README: (where, text)."""
     for f in sorted((REPO_ROOT / "llmgw").rglob("*.py")):
-        for m in QUOTED.finditer(f.read_text()):
-            yield f"{f.relative_to(REPO_ROOT)}", m.group(0)
+        for text in python_strings(f.read_text()):
+            for m in QUOTED.finditer(text):
+                yield f"{f.relative_to(REPO_ROOT)}", m.group(0)
     readme = (REPO_ROOT / "README.md").read_text()
     for m in QUOTED.finditer(readme):
         yield "README.md", m.group(0)
