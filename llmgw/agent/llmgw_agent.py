@@ -649,8 +649,9 @@ class Asker:
 
 def _lease_grace(lease: JsonDict) -> float:
     grace = lease.get("grace")
-    ok = isinstance(grace, (int, float)) and not isinstance(grace, bool) and math.isfinite(grace) and grace >= 1
-    return float(grace) if ok else DEFAULT_SUCCESSION_GRACE
+    if isinstance(grace, (int, float)) and not isinstance(grace, bool) and math.isfinite(grace) and grace >= 1:
+        return float(grace)
+    return DEFAULT_SUCCESSION_GRACE
 
 
 def lease_view(lease: Optional[JsonDict], asker: Optional[Asker], now: float, *, heard: float = 0.0) -> JsonDict:

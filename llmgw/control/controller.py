@@ -29,6 +29,7 @@ from llmgw.gitops import DesiredState, GitMirror, GitOpsFollower
 from llmgw.gitops.desired import RECONCILER
 from llmgw.gitops.repo import normalise_url
 from llmgw.gitops.writer import CommitWriter
+from llmgw.inventory import engine_is_ours
 from llmgw.plan.guard import PruneVerdict, judge_prune
 from llmgw.reconciler.live import LiveInventory
 from llmgw.reconciler.reconciler import Reconciler
@@ -89,7 +90,10 @@ class Controller:
         """This controller's name on the nodes' leases: made once per data dir and kept as it is
         (an id from an older version too), so a restart after a crash, a new hostname or another
         path to the same data dir is the same controller: it renews its own leases and adopts its
-        engines (a name that changed with its environment fenced a controller off its own fleet)."""
+        engines (a name that changed with its environment fenced a controller off its own fleet).
+
+        A copy of the data dir (a restored backup, one started by mistake) has this id too; the
+        instance nonce the fenced dispatcher makes per process tells the two apart on the nodes."""
         cid = self.store.controller_id()
         if not cid:
             cid = f"{socket.gethostname()}-{secrets.token_hex(4)}"
@@ -115,8 +119,12 @@ class Controller:
         lifecycle = self.reconciler.lifecycle
         if stop_foreign and node is not None and node.report is not None and lifecycle is not None:
             claimed = {s.agent_id for r in self.reconciler.snapshot() for s in r.shards if s.node == node_id}
+            held = node.report.lease
             for e in node.report.engines:
-                if e.alive and e.replica_id not in claimed and e.holder != self.controller_id:
+                # After the takeover every engine started before it (another controller's, a copy
+                # of our data dir's) is stamped with an older lease: not ours, so stopped as asked.
+                if (e.alive and e.replica_id not in claimed
+                        and not engine_is_ours(e, held, holder=self.controller_id)):
                     if await lifecycle.stop_engine(node_id, e.replica_id):
                         stopped.append(e.replica_id)
                         self.store.add_event("foreign-engine-stopped", e.replica_id,

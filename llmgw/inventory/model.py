@@ -26,6 +26,11 @@ class NodeState(str, Enum):
     UNREACHABLE = "unreachable"
     UNKNOWN = "unknown"  # never reported
     FENCED = "fenced"  # its lease is held by another controller: this one neither starts nor stops there
+    # Its lease is held by an earlier instance of this very controller (same holder id, from its
+    # data dir), silent since: a restart after a crash. Nothing is started or stopped there and its
+    # replicas are kept, not given up, until the lease's grace passes and the node is this one's;
+    # a copy of the data dir that keeps renewing turns this into FENCED.
+    HANDOVER = "handover"
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,23 @@ class EngineRecord:
         return dict(self.labels).get(key)
 
 
+def engine_is_ours(engine: EngineRecord, lease: Lease | None, *, holder: str | None) -> bool:
+    """Whether this controller started ``engine`` (or an earlier life of it did): the one rule for
+    stale engines, shutdown and takeovers (DESIGN §4, fencing).
+
+    The node stamps each engine with the lease it obeyed. Ours: stamped with the lease this
+    controller holds now, holder and epoch, since an epoch moves only when the node changes hands,
+    so a copy of our data dir (same holder id) that drove the node before a takeover is not us.
+    Unstamped (started where no lease was held) counts as ours; with no lease in the answer (an
+    agent older than fencing, an unfenced dispatcher) only the holder id can tell.
+    """
+    if engine.holder is None:
+        return True
+    if lease is None:
+        return engine.holder == holder
+    return lease.held and engine.holder == lease.holder and engine.epoch == lease.epoch
+
+
 @dataclass(frozen=True)
 class Confinement:
     """How a node runs engines, as its agent reports it: the user, the sandbox, and why."""
@@ -95,7 +117,13 @@ class Lease:
     holder: str | None
     epoch: int
     expires: float | None
-    held: bool  # by the controller that asked
+    held: bool  # by the controller that asked (its holder id and this very instance of it)
+    # Held by another instance of the asker's own holder id: a copy of its data dir, or its own
+    # earlier life. ``heard`` is when that instance last spoke (node clock), ``grace`` how long a
+    # silence lets the asker succeed it.
+    sibling: bool = False
+    heard: float | None = None
+    grace: float | None = None
 
 
 @dataclass(frozen=True)
@@ -295,9 +323,13 @@ def parse_lease(raw: Any) -> Lease | None:
     if not isinstance(raw, Mapping) or not isinstance(raw.get("epoch"), int):
         return None
     holder = raw.get("holder")
-    expires = raw.get("expires")
     return Lease(holder=holder if isinstance(holder, str) else None, epoch=int(raw["epoch"]),
-                 expires=float(expires) if isinstance(expires, int | float) else None, held=raw.get("held") is True)
+                 expires=_number(raw.get("expires")), held=raw.get("held") is True,
+                 sibling=raw.get("sibling") is True, heard=_number(raw.get("heard")), grace=_number(raw.get("grace")))
+
+
+def _number(raw: Any) -> float | None:
+    return float(raw) if isinstance(raw, int | float) and not isinstance(raw, bool) else None
 
 
 def parse_confinement(raw: Any) -> Confinement | None:

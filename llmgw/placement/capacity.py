@@ -91,6 +91,10 @@ def _state_reason(node: Node) -> str | None:
         return f"is unreachable ({node.error})" if node.error else "is unreachable"
     if node.state == NodeState.UNKNOWN:
         return "has not reported an inventory"
+    if node.state == NodeState.FENCED:
+        return "is fenced: another controller drives it"
+    if node.state == NodeState.HANDOVER:
+        return "is being handed over from another instance of this controller"
     return f"is {node.state.value}"
 
 

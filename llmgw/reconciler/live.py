@@ -17,7 +17,7 @@ from dataclasses import replace
 from llmgw.catalog import NodeSpec
 from llmgw.dispatch.base import Dispatcher
 from llmgw.errors import DispatchError
-from llmgw.inventory.model import Inventory, Node, NodeState, follow_nodes, parse_report
+from llmgw.inventory.model import Inventory, Lease, Node, NodeState, follow_nodes, parse_report
 from llmgw.state import Store
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,9 @@ class LiveInventory:
         self.clock = clock
         self._nodes: dict[str, Node] = {}
         self._taken_at: float | None = None
+        # Node → (when the other instance of our holder id holding its lease was first heard from,
+        # whether it has spoken since): a dead predecessor stays silent, a live copy does not.
+        self._siblings: dict[str, tuple[float | None, bool]] = {}
 
     # --- the fleet's shape ----------------------------------------------------------
     def set_nodes(self, specs: Iterable[NodeSpec]) -> None:
@@ -60,10 +63,45 @@ class LiveInventory:
             return NodeState.UNREACHABLE
         if node.report is None:
             return NodeState.UNKNOWN
-        if node.report.lease is not None and not node.report.lease.held:
-            return NodeState.FENCED
+        lease_state = self._lease_state(node.id, node.report.lease)
+        if lease_state is not None:
+            return lease_state
         stored = (operator if operator is not None else self.store.node_states()).get(node.id)
         return NodeState(stored or NodeState.READY.value)
+
+    def _lease_state(self, node_id: str, lease: Lease | None) -> NodeState | None:
+        """FENCED or HANDOVER when the node's lease is not ours; None when it is (or none is asked)."""
+        if lease is None or lease.held:
+            return None
+        if lease.sibling and not self._siblings.get(node_id, (None, False))[1]:
+            return NodeState.HANDOVER
+        return NodeState.FENCED
+
+    def _watch_sibling(self, node_id: str, lease: Lease | None) -> None:
+        """Note whether another instance of our holder id holding the lease is alive: it is once it
+        has been heard from after we first saw it (the node's clock both times, no skew)."""
+        if lease is None or not lease.sibling:
+            self._siblings.pop(node_id, None)
+            return
+        first, live = self._siblings.get(node_id, (lease.heard, False))
+        spoke = lease.heard is not None and (first is None or lease.heard > first)
+        self._siblings[node_id] = (first, live or spoke)
+
+    def _lease_problem(self, node_id: str, lease: Lease | None) -> str | None:
+        """Why this controller does not act on the node (shown as its error), or None."""
+        state = self._lease_state(node_id, lease)
+        if state is None or lease is None:
+            return None
+        if state == NodeState.HANDOVER:
+            return (f"held by another instance of this controller ({lease.holder}, epoch {lease.epoch}), not heard "
+                    f"from again yet: an earlier life of this one (a restart after a crash) is succeeded once silent "
+                    f"for {lease.grace or 0:g}s; one still running (a copy of this data dir?) keeps it")
+        if lease.sibling:
+            return (f"held by another instance of controller {lease.holder} (epoch {lease.epoch}), which is running "
+                    "(a copied data dir?): this controller does not act on it; stop the other one, or `llmgw node "
+                    "takeover` moves it here")
+        return (f"held by controller {lease.holder} (epoch {lease.epoch}): this controller does not act on it "
+                "(`llmgw node takeover` moves it here)")
 
     # --- observation ------------------------------------------------------------------
     async def poll(self) -> Inventory:
@@ -106,15 +144,17 @@ class LiveInventory:
         if node.unreachable_since is not None:
             self.store.add_event("node-reachable", node_id, f"node {node_id} answers again")
         lease = report.lease
-        fenced = (f"held by controller {lease.holder} (epoch {lease.epoch}): this controller does not act "
-                  "on it (`llmgw node takeover` moves it here)") if lease is not None and not lease.held else None
-        if fenced and node.state != NodeState.FENCED:
-            self.store.add_event("node-fenced", node_id, f"node {node_id} is {fenced}")
-            log.warning("node %s is %s", node_id, fenced)
-        elif not fenced and node.state == NodeState.FENCED:
+        self._watch_sibling(node_id, lease)
+        problem = self._lease_problem(node_id, lease)
+        state = self._lease_state(node_id, lease)
+        if state is not None and state != node.state:
+            kind = "node-fenced" if state == NodeState.FENCED else "node-handover"
+            self.store.add_event(kind, node_id, f"node {node_id} is {problem}")
+            log.warning("node %s is %s", node_id, problem)
+        elif state is None and node.state in (NodeState.FENCED, NodeState.HANDOVER):
             self.store.add_event("node-lease", node_id, f"node {node_id}: this controller holds its lease "
                                  f"(epoch {lease.epoch if lease else '?'})")
-        return replace(node, report=report, last_seen=now, unreachable_since=None, error=fenced,
+        return replace(node, report=report, last_seen=now, unreachable_since=None, error=problem,
                        locked=bool(raw.get("locked", False)))  # the SSH transport's finding, not the agent's
 
     def snapshot(self) -> Inventory:

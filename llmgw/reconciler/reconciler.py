@@ -25,7 +25,7 @@ from llmgw.decide.tick import Decisions, Settings, decide
 from llmgw.dispatch.base import Dispatcher
 from llmgw.errors import DispatchError
 from llmgw.gitops.desired import DesiredState
-from llmgw.inventory import EngineRecord, Inventory, NodeState
+from llmgw.inventory import EngineRecord, Inventory, NodeState, engine_is_ours, parse_engine
 from llmgw.placement import unrunnable
 from llmgw.reconciler.config import ReconcilerConfig
 from llmgw.reconciler.lifecycle import Lifecycle
@@ -186,20 +186,22 @@ class Reconciler:
     async def _stop_stale_engines(self, inventory: Inventory) -> None:
         """Stop engines no record claims: left behind by a replica given up with its node.
 
-        Only our own: an engine another controller started (the node's lease named that one when
-        it started it) is reported once and left running, and so is every engine on a node whose
-        lease another controller holds (seen: two controllers stopped each other's engines).
+        Only our own (:func:`engine_is_ours`: stamped with the lease we hold, holder and epoch): an
+        engine another controller started, or a copy of our data dir before a takeover, is
+        reported once and left running, and so is every engine on a node whose lease another
+        controller holds (seen: two controllers stopped each other's engines). A node being handed
+        over from an earlier instance of ours is left alone until it is ours: its engines may be.
         """
         assert self.lifecycle is not None
         claimed = {(s.node, s.agent_id) for r in self.replicas.values() for s in r.shards}
         stale = []
         for node in inventory.nodes.values():
-            if node.report is None:
+            if node.report is None or node.state == NodeState.HANDOVER:
                 continue
             for e in node.report.engines:
                 if not e.alive or (node.id, e.replica_id) in claimed or e.label("llmgw.replica") is None:
                     continue
-                if node.state == NodeState.FENCED or (e.holder is not None and e.holder != self.holder):
+                if node.state == NodeState.FENCED or not engine_is_ours(e, node.report.lease, holder=self.holder):
                     self._report_foreign(node.id, e)
                 else:
                     stale.append((node.id, e.replica_id))
@@ -226,7 +228,13 @@ class Reconciler:
             async with sem:
                 return await lifecycle.advance(r, catalog, inventory)
 
-        current = list(self.replicas.values())
+        # On a node being handed over from an earlier instance of this controller nothing is asked
+        # of the node (it would refuse), and its replicas are kept (not failed, not lost) until the
+        # node is ours. Adopted engines are probed meanwhile (HTTP to the engine, no command): the
+        # router serves them again at once instead of after the grace.
+        waiting = {n.id for n in inventory.nodes.values() if n.state == NodeState.HANDOVER}
+        current = [r for r in self.replicas.values()
+                   if (r.state == ReplicaState.STARTING and r.adopted) or not waiting.intersection(r.nodes)]
         results = await asyncio.gather(*(one(r) for r in current))
         for r in results:
             if r.state == ReplicaState.STOPPED:
@@ -287,17 +295,18 @@ class Reconciler:
                                    for r in self.replicas.values() for s in r.shards))
             # A start cut short by shutdown may have run on the node without its answer reaching
             # us: ask each node what it runs under our labels, so nothing is left behind.
-            for node_id in self.inventory.snapshot().nodes:
+            for node_id, node in self.inventory.snapshot().nodes.items():
                 try:
-                    engines = (await self.dispatcher.status(node_id)).get("engines") or []
+                    engines = [parse_engine(e) for e in (await self.dispatcher.status(node_id)).get("engines") or []]
                 except DispatchError as exc:
                     log.info("stop all: %s did not answer: %s", node_id, exc)
                     continue
-                # Ours only: an engine another controller started (the node stamped its lease holder) is
-                # not this one's to stop, even at shutdown (seen: `up` stopping a takeover's engines).
-                await asyncio.gather(*(self.lifecycle.stop_engine(node_id, e["replica_id"]) for e in engines
-                                       if e.get("alive") and "llmgw.replica" in (e.get("labels") or {})
-                                       and e.get("holder") in (None, self.holder)))
+                # Ours only: an engine another controller started (the node stamped its lease) is not
+                # this one's to stop, even at shutdown (seen: `up` stopping a takeover's engines).
+                lease = node.report.lease if node.report is not None else None
+                await asyncio.gather(*(self.lifecycle.stop_engine(node_id, e.replica_id) for e in engines
+                                       if e.alive and e.label("llmgw.replica") is not None
+                                       and engine_is_ours(e, lease, holder=self.holder)))
             self.replicas.clear()
             self._save()
 

@@ -1,0 +1,109 @@
+"""Two processes with one holder id (a copied data dir, or a restart after a crash), as the live
+inventory sees a node through the fenced dispatcher and a real agent: a node held by a live copy
+is fenced and stays so; one held by a dead earlier life is handed over, then ours, at the same
+epoch. Time is never waited out: the lease's "last heard" is moved back instead."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+from llmgw.catalog import NodeId, NodeSpec
+from llmgw.dispatch.base import NodeTarget
+from llmgw.dispatch.fence import FencedDispatcher
+from llmgw.dispatch.local import LocalDispatcher
+from llmgw.inventory import NodeState
+from llmgw.reconciler.live import LiveInventory
+from llmgw.state import Store
+from tests.fixtures.sshd_fleet import MARKER_ENV, SshdNode
+
+GRACE = 5.0
+
+
+def instance(node: SshdNode, tmp_path: Path, name: str) -> tuple[FencedDispatcher, LiveInventory]:
+    """One controller process: holder "ctl" (both copies share it), its own instance and store."""
+    target = NodeTarget(node.id, "localhost", transport="local", agent_config=str(node.config_path))
+    local = LocalDispatcher([target], env={MARKER_ENV: str(node.dir)})
+    fleet = FencedDispatcher(local, "ctl", instance=name, grace=GRACE)
+    live = LiveInventory(fleet, Store(tmp_path / f"{name}.db").open())
+    live.set_nodes([NodeSpec(NodeId(node.id), "localhost", transport="local")])
+    return fleet, live
+
+
+def silence(node: SshdNode, seconds: float) -> None:
+    """As if the holding instance was last heard ``seconds`` ago."""
+    then = time.time() - seconds
+    for name in ("lease.json", "lease.beat"):
+        path = node.state_dir / name
+        if path.exists():
+            os.utime(path, (then, then))
+
+
+def state(live: LiveInventory, node: SshdNode) -> NodeState:
+    n = live.snapshot().node(node.id)
+    assert n is not None
+    return n.state
+
+
+async def test_a_copy_of_a_running_controller_is_fenced_and_cannot_take_the_node(local_node, tmp_path) -> None:
+    node = local_node()
+    a, live_a = instance(node, tmp_path, "a")
+    b, live_b = instance(node, tmp_path, "b")
+    async with a, b:
+        await live_a.poll()
+        assert state(live_a, node) == NodeState.READY and a.epoch(node.id) == 1
+        silence(node, 1)
+        await live_b.poll()  # first sight: it may be a dead earlier life, so nothing is given up yet
+        assert state(live_b, node) == NodeState.HANDOVER
+        await live_a.poll()  # ...but it speaks again: a live copy
+        await live_b.poll()
+        assert state(live_b, node) == NodeState.FENCED
+        error = live_b.snapshot().node(node.id).error  # type: ignore[union-attr]
+        assert "another instance of controller ctl (epoch 1), which is running (a copied data dir?)" in error
+        for _ in range(3):  # A keeps renewing: B never gets the node, A never loses it
+            silence(node, GRACE - 1)
+            await live_a.poll()
+            await live_b.poll()
+            assert (state(live_a, node), state(live_b, node)) == (NodeState.READY, NodeState.FENCED)
+        # B stopping cleanly gives nothing away; A stopping cleanly hands the node to B at once.
+        await b.release()
+        await live_a.poll()
+        assert state(live_a, node) == NodeState.READY
+        await a.release()
+        await live_b.poll()
+        assert state(live_b, node) == NodeState.READY and b.epoch(node.id) == 1
+
+
+async def test_a_controller_restarted_after_a_crash_gets_its_node_back_at_the_same_epoch(local_node, tmp_path) -> None:
+    node = local_node()
+    a, live_a = instance(node, tmp_path, "a")
+    async with a:
+        await live_a.poll()
+    # A is gone without a word (kill -9): its lease is live for another minute.
+    b, live_b = instance(node, tmp_path, "b")
+    async with b:
+        await live_b.poll()
+        assert state(live_b, node) == NodeState.HANDOVER
+        assert "succeeded once silent for 5s" in live_b.snapshot().node(node.id).error  # type: ignore[union-attr]
+        silence(node, GRACE + 1)
+        await live_b.poll()
+        assert state(live_b, node) == NodeState.READY and b.epoch(node.id) == 1
+        assert [e.kind for e in live_b.store.events()][-2:] == ["node-handover", "node-lease"]
+
+
+async def test_the_keeper_renews_between_polls(local_node) -> None:
+    node = local_node()
+    target = NodeTarget(node.id, "localhost", transport="local", agent_config=str(node.config_path))
+    fleet = FencedDispatcher(LocalDispatcher([target], env={MARKER_ENV: str(node.dir)}), "ctl", beat=1.0,
+                             grace=GRACE)
+    async with fleet:
+        await fleet.inventory(node.id)
+        silence(node, GRACE + 1)
+        heard = (node.state_dir / "lease.beat").stat().st_mtime
+        # No poll: the keeper alone must be heard within a beat or two (waited for, not timed).
+        deadline = time.monotonic() + 30
+        while (node.state_dir / "lease.beat").stat().st_mtime <= heard:
+            assert time.monotonic() < deadline, "the keeper did not renew the lease"
+            await asyncio.sleep(0.1)
