@@ -41,9 +41,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from datetime import UTC, datetime, timedelta
 from typing import Any, NotRequired, Protocol, TypedDict
 
 from llmgw.catalog import Catalog
+from llmgw.catalog.model import Budget
 
 KEEPALIVE = b'{"keepalive": true}\n'
 WATCH_PATH = "/api/v1/router/watch"
@@ -240,6 +242,79 @@ class UsageBatch:
             except (ValueError, TypeError) as exc:
                 problems.append(f"row {i}: {exc}")
         return cls(instance, seq, tuple(kept)), problems
+
+
+# --- budgets: their periods, and what the ledger says each budget scope used in one (issue 24) ---
+# The controller sums its ledger per budget period and tells every router (in the watch snapshot,
+# ``"spent"`` and ``"routers"``, and in the answer to each report), so a router restarted, a
+# controller restarted with its own router, or a Redis that lost its data starts from what was
+# spent rather than a fresh budget. A figure is (tenant, model or "" for the tenant's own budget)
+# → (start of the period, tokens used: prompt and completion, as budgets count them).
+SpentFigures = dict[tuple[str, str], tuple[float, int]]
+
+
+def period_start(budget: Budget, now: float) -> float:
+    """Unix time the budget's current period began (day, or month from the 1st; at its UTC reset time)."""
+    # Asked on every limited request: the period in hand answers until it ends (the calendar
+    # arithmetic below cost a limited request a tenth of its time in the router).
+    known = _PERIODS.get((budget.per, budget.reset))
+    if known is not None and known[0] <= now < known[1]:
+        return known[0]
+    start = _period_start(budget, now)
+    end = _next_period_from(budget, start)
+    if len(_PERIODS) > 64:
+        _PERIODS.clear()
+    _PERIODS[(budget.per, budget.reset)] = (start, end)
+    return start
+
+
+_PERIODS: dict[tuple[str, str], tuple[float, float]] = {}
+
+
+def _period_start(budget: Budget, now: float) -> float:
+    t = datetime.fromtimestamp(now, UTC)
+    hour, minute = divmod(budget.reset_minute, 60)
+    start = t.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    if budget.per == "day":
+        if start > t:
+            start -= timedelta(days=1)
+        return start.timestamp()
+    start = start.replace(day=1)
+    if start > t:  # before this month's reset: the period began on the 1st of last month
+        start = (start - timedelta(days=1)).replace(day=1)
+    return start.timestamp()
+
+
+def next_period(budget: Budget, now: float) -> float:
+    return _next_period_from(budget, period_start(budget, now))
+
+
+def _next_period_from(budget: Budget, period: float) -> float:
+    start = datetime.fromtimestamp(period, UTC)
+    if budget.per == "day":
+        return (start + timedelta(days=1)).timestamp()
+    return (start.replace(day=28) + timedelta(days=4)).replace(day=1).timestamp()
+
+
+def spent_to_json(figures: Mapping[tuple[str, str], tuple[float, int]]) -> list[dict[str, Any]]:
+    return [{"tenant": t, "model": m, "period": p, "tokens": n} for (t, m), (p, n) in sorted(figures.items())]
+
+
+def spent_from_json(v: Any) -> SpentFigures:
+    """Off the wire; ValueError/TypeError when malformed (a router then keeps what it had)."""
+    if not isinstance(v, list):
+        raise TypeError("spent must be a list")
+    out: SpentFigures = {}
+    for d in v:
+        if not isinstance(d, dict):
+            raise TypeError(f"a spent figure must be an object, got {d!r}")
+        period: Any = d.get("period")
+        tokens: Any = d.get("tokens")
+        if type(period) not in (int, float) or not 0 <= period < 2 ** 40 or type(tokens) is not int \
+                or not 0 <= tokens < 2 ** 53:
+            raise ValueError(f"malformed spent figure {d!r}")
+        out[(wire_str(d.get("tenant")), wire_str(d.get("model", "")))] = (float(period), tokens)
+    return out
 
 
 class UsageLedger(Protocol):

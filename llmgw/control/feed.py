@@ -10,6 +10,11 @@ Authentication is the admin listener's business: mount :meth:`FeedHub.watch` and
 Until it has both a catalog and a first endpoint list the hub sends only keepalives: a
 controller that just restarted and has not adopted its engines yet must not tell every router
 that nothing is ready.
+
+With a :class:`~llmgw.control.usage.BudgetBook` (``budgets``), every snapshot and every answer
+to a report also says what each budget used this period per the ledger (``"spent"``), and how
+many routers share the limits (``"routers"``: those heard from, and the controller's own), so a
+router starts from what was spent and, with Redis away, grants only its share of what is left.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from llmgw import jsonbody
 from llmgw.catalog import Catalog
 from llmgw.contract import (
     KEEPALIVE,
@@ -34,8 +40,10 @@ from llmgw.contract import (
     UsageBatch,
     UsageLedger,
     catalog_view,
+    spent_to_json,
     wire_str,
 )
+from llmgw.control.usage import BudgetBook
 from llmgw.router.changes import Changes
 
 log = logging.getLogger(__name__)
@@ -50,7 +58,7 @@ class FeedHub:
     """The controller's side of the watch stream; see the module docstring."""
 
     def __init__(self, *, wake: Callable[[str], None] | None = None, clock: Callable[[], float] = time.time,
-                 report_ttl: float = 30.0, keepalive: float = 10.0) -> None:
+                 report_ttl: float = 30.0, keepalive: float = 10.0, local_routers: int = 0) -> None:
         self.wake = wake
         self.clock = clock
         self.report_ttl = report_ttl
@@ -65,6 +73,9 @@ class FeedHub:
         self._changes = Changes()
         self._reports: dict[str, Report] = {}
         self.ledger: UsageLedger | None = None  # the controller's store; without it no batch is acknowledged
+        self.budgets: BudgetBook | None = None  # what budgets used this period, for the routers
+        self.local_routers = local_routers  # routers in the controller's own process
+        self._line_budgets = -1  # the book's version the line was built with
         self.watchers = 0
 
     # --- the control plane's side -------------------------------------------------------
@@ -113,13 +124,28 @@ class FeedHub:
             snap["unrunnable"] = self._unrunnable
         if self._limits_redis:
             snap["limits_redis"] = self._limits_redis
+        snap.update(self.spent())
         return snap
+
+    def spent(self) -> dict[str, Any]:
+        """What budgets used this period and how many routers share the limits (empty without a book)."""
+        if self.budgets is None:
+            return {}
+        return {"spent": spent_to_json(self.budgets.figures()), "routers": self.router_count()}
+
+    def router_count(self) -> int:
+        """Routers sharing the limits: those heard from within ``report_ttl``, and the controller's own."""
+        return max(1, len(self.routers()) + self.local_routers)
 
     def _publish(self) -> None:
         self.version += 1
-        snap = self.snapshot()
-        self._line = None if snap is None else json.dumps(snap, separators=(",", ":")).encode() + b"\n"
+        self._build_line()
         self._changes.notify()
+
+    def _build_line(self) -> None:
+        snap = self.snapshot()
+        self._line_budgets = self.budgets.version if self.budgets is not None else -1
+        self._line = None if snap is None else json.dumps(snap, separators=(",", ":")).encode() + b"\n"
 
     # --- usage: the reconciler's side ---------------------------------------------------
     def last_used(self) -> dict[str, float]:
@@ -167,6 +193,10 @@ class FeedHub:
         await resp.prepare(request)
         self.watchers += 1
         sent: bytes | None = None
+        if self.budgets is not None and self.budgets.version != self._line_budgets:
+            # A router (re)connecting starts from the figures as they are now, not as they were
+            # at the last change of the catalog or endpoints (those connected get them again too).
+            self._build_line()
         try:
             while True:
                 event = self._changes.event
@@ -186,7 +216,7 @@ class FeedHub:
     async def report(self, request: web.Request) -> web.Response:
         """``POST /api/v1/router/report``: one router's last-use times and demand."""
         try:
-            data = await request.json()
+            data = jsonbody.loads(await request.read(), what="The router report")  # nesting bounded
             router_id = wire_str(data["router_id"])
             used = {wire_str(k): float(v) for k, v in (data.get("last_used") or {}).items()}
             dem = {wire_str(m): Demand(held=int(d.get("held", 0)), inflight=int(d.get("inflight", 0)))
@@ -229,6 +259,7 @@ class FeedHub:
                 answer["usage_acked"] = batch.seq
             except sqlite3.Error as exc:
                 log.warning("usage ledger: could not record a batch from %s (%s)", router_id, exc)
+        answer.update(self.spent())  # with its own batch in them
         return web.json_response(answer)
 
 

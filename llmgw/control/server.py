@@ -20,7 +20,7 @@ from aiohttp import web
 from llmgw.admin.app import build_admin_app
 from llmgw.control.config import Listen, ServerConfig
 from llmgw.control.controller import Controller
-from llmgw.control.usage import UsageFlusher
+from llmgw.control.usage import BookedLedger, BudgetBook, UsageFlusher
 from llmgw.errors import ConfigError
 from llmgw.gitops.desired import ROUTER, DesiredState
 from llmgw.serving import connection_cap, listen, raise_fd_limit, throttle_loop_errors
@@ -104,7 +104,8 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     router = Router(keys=keys, config=RouterConfig(**cfg.router))
     # The hub serves routers running as their own processes: same endpoints, same catalog,
     # and their usage merged with the in-process router's.
-    hub = FeedHub()
+    hub = FeedHub(local_routers=1)
+    hub.budgets = book = BudgetBook()  # what each budget used this period, per the ledger: for every router
     hub.set_api_keys(cfg.api_keys)
     hub.set_limits_redis(str(cfg.router.get("limits_redis", "")))
     controller = Controller(cfg.controller, sink=Fanout(router, hub), usage=MergedUsage(router, hub))
@@ -112,10 +113,22 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     attach_router(router, controller.desired, wake=wake)
     hub.wake = wake
     controller.desired.subscribe(hub.set_catalog, order=ROUTER)
+    controller.desired.subscribe(book.set_catalog, order=ROUTER)
     await router.start()
     await controller.start()
-    hub.ledger = controller.store
-    usage = UsageFlusher(router.usage_outbox, controller.store, compact=controller.store.compact_usage)
+    store = controller.store
+    hub.ledger = ledger = BookedLedger(store, book)
+    # A restarted controller's own router starts from what the ledger says budgets used, before
+    # it admits anything: without it, a restart handed every tenant a fresh budget.
+    await book.load(store)
+
+    def budgets() -> None:
+        if not book.loaded:
+            book.load_soon(store)  # a budget new in the catalog
+        router.set_spent(book.figures(), hub.router_count())
+
+    budgets()
+    usage = UsageFlusher(router.usage_outbox, ledger, compact=store.compact_usage, after=budgets)
     usage.start()
     runners: list[web.AppRunner] = []
     try:

@@ -1,4 +1,5 @@
-"""The controller's side of the usage ledger: routers' batches into the store, once each.
+"""The controller's side of the usage ledger: routers' batches into the store, once each, and
+what each budget has used this period (:class:`BudgetBook`), for every router.
 
 Standalone routers send their batches with their reports (``FeedHub.report`` records them); the
 router in the controller's own process hands its batches over here, through the same
@@ -10,10 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from llmgw.contract import UsageLedger, UsageOutboxLike
+from llmgw.catalog import Catalog
+from llmgw.catalog.model import Budget, Tenant
+from llmgw.contract import SpentFigures, UsageBatch, UsageLedger, UsageOutboxLike, period_start
 from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -21,16 +27,178 @@ log = logging.getLogger(__name__)
 COMPACT_EVERY = 3600.0
 
 
+class UsageQueries(Protocol):
+    def usage(self, since: float, until: float, *, by: tuple[str, ...] = ...) -> list[dict[str, Any]]: ...
+
+
+@dataclass
+class _Spent:
+    budget: Budget
+    period: float = -1.0  # start of the period ``tokens`` belong to; -1: not read from the ledger yet
+    tokens: int = 0
+    loading: bool = False
+
+
+class BudgetBook:
+    """What each budget scope (a tenant's budget, a tenant's budget for one model) used in its
+    current period, per the ledger: read from the store once per scope (:meth:`load`, at start
+    and for a budget that is new or changed its period), then kept up to date from every batch
+    recorded (:meth:`recorded`), so telling the routers costs no query.
+
+    Rows recorded while a scope is being read are added to what the read returns: a row that the
+    read also saw is counted twice, an overcount bounded by what arrives during one read (a
+    tenant refused a little early, never one let past its budget).
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()  # catalogs may arrive from the follower's thread
+        self._scopes: dict[tuple[str, str], _Spent] = {}
+        self.version = 0  # changes whenever a figure may have
+        self._loading: asyncio.Task[None] | None = None
+
+    def set_catalog(self, catalog: Catalog) -> None:
+        """Catalog subscriber: the budgets to follow (a budget whose period changed is read again)."""
+        self.set_tenants(catalog.settings.tenants)
+
+    def set_tenants(self, tenants: Iterable[Tenant]) -> None:
+        wanted: dict[tuple[str, str], Budget] = {}
+        for t in tenants:
+            if t.limits.budget is not None:
+                wanted[(t.name, "")] = t.limits.budget
+            for m, lim in t.models:
+                if lim.budget is not None:
+                    wanted[(t.name, m)] = lim.budget
+        with self._lock:
+            scopes = {}
+            for k, b in wanted.items():
+                old = self._scopes.get(k)
+                if old is not None and (old.budget.per, old.budget.reset) == (b.per, b.reset):
+                    old.budget = b
+                    scopes[k] = old
+                else:
+                    scopes[k] = _Spent(b)
+            self._scopes = scopes
+            self.version += 1
+
+    @property
+    def loaded(self) -> bool:
+        """Every scope has been read from the ledger (before that, a figure would say too little)."""
+        with self._lock:
+            return all(s.period >= 0 and not s.loading for s in self._scopes.values())
+
+    async def load(self, store: UsageQueries) -> None:
+        """Read, in a thread, what the scopes not read yet used this period."""
+        now = self.clock()
+        with self._lock:
+            todo = [(k, s) for k, s in self._scopes.items() if s.period < 0 and not s.loading]
+            for _, s in todo:
+                s.loading, s.period, s.tokens = True, period_start(s.budget, now), 0
+        if not todo:
+            return
+        try:
+            sums = await asyncio.to_thread(_spent_since, store, {s.period for _, s in todo})
+        except BaseException:
+            with self._lock:
+                for _, s in todo:
+                    s.loading, s.period = False, -1.0
+            raise
+        with self._lock:
+            for k, s in todo:
+                s.loading = False
+                s.tokens += sums.get(s.period, {}).get(k, 0)
+            self.version += 1
+
+    def load_soon(self, store: UsageQueries) -> None:
+        """Start :meth:`load` for budgets new since the last (one at a time), without waiting."""
+        if self._loading is None or self._loading.done():
+            self._loading = asyncio.get_running_loop().create_task(self._load_logged(store), name="budget-load")
+
+    async def _load_logged(self, store: UsageQueries) -> None:
+        try:
+            await self.load(store)
+        except sqlite3.Error as exc:  # tried again at the next flush; meanwhile routers keep their own counts
+            log.warning("usage ledger: could not read what budgets used (%s); will try again", exc)
+
+    def recorded(self, batch: UsageBatch) -> None:
+        """A batch just recorded in the ledger: its tokens count against the budgets they fall in."""
+        changed = False
+        with self._lock:
+            for r in batch.rows:
+                tokens = r.prompt_tokens + r.completion_tokens
+                if not tokens:
+                    continue
+                for k in ((r.tenant, ""), (r.tenant, r.model)):
+                    s = self._scopes.get(k)
+                    if s is None or s.period < 0:
+                        continue
+                    start = period_start(s.budget, r.minute)
+                    if start == s.period:
+                        s.tokens += tokens
+                    elif start > s.period and not s.loading:  # the first use of a new period
+                        s.period, s.tokens = start, tokens
+                    else:
+                        continue
+                    changed = True
+            if changed:
+                self.version += 1
+
+    def figures(self) -> SpentFigures:
+        """(tenant, model or "") → (period start, tokens used in it), for the scopes read so far."""
+        now = self.clock()
+        with self._lock:
+            out = {}
+            for k, s in self._scopes.items():
+                if s.period < 0 or s.loading:
+                    continue
+                start = period_start(s.budget, now)
+                if start > s.period:  # a new period began: nothing used in it yet
+                    s.period, s.tokens = start, 0
+                out[k] = (s.period, s.tokens)
+            return out
+
+
+def _spent_since(store: UsageQueries, starts: set[float]) -> dict[float, dict[tuple[str, str], int]]:
+    """For each period start: tokens per (tenant, model) and per (tenant, "") since then."""
+    out: dict[float, dict[tuple[str, str], int]] = {}
+    for start in starts:
+        sums: dict[tuple[str, str], int] = {}
+        for row in store.usage(start, 2 ** 40, by=("tenant", "model")):
+            tokens = int(row["prompt_tokens"]) + int(row["completion_tokens"])
+            sums[(row["tenant"], row["model"])] = tokens
+            sums[(row["tenant"], "")] = sums.get((row["tenant"], ""), 0) + tokens
+        out[start] = sums
+    return out
+
+
+class BookedLedger:
+    """The ledger, with every batch it records also counted in ``book``: one path for the
+    standalone routers' batches (the feed hub) and the controller's own router's (the flusher)."""
+
+    def __init__(self, ledger: UsageLedger, book: BudgetBook) -> None:
+        self.ledger = ledger
+        self.book = book
+
+    def record_usage(self, batch: UsageBatch) -> bool:
+        recorded = self.ledger.record_usage(batch)
+        if recorded:
+            self.book.recorded(batch)
+        return recorded
+
+
 class UsageFlusher:
-    """Moves ``outbox`` (the in-process router's) into ``ledger`` every ``interval`` and at close."""
+    """Moves ``outbox`` (the in-process router's) into ``ledger`` every ``interval`` and at close;
+    ``after`` is called after each attempt (the controller hands its router the ledger's figures)."""
 
     def __init__(self, outbox: UsageOutboxLike, ledger: UsageLedger, *, interval: float = 2.0,
-                 compact: Callable[[], object] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 compact: Callable[[], object] | None = None, clock: Callable[[], float] = time.monotonic,
+                 after: Callable[[], None] | None = None) -> None:
         self.outbox = outbox
         self.ledger = ledger
         self.interval = interval
         self.compact = compact
         self.clock = clock
+        self.after = after
         self._task: asyncio.Task[None] | None = None
         self._compacted = clock()
         self._failing = False
@@ -57,6 +225,8 @@ class UsageFlusher:
         while True:
             await asyncio.sleep(self.interval)
             self.flush()
+            if self.after is not None:
+                self.after()
             if self.compact is not None and self.clock() - self._compacted >= COMPACT_EVERY:
                 self._compacted = self.clock()
                 try:

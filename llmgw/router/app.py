@@ -159,6 +159,13 @@ class Router:
         self.routes, self._chains, self.has_catalog, self._limiter = routes, chains, True, limiter
         self._changes.notify()
 
+    def set_spent(self, figures: Mapping[tuple[str, str], tuple[float, int]], routers: int = 1) -> None:
+        """What the controller's ledger says each budget used this period ((tenant, model or "") →
+        (period start, tokens)), and how many routers share the limits: budgets go on from there
+        (a router restarted mid-period does not hand a tenant a fresh one; degraded mode grants
+        only this router's share of what is left)."""
+        self._limiter.set_spent(figures, routers=routers)
+
     def use_limits_redis(self, url: str) -> None:
         """Count tenants' limits in the Redis at ``url`` (as the controller says), or locally ("")."""
         current = self._shared.url if self._shared is not None else ""

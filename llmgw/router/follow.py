@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from llmgw.contract import REPORT_PATH, WATCH_PATH, endpoint_from_json
+from llmgw.contract import REPORT_PATH, WATCH_PATH, SpentFigures, endpoint_from_json, spent_from_json
 from llmgw.errors import ConfigError, LlmgwError
 from llmgw.router.app import Router
 from llmgw.router.feed import catalog_from_view
@@ -155,11 +155,18 @@ class FeedClient:
         except (ValueError, KeyError, TypeError, ConfigError) as exc:
             log.warning("ignoring a malformed snapshot from %s (%s); keeping the last one", self.controller, exc)
             return
+        try:
+            spent = _spent(snap)
+        except (ValueError, TypeError) as exc:
+            log.warning("ignoring the budgets' figures in a snapshot from %s (%s)", self.controller, exc)
+            spent = None
         if keys is not None:
             self.router.keys = keys
         if self.router.config.limits_redis == "":  # a router given its own Redis keeps it
             self.router.use_limits_redis(limits_redis)
         self.router.set_routes(routes)
+        if spent is not None:  # before any request is admitted under this catalog
+            self.router.set_spent(*spent)
         self.router.set_endpoints(endpoints)
         self.router.set_unrunnable(unrunnable)
         self.version = snap.get("version")
@@ -201,15 +208,35 @@ class FeedClient:
             raw = await resp.read()
             if resp.status != 200:
                 raise WatchRefused(f"report answered {resp.status}")
-        if batch is not None:
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict):
             try:
-                answer = json.loads(raw)
-                acked, rejected = answer.get("usage_acked"), answer.get("usage_rejected")
-            except (ValueError, AttributeError):
-                acked = rejected = None
+                spent = _spent(answer)
+            except (ValueError, TypeError) as exc:  # the ack still counts: only the figures are left out
+                log.warning("ignoring the budgets' figures in the controller's answer (%s)", exc)
+                spent = None
+            if spent is not None:
+                self.router.set_spent(*spent)
+        if batch is not None:
+            acked = answer.get("usage_acked") if isinstance(answer, dict) else None
+            rejected = answer.get("usage_rejected") if isinstance(answer, dict) else None
             if acked == batch.seq:
                 outbox.acked(batch.seq)
             elif rejected == batch.seq:  # sending it again cannot help: dropped, and said so
                 log.error("usage batch %d (%d rows) was refused by the controller and is dropped",
                           batch.seq, len(batch.rows))
                 outbox.acked(batch.seq)
+
+
+def _spent(d: dict[str, Any]) -> tuple[SpentFigures, int] | None:
+    """What budgets used per the controller's ledger, and how many routers share the limits (None:
+    an older controller that says neither); ValueError/TypeError when malformed."""
+    if d.get("spent") is None:
+        return None
+    routers = d.get("routers", 1)
+    if type(routers) is not int or not 1 <= routers <= 100_000:
+        raise ValueError(f"routers must be a whole number from 1, got {routers!r}")
+    return spent_from_json(d["spent"]), routers

@@ -17,9 +17,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
-from llmgw.catalog.model import Budget, Limits, Tenant
+from llmgw.catalog.model import Limits, Tenant
+from llmgw.contract import next_period, period_start
+from llmgw.jsonbody import RawJSON
 
 DEFAULT_COMPLETION_TOKENS = 256  # reserved when a request sets no max_tokens
 
@@ -99,6 +101,8 @@ def asked_for(body: Mapping[str, object]) -> Asked:
 def _prompts(prompt: object) -> int:
     """Prompts in a completions request: a list of strings or of token lists is a batch, each
     prompt answered on its own (vLLM, SGLang and llama.cpp alike)."""
+    if type(prompt) is RawJSON:  # a big body's prompt, left as text: counted where it was parsed
+        return prompt.prompts
     if type(prompt) is list and prompt and type(prompt[0]) in (str, list):
         return len(prompt)
     return 1
@@ -152,49 +156,6 @@ def _count(v: object) -> int | None:
         except ValueError:
             return None
     return None
-
-
-def period_start(budget: Budget, now: float) -> float:
-    """Unix time the budget's current period began (day, or month from the 1st; at its UTC reset time)."""
-    # Asked on every limited request: the period in hand answers until it ends (the calendar
-    # arithmetic below cost a limited request a tenth of its time in the router).
-    known = _PERIODS.get((budget.per, budget.reset))
-    if known is not None and known[0] <= now < known[1]:
-        return known[0]
-    start = _period_start(budget, now)
-    end = _next_period_from(budget, start)
-    if len(_PERIODS) > 64:
-        _PERIODS.clear()
-    _PERIODS[(budget.per, budget.reset)] = (start, end)
-    return start
-
-
-_PERIODS: dict[tuple[str, str], tuple[float, float]] = {}
-
-
-def _period_start(budget: Budget, now: float) -> float:
-    t = datetime.fromtimestamp(now, UTC)
-    hour, minute = divmod(budget.reset_minute, 60)
-    start = t.replace(hour=hour, minute=minute, second=0, microsecond=0)
-    if budget.per == "day":
-        if start > t:
-            start -= timedelta(days=1)
-        return start.timestamp()
-    start = start.replace(day=1)
-    if start > t:  # before this month's reset: the period began on the 1st of last month
-        start = (start - timedelta(days=1)).replace(day=1)
-    return start.timestamp()
-
-
-def next_period(budget: Budget, now: float) -> float:
-    return _next_period_from(budget, period_start(budget, now))
-
-
-def _next_period_from(budget: Budget, period: float) -> float:
-    start = datetime.fromtimestamp(period, UTC)
-    if budget.per == "day":
-        return (start + timedelta(days=1)).timestamp()
-    return (start.replace(day=28) + timedelta(days=4)).replace(day=1).timestamp()
 
 
 @dataclass(slots=True)

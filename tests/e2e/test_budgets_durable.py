@@ -1,0 +1,256 @@
+"""Budgets across a bad day, on real processes (issue 24): `llmgw controller` (with its own
+router) on a local node running the simulator, standalone `llmgw router` processes, a real
+redis-server without persistence, the real openai client. A tenant that spent its budget stays
+refused when a router restarts, when the controller is killed and restarted, when Redis restarts
+empty and while Redis is away; with Redis away, the routers together grant no more than was left.
+(Before: a restarted router or controller, and each router with Redis away, granted a fresh budget;
+an empty Redis granted one to all of them.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from llmgw.control.up import prepare
+from llmgw.router import hash_key
+from tests.e2e.processes import free_port, start, stop, wait_for
+from tests.e2e.test_up import processes_under
+from tests.router.test_budget_ledger import redis_server
+
+pytestmark = pytest.mark.slow
+HELLO = [{"role": "user", "content": "Hello"}]
+TOKEN = "budgets-admin-token"
+
+LLMGW_YAML = """\
+pools:
+  - name: local
+tenants:
+  - name: team
+    keys: [team-key]
+    limits:
+      budget: {tokens: %d, per: day}
+  - name: other
+    keys: [other-key]
+    limits:
+      budget: {tokens: %d, per: day}
+"""
+NODES_YAML = """\
+nodes:
+  - id: local
+    transport: local
+    address: 127.0.0.1
+    pool: local
+    gpus: {count: 2, class: sim, memory_gb: 24}
+    memory_gb: 16
+    disk_gb: 50
+"""
+MODEL_YAML = """\
+name: sim-chat
+aliases: [chat]
+task: chat
+source: sim://tiny-chat
+size_gb: 0.1
+scaling: {min: 1, max: 1}
+profiles:
+  - name: sim
+    engine: sim
+    gpus: 1
+    gpu_class: [sim]
+    gpu_memory_gb: 2
+    memory_gb: 1
+    pool: local
+"""
+
+
+class Fleet:
+    """A controller on a local node, and standalone routers following it."""
+
+    def __init__(self, tmp: Path, *, budget: int, other_budget: int, redis: str = "") -> None:
+        self.tmp = tmp
+        source = tmp / "catalog-src"
+        (source / "models").mkdir(parents=True)
+        (source / "llmgw.yaml").write_text(LLMGW_YAML % (budget, other_budget))
+        (source / "nodes.yaml").write_text(NODES_YAML)
+        (source / "models" / "sim-chat.yaml").write_text(MODEL_YAML)
+        self.data = tmp / "state"
+        router_port, admin_port = free_port(), free_port()
+        up = prepare(self.data, catalog=source, router_port=router_port, admin_port=admin_port)
+        self.config = tmp / "controller.yaml"
+        self.config.write_text(json.dumps({
+            "repo": up.controller.repo, "data_dir": str(up.controller.data_dir),
+            "local_agent_config": str(up.controller.local_agent_config),
+            "listen": {"router": f"127.0.0.1:{router_port}", "admin": f"127.0.0.1:{admin_port}"},
+            "admin_token": TOKEN, "reconciler": {"tick_interval": "300ms"},
+            "api_keys": [{"name": "team-key", "sha256": hash_key("sk-team")},
+                         {"name": "other-key", "sha256": hash_key("sk-other")}],
+            **({"router": {"limits_redis": redis}} if redis else {}),
+        }))
+        self.own = f"http://127.0.0.1:{router_port}"
+        self.admin = f"http://127.0.0.1:{admin_port}"
+        self.controller: subprocess.Popen | None = None
+        self.routers: dict[int, subprocess.Popen] = {}
+        self.starts = 0
+
+    def start_controller(self) -> None:
+        self.starts += 1
+        self.controller = start(["controller", "--config", str(self.config)], self.tmp / f"controller{self.starts}.log")
+        wait_for(lambda: answer(self.own, "sk-other") in (200, 429), 90, "the controller's router answering",
+                 self.controller)
+
+    def start_router(self, port: int) -> str:
+        self.routers[port] = start(["router", "--controller", self.admin, "--listen", f"127.0.0.1:{port}",
+                                    "--report-interval", "0.3"], self.tmp / f"router{port}.log",
+                                   env={"LLMGW_ADMIN_TOKEN": TOKEN})
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: answer(base, "sk-other", max_tokens=1) in (200, 429), 60, "a standalone router answering",
+                 self.routers[port])
+        return base
+
+    def stop_router(self, port: int) -> None:
+        assert stop(self.routers.pop(port), signal.SIGTERM, timeout=30) == 0  # its last batch goes with it
+
+    def close(self) -> None:
+        for proc in self.routers.values():
+            stop(proc, signal.SIGTERM, timeout=30)
+        if self.controller is not None:
+            stop(self.controller, signal.SIGTERM, timeout=60)
+        for pid in processes_under(self.data):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def ledger(self, tenant: str) -> int:
+        """Tokens the ledger holds for ``tenant`` (the usage API)."""
+        req = urllib.request.Request(f"{self.admin}/api/v1/usage?since=1d&by=tenant",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            rows = json.loads(r.read())["rows"]
+        return sum(x["prompt_tokens"] + x["completion_tokens"] for x in rows if x["tenant"] == tenant)
+
+
+def answer(base: str, key: str, max_tokens: int = 50) -> int:
+    """One request's HTTP status (0: no answer: not listening yet), and nothing else."""
+    c = openai.OpenAI(base_url=base + "/v1", api_key=key, timeout=20, max_retries=0)
+    try:
+        c.chat.completions.create(model="chat", messages=HELLO, max_tokens=max_tokens)
+    except openai.APIStatusError as exc:
+        return exc.status_code
+    except openai.APIConnectionError:
+        return 0
+    return 200
+
+
+def spend(base: str, key: str = "sk-team", max_tokens: int = 50) -> int:
+    """Requests until the budget refuses; the tokens they were served."""
+    c = openai.OpenAI(base_url=base + "/v1", api_key=key, timeout=20, max_retries=0)
+    served = 0
+    while True:
+        try:
+            r = c.chat.completions.create(model="chat", messages=HELLO, max_tokens=max_tokens)
+        except openai.RateLimitError as exc:
+            assert "budget" in exc.message, exc.message
+            return served
+        assert r.usage is not None
+        served += r.usage.total_tokens
+
+
+def refused_at_once(base: str) -> None:
+    c = openai.OpenAI(base_url=base + "/v1", api_key="sk-team", timeout=20, max_retries=0)
+    with pytest.raises(openai.RateLimitError) as refused:
+        c.chat.completions.create(model="chat", messages=HELLO, max_tokens=50)
+    assert "budget" in refused.value.message
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    made: list[Fleet] = []
+
+    def make(**kw: object) -> Fleet:
+        made.append(Fleet(tmp_path, **kw))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make  # type: ignore[misc]
+    for f in made:
+        f.close()
+
+
+def test_a_spent_budget_stays_spent_when_a_router_or_the_controller_restarts(fleet) -> None:  # noqa: ANN001
+    f = fleet(budget=600, other_budget=10_000)
+    f.start_controller()
+    port = free_port()
+    theirs = f.start_router(port)
+    served = spend(theirs)
+    assert 500 < served <= 600
+
+    # The router stops (its last batch goes to the ledger) and starts again: no count of its own.
+    f.stop_router(port)
+    wait_for(lambda: f.ledger("team") >= served, 20, "the router's usage in the ledger")
+    theirs = f.start_router(port)
+    refused_at_once(theirs)
+
+    # The controller is killed and started again: its own router starts from the ledger too.
+    assert f.controller is not None
+    stop(f.controller, signal.SIGKILL)
+    f.start_controller()
+    refused_at_once(f.own)
+    refused_at_once(theirs)  # and the standalone router, following the new controller, still refuses
+
+
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not installed")
+def test_a_spent_budget_stays_spent_when_redis_restarts_empty_or_goes_away(fleet) -> None:  # noqa: ANN001
+    redis_port = free_port()
+    redis = redis_server(redis_port)
+    try:
+        f = fleet(budget=600, other_budget=3_000, redis=f"redis://127.0.0.1:{redis_port}/0")
+        f.start_controller()
+        a, b = free_port(), free_port()
+        bases = [f.start_router(a), f.start_router(b)]
+        served = spend(bases[0])
+        assert 500 < served <= 600
+        # Half of the other tenant's budget, through the controller's own router.
+        c = openai.OpenAI(base_url=f.own + "/v1", api_key="sk-other", timeout=20, max_retries=0)
+        used = 0
+        while used < 1_500:
+            r = c.chat.completions.create(model="chat", messages=HELLO, max_tokens=100)
+            assert r.usage is not None
+            used += r.usage.total_tokens
+        # Each router reports once more after the ledger has all of it (a one-token probe each):
+        # the answer to that report carries the figures with everything in.
+        wait_for(lambda: f.ledger("team") >= served and f.ledger("other") >= used, 20, "the usage in the ledger")
+        before = f.ledger("other")
+        probes = [answer(base, "sk-other", max_tokens=1) for base in (*bases, f.own)]
+        assert probes == [200, 200, 200]
+        wait_for(lambda: f.ledger("other") >= before + 3, 20, "the probes in the ledger")
+        used = f.ledger("other")
+
+        # Redis restarts without its data: the ledger's figure is where each budget starts. (What
+        # the routers held of it when the tenant was refused is free again: a few tokens, not 600.)
+        redis.kill()
+        redis.wait(5)
+        redis = redis_server(redis_port)
+        more = [spend(base) for base in bases]
+        assert served + sum(more) <= 600, (served, more)
+
+        # Redis goes away: each router on its own, from the ledger's figure, with its share of
+        # what was left (3 routers: the controller's and two standalone ones).
+        redis.kill()
+        redis.wait(5)
+        alone = [spend(base) for base in (*bases, f.own)]
+        assert served + sum(more) + sum(alone) <= 600, (served, more, alone)
+        alone = [spend(base, key="sk-other", max_tokens=20) for base in (*bases, f.own)]
+        left = 3_000 - used
+        assert sum(alone) <= left and all(s <= (left + 10) // 3 for s in alone), (alone, left)
+        assert sum(alone) > left // 2, (alone, left)  # each did grant its share
+    finally:
+        redis.kill()
+        redis.wait(5)

@@ -1,0 +1,251 @@
+"""Budgets that a bad day cannot reset (issue 24): the controller's ledger says what each budget
+used this period, and every router starts from it. A router restarted mid-period, a Redis that
+lost its data, and Redis away (each router alone: only its share of what is left) keep a spent
+tenant spent. Real SQLite store, real FeedHub over HTTP, real redis-server, the real openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+from contextlib import AsyncExitStack
+from datetime import UTC, datetime
+from pathlib import Path
+
+import openai
+import pytest
+
+from llmgw.catalog.model import Budget, Catalog, Limits, Settings, Tenant
+from llmgw.contract import UsageBatch, UsageRow, period_start
+from llmgw.control.feed import FeedHub
+from llmgw.control.usage import BookedLedger, BudgetBook
+from llmgw.engines.testing import SimProcess, free_port
+from llmgw.router import KeyRing, Router, RouterConfig, hash_key
+from llmgw.router.limits import Limiter, Refusal, Ticket
+from llmgw.state import Store
+from tests.router.conftest import TOKEN, endpoint, serving
+from tests.router.fake_controller import make_app, model
+from tests.router.test_feed import following, until
+from tests.router.test_usage_ledger import serve
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+DAY = Budget(tokens=1_000, per="day")
+KEYS = KeyRing.from_entries([{"name": "team-key", "sha256": hash_key("sk-team"), "models": ["*"]}])
+
+
+def at(text: str) -> float:
+    return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
+
+
+def row(minute: float, tenant: str, model_: str, prompt: int, completion: int) -> UsageRow:
+    return UsageRow(int(minute) // 60 * 60, tenant, "k", model_, requests=1, prompt_tokens=prompt,
+                    completion_tokens=completion)
+
+
+def catalog(limits: Limits, models: tuple[tuple[str, Limits], ...] = ()) -> Catalog:
+    return Catalog(models=(model("chat"),), settings=Settings(tenants=(Tenant("team", ("team-key",), limits, models),)))
+
+
+# --- the controller's book ------------------------------------------------------------------------
+
+async def test_the_book_reads_each_budget_period_from_the_ledger_then_follows_every_batch(tmp_path: Path) -> None:
+    clock = [at("2026-12-03T12:00:00")]
+    store = Store(tmp_path / "llmgw.db").open()
+    store.record_usage(UsageBatch("r1", 1, (
+        row(at("2026-12-02T23:00:00"), "team", "chat", 500, 500),  # yesterday: another period
+        row(at("2026-12-03T01:00:00"), "team", "chat", 100, 200),
+        row(at("2026-12-03T02:00:00"), "team", "embed", 10, 0),
+        row(at("2026-12-03T03:00:00"), "other", "chat", 7, 7),
+    )))
+    book = BudgetBook(clock=lambda: clock[0])
+    book.set_catalog(catalog(Limits(budget=DAY), (("chat", Limits(budget=Budget(tokens=500, per="month"))),)))
+    assert not book.loaded and book.figures() == {}
+    await book.load(store)
+    day, month = period_start(DAY, clock[0]), at("2026-12-01T00:00:00")
+    assert book.figures() == {("team", ""): (day, 310), ("team", "chat"): (month, 1300)}
+    ledger = BookedLedger(store, book)
+    batch = UsageBatch("r1", 2, (row(clock[0], "team", "chat", 1, 2), row(clock[0], "other", "chat", 1, 1)))
+    assert ledger.record_usage(batch) and not ledger.record_usage(batch)  # once, as the ledger
+    assert book.figures() == {("team", ""): (day, 313), ("team", "chat"): (month, 1303)}
+    clock[0] = at("2026-12-04T00:00:01")  # the day's budget resets; the month's goes on
+    assert book.figures() == {("team", ""): (day + 86_400, 0), ("team", "chat"): (month, 1303)}
+    # A budget whose period changes is read again; one that only changed its size is not.
+    book.set_catalog(catalog(Limits(budget=Budget(tokens=9, per="day")),
+                             (("chat", Limits(budget=Budget(tokens=5, per="day"))),)))
+    assert not book.loaded
+    await book.load(store)
+    assert book.figures() == {("team", ""): (day + 86_400, 0), ("team", "chat"): (day + 86_400, 0)}
+    store.close()
+
+
+# --- a router starts from the ledger -------------------------------------------------------------
+
+async def test_a_router_restarted_mid_budget_starts_from_what_the_ledger_says(chat_sim: SimProcess,
+                                                                               tmp_path: Path) -> None:
+    """Through a real hub: the first router spends the budget and stops; a new router (a
+    restart: its own counts are gone) refuses the tenant from its first request."""
+    store = Store(tmp_path / "llmgw.db").open()
+    book = BudgetBook()
+    hub = FeedHub(keepalive=0.2)
+    hub.ledger, hub.budgets = BookedLedger(store, book), book
+    hub.set_catalog(catalog(Limits(budget=DAY)))
+    book.set_catalog(catalog(Limits(budget=DAY)))
+    await book.load(store)
+    hub.set_endpoints([endpoint("chat", chat_sim.endpoint)])
+    port = free_port()
+    runner = await serve(make_app(hub, TOKEN), port)
+    try:
+        first = Router(keys=KEYS, config=RouterConfig())
+        async with following(first, f"http://127.0.0.1:{port}"), serving(first) as base:
+            await until(lambda: first.table.has("chat"))
+            async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=0, timeout=15) as c:
+                with pytest.raises(openai.RateLimitError):
+                    for _ in range(100):
+                        await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=100)
+        spent = book.figures()[("team", "")][1]
+        assert spent > DAY.tokens - 110  # the router's last batch went with it
+        second = Router(keys=KEYS, config=RouterConfig())
+        async with following(second, f"http://127.0.0.1:{port}"), serving(second) as base:
+            await until(lambda: second.table.has("chat"))
+            async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=0, timeout=15) as c:
+                with pytest.raises(openai.RateLimitError) as refused:
+                    await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=100)
+        assert f"has used {spent} of its 1000-token budget" in refused.value.message
+    finally:
+        await runner.cleanup()
+        store.close()
+
+
+def test_a_router_counts_the_most_it_knows_of_and_degraded_grants_only_its_share() -> None:
+    now = at("2026-12-03T12:00:00")
+    day = period_start(DAY, now)
+    lim = Limiter([Tenant("team", ("k",), Limits(budget=DAY))])
+    lim.set_spent({("team", ""): (day, 900)}, routers=3)
+    assert isinstance(lim.admit("k", ("m",), 101, now), Refusal)
+    t = lim.admit("k", ("m",), 100, now)
+    assert isinstance(t, Ticket)
+    t.settle(100)
+    t.release()
+    lim.set_spent({("team", ""): (day - 86_400, 900)}, routers=3)  # yesterday's figure: not this period's
+    assert lim.scopes_of("k", ("m",))[0].spent() == 100  # type: ignore[index]
+    # Redis away: what Redis last said (600 used or reserved) against the ledger's 400: the most
+    # is taken, and this router grants a third of the 400 left.
+    lim = Limiter([Tenant("team", ("k",), Limits(budget=DAY))])
+    lim.set_spent({("team", ""): (day, 400)}, routers=3)
+    lim.degrade({"team": (day, 600)}, now)
+    granted = 0
+    while isinstance(t := lim.admit("k", ("m",), 10, now), Ticket):
+        t.settle(10)
+        t.release()
+        granted += 10
+    assert granted == 130 and "its share of 3 routers" in t.message
+    lim.undegrade()
+    assert isinstance(lim.admit("k", ("m",), 10, now), Ticket)  # counted in Redis again
+
+
+# --- Redis restarted without its data, and Redis away -----------------------------------------------
+
+pytest_redis = pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not installed")
+
+
+def redis_server(port: int) -> subprocess.Popen:
+    import socket
+
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--daemonize", "no"], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+
+
+def shared_router(engine_url: str, url: str, limits: Limits) -> Router:
+    r = Router(keys=KEYS, config=RouterConfig(limits_redis=url))
+    r.set_catalog(catalog(limits))
+    r.set_endpoints([endpoint("chat", engine_url)])
+    return r
+
+
+async def spend(base: str, max_tokens: int = 50) -> int:
+    """Requests until refused; the tokens they were served."""
+    served = 0
+    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=0, timeout=15) as c:
+        while True:
+            try:
+                r = await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=max_tokens)
+            except openai.RateLimitError as exc:
+                assert "budget" in exc.message, exc.message
+                return served
+            served += r.usage.total_tokens
+
+
+@pytest_redis
+async def test_a_redis_restarted_without_its_data_starts_from_the_ledger(chat_sim: SimProcess) -> None:
+    port = free_port()
+    redis = redis_server(port)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        routers = [shared_router(chat_sim.endpoint, url, Limits(budget=DAY)) for _ in range(2)]
+        async with AsyncExitStack() as stack:
+            bases = [await stack.enter_async_context(serving(r)) for r in routers]
+            served = await spend(bases[0])
+            assert DAY.tokens - 60 < served <= DAY.tokens
+            figures = {("team", ""): (period_start(DAY, time.time()), served)}  # the ledger, as reported
+            for r in routers:
+                r.set_spent(figures, 2)
+            redis.kill()
+            redis.wait(5)
+            redis = redis_server(port)  # empty: no persistence
+            for base in bases:
+                assert await spend(base) == 0  # refused at once, by the grant's floor or degraded mode
+            for r in routers:
+                assert r._shared is not None and not r._shared.degraded  # noqa: SLF001 - Redis answered
+            # The router that had not used Redis before it went away asked the new one: it says so too.
+            import redis as redis_client
+
+            with redis_client.Redis.from_url(url) as db:
+                keys = [k for k in db.scan_iter("llmgw:limits:team:budget:*")]
+                assert keys and int(db.hget(keys[0], "used") or 0) >= served
+    finally:
+        redis.kill()
+        redis.wait(5)
+
+
+@pytest_redis
+async def test_with_redis_away_three_routers_grant_no_more_than_what_was_left(chat_sim: SimProcess) -> None:
+    """Each router alone used to grant a whole fresh budget (3 routers, 3 budgets). Now each
+    goes on from the ledger's figure and grants a third of what was left."""
+    port = free_port()
+    redis = redis_server(port)
+    url = f"redis://127.0.0.1:{port}/0"
+    budget = Budget(tokens=3_000, per="day")
+    try:
+        routers = [shared_router(chat_sim.endpoint, url, Limits(budget=budget)) for _ in range(3)]
+        async with AsyncExitStack() as stack:
+            bases = [await stack.enter_async_context(serving(r)) for r in routers]
+            async with openai.AsyncOpenAI(base_url=bases[0] + "/v1", api_key="sk-team", max_retries=0,
+                                          timeout=15) as c:
+                used = 0
+                while used < 1_500:
+                    r = await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=100)
+                    used += r.usage.total_tokens
+            await asyncio.sleep(0.6)  # past the routers' syncs: used, not held
+            figures = {("team", ""): (period_start(budget, time.time()), used)}
+            for r in routers:
+                r.set_spent(figures, 3)
+            redis.kill()
+            redis.wait(5)
+            served = [await spend(base, max_tokens=20) for base in bases]
+            for r in routers:
+                assert r._shared is not None and r._shared.degraded  # noqa: SLF001
+        left = budget.tokens - used
+        assert sum(served) <= left and all(s <= left // 3 for s in served), (served, left)
+        assert sum(served) > left // 2  # and the routers did grant their shares
+    finally:
+        redis.kill()
+        redis.wait(5)
