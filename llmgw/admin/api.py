@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from llmgw import jsonbody
 from llmgw.admin import views
 from llmgw.admin.usage import UsageQueryError, usage_view
 from llmgw.admin.usage import parse_query as usage_query
@@ -45,9 +46,9 @@ async def json_body(request: web.Request) -> dict[str, Any] | web.Response:
     if not raw.strip():
         return {}
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        return error(400, f"the body is not valid JSON: {exc}")
+        data = jsonbody.loads(raw, what="the body")  # nesting bounded: a 976-deep body was a traceback later
+    except jsonbody.JSONBodyError as exc:
+        return error(400, str(exc))
     if not isinstance(data, dict):
         return error(400, "the body must be a JSON object")
     return data

@@ -109,6 +109,9 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     hub.set_api_keys(cfg.api_keys)
     hub.set_limits_redis(str(cfg.router.get("limits_redis", "")))
     controller = Controller(cfg.controller, sink=Fanout(router, hub), usage=MergedUsage(router, hub))
+    # Usage per tenant and API key on the admin listener's /api/v1/metrics, behind its token; the
+    # router's client port serves only its own series (llmgw.router.metrics).
+    controller.registry.register(router.metrics.usage)
     wake = lambda _model: controller.reconciler.notify()  # noqa: E731 - one-line adapter
     attach_router(router, controller.desired, wake=wake)
     hub.wake = wake

@@ -21,6 +21,7 @@ What counts as demand, and how held requests wait, is :mod:`llmgw.router.demand`
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import random
 import time
@@ -41,6 +42,8 @@ from llmgw.router.demand import DemandBook
 from llmgw.router.feed import route_catalog
 from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.limits import (
+    ANSWER_FIELDS,
+    COMPLETION_FIELDS,
     BadLimitField,
     Limiter,
     Refusal,
@@ -52,8 +55,9 @@ from llmgw.router.limits import (
 )
 from llmgw.router.load import poll_loads
 from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
-from llmgw.router.prefix import PrefixIndex, PromptKey, prompt_key
-from llmgw.router.proxy import CLIENT_GONE, BadBody, Tap, forward_stream, forward_whole, parse_body, rewrite_model
+from llmgw.router.parse import BadBody, BodyParser, ParserBusy
+from llmgw.router.prefix import MAX_BLOCKS, PrefixIndex, PromptKey, prompt_key
+from llmgw.router.proxy import CLIENT_GONE, Tap, forward_stream, forward_whole, rewrite_model
 from llmgw.router.retry import RetryBudget, RetryTicket, next_step
 from llmgw.router.routes import RouteCatalog, RouteModel
 from llmgw.router.shared_limits import SharedLimits, SharedTicket
@@ -66,6 +70,11 @@ from llmgw.tasks import cancel_and_wait
 log = logging.getLogger(__name__)
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+# Every top-level member of a request body the router reads or writes: a big body parsed in the
+# worker comes back with these parsed and every other member as text (llmgw.router.parse). A
+# member read or set here and missing from this list would be invisible, or written twice.
+READS = frozenset({"model", "stream", "stream_options", "prompt", *COMPLETION_FIELDS, *ANSWER_FIELDS})
+_PROMPT_KIND = {CHAT: "chat", COMPLETIONS: "prompt"}  # which prompt text the worker renders
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,8 @@ class Router:
         self._handlers: set[asyncio.Task[object]] = set()  # requests being routed, for the drain
         self._unrunnable: dict[str, str] = {}  # model -> why no node can run it (from placement)
         self._buffered = 0  # bytes of request bodies held by requests in flight
+        self._parser = BodyParser(reads=READS, workers=config.parse_workers, wait=config.body_timeout,
+                                  prompt_chars=config.prefix_block_chars * MAX_BLOCKS)
         self._retired: list[Origin] = []
         self._pool: UpstreamPool | None = None
         self._load_session: aiohttp.ClientSession | None = None
@@ -311,6 +322,7 @@ class Router:
         if self._shared is not None:
             await self._shared.close()
             self._shared = None
+        await self._parser.close()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.body_limit)
@@ -361,7 +373,28 @@ class Router:
         return respond.json_response(_model_entry(name, m, self.table.has(m.name)))
 
     async def prometheus(self, _request: web.Request) -> web.Response:
+        """The router's own series; no tenant or key names (those are :meth:`metrics_app`'s)."""
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def metrics_app(self, token: str) -> web.Application:
+        """``/metrics`` with every series, usage per tenant and API key included, for a bearer of
+        the admin ``token`` (`llmgw router --metrics-listen`): key names and what each spent are
+        the operator's business, not every client's that reaches the router's port."""
+        expected = token.encode()
+
+        async def everything(request: web.Request) -> web.Response:
+            header = request.headers.get("Authorization", "")
+            given = header[7:].strip() if header[:7].lower() == "bearer " else ""
+            # surrogateescape: a header's non-UTF-8 bytes arrive as surrogates (a 500 in encode())
+            if not expected or not hmac.compare_digest(expected, given.encode("utf-8", "surrogateescape")):
+                return web.json_response({"error": "missing or invalid admin token (Authorization: Bearer ...)"},
+                                         status=401, headers={"WWW-Authenticate": "Bearer"})
+            body = generate_latest(self.registry) + generate_latest(self.metrics.tenants)
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application(client_max_size=1024)
+        app.router.add_get("/metrics", everything)
+        return app
 
     async def health(self, _request: web.Request) -> web.Response:
         """200 once the router has a catalog to serve from (a load balancer's readiness check)."""
@@ -398,6 +431,9 @@ class Router:
             key, refused = self._authenticate(request)
             if refused is not None:
                 return self._refuse(refused, UNKNOWN, t0)
+            refused = self._refuse_early(key, request.content_length)
+            if refused is not None:
+                return self._refuse(refused, UNKNOWN, t0)
         limit = self.config.body_limit
         length = request.content_length
         if length is not None and length > limit:
@@ -421,6 +457,24 @@ class Router:
         finally:
             self._buffered -= len(raw)
 
+    def _refuse_early(self, key: ApiKey | None, length: int | None) -> web.Response | None:
+        """Cheap refusals first: a tenant already out of requests per minute, requests in flight
+        or budget for every model is refused before its body is read or parsed (the body's size
+        alone says the least it reserves), so a hostile tenant's big bodies cost the router
+        nothing once it is over its limits. The same answer the full check would give."""
+        if key is None or self._limiter.tenant(key.name) is None:
+            return None
+        least = prompt_estimate(length or 0)  # what any request with this body reserves at least
+        if self._shared is not None:
+            refused = self._shared.precheck(self._limiter, key.name, least, self._wall())
+        else:
+            refused = self._limiter.precheck(key.name, least, self._wall())
+        if refused is None:
+            return None
+        if refused.fits_never:
+            return respond.bad_request(refused.message, "exceeds_budget")
+        return respond.rate_limited(refused.message, refused.retry_after, refused.headers)
+
     def _buffers_full(self) -> web.Response:
         return respond.unavailable(f"The router holds {self._buffered} bytes of request bodies in flight, its limit "
                                    f"({self.config.buffered_limit}); retry shortly.", self.config.retry_after)
@@ -428,9 +482,12 @@ class Router:
     async def _handle_body(self, request: web.Request, path: str, raw: bytes, key: ApiKey | None,
                            t0: float) -> web.StreamResponse:
         try:
-            body, asked, stream = parse_body(raw)
+            parsed = await self._parser.parse(raw, _PROMPT_KIND.get(path))
         except BadBody as exc:
             return self._refuse(respond.bad_request(str(exc), exc.code), UNKNOWN, t0)
+        except ParserBusy as exc:
+            return self._refuse(respond.unavailable(str(exc), self.config.retry_after), UNKNOWN, t0)
+        body, asked, stream = parsed.body, parsed.model, parsed.stream
         model = self.routes.resolve(asked)
         if model is None:
             return self._refuse(respond.not_found(asked), UNKNOWN, t0)
@@ -476,30 +533,32 @@ class Router:
         account = Account(key.name if key is not None else "", ticket, prompt_estimate(len(raw)), reserve)
         try:
             return await self._route(request, path, raw, body, asked, model, stream and path != EMBEDDINGS, t0,
-                                     account)
+                                     account, parsed.prompt)
         finally:
             if ticket is not None:
                 ticket.release()
 
     async def _route(self, request: web.Request, path: str, raw: bytes, body: dict, asked: str,
-                     model: RouteModel, stream: bool, t0: float, account: Account) -> web.StreamResponse:
+                     model: RouteModel, stream: bool, t0: float, account: Account,
+                     prompt_text: str | None = None) -> web.StreamResponse:
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
         try:
             with self._budget.ticket() as ticket:
-                return await self._route_attempts(request, path, raw, body, asked, model, stream, t0, ticket, account)
+                return await self._route_attempts(request, path, raw, body, asked, model, stream, t0, ticket, account,
+                                                  prompt_text)
         finally:
             self._handlers.discard(task)
 
     async def _route_attempts(self, request: web.Request, path: str, raw: bytes, body: dict, asked: str,
                               model: RouteModel, stream: bool, t0: float, ticket: RetryTicket,
-                              account: Account) -> web.StreamResponse:
+                              account: Account, prompt_text: str | None = None) -> web.StreamResponse:
         chain = self._chains.get(model.name, (model,))
         tried: tuple[Upstream, ...] = ()
         failure: UpstreamFailed | None = None
         deliveries = 0  # attempts that reached an engine (DESIGN §6: at most two, each engine once)
-        prompt = self._prompt_key(body, path, chain)
+        prompt = self._prompt_key(body, path, chain, prompt_text)
         # Usage is counted from the engine's own report: a stream is asked for its usage event,
         # which is taken out again when the client did not want it (llmgw.router.usage).
         strip_usage = stream and not wants_usage(body)
@@ -602,10 +661,14 @@ class Router:
                 self.metrics.request(label, status, rid, self._clock() - t0)
 
     # --- prefix affinity (llmgw.router.prefix) -------------------------------------------
-    def _prompt_key(self, body: dict, path: str, chain: tuple[RouteModel, ...]) -> PromptKey | None:
-        """The request's prompt key when any model it may go to is routed by prefix."""
+    def _prompt_key(self, body: dict, path: str, chain: tuple[RouteModel, ...],
+                    text: str | None = None) -> PromptKey | None:
+        """The request's prompt key when any model it may go to is routed by prefix. ``text``: the
+        prompt already rendered (a big body, by the parse worker), keyed as a plain prompt is."""
         if path == EMBEDDINGS or not any(m.routing == "prefix" for m in chain):
             return None
+        if text is not None:
+            return prompt_key({"prompt": text}, False, self.config.prefix_block_chars)
         return prompt_key(body, path == CHAT, self.config.prefix_block_chars)
 
     def _note_prompt(self, model: str, up: Upstream, prompt: PromptKey, *, count: bool) -> None:
@@ -720,6 +783,8 @@ class Router:
         usage = {(tenant(key) or "", key, model): u for (key, model), u in self._usage.items()}
         snap = gauges(self.table, self._demand.held, self._clock(), self.prompt_cache(), usage)
         snap.limits_degraded = self._shared is not None and self._shared.degraded
+        parser = self._parser
+        snap.parsing, snap.parse_waiting, snap.parsed_off_loop = parser.parsing, parser.waiting, parser.offloaded
         return snap
 
 

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class RouterConfig:
     body_limit: int = 32 * 1024 * 1024  # bytes; larger bodies are 413 (images in chat can be big)
+    # Processes parsing big request bodies off the event loop (llmgw.router.parse), and so big bodies
+    # parsed at once; 0 parses every body on the loop (one 30 MB body held it for ~1 s).
+    parse_workers: int = 1
     buffered_limit: int = 1024 * 1024 * 1024  # bytes of bodies held by all requests in flight; beyond, 503
     # Seconds a client has to send its whole body once the head is in: a slow upload holds a
     # connection and a handler, and the listener's idle timeout stops counting once a head is read.

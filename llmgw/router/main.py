@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from llmgw.adminaccess import AdminAccess, add_options, resolve
 from llmgw.errors import AccessError, ConfigError
 from llmgw.router.config import RouterConfig  # a dataclass only: cheap for the CLI to import
-from llmgw.serving import STOP_SIGNALS, raise_fd_limit, throttle_loop_errors
+from llmgw.serving import STOP_SIGNALS, listen, raise_fd_limit, throttle_loop_errors
 
 if TYPE_CHECKING:
     from llmgw.router.keys import KeyRing
@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = RouterConfig()
     add_options(p, url_aliases=("--controller",), token_aliases=("--admin-token",))
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="client listener")
+    p.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
+                   help="serve /metrics with usage per tenant and API key here, to bearers of the admin token "
+                        "(the client listener's /metrics has no tenant or key names)")
+    p.add_argument("--parse-workers", type=int, default=d.parse_workers,
+                   help="processes parsing big request bodies off the event loop (0: all on it)")
     p.add_argument("--api-keys", metavar="FILE", default=None,
                    help="YAML/JSON list of {name, sha256, models}; without it the router checks the keys the "
                         "controller sends, and is open when the controller has none")
@@ -72,10 +77,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def parse_listen(value: str) -> tuple[str, int]:
+def parse_listen(value: str, *, flag: str = "--listen") -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit():
-        raise ConfigError(f"--listen {value!r}: expected HOST:PORT")
+        raise ConfigError(f"{flag} {value!r}: expected HOST:PORT")
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
@@ -90,6 +95,7 @@ def run(args: argparse.Namespace, console: Any = None) -> int:  # noqa: ARG001 -
     try:
         access = resolve(args.url, args.token, args.data_dir)
         host, port = parse_listen(args.listen)
+        metrics_at = parse_listen(args.metrics_listen, flag="--metrics-listen") if args.metrics_listen else None
         keys = KeyRing.load(args.api_keys) if args.api_keys else KeyRing()
     except (AccessError, ConfigError) as exc:
         print(f"llmgw router: {exc}", file=sys.stderr)
@@ -97,10 +103,10 @@ def run(args: argparse.Namespace, console: Any = None) -> int:  # noqa: ARG001 -
     raise_fd_limit()
     config = RouterConfig(hold_timeout=args.hold_timeout, connect_timeout=args.connect_timeout,
                           first_byte_timeout=args.first_byte_timeout, body_limit=args.body_limit,
-                          drain_timeout=args.drain_timeout,
+                          drain_timeout=args.drain_timeout, parse_workers=max(0, args.parse_workers),
                           limits_redis=args.limits_redis or os.environ.get(LIMITS_REDIS_ENV, ""))
     try:
-        _run(_serve(args, access, host, port, keys, config))
+        _run(_serve(args, access, host, port, keys, config, metrics_at=metrics_at))
     except OSError as exc:
         print(f"llmgw router: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
@@ -108,7 +114,7 @@ def run(args: argparse.Namespace, console: Any = None) -> int:  # noqa: ARG001 -
 
 
 async def _serve(args: argparse.Namespace, access: AdminAccess, host: str, port: int, keys: KeyRing,
-                 config: RouterConfig) -> None:
+                 config: RouterConfig, *, metrics_at: tuple[str, int] | None = None) -> None:
     from llmgw.router.app import Router
     from llmgw.router.follow import FeedClient
 
@@ -123,14 +129,22 @@ async def _serve(args: argparse.Namespace, access: AdminAccess, host: str, port:
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     await router.start()
+    metrics = None
     try:
         bound = await router.listen(host, port)
+        if metrics_at is not None:
+            metrics = await listen(router.metrics_app(access.token), *metrics_at, drain_timeout=1.0,
+                                   max_connections=64, openai_errors=False)
+            log.info("metrics with tenant and key names on http://%s:%d/metrics (admin token required)",
+                     *metrics_at)
         await feed.start()
         log.info("router %s listening on http://%s:%d, following %s (%s)", feed.router_id, host, bound,
                  access.url, "open: no API keys" if keys.open else f"{len(keys.keys)} API keys")
         await stop.wait()
         log.info("stopping: %d requests in flight get %.0f s", router.inflight(), config.drain_timeout)
     finally:
+        if metrics is not None:
+            await metrics.cleanup()
         await router.drain()  # first: the last answers' usage goes out with the feed's last report
         await feed.close()
         await router.close()

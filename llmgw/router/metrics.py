@@ -5,6 +5,12 @@ looked up once and cached in a dict keyed by the label tuple, so a request pays 
 and one increment per metric. Gauges that the router already knows (in flight, held, ready
 replicas) are not updated per request at all: a collector reads them at scrape time.
 
+Two registries: :attr:`RouterMetrics.registry` holds the router's own series (requests, latency,
+replicas, queues), served on the client port's ``/metrics`` to anyone; :attr:`RouterMetrics.tenants`
+holds the series labelled with tenant and API key names, which name customers and their usage,
+and is served only behind the admin token (the admin listener's ``/api/v1/metrics`` in the
+controller's process, ``llmgw router --metrics-listen`` for a router of its own).
+
 Label sets of replicas that left the table are removed, so a fleet that scales up and down
 for weeks does not accumulate series (and memory) for replicas long gone. Client-supplied
 model names that resolve to nothing are counted under ``model="unknown"`` for the same reason.
@@ -31,9 +37,14 @@ UNKNOWN = "unknown"
 
 
 class RouterMetrics:
-    """Counters and histograms of one router, registered in ``registry``."""
+    """Counters and histograms of one router, registered in ``registry``; the usage per tenant
+    and key in :attr:`tenants` (see the module's docstring)."""
 
     def __init__(self, registry: CollectorRegistry, gauges: Callable[[], GaugeSnapshot]) -> None:
+        self.registry = registry
+        self.tenants = CollectorRegistry()
+        self.usage = _UsageCollector(gauges)  # also registered in the controller's registry, in its process
+        self.tenants.register(self.usage)
         self.requests = Counter("llmgw_router_requests", "Requests answered, by model asked for, status and "
                                 "replica that served (empty when none did).", ("model", "status", "replica"),
                                 registry=registry)
@@ -103,12 +114,16 @@ class RouterMetrics:
 class GaugeSnapshot:
     """What the collector reports at scrape time; filled by the router."""
 
-    __slots__ = ("inflight", "held", "ready", "cooling", "table_version", "prompt_cache", "usage", "limits_degraded")
+    __slots__ = ("inflight", "held", "ready", "cooling", "table_version", "prompt_cache", "usage", "limits_degraded",
+                 "parsing", "parse_waiting", "parsed_off_loop")
 
     def __init__(self) -> None:
         self.prompt_cache: Mapping[str, PromptCache] = {}
         self.usage: Mapping[tuple[str, str, str], Usage] = {}  # (tenant, key, model)
         self.limits_degraded = False
+        self.parsing = 0  # big request bodies in the parse worker
+        self.parse_waiting = 0  # and waiting for it
+        self.parsed_off_loop = 0  # since start
         self.inflight: dict[tuple[str, str], int] = {}  # (model, replica) → requests
         self.held: dict[str, int] = {}
         self.ready: dict[str, int] = {}
@@ -166,6 +181,26 @@ class _GaugeCollector(Collector):
             for model, c in sorted(snap.prompt_cache.items()):
                 family.add_metric((model,), getattr(c, attr))
             yield family
+        yield GaugeMetricFamily("llmgw_router_limits_degraded", "1 while the Redis that shares tenants' limits "
+                                "cannot be reached and this router applies them alone.",
+                                value=1 if snap.limits_degraded else 0)
+        parse = GaugeMetricFamily("llmgw_router_body_parses", "Big request bodies in the parse worker process "
+                                  "(parsing) and waiting for it (waiting).", labels=("state",))
+        parse.add_metric(("parsing",), snap.parsing)
+        parse.add_metric(("waiting",), snap.parse_waiting)
+        yield parse
+        yield CounterMetricFamily("llmgw_router_body_parses_off_loop", "Request bodies parsed in the worker process "
+                                  "(too big to parse on the event loop) since start.", value=snap.parsed_off_loop)
+
+
+class _UsageCollector(Collector):
+    """Usage per tenant, API key and model: customers' names, served behind the admin token only."""
+
+    def __init__(self, read: Callable[[], GaugeSnapshot]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._read()
         tokens = CounterMetricFamily("llmgw_router_usage_tokens", "Tokens per tenant (empty: the key is in none), "
                                      "API key (empty: no keys configured), model served and kind (prompt, "
                                      "completion), as the engines reported them.",
@@ -180,9 +215,6 @@ class _GaugeCollector(Collector):
             requests.add_metric((tenant, key, model, "stream"), u.counted_from_stream)
         yield tokens
         yield requests
-        yield GaugeMetricFamily("llmgw_router_limits_degraded", "1 while the Redis that shares tenants' limits "
-                                "cannot be reached and this router applies them alone.",
-                                value=1 if snap.limits_degraded else 0)
 
 
 _PROMPT_CACHE_COUNTERS = (

@@ -2,10 +2,10 @@
 
 This is the request path, measured against a bare aiohttp pass-through, so it does only what
 it must: the body is parsed once (the ``model`` and ``stream`` fields are needed, and malformed
-JSON must be refused before an engine sees it), the model name is replaced in the raw bytes
-when that is provably safe, and the answer's bytes are passed on as they arrive — one
-``write`` per chunk the engine sent, ``X-Accel-Buffering: no`` so an nginx in front does not
-hold them back.
+JSON must be refused before an engine sees it; :mod:`llmgw.router.parse`, off the event loop
+when big), the model name is replaced in the raw bytes when that is provably safe, and the
+answer's bytes are passed on as they arrive — one ``write`` per chunk the engine sent,
+``X-Accel-Buffering: no`` so an nginx in front does not hold them back.
 
 Failure before the first byte reaches the client — connection refused, a timeout, the engine
 dropping the connection, or 502/503/504 from the engine — raises :class:`UpstreamFailed`, and
@@ -26,7 +26,10 @@ from typing import Any
 
 from aiohttp import web
 
+from llmgw import jsonbody
 from llmgw.router.answer import TAIL_CHUNKS
+from llmgw.router.parse import BadBody as BadBody  # re-exported: where callers have found it
+from llmgw.router.parse import parse_body as parse_body
 from llmgw.router.upstream import Conn, Origin, UpstreamFailed, UpstreamPool
 from llmgw.router.usage import content_events, strip_usage_events
 
@@ -45,34 +48,6 @@ SSE_DONE = b"data: [DONE]"  # an OpenAI stream's last event
 _DONE_LINE = b"\n" + SSE_DONE
 
 
-class BadBody(ValueError):
-    """The request body cannot be routed; the message is the client's answer."""
-
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def parse_body(raw: bytes) -> tuple[dict[str, Any], str, bool]:
-    """The parsed body, its ``model``, and whether it asks for a stream; raises :class:`BadBody`."""
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:  # includes UnicodeDecodeError
-        raise BadBody(f"The request body is not valid JSON: {exc}", "invalid_json") from None
-    except RecursionError:  # nesting deeper than the parser goes: no engine takes that either
-        raise BadBody("The request body is nested too deeply to be a request.", "invalid_json") from None
-    if type(body) is not dict:
-        raise BadBody("The request body must be a JSON object.", "invalid_json")
-    model = body.get("model")
-    if type(model) is not str or not model:
-        raise BadBody("The request body must name a `model` (a string).", "missing_model")
-    stream = body.get("stream")
-    # Strict: "stream": "no" is truthy, and guessing would answer SSE to a client expecting JSON.
-    if stream is not None and type(stream) is not bool:
-        raise BadBody("`stream` must be true or false.", "invalid_stream")
-    return body, model, stream is True
-
-
 def rewrite_model(raw: bytes, body: dict[str, Any], asked: str, served: str) -> bytes:
     """``raw`` with the top-level ``model`` set to ``served``; everything else byte for byte.
 
@@ -86,6 +61,10 @@ def rewrite_model(raw: bytes, body: dict[str, Any], asked: str, served: str) -> 
     """
     if asked == served:
         return raw
+    if any(type(v) is jsonbody.RawJSON for v in body.values()):
+        # A big body parsed in the worker (llmgw.router.parse): its parts are text already, and
+        # finding the span here would parse them on the event loop after all.
+        return jsonbody.dumps({**body, "model": served})
     if raw.count(b'"model"') == 1 and b"\\u" not in raw:
         old = json.dumps(asked, ensure_ascii=False).encode()
         new = json.dumps(served, ensure_ascii=False).encode()
@@ -101,10 +80,7 @@ def rewrite_model(raw: bytes, body: dict[str, Any], asked: str, served: str) -> 
     span = _top_level_span(text, "model") if text else None
     if span is not None:
         return (text[:span[0]] + json.dumps(served, ensure_ascii=False) + text[span[1]:]).encode()
-    try:
-        return json.dumps({**body, "model": served}, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:  # a lone surrogate: kept as its escape
-        return json.dumps({**body, "model": served}, separators=(",", ":")).encode()
+    return jsonbody.dumps({**body, "model": served})  # a lone surrogate is kept as its escape
 
 
 def _top_level_span(text: str, key: str) -> tuple[int, int] | None:

@@ -24,6 +24,7 @@ import secrets
 from dataclasses import dataclass, fields
 from typing import Any
 
+from llmgw import jsonbody
 from llmgw.contract import MAX_USAGE_ROWS, UsageBatch, UsageRow
 from llmgw.router.answer import last_object
 
@@ -139,10 +140,7 @@ def with_field(raw: bytes, body: dict[str, Any], name: str, value: Any) -> bytes
         i = raw.find(b"{")
         if i >= 0 and not raw[:i].strip(b" \t\r\n\xef\xbb\xbf"):  # UTF-8 (a BOM at most) before the brace
             return raw[:i + 1] + json.dumps({name: value}, separators=(",", ":")).encode()[1:-1] + b"," + raw[i + 1:]
-    try:
-        return json.dumps({**body, name: value}, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:  # a lone surrogate: kept as its escape
-        return json.dumps({**body, name: value}, separators=(",", ":")).encode()
+    return jsonbody.dumps({**body, name: value})  # a big body's unread parts (RawJSON) as they came
 
 
 def with_fields(raw: bytes, body: dict[str, Any], fields: dict[str, Any]) -> bytes:
@@ -150,10 +148,7 @@ def with_fields(raw: bytes, body: dict[str, Any], fields: dict[str, Any]) -> byt
     if len(fields) == 1:
         (name, value), = fields.items()
         return with_field(raw, body, name, value)
-    try:
-        return json.dumps({**body, **fields}, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:  # a lone surrogate: kept as its escape
-        return json.dumps({**body, **fields}, separators=(",", ":")).encode()
+    return jsonbody.dumps({**body, **fields})
 
 
 def strip_usage_events(chunk: bytes) -> bytes:

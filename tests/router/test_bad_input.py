@@ -12,7 +12,7 @@ import pytest
 
 import llmgw.serving as serving_module
 from llmgw.engines.testing import SimProcess
-from tests.router.conftest import serving
+from tests.router.conftest import endpoint, serving, sim_metric
 from tests.router.test_serving import make_router
 
 
@@ -24,7 +24,8 @@ async def post(base: str, path: str, data: bytes, method: str = "POST") -> tuple
 
 
 @pytest.mark.parametrize(("data", "code", "words"), [
-    (b'{"model": "chat", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "invalid_json", "nested"),
+    (b'{"model": "chat", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "invalid_json",
+     "more than 64 levels deep (the limit)"),
     (b'{"model": "chat", "stream": "no", "messages": [{"role": "user", "content": "hi"}]}', "invalid_stream",
      "`stream` must be true or false"),
     (b'{"model": "chat", "stream": 1, "messages": []}', "invalid_stream", "true or false"),
@@ -35,6 +36,62 @@ async def test_bad_bodies_are_400_with_a_reason(chat_sim: SimProcess, data: byte
     async with serving(make_router(chat_sim)) as base:
         status, body = await post(base, "/v1/chat/completions", data)
     assert status == 400 and body["error"]["code"] == code and words in body["error"]["message"], body
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+# Bigger than any body parsed on the event loop: these go to the parse worker (llmgw.router.parse).
+PAD = b'"pad": "' + b"x" * 300_000 + b'", '
+
+
+def deep_bodies(depth: int) -> list[tuple[str, str, bytes]]:
+    """(path, where the nesting sits, body) for every endpoint, streamed or not, small and big."""
+    d = nested(depth)
+    hi = b'[{"role": "user", "content": "hi"}]'
+    shapes = [
+        (CHAT, "a member of its own", b'{"model": "chat", %s"messages": ' + hi + b', "x": ' + d + b"}"),
+        (CHAT, "a message's content", b'{"model": "chat", %s"messages": [{"role": "user", "content": ' + d + b"}]}"),
+        (CHAT, "stream_options", b'{"model": "chat", %s"stream_options": {"x": ' + d + b'}, "messages": ' + hi + b"}"),
+        (CHAT, "tools", b'{"model": "chat", %s"tools": ' + d + b', "messages": ' + hi + b"}"),
+        (COMPLETIONS, "the prompt", b'{"model": "chat", %s"prompt": ' + d + b"}"),
+        (EMBEDDINGS, "the input", b'{"model": "embed", %s"input": ' + d + b"}"),
+    ]
+    out = []
+    for path, where, shape in shapes:
+        for stream in (b"", b'"stream": true, '):
+            for pad in (b"", PAD):
+                out.append((path, f"{where}{', streamed' if stream else ''}{', big' if pad else ''}",
+                            shape % (stream + pad)))
+    return out
+
+
+CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+
+
+@pytest.mark.parametrize("depth", [100, 976, 100_000])
+async def test_deep_json_is_a_400_naming_the_limit_on_every_endpoint(chat_sim: SimProcess, embed_sim: SimProcess,
+                                                                     depth: int) -> None:
+    """A 976-deep body passed the parse, reached the engine and came back a 500 with a traceback."""
+    before = sim_metric(chat_sim.endpoint, "llmgw_sim_requests_total")
+    router = make_router(chat_sim, endpoint("embed", embed_sim.endpoint, task="embedding"))
+    async with serving(router) as base:
+        for path, where, data in deep_bodies(depth):
+            status, body = await post(base, path, data)
+            assert status == 400, (path, where, status, body)
+            assert body["error"]["code"] == "invalid_json", (path, where, body)
+            assert "more than 64 levels deep (the limit)" in body["error"]["message"], (path, where, body)
+    assert sim_metric(chat_sim.endpoint, "llmgw_sim_requests_total") == before  # the engine saw none of them
+
+
+async def test_json_as_deep_as_the_limit_is_served(chat_sim: SimProcess) -> None:
+    async with serving(make_router(chat_sim)) as base:
+        for pad in (b"", PAD):  # on the event loop, and in the parse worker
+            data = b'{"model": "chat", ' + pad + b'"messages": [{"role": "user", "content": "hi"}], "x": ' \
+                + nested(63) + b"}"  # 64 levels with the body itself
+            status, body = await post(base, CHAT, data)
+            assert status == 200 and body["choices"][0]["message"]["content"], body
 
 
 async def test_unknown_paths_and_wrong_methods_answer_in_the_openai_format(chat_sim: SimProcess) -> None:

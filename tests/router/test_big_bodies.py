@@ -1,0 +1,198 @@
+"""Big request bodies are parsed off the event loop (issue 24): a real router, real HTTP, a real
+parse worker process; engines are raw sockets that record what they got, or the simulator.
+
+What a user would check: a big body reaches the engine whole (with only the router's own changes),
+a small request is answered while big ones wait for the parser, a parser that is busy or dies is
+a 503 worth retrying, and a big body is admitted exactly as a small one would be."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmgw.catalog.model import Budget, Catalog, Limits, Settings, Tenant
+from llmgw.engines.testing import SimProcess
+from llmgw.router import KeyRing, Router, RouterConfig, hash_key
+from tests.router.conftest import endpoint, serving
+from tests.router.fake_controller import model
+from tests.router.test_deliveries import engine, write_completion
+from tests.router.test_serving import make_router
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
+KEYS = [{"name": "team-key", "sha256": hash_key("sk-team"), "models": ["*"]}]
+
+
+def big_messages(n: int = 600) -> list[dict]:
+    # ~400 KB: above what is parsed on the event loop (llmgw.router.parse.INLINE_BYTES).
+    return [{"role": "user", "content": f"é ☃ \U0001F600 \"{i}\" \\ \n" * 30} for i in range(n)]
+
+
+def pathological(model: str = "chat") -> bytes:
+    """~8 MB of tiny messages: the shape that costs a JSON parser the most per byte."""
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "x"}] * 300_000}).encode()
+
+
+async def post(s: aiohttp.ClientSession, base: str, data: bytes, *, path: str = CHAT,
+               key: str | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    async with s.post(base + path, data=io.BytesIO(data), headers=headers, timeout=aiohttp.ClientTimeout(total=120)) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def metrics(s: aiohttp.ClientSession, base: str) -> dict[tuple[str, tuple], float]:
+    async with s.get(base + "/metrics") as r:
+        text = await r.text()
+    return {(x.name, tuple(sorted(x.labels.items()))): x.value
+            for f in text_string_to_metric_families(text) for x in f.samples}
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 60.0) -> None:
+    """Wait for an event the test can only observe by asking (a hang guard, not a timing claim)."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not await check():
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"not seen within {timeout} s: {what}") from None
+
+
+async def parser_holds(s: aiohttp.ClientSession, base: str, parsing: int, waiting: int) -> bool:
+    m = await metrics(s, base)
+    return (m[("llmgw_router_body_parses", (("state", "parsing"),))],
+            m[("llmgw_router_body_parses", (("state", "waiting"),))]) == (parsing, waiting)
+
+
+def parse_workers() -> list[int]:
+    """This process's parse workers: children started by multiprocessing's spawn."""
+    me = str(os.getpid())
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            argv = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if ppid == me and b"spawn_main" in argv:
+            found.append(int(proc.name))
+    return found
+
+
+async def answer_whole(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    await write_completion(w, 5, 2)
+
+
+def keyed(url: str, limits: Limits | None = None, **config: object) -> Router:
+    router = Router(keys=KeyRing.from_entries(KEYS), config=RouterConfig(**config))  # type: ignore[arg-type]
+    tenants = (Tenant("team", ("team-key",), limits),) if limits is not None else ()
+    router.set_catalog(Catalog(models=(model("chat", aliases=("gpt-x",)),), settings=Settings(tenants=tenants)))
+    router.set_endpoints([endpoint("chat", url, names=("chat", "gpt-x"))])
+    return router
+
+
+def received(seen: list[bytes]) -> dict:
+    return json.loads(seen[-1].split(b"\r\n\r\n", 1)[1])
+
+
+async def test_a_big_body_reaches_the_engine_whole_with_only_the_routers_changes() -> None:
+    body = {"model": "gpt-x", "stream": True, "stream_options": {"continuous_usage_stats": False},
+            "messages": big_messages(), "temperature": 0.25, "x-vendor": {"a": [1, 2, {"b": None}]},
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    raw = json.dumps(body, ensure_ascii=False).encode()
+    capped = {**body, "model": "chat", "stream": False, "max_tokens": 10, "max_completion_tokens": 20}
+    del capped["stream_options"]
+    async with engine(answer_whole) as (url, seen), aiohttp.ClientSession() as s:
+        router = keyed(url, Limits(budget=Budget(tokens=10_000_000, per="day")))
+        async with serving(router) as base:
+            # Streamed, by an alias: the model renamed, the usage event asked for, and (a budget is a cap)
+            # the default completion limit set; the rest as sent.
+            assert (await post(s, base, raw, key="sk-team"))[0] == 200
+            assert received(seen) == {**body, "model": "chat", "max_tokens": 256,
+                                      "stream_options": {"continuous_usage_stats": False, "include_usage": True}}
+            # A tenant with a budget: both completion limits sent as what was reserved (20).
+            assert (await post(s, base, json.dumps(capped).encode(), key="sk-team"))[0] == 200
+            assert received(seen) == {**capped, "max_tokens": 20}
+            seen_by = await metrics(s, base)
+    assert seen_by[("llmgw_router_body_parses_off_loop_total", ())] == 2  # both went through the worker
+
+
+async def test_small_requests_are_answered_while_big_bodies_wait_for_the_parser(chat_sim: SimProcess) -> None:
+    """Two senders of 8 MB bodies held the event loop; with the parser stopped dead (SIGSTOP),
+    nothing but the big bodies waits, and at most one of them is in the worker at a time."""
+    router = make_router(chat_sim)
+    async with serving(router) as base, aiohttp.ClientSession() as s:
+        assert (await post(s, base, pathological("nope")))[0] == 404  # parsed (in the worker), then refused
+        [worker] = parse_workers()
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            bigs = [asyncio.create_task(post(s, base, pathological("nope"))) for _ in range(3)]
+
+            await until(lambda: parser_holds(s, base, 1, 2), "one big body in the stopped worker, two waiting")
+            for i in range(5):
+                status, answer = await post(s, base, json.dumps({"model": "chat", "messages": HI,
+                                                                 "user": str(i)}).encode())
+                assert status == 200 and answer["choices"][0]["message"]["content"], answer
+            assert not any(t.done() for t in bigs)
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        assert [status for status, _ in await asyncio.gather(*bigs)] == [404, 404, 404]
+
+
+async def test_a_body_that_waits_too_long_for_the_parser_is_a_503_and_a_dead_parser_is_replaced(
+        chat_sim: SimProcess) -> None:
+    router = make_router(chat_sim, body_timeout=2.0)  # also how long a body may wait for the parser
+    async with serving(router) as base, aiohttp.ClientSession() as s:
+        assert (await post(s, base, pathological("nope")))[0] == 404
+        [worker] = parse_workers()
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            both = {asyncio.create_task(post(s, base, pathological("nope"))) for _ in range(2)}
+            await until(lambda: parser_holds(s, base, 1, 1), "one big body in the stopped worker, one waiting")
+            done, [parsing] = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+            status, answer = done.pop().result()
+            assert status == 503 and "busy" in answer["error"]["message"], answer
+        finally:
+            os.kill(worker, signal.SIGKILL)  # dies with a body in it (out of memory, a stray kill -9)
+        status, answer = await parsing
+        assert status == 503 and "stopped" in answer["error"]["message"], answer
+        # The next big body gets a new worker and is served.
+        big = json.dumps({"model": "chat", "messages": big_messages()}).encode()
+        status, answer = await post(s, base, big)
+        assert status == 200 and answer["choices"][0]["message"]["content"], answer
+        assert len(parse_workers()) == 1
+    assert parse_workers() == []  # the router's close stops its worker
+
+
+async def test_a_big_batch_is_admitted_as_its_prompts_add_up() -> None:
+    """A batch of prompts reserves each prompt's answers, however big the body: counted as one, a
+    batch of 300 would have been admitted against a limit it needs 300 times over."""
+    batch = ["Tell me a story about the number %d. " % i * 30 for i in range(300)]  # ~350 KB: the worker's
+    async with engine(answer_whole) as (url, seen), aiohttp.ClientSession() as s:
+        router = keyed(url, Limits(budget=Budget(tokens=200_000, per="day")))
+        async with serving(router) as base:
+            for prompts, status in ((batch, 400), (batch[:1] * 300, 400), (batch[0] * 300, 200)):
+                data = json.dumps({"model": "chat", "prompt": prompts, "max_tokens": 1000}).encode()
+                got, answer = await post(s, base, data, path=COMPLETIONS, key="sk-team")
+                assert got == status, answer
+                if status == 400:
+                    assert answer["error"]["code"] == "exceeds_budget", answer
+    assert len(seen) == 1  # one prompt of the same size: admitted and sent
+
+
+async def test_without_parse_workers_every_body_is_parsed_inline(chat_sim: SimProcess) -> None:
+    router = make_router(chat_sim, parse_workers=0)
+    async with serving(router) as base, openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as c:
+        r = await c.chat.completions.create(model="chat", messages=big_messages())  # type: ignore[arg-type]
+        assert r.choices[0].message.content
+        assert parse_workers() == []
