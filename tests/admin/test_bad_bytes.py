@@ -1,5 +1,6 @@
-"""Bad bytes from outside get a clear 401, never a 500: an Authorization header or a webhook
-signature that is not ASCII (seen: a traceback in the token compare and in the HMAC compare)."""
+"""Bad bytes from outside get a clear 4xx, never a 500: an Authorization header or a webhook
+signature that is not ASCII (seen: a traceback in the token compare and in the HMAC compare), a
+JSON body nested deeper than any request (seen: a traceback after the parse)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.admin.conftest import Running
+from tests.admin.conftest import TOKEN, Running
 
 pytestmark = pytest.mark.slow
 
@@ -45,3 +46,33 @@ def test_bytes_the_http_parser_rejects_get_the_admin_apis_json_error(running: Ru
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head[9:12] == b"400" and b"application/json" in head, answer[:300]
     assert b'"error": "The request is not valid HTTP/1.1' in body
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+# Every route of the admin listener that reads a JSON body, with a body it would otherwise take.
+JSON_ROUTES = [
+    ("/api/v1/sync", b'{"allow_prune": false, "x": %s}'),
+    ("/api/v1/nodes/node-0/state", b'{"state": "ready", "x": %s}'),
+    ("/api/v1/nodes/node-0/takeover", b'{"x": %s}'),
+    ("/api/v1/models", b'{"name": "deep", "x": %s}'),
+    ("/api/v1/weights/collect", b'{"paths": %s}'),
+    ("/api/v1/router/report", b'{"router_id": "r1", "last_used": {}, "demand": %s}'),  # the routers' reports
+]
+
+
+@pytest.mark.parametrize("depth", [100, 976, 100_000])
+def test_deep_json_is_a_400_naming_the_limit_on_every_admin_route(running: Running, depth: int) -> None:
+    """A body 976 levels deep passed the parse and failed later, as a 500 with a traceback."""
+    head = running.controller.desired.catalog
+    for path, shape in JSON_ROUTES:
+        body = shape % nested(depth)
+        answer = raw_request(running.url, b"POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                             % (path.encode(), TOKEN.encode(), len(body), body))
+        status, _, rest = answer.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 400"), (path, answer[:300])
+        assert b"more than 64 levels deep (the limit)" in rest, (path, rest[:300])
+    assert running.controller.desired.catalog is head  # nothing was committed or applied
