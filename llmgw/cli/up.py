@@ -27,10 +27,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run everything on this machine: the example catalog on simulated engines")
     p.add_argument("--catalog", help="catalog directory to start from (default: the bundled examples/catalog)")
     p.add_argument("--data-dir", help=f"where state lives (default: {default_data_dir()})")
-    p.add_argument("--router-port", type=int, default=8080, help="OpenAI-compatible API port (default 8080)")
-    p.add_argument("--admin-port", type=int, default=8081, help="admin API and dashboard port (default 8081)")
+    p.add_argument("--router-port", type=_port, default=8080, help="OpenAI-compatible API port (default 8080)")
+    p.add_argument("--admin-port", type=_port, default=8081, help="admin API and dashboard port (default 8081)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
+
+
+def _port(value: str) -> int:
+    """A TCP port to listen on. 0 is refused too: it would listen on a random port while the
+    welcome, the address file and the tour name the one given."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port to listen on (1-65535)")
+    return port
+
+
+def _option_errors(args: argparse.Namespace) -> list[str]:
+    """Values that would be ignored or misread: each an error naming its option."""
+    errors = [f"{flag}: an empty path (an unset shell variable?); leave the option out for the default"
+              for flag, value in (("--catalog", args.catalog), ("--data-dir", args.data_dir))
+              if value is not None and not value.strip()]
+    if args.router_port == args.admin_port:
+        errors.append(f"--router-port and --admin-port are both {args.router_port}: each listener needs its own port")
+    return errors
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -44,9 +66,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     # the shutdown below, whatever became of the pipe or terminal it goes to.
     guard()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    data_dir = Path(args.data_dir).resolve() if args.data_dir else default_data_dir()
+    if errors := _option_errors(args):
+        return max(fail(console, e) for e in errors)
+    data_dir = Path(args.data_dir).resolve() if args.data_dir is not None else default_data_dir()
     try:
-        cfg = prepare(data_dir, catalog=Path(args.catalog).resolve() if args.catalog else None,
+        cfg = prepare(data_dir, catalog=Path(args.catalog).resolve() if args.catalog is not None else None,
                       router_port=args.router_port, admin_port=args.admin_port)
     except LlmgwError as exc:
         return fail(console, str(exc))

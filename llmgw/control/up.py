@@ -8,6 +8,7 @@ process. A second run finds all of it and comes back on the same state.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -21,9 +22,10 @@ from typing import Any
 
 import yaml
 
+from llmgw.catalog import RawFile, read_directory, validate_files
 from llmgw.catalog.schema import SCHEMA_DIR
 from llmgw.control.config import ControllerConfig, Listen, ServerConfig
-from llmgw.errors import ConfigError
+from llmgw.errors import CatalogError, ConfigError
 from llmgw.reconciler import ReconcilerConfig
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "catalog"
@@ -59,36 +61,115 @@ class UpLayout:
         return self.data_dir / "controller"
 
 
-def _git(cwd: Path, *args: str) -> None:
+def _git(cwd: Path, *args: str, check: bool = True) -> str | None:
+    """git's output; None when it failed and ``check`` is off (``git config --get`` of a missing key)."""
     proc = subprocess.run(["git", *args], cwd=cwd, env={**os.environ, **GIT_ENV}, capture_output=True, text=True,
                           timeout=30, check=False)
     if proc.returncode != 0:
+        if not check:
+            return None
         raise ConfigError(f"git {args[0]} in {cwd} failed: {proc.stderr.strip()}")
+    return proc.stdout.strip()
 
 
-def init_catalog(layout: UpLayout, source: Path) -> bool:
-    """Copy ``source`` into a new git repository, unless one is there; True when created."""
-    repo = layout.catalog
-    if (repo / ".git").exists():
-        return False
-    if not (source / "nodes.yaml").exists():
-        raise ConfigError(f"--catalog {source}: not a catalog directory (no nodes.yaml)")
-    shutil.copytree(source, repo, dirs_exist_ok=True)
-    # Point each file's schema comment at the installed schemas, so an editor opening the
-    # copy still completes and checks it.
-    for f in [repo / "llmgw.yaml", repo / "nodes.yaml", *sorted((repo / "models").glob("*.yaml"))]:
-        if f.exists():
-            text = f.read_text()
-            text = re.sub(r"\$schema=\S*/(\w+\.schema\.json)",
-                          lambda m: f"$schema={(SCHEMA_DIR / m.group(1)).as_uri()}", text)
-            f.write_text(text)
-    _git(repo, "init", "-q", "-b", "main")
+@dataclass(frozen=True)
+class Seed:
+    """The catalog a data dir starts from: its files, as the controller would read them."""
+
+    source: Path
+    flag: str  # how the user named it, for messages: "--catalog X", or the bundled examples
+    files: dict[str, RawFile]
+
+    @property
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for path in sorted(self.files):
+            digest.update(path.encode() + b"\0" + self.files[path].data + b"\0")
+        return digest.hexdigest()
+
+
+SHOWN_PROBLEMS = 10
+
+
+def read_seed(source: Path | None) -> Seed:
+    """``source`` (default: the bundled examples) read and validated, or a ConfigError naming
+    ``--catalog``: seeding an invalid catalog would start `up` with nothing to run and the reason
+    only in its status, and one without a local node could not run at all."""
+    flag = f"--catalog {source}" if source is not None else f"the bundled catalog {EXAMPLES}"
+    root = source or EXAMPLES
+    if not root.exists():
+        raise ConfigError(f"{flag}: no such directory")
+    if not root.is_dir():
+        raise ConfigError(f"{flag}: not a directory (a catalog is a directory holding nodes.yaml and models/)")
+    try:
+        files = read_directory(root)
+    except (CatalogError, OSError) as exc:
+        raise ConfigError(f"{flag}: cannot read it: {exc}") from exc
+    if "nodes.yaml" not in files and "nodes.yml" not in files:
+        raise ConfigError(f"{flag}: not a catalog directory (no nodes.yaml)")
+    result = validate_files(files)
+    if not result.ok or result.catalog is None:
+        problems = [f"  {root}/{p}" for p in result.problems[:SHOWN_PROBLEMS]]
+        more = len(result.problems) - len(problems)
+        raise ConfigError(f"{flag}: not a valid catalog (`llmgw validate {root}` shows every problem):\n"
+                          + "\n".join(problems) + (f"\n  …and {more} more" if more > 0 else ""))
+    if not any(n.transport == "local" for n in result.catalog.nodes):
+        raise ConfigError(f"{flag}: nodes.yaml has no node with transport: local, for llmgw up to run its "
+                          "engines on (examples/catalog/nodes.yaml has one to copy)")
+    return Seed(root, flag, files)
+
+
+SEED_SHA = "llmgw.seedsha256"  # git config in the data dir's catalog repository
+SEED_SOURCE = "llmgw.seedsource"
+
+
+def init_catalog(layout: UpLayout, seed: Seed) -> None:
+    """A new git repository at ``layout.catalog`` holding ``seed``'s catalog files, in one commit.
+
+    Built beside and renamed into place: a seeding cut short (a full disk, Ctrl-C) leaves no
+    half-made repository that a later run would take for the data dir's catalog. Only the files
+    the controller reads are copied, never following a symlink (none passed validation)."""
+    tmp = layout.data_dir / f".catalog.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for rel, raw in seed.files.items():
+        text = raw.data.decode()
+        # Point each file's schema comment at the installed schemas, so an editor opening the
+        # copy still completes and checks it.
+        text = re.sub(r"\$schema=\S*/(\w+\.schema\.json)",
+                      lambda m: f"$schema={(SCHEMA_DIR / m.group(1)).as_uri()}", text)
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).write_text(text)
+    _git(tmp, "init", "-q", "-b", "main")
     # Pushes from the controller's commit writer (models added through the API) update the
     # checked-out tree, as long as it has no uncommitted edits.
-    _git(repo, "config", "receive.denyCurrentBranch", "updateInstead")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", "Initial catalog (llmgw up)")
-    return True
+    _git(tmp, "config", "receive.denyCurrentBranch", "updateInstead")
+    # What this data dir started from: a later `--catalog` naming the same files is the same
+    # start, anything else is not (see check_seed).
+    _git(tmp, "config", SEED_SHA, seed.fingerprint)
+    _git(tmp, "config", SEED_SOURCE, str(seed.source))
+    _git(tmp, "add", "-A")
+    _git(tmp, "commit", "-q", "-m", "Initial catalog (llmgw up)")
+    os.rename(tmp, layout.catalog)
+
+
+def check_seed(layout: UpLayout, source: Path) -> None:
+    """``--catalog`` given for a data dir that has its catalog: the same start, or an error.
+
+    The data dir's catalog is a git repository with its own history since (the tour commits to
+    it); `up` never replaces it. `--catalog` naming other files than those it started from was
+    once silently ignored, so `up` served a catalog the user had not asked for."""
+    if source.resolve() == layout.catalog.resolve():
+        return
+    seed = read_seed(source)
+    if _git(layout.catalog, "config", "--get", SEED_SHA, check=False) == seed.fingerprint:
+        return  # the same files this data dir started from: it goes on from its own catalog
+    started = _git(layout.catalog, "config", "--get", SEED_SOURCE, check=False)
+    raise ConfigError(
+        f"--catalog {source}: the data dir {layout.data_dir} already has its catalog, {layout.catalog}"
+        + (f" (started from {started}, with these files as they were then)" if started else "")
+        + f", and --catalog only starts a new data dir. To run {source}: add --data-dir with a new "
+        f"directory, or copy its files into {layout.catalog} and commit them; to go on with the data "
+        "dir's catalog, leave out --catalog.")
 
 
 def local_node_spec(catalog_dir: Path) -> dict:
@@ -150,9 +231,27 @@ def admin_token(layout: UpLayout) -> str:
 
 
 def prepare(data_dir: Path, *, catalog: Path | None, router_port: int, admin_port: int) -> ServerConfig:
+    """The data dir made ready (its catalog seeded on first run), and the config serving it.
+
+    Every check comes before anything is written, so a refused `up` leaves nothing behind."""
     layout = UpLayout(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    init_catalog(layout, catalog or EXAMPLES)
+    if data_dir.exists() and not data_dir.is_dir():
+        raise ConfigError(f"--data-dir {data_dir}: not a directory")
+    if (layout.catalog / ".git").exists():
+        if catalog is not None:
+            check_seed(layout, catalog)
+        seed = None
+    elif layout.catalog.exists():
+        raise ConfigError(f"--data-dir {data_dir}: {layout.catalog} exists but is not a git repository (not "
+                          "made by llmgw up); move it away, or use another --data-dir")
+    else:
+        seed = read_seed(catalog)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--data-dir {data_dir}: cannot create it: {exc.strerror or exc}") from exc
+    if seed is not None:
+        init_catalog(layout, seed)
     write_agent_config(layout)
     return ServerConfig(
         controller=ControllerConfig(

@@ -14,8 +14,6 @@ import pytest
 from tests.conftest import git
 from tests.e2e.processes import LLMGW, free_port, start, stop, wait_for
 
-pytestmark = pytest.mark.slow
-
 NEW_MODEL = """\
 name: sim-extra
 aliases: [extra]
@@ -47,6 +45,7 @@ def processes_under(root: Path) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_up_serves_applies_commits_and_stops_clean(tmp_path: Path) -> None:
     data = tmp_path / "state"
     router_port, admin_port = free_port(), free_port()
@@ -124,6 +123,7 @@ def test_up_serves_applies_commits_and_stops_clean(tmp_path: Path) -> None:
     assert processes_under(data) == []
 
 
+@pytest.mark.slow
 def test_a_port_in_use_is_a_clear_error_naming_the_flag(tmp_path: Path) -> None:
     import socket
 
@@ -138,3 +138,96 @@ def test_a_port_in_use_is_a_clear_error_naming_the_flag(tmp_path: Path) -> None:
     out = log.read_text()
     assert f"--router-port port {port} on 127.0.0.1 is already in use" in out
     assert "Traceback" not in out
+
+
+def up_refuses(tmp_path: Path, *args: str, data_dir: str | Path | None = None) -> str:
+    """Run `llmgw up` expecting a refusal before anything starts; its whole output.
+
+    Run in ``tmp_path`` and in a session of its own: an `up` that starts after all (a bug) does
+    so there, and is stopped with all it started."""
+    data = str(tmp_path / "state") if data_dir is None else str(data_dir)
+    proc = subprocess.Popen([LLMGW, "up", "--data-dir", data, *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        stop(proc, signal.SIGINT, timeout=60)
+        raise AssertionError("llmgw up did not refuse: it started") from None
+    assert proc.returncode != 0, out
+    assert "Traceback" not in out and "llmgw is up" not in out, out
+    return out
+
+
+def a_catalog(tmp_path: Path, name: str, *, extra: str | None = None) -> Path:
+    from tests.conftest import EXAMPLES
+
+    catalog = tmp_path / name
+    catalog.mkdir()
+    for rel in ("llmgw.yaml", "nodes.yaml"):
+        (catalog / rel).write_text((EXAMPLES / rel).read_text())
+    (catalog / "models").mkdir()
+    (catalog / "models" / "sim-chat.yaml").write_text((EXAMPLES / "models" / "sim-chat.yaml").read_text())
+    if extra:
+        (catalog / "models" / "sim-extra.yaml").write_text(extra)
+    return catalog
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--catalog", "/nonexistent"], "error: --catalog /nonexistent: no such directory"),
+    (["--catalog", ""], "error: --catalog: an empty path"),
+    (["--catalog", "/etc/hostname"], "error: --catalog /etc/hostname: not a directory"),
+    (["--catalog", "/tmp"], "error: --catalog /tmp: not a catalog directory (no nodes.yaml)"),
+    (["--router-port", "70000"], "argument --router-port: 70000 is not a port to listen on (1-65535)"),
+    (["--admin-port", "0"], "argument --admin-port: 0 is not a port to listen on (1-65535)"),
+    (["--admin-port", "http"], "argument --admin-port: 'http' is not a port number"),
+    (["--router-port", "18080", "--admin-port", "18080"],
+     "error: --router-port and --admin-port are both 18080: each listener needs its own port"),
+])
+def test_an_option_up_cannot_honour_is_an_error_naming_it(tmp_path: Path, args: list[str], message: str) -> None:
+    assert message in up_refuses(tmp_path, *args)
+    assert not (tmp_path / "state").exists()  # refused before anything was made
+
+
+def test_an_empty_or_unusable_data_dir_is_an_error_naming_it(tmp_path: Path) -> None:
+    assert "error: --data-dir: an empty path" in up_refuses(tmp_path, data_dir="")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    assert f"error: --data-dir {a_file}: not a directory" in up_refuses(tmp_path, data_dir=a_file)
+
+
+def test_an_invalid_catalog_is_refused_with_its_problems_before_anything_starts(tmp_path: Path) -> None:
+    catalog = a_catalog(tmp_path, "bad", extra="name: sim-extra\nsource: sim://extra\nsize_gb: -1\nprofiles: []\n")
+    out = up_refuses(tmp_path, "--catalog", str(catalog))
+    assert f"error: --catalog {catalog}: not a valid catalog (`llmgw validate {catalog}` shows every problem)" in out
+    assert f"{catalog}/models/sim-extra.yaml:3:" in out, out
+    assert not (tmp_path / "state").exists()
+
+    no_local = a_catalog(tmp_path, "remote-only")
+    nodes = (no_local / "nodes.yaml").read_text()
+    (no_local / "nodes.yaml").write_text(nodes.replace("transport: local", "transport: ssh"))
+    assert "nodes.yaml has no node with transport: local" in up_refuses(tmp_path, "--catalog", str(no_local))
+
+
+def test_catalog_for_a_data_dir_started_from_other_files_is_an_error(tmp_path: Path) -> None:
+    """The data dir's catalog once silently won over --catalog: `up` served what nobody asked for."""
+    from llmgw.control.up import prepare
+
+    first = a_catalog(tmp_path, "first")
+    data = tmp_path / "state"
+    prepare(data, catalog=first, router_port=18080, admin_port=18081)  # as `up --catalog first` does
+    seeded = git(data / "catalog", "rev-parse", "HEAD")
+
+    # The same files again: the same start, the data dir goes on from its own catalog.
+    prepare(data, catalog=first, router_port=18080, admin_port=18081)
+    prepare(data, catalog=data / "catalog", router_port=18080, admin_port=18081)
+    assert git(data / "catalog", "rev-parse", "HEAD") == seeded
+
+    other = a_catalog(tmp_path, "other", extra=NEW_MODEL)
+    for catalog in (other, first):
+        out = up_refuses(tmp_path, "--catalog", str(catalog), data_dir=data)
+        assert f"error: --catalog {catalog}: the data dir {data} already has its catalog, {data}/catalog " \
+               f"(started from {first}, with these files as they were then), and --catalog only starts a new " \
+               "data dir" in out, out
+        assert "add --data-dir with a new directory" in out
+        (first / "models" / "sim-extra.yaml").write_text(NEW_MODEL)  # the second round: `first` was edited
+    assert git(data / "catalog", "rev-parse", "HEAD") == seeded  # nothing replaced
