@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO_ROOT
 
@@ -34,3 +39,39 @@ def test_catalog_reference_in_the_readme_is_generated_from_the_schemas() -> None
 
 def test_readme_first_command_runs_llmgw_up() -> None:
     assert _commands()[0].endswith("llmgw up")
+
+
+def _tour() -> str:
+    text = (REPO_ROOT / "README.md").read_text()
+    start = text.index("## A five-minute tour")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def _venv() -> str:
+    found = re.search(r"python3 -m venv (\S+)", _commands()[0])
+    assert found, "the set-up command makes a venv"
+    return found.group(1)
+
+
+def test_the_tour_puts_llmgw_on_path_before_its_first_bare_llmgw() -> None:
+    """The set-up installs into a venv, not onto PATH: a bare `llmgw` in the tour failed."""
+    activate = {f"source {_venv()}/bin/activate", f". {_venv()}/bin/activate"}
+    lines = [line.strip() for block in re.findall(r"```sh\n(.+?)\n```", _tour(), re.S) for line in block.splitlines()]
+    first_llmgw = next(i for i, line in enumerate(lines) if re.match(r"(.*&&\s*)?llmgw\b", line))
+    assert any(line in activate for line in lines[:first_llmgw]), lines[:first_llmgw + 1]
+    # One way throughout: not the venv's path in one place and a bare name in another.
+    assert f"{_venv()}/bin/llmgw" not in _tour()
+
+
+def test_activating_the_venv_puts_llmgw_on_path_from_any_directory(tmp_path: Path) -> None:
+    """What the tour's activation line does, with the venv running these tests (the set-up's own
+    `.venv` when run as the README says); the tour goes on in the catalog repository, elsewhere."""
+    venv = Path(sys.prefix)
+    if not (venv / "bin" / "activate").exists():
+        pytest.skip(f"the tests run outside a venv ({venv}): nothing to activate")
+    found = subprocess.run(
+        ["bash", "-c", f'source "{venv}/bin/activate" && cd "{tmp_path}" && command -v llmgw'],
+        capture_output=True, text=True, timeout=30, check=False,
+        env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert found.returncode == 0, found.stderr
+    assert Path(found.stdout.strip()) == venv / "bin" / "llmgw"
