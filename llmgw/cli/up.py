@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -136,6 +138,19 @@ def _is_tty(console: Console) -> bool:
         return False
 
 
+def _command() -> str:
+    """How the user can run `llmgw` from anywhere: the bare name when it is this very program on
+    PATH, else the path this one was started by (the README's set-up runs `.venv/bin/llmgw up`,
+    with nothing on PATH, and a bare `llmgw` in the hint failed)."""
+    started = Path(sys.argv[0])
+    if started.name != "llmgw":  # `python -m llmgw.cli.main`: no path to offer
+        return "llmgw"
+    found = shutil.which("llmgw")
+    if found and Path(found).resolve() == started.resolve():
+        return "llmgw"
+    return str(started.absolute())
+
+
 def _welcome(console: Console, router: str, admin: str, layout: UpLayout, token: str) -> None:
     model = "gpt-4o-mini"
     curl = (f"curl -s {router}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
@@ -153,5 +168,5 @@ def _welcome(console: Console, router: str, admin: str, layout: UpLayout, token:
     console.print(curl, markup=False, highlight=False)
     console.print(py, markup=False, highlight=False)
     console.print("Operator commands find this controller and its token by themselves: "
-                  f"[bold]llmgw status --data-dir {layout.data_dir}[/]")
+                  f"[bold]{_command()} status --data-dir {layout.data_dir}[/]")
     console.print("Ctrl-C stops everything, engines included.", style="dim")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -59,6 +60,9 @@ def test_up_serves_applies_commits_and_stops_clean(tmp_path: Path) -> None:
         assert url == f"http://127.0.0.1:{router_port}/v1"
         assert f"token in {data}/admin.token" in text and f"catalog    {data}/catalog" in text
         assert oct((data / "admin.token").stat().st_mode & 0o777) == "0o600"
+        # The hint names a command that runs from anywhere: bare only when that is this llmgw on PATH.
+        on_path = shutil.which("llmgw") and Path(shutil.which("llmgw")).resolve() == Path(LLMGW).resolve()
+        assert f"{'llmgw' if on_path else LLMGW} status --data-dir {data}" in text
 
         client = openai.OpenAI(base_url=url, api_key="unused", timeout=10, max_retries=0)
 
