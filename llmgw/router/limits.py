@@ -383,6 +383,20 @@ class Limiter:
         self._scopes_of[(key, models)] = scopes
         return scopes
 
+    def tenant_scope(self, key: str) -> Scope | None:
+        """The scope of the key's tenant as a whole (every model falls in it); None: not limited."""
+        tenant = self._tenant_of.get(key)
+        return None if tenant is None else self._scopes.get((tenant, ""))
+
+    def precheck(self, key: str, reserve: int, now: float) -> Refusal | None:
+        """A refusal that needs no body: the key's tenant cannot be admitted for any model with
+        at least ``reserve`` tokens (its requests per minute, requests in flight, tokens per
+        minute or budget), or None. Takes nothing; a request it lets through is checked in full."""
+        s = self.tenant_scope(key)
+        if s is None:
+            return None
+        return self.never_fits((s,), reserve) or self._check(s, reserve, now)
+
     @staticmethod
     def never_fits(scopes: tuple[Scope, ...], reserve: int) -> Refusal | None:
         """A refusal when ``reserve`` alone exceeds a scope's whole budget: waiting cannot help."""

@@ -246,6 +246,10 @@ return '{"t":' .. string.format('%%.6f', clock) .. ',"r":' .. (#out == 0 and '[]
 # A step queued for the next call, and (a grant) who waits for its answer.
 Counts = tuple[int, int, int, int]  # requests, tokens, budget tokens, slots
 ERROR_LOG_EVERY = 60.0  # seconds between tracebacks of the same kind of failed call (each is counted)
+# Seconds a refusal from Redis is answered again before a body is read (``precheck``): what the
+# refusal said to wait, and for limits above CHUNK_SHARE never longer than this (allowances other
+# routers give back may free them sooner); a budget spent to the last token, a minute at a time.
+REFUSAL_MEMORY = 1.0
 
 
 class LimitsBroken(Exception):
@@ -421,6 +425,9 @@ class SharedLimits:
         # Scope name -> (budget period, tokens used and reserved) as Redis last said: where degraded
         # mode starts from when Redis goes away.
         self._known: dict[str, tuple[float, int]] = {}
+        # Scope name -> (until, and when its wait ends, on this router's clock; the refusal; the
+        # limits it was for).
+        self._refused: dict[str, tuple[float, float, Refusal, Any]] = {}
         self.instance = secrets.token_hex(8)  # whose holdings these are, in Redis
         self.in_flight = 0  # requests admitted from allowances and not ended
         self._redis = redis.from_url(url, socket_timeout=TIMEOUT, socket_connect_timeout=TIMEOUT)
@@ -464,6 +471,48 @@ class SharedLimits:
         if isinstance(got, Exception):  # Redis away: this router limits alone meanwhile
             return self._alone(limiter, key, models, reserve, now)
         return got
+
+    def precheck(self, limiter: Limiter, key: str, reserve: int, now: float) -> Refusal | None:
+        """As :meth:`Limiter.precheck`, before the body is read: in degraded mode from the local
+        counts; else from what Redis last refused this tenant (it is not asked: that is a round
+        trip a hostile tenant's every request would cost), so a tenant over its limits is refused
+        without its body being read or parsed."""
+        now += self.offset
+        if self._clock() < self._down_until:
+            if not limiter.degraded:
+                limiter.degrade(self._known, now)
+            return limiter.precheck(key, reserve, now)
+        s = limiter.tenant_scope(key)
+        if s is None:
+            return None
+        never = limiter.never_fits((s,), reserve)
+        if never is not None:
+            return never
+        known = self._refused.get(s.name)
+        if known is None:
+            return None
+        until, retry_at, refused, limits = known
+        clock = self._clock()
+        if clock >= until or limits != s.limits:
+            del self._refused[s.name]
+            return None
+        return Refusal(refused.message, max(0.0, retry_at - clock), refused.headers)
+
+    def _remember(self, s: Scope, refused: Refusal, kind: str, used: int) -> None:
+        """A refusal of Redis's that holds for a while whatever the next request's body says."""
+        if kind in ("requests", "tokens"):
+            limit = s.limits.requests_per_minute if kind == "requests" else s.limits.tokens_per_minute
+            # A limit asked for request by request (no allowances to come back) refills with time
+            # alone: the wait Redis said is exact.
+            keep = refused.retry_after if (limit or 0) <= CHUNK_SHARE else min(refused.retry_after, REFUSAL_MEMORY)
+        elif kind == "budget" and s.limits.budget is not None and used >= s.limits.budget.tokens:
+            keep = min(refused.retry_after, 60.0)  # spent to the last token: asked again each minute
+        else:
+            return
+        if len(self._refused) > 4096:
+            self._refused.clear()
+        clock = self._clock()
+        self._refused[s.name] = (clock + keep, clock + refused.retry_after, refused, s.limits)
 
     def _alone(self, limiter: Limiter, key: str, models: tuple[str, ...], reserve: int,
                now: float) -> Ticket | Refusal | None:
@@ -575,7 +624,9 @@ class SharedLimits:
             if result[2] == "budget":
                 self._known[scope.name] = (float(allowances[int(result[1]) - 1].period),
                                            int(result[6]) + int(result[7]))
-            return _refusal(scope, [str(x) for x in result], reserve, now)
+            refused = _refusal(scope, [str(x) for x in result], reserve, now)
+            self._remember(scope, refused, str(result[2]), int(result[6]))
+            return refused
         for a, have, need in zip(allowances, haves, needs, strict=True):
             a.took((have[0] + need[0], have[1] + need[1], have[2] + need[2], have[3] + need[3]))
             a.owe(reserve)

@@ -420,3 +420,74 @@ async def test_every_limit_field_is_sent_as_the_reserved_limit() -> None:
     sent = [json.loads(r.split(b"\r\n\r\n", 1)[1]) for r in seen]
     assert [(b.get("max_completion_tokens"), b.get("max_tokens"), b.get("n_predict")) for b in sent] == [
         (50, 50, 50), (None, 7, None)]
+
+
+# --- issue 24: cheap refusals first ---------------------------------------------------------------
+
+async def half_a_body(base: str, key: str, length: int, *, wait: float) -> tuple[bool, int]:
+    """POST headers announcing a valid ``length``-byte body and only its first half. An answer
+    within ``wait`` came without the body being read (or parsed): (True, its status). Otherwise
+    the rest is sent, and the answer to the whole request is (False, its status)."""
+    import json
+    from urllib.parse import urlsplit
+
+    u = urlsplit(base)
+    head = json.dumps({"model": "chat", "messages": MESSAGES, "max_tokens": 1, "pad": ""})[:-2]
+    body = (head + " " * (length - len(head) - 2) + '"}').encode()
+    assert len(body) == length
+    reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.netloc}\r\nAuthorization: Bearer {key}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode()
+                 + body[:length // 2])
+    await writer.drain()
+    try:
+        try:
+            async with asyncio.timeout(wait):
+                return True, int((await reader.readline()).split()[1])
+        except TimeoutError:
+            writer.write(body[length // 2:])
+            async with asyncio.timeout(30):
+                return False, int((await reader.readline()).split()[1])
+    finally:
+        writer.close()
+
+
+async def test_a_tenant_over_its_limits_is_refused_before_its_body_is_read(chat_sim: SimProcess) -> None:
+    router = keyed_router(chat_sim, Limits(requests_per_minute=3, budget=Budget(tokens=100_000_000, per="day")))
+    async with serving(router) as base:
+        assert await half_a_body(base, "sk-team", 2_000, wait=0.3) == (False, 200)  # within limits: read
+        c = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=0, timeout=15)
+        for _ in range(2):
+            await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as refused:  # the same 429 as ever
+            await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1)
+        assert "3 requests per minute" in refused.value.message
+        assert await half_a_body(base, "sk-team", 30_000_000, wait=10) == (True, 429)  # 30 MB never read
+        assert await half_a_body(base, "sk-free", 2_000, wait=0.3) == (False, 200)  # another key: not limited
+        await c.close()
+
+
+async def test_a_spent_budget_or_full_concurrency_is_refused_before_the_body(chat_sim: SimProcess) -> None:
+    router = keyed_router(chat_sim, Limits(budget=Budget(tokens=1_000, per="day")))
+    async with serving(router) as base:
+        # A body bigger than the whole budget could ever admit: the 400 it would get, at once.
+        assert await half_a_body(base, "sk-team", 1_000, wait=0.3) == (False, 200)
+        assert await half_a_body(base, "sk-team", 8_000, wait=10) == (True, 400)
+        c = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=0, timeout=15)
+        with pytest.raises(openai.RateLimitError):
+            for _ in range(20):
+                await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=200)
+        scope = router._limiter.tenant_scope("team-key")  # noqa: SLF001
+        assert scope is not None
+        left = 1_000 - scope.spent()  # less than one more request's reservation
+        assert left < 250
+        assert (await half_a_body(base, "sk-team", 4 * left, wait=0.3))[0] is False  # it could still fit
+        assert await half_a_body(base, "sk-team", 4 * (left + 1), wait=10) == (True, 429)  # it cannot
+        await c.close()
+    router = keyed_router(chat_sim, Limits(concurrent=1))
+    async with serving(router) as base:
+        running = router._limiter.admit("team-key", ("chat",), 1, 0.0)  # noqa: SLF001 - a request in flight
+        assert isinstance(running, Ticket)
+        assert await half_a_body(base, "sk-team", 2_000, wait=10) == (True, 429)
+        running.release()
+        assert await half_a_body(base, "sk-team", 2_000, wait=0.3) == (False, 200)

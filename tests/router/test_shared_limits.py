@@ -421,3 +421,23 @@ async def test_a_reply_the_router_does_not_understand_is_not_read_as_a_grant(red
     assert isinstance(got, Refusal) and got.unavailable and not shared2.degraded
     await shared.close()
     await shared2.close()
+
+
+async def test_a_tenant_redis_refused_is_refused_before_its_next_body_is_read(chat_sim: SimProcess, redis_url) -> None:  # noqa: ANN001
+    """Cheap refusals with shared limits: what Redis refused a tenant is answered again, for as
+    long as the refusal said (at most a second; a budget spent to the last token, a minute),
+    before the body of its next request is read. A router Redis has not refused yet asks."""
+    from tests.router.test_limits import half_a_body
+
+    url, _ = redis_url
+    async with AsyncExitStack() as stack:
+        bases = [await stack.enter_async_context(serving(router(chat_sim, url, Limits(requests_per_minute=2))))
+                 for _ in range(2)]
+        async with openai.AsyncOpenAI(base_url=bases[0] + "/v1", api_key="sk-team", max_retries=0, timeout=15) as c:
+            for _ in range(2):
+                await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1)
+            with pytest.raises(openai.RateLimitError):
+                await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1)
+        assert await half_a_body(bases[0], "sk-team", 30_000_000, wait=10) == (True, 429)
+        assert await half_a_body(bases[1], "sk-team", 2_000, wait=0.3) == (False, 429)  # read, then asked
+        assert await half_a_body(bases[1], "sk-team", 30_000_000, wait=10) == (True, 429)
