@@ -464,6 +464,8 @@ class Router:
         nothing once it is over its limits. The same answer the full check would give."""
         if key is None or self._limiter.tenant(key.name) is None:
             return None
+        if length is not None and length > self.config.body_limit:
+            return None  # too large, whoever sends it: the 413 that follows says so
         least = prompt_estimate(length or 0)  # what any request with this body reserves at least
         if self._shared is not None:
             refused = self._shared.precheck(self._limiter, key.name, least, self._wall())
