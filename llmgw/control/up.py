@@ -131,25 +131,30 @@ def init_catalog(layout: UpLayout, seed: Seed) -> None:
     the controller reads are copied, never following a symlink (none passed validation)."""
     tmp = layout.data_dir / f".catalog.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    for rel, raw in seed.files.items():
-        text = raw.data.decode()
-        # Point each file's schema comment at the installed schemas, so an editor opening the
-        # copy still completes and checks it.
-        text = re.sub(r"\$schema=\S*/(\w+\.schema\.json)",
-                      lambda m: f"$schema={(SCHEMA_DIR / m.group(1)).as_uri()}", text)
-        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / rel).write_text(text)
-    _git(tmp, "init", "-q", "-b", "main")
-    # Pushes from the controller's commit writer (models added through the API) update the
-    # checked-out tree, as long as it has no uncommitted edits.
-    _git(tmp, "config", "receive.denyCurrentBranch", "updateInstead")
-    # What this data dir started from: a later `--catalog` naming the same files is the same
-    # start, anything else is not (see check_seed).
-    _git(tmp, "config", SEED_SHA, seed.fingerprint)
-    _git(tmp, "config", SEED_SOURCE, str(seed.source))
-    _git(tmp, "add", "-A")
-    _git(tmp, "commit", "-q", "-m", "Initial catalog (llmgw up)")
-    os.rename(tmp, layout.catalog)
+    try:
+        for rel, raw in seed.files.items():
+            text = raw.data.decode()
+            # Point each file's schema comment at the installed schemas, so an editor opening the
+            # copy still completes and checks it.
+            text = re.sub(r"\$schema=\S*/(\w+\.schema\.json)",
+                          lambda m: f"$schema={(SCHEMA_DIR / m.group(1)).as_uri()}", text)
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(text)
+        _git(tmp, "init", "-q", "-b", "main")
+        # Pushes from the controller's commit writer (models added through the API) update the
+        # checked-out tree, as long as it has no uncommitted edits.
+        _git(tmp, "config", "receive.denyCurrentBranch", "updateInstead")
+        # What this data dir started from: a later `--catalog` naming the same files is the same
+        # start, anything else is not (see check_seed).
+        _git(tmp, "config", SEED_SHA, seed.fingerprint)
+        _git(tmp, "config", SEED_SOURCE, str(seed.source))
+        _git(tmp, "add", "-A")
+        _git(tmp, "commit", "-q", "-m", "Initial catalog (llmgw up)")
+        os.rename(tmp, layout.catalog)
+    except OSError as exc:  # a full disk, a read-only data dir
+        raise ConfigError(f"--data-dir {layout.data_dir}: cannot write its catalog: {exc}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # only left when something above failed
 
 
 def check_seed(layout: UpLayout, source: Path) -> None:
