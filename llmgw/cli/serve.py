@@ -58,6 +58,7 @@ def trust_node(args: argparse.Namespace, console: Console) -> int:
 
 def run_controller(args: argparse.Namespace, console: Console) -> int:
     from llmgw.control.config import load_config
+    from llmgw.control.datadir import hold_data_dir
     from llmgw.control.server import serve_forever
     from llmgw.stdio import guard
 
@@ -65,6 +66,7 @@ def run_controller(args: argparse.Namespace, console: Console) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config)
+        hold_data_dir(cfg.controller.data_dir)  # before anything else: one process per data dir
     except ConfigError as exc:
         return fail(console, str(exc))
 

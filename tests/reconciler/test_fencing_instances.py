@@ -6,6 +6,7 @@ epoch. Time is never waited out: the lease's "last heard" is moved back instead.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from pathlib import Path
@@ -68,7 +69,9 @@ async def test_a_copy_of_a_running_controller_is_fenced_and_cannot_take_the_node
             await live_b.poll()
             assert (state(live_a, node), state(live_b, node)) == (NodeState.READY, NodeState.FENCED)
         # B stopping cleanly gives nothing away; A stopping cleanly hands the node to B at once.
+        before = json.loads((node.state_dir / "lease.json").read_text())
         await b.release()
+        assert json.loads((node.state_dir / "lease.json").read_text()) == before
         await live_a.poll()
         assert state(live_a, node) == NodeState.READY
         await a.release()

@@ -1,0 +1,89 @@
+"""One controller process per data dir: an exclusive lock held for the process's whole life.
+
+The data dir holds the controller's identity on the nodes (its lease holder id) and its state.
+Two processes on one data dir are one controller twice: each would renew the same leases and
+stop the other's engines as stale. ``llmgw controller`` and ``llmgw up`` take this lock before
+anything else, so the second exits at once saying which process holds it. (A *copy* of a data
+dir is another matter: a lock cannot see it; the nodes fence it by the instance nonce each
+process sends with its lease, see llmgw.dispatch.fence.)
+
+``flock`` rather than a pid file: the kernel drops the lock when the process dies however it
+dies (kill -9 included), so a crash never leaves a stale lock for an operator to clean up.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from llmgw.errors import ConfigError
+
+LOCK_FILE = "llmgw.lock"
+
+
+class DataDirInUse(ConfigError):
+    """Another process holds the data dir's lock."""
+
+
+# Lock file (device, inode) → the descriptor holding its lock, for this process. Per process
+# because the lock is: the command line takes it first thing and the controller it starts asks
+# again, and a second open() of the file in the same process would conflict with the first.
+_HELD: dict[tuple[int, int], int] = {}
+
+
+def hold_data_dir(data_dir: Path | str) -> int:
+    """Lock ``data_dir`` (made when missing) for as long as this process runs; the descriptor.
+
+    The descriptor is deliberately never closed: the lock lives as long as the process (the
+    kernel drops it at exit). Asked again in the same process, the same descriptor. Raises
+    :class:`DataDirInUse` naming the data dir and the pid that holds it, and
+    :class:`~llmgw.errors.ConfigError` when the lock file cannot be made.
+    """
+    root = Path(data_dir)
+    path = root / LOCK_FILE
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise ConfigError(f"data dir {root}: cannot create its lock file {path}: {exc.strerror or exc}") from exc
+    key = (st.st_dev, st.st_ino)
+    if key in _HELD:
+        os.close(fd)
+        return _HELD[key]
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        pid = _holder_pid(fd)
+        os.close(fd)
+        who = f"pid {pid}" if pid is not None else "a process whose pid it has not written yet"
+        raise DataDirInUse(
+            f"data dir {root} is in use by another llmgw process ({who}): one controller per data dir. "
+            "Stop that one first; a second controller needs a data dir of its own (a copy of this one is "
+            "another instance of the same controller, which the nodes fence)") from exc
+    # Who holds it, for the next one's message; written after the lock, so never someone else's.
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _HELD[key] = fd
+    return fd
+
+
+def release_data_dir(data_dir: Path | str) -> None:
+    """Give the lock up before the process ends (an embedding that runs controllers one after
+    another in one process; tests). Nothing when this process does not hold it."""
+    try:
+        st = os.stat(Path(data_dir) / LOCK_FILE, follow_symlinks=False)
+    except OSError:
+        return
+    fd = _HELD.pop((st.st_dev, st.st_ino), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _holder_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None

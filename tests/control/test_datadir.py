@@ -1,0 +1,61 @@
+"""One process per data dir: a second process is refused, naming the data dir and who holds it,
+and a dead holder (kill -9 included) leaves nothing to clean up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmgw.control.datadir import DataDirInUse, hold_data_dir, release_data_dir
+
+TRY = ("import sys\nfrom llmgw.control.datadir import hold_data_dir, DataDirInUse\n"
+       "try:\n    hold_data_dir(sys.argv[1])\nexcept DataDirInUse as exc:\n    print(exc)\n    sys.exit(1)\n"
+       "print('held', flush=True)\nsys.stdin.read()\n")
+
+
+def other_process(data: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", TRY, str(data)], input="", capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def test_a_second_process_is_refused_with_the_data_dir_and_the_pid(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    fd = hold_data_dir(data)
+    try:
+        assert hold_data_dir(data) == fd  # this process again (the controller after the command line)
+        out = other_process(data)
+        assert out.returncode == 1, out.stderr
+        assert f"data dir {data} is in use by another llmgw process (pid {os.getpid()})" in out.stdout
+    finally:
+        release_data_dir(data)
+    assert other_process(data).returncode == 0
+
+
+def test_a_holder_killed_with_sigkill_leaves_the_data_dir_free(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with subprocess.Popen([sys.executable, "-c", TRY, str(data)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            assert f"(pid {holder.pid})" in other_process(data).stdout
+        finally:
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(30)
+    assert other_process(data).returncode == 0  # no stale lock: the kernel dropped it
+
+
+def test_a_lock_file_that_is_a_symlink_is_not_followed(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    target = tmp_path / "elsewhere"
+    target.write_text("precious\n")
+    (data / "llmgw.lock").symlink_to(target)
+    with pytest.raises(Exception, match="cannot create its lock file") as err:
+        hold_data_dir(data)
+    assert not isinstance(err.value, DataDirInUse)
+    assert target.read_text() == "precious\n"
