@@ -18,6 +18,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 from llmgw.catalog.model import Limits, Tenant
 from llmgw.contract import next_period, period_start
@@ -56,8 +57,7 @@ class BadLimitField(ValueError):
         self.field = field
 
 
-@dataclass(frozen=True)
-class Asked:
+class Asked(NamedTuple):
     """What a request asks engines to generate, read as the most generous engine reads it."""
 
     completion: int | None  # the largest completion limit set; None: none set, or "unlimited"
@@ -69,22 +69,33 @@ class Asked:
 def asked_for(body: Mapping[str, object]) -> Asked:
     """The request's completion limit and answer count; :class:`BadLimitField` when a field holds
     something that is not a count (engines disagree on what such a value means)."""
+    # On every limited request: the usual body names one field, as a plain number, and no n.
     completion: int | None = None
-    fields = tuple(f for f in COMPLETION_FIELDS if f in body)
+    fields: tuple[str, ...] = ()
     plain = True
-    for f in fields:
+    for f in COMPLETION_FIELDS:
+        if f not in body:
+            continue
+        fields += (f,)
         v = body[f]
         if v is None:
             plain = False  # llama.cpp would look at a null before the next field: rewritten too
             continue
-        n = _count(v)
+        n = v if type(v) is int else _count(v)
         if n is None:
             raise BadLimitField(f, f"`{f}` must be a whole number of tokens, not {_shown(v)}.")
-        plain = plain and type(v) is int
+        if type(v) is not int:
+            plain = False
         if n >= 0:  # negative: llama.cpp's "unlimited" (-1); vLLM and SGLang refuse it
-            completion = n if completion is None else max(completion, n)
-    if completion is not None and any(body[f] != completion for f in fields):
-        plain = False
+            if completion is not None and n != completion:
+                plain = False
+                completion = max(completion, n)
+            elif completion is None:
+                completion = n
+        else:
+            plain = False
+    if completion is None:
+        plain = not fields
     answers = 1
     for f in ANSWER_FIELDS:
         v = body.get(f)
@@ -94,8 +105,12 @@ def asked_for(body: Mapping[str, object]) -> Asked:
         if n is None or not 1 <= n <= MAX_ANSWERS:
             raise BadLimitField(f, f"`{f}` must be a whole number from 1 to {MAX_ANSWERS}, not {_shown(v)}: "
                                    "each answer is reserved from the tenant's limits.")
-        answers = max(answers, n)
-    return Asked(completion, answers * _prompts(body.get("prompt")), fields, plain)
+        if n > answers:
+            answers = n
+    prompt = body.get("prompt")
+    if prompt is not None:
+        answers *= _prompts(prompt)
+    return Asked(completion, answers, fields, plain)
 
 
 def _prompts(prompt: object) -> int:
