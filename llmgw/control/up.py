@@ -25,6 +25,7 @@ import yaml
 from llmgw.catalog import RawFile, read_directory, validate_files
 from llmgw.catalog.schema import SCHEMA_DIR
 from llmgw.control.config import ControllerConfig, Listen, ServerConfig
+from llmgw.control.datadir import hold_data_dir
 from llmgw.errors import CatalogError, ConfigError
 from llmgw.reconciler import ReconcilerConfig
 
@@ -255,6 +256,7 @@ def prepare(data_dir: Path, *, catalog: Path | None, router_port: int, admin_por
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--data-dir {data_dir}: cannot create it: {exc.strerror or exc}") from exc
+    hold_data_dir(layout.controller_dir)  # before anything is written: a second `up` here must not touch it
     if seed is not None:
         init_catalog(layout, seed)
     write_agent_config(layout)
