@@ -568,6 +568,8 @@ def inspect_entry(cache_dir: str, name: str) -> Tuple[Optional[JsonDict], Option
 # been silent for the grace it asked for (it died: a controller restarted after a crash), another
 # instance of the same holder succeeds it at the same epoch: the same controller, so its engines
 # stay its own and are adopted. A live copy keeps renewing, so it cannot be displaced that way.
+# A restarted controller that knows the instance it replaces (``succeeds``: it ran on the same
+# data dir during this boot, and the data dir's lock proves it has ended) takes over at once.
 MAX_LEASE_TTL = 3600.0
 DEFAULT_SUCCESSION_GRACE = 20.0
 
@@ -645,6 +647,7 @@ class Asker:
     instance: Optional[str] = None
     ttl: float = 60.0
     grace: float = DEFAULT_SUCCESSION_GRACE
+    succeeds: Optional[str] = None  # the instance of the same holder this one replaces, if it knows
 
 
 def _lease_grace(lease: JsonDict) -> float:
@@ -680,23 +683,29 @@ def _lease_request(raw: Any) -> Asker:
     ttl = raw.get("ttl", 60)
     if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not 1 <= ttl <= MAX_LEASE_TTL:
         raise AgentError(f"lease: ttl must be a number of seconds from 1 to {MAX_LEASE_TTL:g}")
-    instance = raw.get("instance")
-    if instance is not None and (not isinstance(instance, str) or not instance.strip() or len(instance) > MAX_HOLDER):
-        raise AgentError(f"lease: instance must be a non-empty string of at most {MAX_HOLDER} characters")
+    instance, succeeds = raw.get("instance"), raw.get("succeeds")
+    for name, value in (("instance", instance), ("succeeds", succeeds)):
+        if value is not None and (not isinstance(value, str) or not value.strip() or len(value) > MAX_HOLDER):
+            raise AgentError(f"lease: {name} must be a non-empty string of at most {MAX_HOLDER} characters")
     grace = raw.get("grace", min(DEFAULT_SUCCESSION_GRACE, float(ttl)))
     if (not isinstance(grace, (int, float)) or isinstance(grace, bool) or not math.isfinite(grace)
             or not 1 <= grace <= ttl):
         raise AgentError("lease: grace must be a number of seconds from 1 to the ttl")
-    return Asker(raw["holder"], instance, float(ttl), float(grace))
+    return Asker(raw["holder"], instance, float(ttl), float(grace), succeeds)
 
 
 def _lease_lock(cfg: NodeConfig) -> str:
     return _lease_path(cfg) + ".lock"
 
 
-def _succeeds(view: JsonDict, now: float) -> bool:
-    """A sibling may take a live lease whose instance has been silent past the lease's grace."""
-    return bool(view["sibling"]) and view["heard"] is not None and now - float(view["heard"]) >= float(view["grace"])
+def _succeeds(lease: Optional[JsonDict], view: JsonDict, asker: Asker, now: float) -> bool:
+    """A sibling may take a live lease whose instance has been silent past the lease's grace, or
+    at once when it names that very instance as the one it replaces."""
+    if not view["sibling"] or lease is None:
+        return False
+    if asker.succeeds is not None and lease.get("instance") == asker.succeeds:
+        return True
+    return view["heard"] is not None and now - float(view["heard"]) >= float(view["grace"])
 
 
 def take_lease(cfg: NodeConfig, asker: Asker, *, takeover: bool) -> JsonDict:
@@ -708,7 +717,7 @@ def take_lease(cfg: NodeConfig, asker: Asker, *, takeover: bool) -> JsonDict:
     view = lease_view(current, asker, now, heard=lease_heard(cfg))
     # Most polls change nothing (not ours, or ours with time left): no lock, no write, only the
     # beat. A fenced verb holds the lock for its whole run; a poll must not wait behind it.
-    if not takeover and not view["expired"] and not _succeeds(view, now) and (
+    if not takeover and not view["expired"] and not _succeeds(current, view, asker, now) and (
             not view["held"] or float(current["expires"]) - now >= asker.ttl / 2):  # type: ignore[index]
         if view["held"]:
             _beat(cfg)
@@ -717,7 +726,8 @@ def take_lease(cfg: NodeConfig, asker: Asker, *, takeover: bool) -> JsonDict:
         now = time.time()
         lease = read_lease(cfg)
         current_view = lease_view(lease, asker, now, heard=lease_heard(cfg))
-        if not (current_view["held"] or current_view["expired"] or takeover or _succeeds(current_view, now)):
+        if not (current_view["held"] or current_view["expired"] or takeover
+                or _succeeds(lease, current_view, asker, now)):
             return current_view
         # The same holder id is the same controller (restarted, or moved with its data dir): its
         # epoch stays, so the engines it started remain its own. Another holder, or an operator's

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from llmgw.catalog import Catalog
 from llmgw.contract import EndpointSink, UsageSource
 from llmgw.control.config import ControllerConfig
-from llmgw.control.datadir import hold_data_dir
+from llmgw.control.datadir import hold_data_dir, succeed
 from llmgw.control.fleet_dispatch import FleetDispatcher
 from llmgw.control.fleet_metrics import FleetCollector
 from llmgw.control.ops import FleetOps
@@ -136,8 +136,10 @@ class Controller:
                 "already": False}
 
     async def start(self) -> None:
-        # One process per data dir (the command line took it already; an embedding had not).
+        # One process per data dir (the command line took it already; an embedding had not). With
+        # the lock held, the instance that ran here before has ended: name it to the nodes.
         hold_data_dir(self.config.data_dir)
+        self.fleet.predecessor = succeed(self.config.data_dir, self.fleet.instance)
         self.store.open()
         self.fleet.holder = self.reconciler.holder = self._holder_id()
         await self.fleet.open()

@@ -14,12 +14,15 @@ dies (kill -9 included), so a crash never leaves a stale lock for an operator to
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 from pathlib import Path
 
 from llmgw.errors import ConfigError
 
 LOCK_FILE = "llmgw.lock"
+INSTANCE_FILE = "instance.json"
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 class DataDirInUse(ConfigError):
@@ -87,3 +90,49 @@ def _holder_pid(fd: int) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+def succeed(data_dir: Path | str, instance: str) -> str | None:
+    """Record ``instance`` as the one running on ``data_dir``; the instance it succeeds, if known.
+
+    Called with the lock held, so the instance recorded before ours has ended. It is returned only
+    when it provably ran on this very directory (same device and inode) during this boot of this
+    machine: then the nodes may hand its leases over at once instead of after the silence a
+    restart must otherwise wait out. A copy of the data dir (another directory, another machine,
+    a cloned disk booted elsewhere) never matches, so a copy never claims a live instance's nodes.
+    """
+    root = Path(data_dir)
+    if not _held(root):
+        raise RuntimeError(f"succeed({root}) without the data dir's lock")
+    here = _where(root)
+    path = root / INSTANCE_FILE
+    before: str | None = None
+    try:
+        recorded = json.loads(path.read_text())
+        if (here is not None and isinstance(recorded, dict) and recorded.get("where") == here
+                and isinstance(recorded.get("instance"), str)):
+            before = recorded["instance"]
+    except (OSError, ValueError):
+        pass  # none recorded, or unreadable: the nodes wait the silence out instead
+    tmp = path.with_name(f".{INSTANCE_FILE}.{os.getpid()}")
+    tmp.write_text(json.dumps({"instance": instance, "where": here}))
+    os.replace(tmp, path)
+    return before
+
+
+def _where(root: Path) -> list[object] | None:
+    """This boot of this machine and this directory; None where the boot cannot be told."""
+    try:
+        boot = BOOT_ID.read_text().strip()
+        st = os.stat(root)
+    except OSError:
+        return None
+    return [boot, st.st_dev, st.st_ino] if boot else None
+
+
+def _held(root: Path) -> bool:
+    try:
+        st = os.stat(root / LOCK_FILE, follow_symlinks=False)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) in _HELD

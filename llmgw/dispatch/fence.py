@@ -12,7 +12,8 @@ a nonce made for each process, tells the two apart. Between polls (a tick can be
 waits out its grace) a keeper renews each held lease every ``beat`` seconds, because a sibling
 instance may succeed an instance silent for ``grace``: that is how a controller restarted after a
 crash gets its nodes back without waiting the lease out, and the keeper is what keeps a live
-controller from looking dead to a copy.
+controller from looking dead to a copy. A restart on the same data dir and machine knows the
+instance it replaces (``predecessor``) and names it: the node hands that one's leases over at once.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class FencedDispatcher(AgentVerbs):
         self.ttl = ttl
         self.grace = grace
         self.beat = beat
+        # The instance of this controller that ran before this one on the same data dir, when it is
+        # known to have ended (llmgw.control.datadir.succeed): its leases are handed over at once.
+        self.predecessor: str | None = None
         self.leases: dict[str, Answer] = {}  # node → the lease as its last answer showed it
         self._heard: dict[str, float] = {}  # node → when (monotonic) it last renewed our lease
         self._keeper: asyncio.Task[None] | None = None
@@ -82,7 +86,8 @@ class FencedDispatcher(AgentVerbs):
         return int(lease["epoch"]) if lease and lease.get("held") else None
 
     def _asking(self, **extra: Any) -> Answer:
-        return {"holder": self.holder, "instance": self.instance, "ttl": self.ttl, "grace": self.grace, **extra}
+        asked = {"holder": self.holder, "instance": self.instance, "ttl": self.ttl, "grace": self.grace, **extra}
+        return {**asked, "succeeds": self.predecessor} if self.predecessor else asked
 
     def _saw(self, node_id: str, lease: Any) -> None:
         if isinstance(lease, dict):

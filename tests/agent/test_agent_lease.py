@@ -211,3 +211,14 @@ def test_an_instance_and_a_grace_must_be_sane(node: Node) -> None:
     assert "instance must be" in node.fail("lease", {**A1, "instance": 5})[1]
     for grace in (0, -1, 61, True, "5", float("nan")):
         assert "grace must be" in node.fail("lease", {**A1, "grace": grace})[1], grace
+
+
+def test_an_instance_that_names_the_one_it_replaces_takes_over_at_once(node: Node) -> None:
+    node.ok("inventory", {"lease": A1})
+    # Naming another instance than the holder's proves nothing: still fenced.
+    assert not node.ok("inventory", {"lease": {**A2, "succeeds": "i7"}})["lease"]["held"]
+    view = node.ok("inventory", {"lease": {**A2, "succeeds": "i1"}})["lease"]
+    assert (view["held"], view["epoch"]) == (True, 1)  # no silence waited out, the same epoch
+    # ...and only for the same holder id: another controller naming i1 gets nothing.
+    assert not node.ok("inventory", {"lease": {**B, "succeeds": "i2"}})["lease"]["held"]
+    assert "succeeds must be" in node.fail("lease", {**A1, "succeeds": ""})[1]

@@ -4,6 +4,7 @@ and a dead holder (kill -9 included) leaves nothing to clean up."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.control.datadir import DataDirInUse, hold_data_dir, release_data_dir
+from llmgw.control.datadir import DataDirInUse, hold_data_dir, release_data_dir, succeed
 
 TRY = ("import sys\nfrom llmgw.control.datadir import hold_data_dir, DataDirInUse\n"
        "try:\n    hold_data_dir(sys.argv[1])\nexcept DataDirInUse as exc:\n    print(exc)\n    sys.exit(1)\n"
@@ -59,3 +60,24 @@ def test_a_lock_file_that_is_a_symlink_is_not_followed(tmp_path: Path) -> None:
         hold_data_dir(data)
     assert not isinstance(err.value, DataDirInUse)
     assert target.read_text() == "precious\n"
+
+
+def test_a_restart_on_the_same_data_dir_names_the_instance_it_replaces_and_a_copy_does_not(tmp_path: Path) -> None:
+    data, copy = tmp_path / "data", tmp_path / "copy"
+    hold_data_dir(data)
+    try:
+        assert succeed(data, "first") is None  # nothing ran here before
+        assert succeed(data, "second") == "first"  # the lock is ours: "first" has ended
+        shutil.copytree(data, copy, ignore=shutil.ignore_patterns("llmgw.lock"))
+    finally:
+        release_data_dir(data)
+    hold_data_dir(copy)
+    try:
+        # A copy (a restored backup, one started by mistake) cannot know whether "second" still
+        # runs: it names nobody, and the nodes fence it while "second" renews its leases.
+        assert succeed(copy, "third") is None
+        assert succeed(copy, "fourth") == "third"
+    finally:
+        release_data_dir(copy)
+    with pytest.raises(RuntimeError, match="without the data dir's lock"):
+        succeed(data, "fifth")

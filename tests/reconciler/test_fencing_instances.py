@@ -110,3 +110,16 @@ async def test_the_keeper_renews_between_polls(local_node) -> None:
         while (node.state_dir / "lease.beat").stat().st_mtime <= heard:
             assert time.monotonic() < deadline, "the keeper did not renew the lease"
             await asyncio.sleep(0.1)
+
+
+async def test_a_restart_that_names_the_instance_it_replaces_gets_its_node_at_once(local_node, tmp_path) -> None:
+    node = local_node()
+    a, live_a = instance(node, tmp_path, "a")
+    async with a:
+        await live_a.poll()
+    b, live_b = instance(node, tmp_path, "b")
+    b.predecessor = "a"  # what the data dir's lock and instance record tell a restart (datadir.succeed)
+    async with b:
+        await live_b.poll()
+        assert state(live_b, node) == NodeState.READY and b.epoch(node.id) == 1
+        assert "node-handover" not in [e.kind for e in live_b.store.events()]

@@ -161,6 +161,8 @@ async def test_restarted_controller_adopts_every_engine(fleet, tmp_path, weights
     try:
         await until(lambda: len(ready(c2)) == 2, what="adopted")
         assert engine_pids(c2) == before
+        # The same data dir on the same machine: the earlier instance is named, no handover waited.
+        assert not [e for e in c2.store.events() if e.kind == "node-handover"]
         assert len(rec.current) == 2
         assert [e.message.endswith("adopted at " + e.message.rsplit(" ", 1)[-1])
                 for e in c2.store.events() if e.kind == "replica-ready"][-2:] == [True, True]
