@@ -64,8 +64,12 @@ def too_deep(value: Any, limit: int) -> bool:
     return False
 
 
+Text = bytes | memoryview  # a memoryview: a part of the body as it came, not copied
+
+
 class RawJSON:
-    """A JSON value (or, under :data:`REST`, a run of object members) kept as its UTF-8 text.
+    """A JSON value kept as its UTF-8 text; under :data:`REST`, object members (``"name":value``),
+    one piece each.
 
     ``prompts``: for a completions ``prompt``, how many prompts it holds (a batch is a list of
     strings or of token lists), which admission multiplies by and cannot read from text.
@@ -73,19 +77,22 @@ class RawJSON:
     big values; :func:`dumps` writes them out unchanged.
     """
 
-    __slots__ = ("data", "prompts")
+    __slots__ = ("pieces", "prompts")
 
-    def __init__(self, data: bytes, *, prompts: int = 1) -> None:
-        self.data = data
+    def __init__(self, *pieces: Text, prompts: int = 1) -> None:
+        self.pieces = pieces
         self.prompts = prompts
 
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.pieces)
+
     def __repr__(self) -> str:
-        return f"<{len(self.data):,} bytes of JSON>"
+        return f"<{len(self):,} bytes of JSON>"
 
 
-# The key under which the members nobody reads are kept, as one run of text: a body of a million
-# small members must not become a million objects. A client cannot send it: a key from JSON text
-# is a str value, never a RawJSON.
+# The key under which the members nobody reads are kept: a body of a million small members must
+# not become a million objects. A client cannot send it: a key from JSON text is a str value,
+# never a RawJSON.
 REST = "\x00llmgw.rest"
 
 
@@ -96,17 +103,20 @@ def dumps(body: Mapping[str, Any]) -> bytes:
     such a value is written with its escapes kept."""
     if not any(type(v) is RawJSON for v in body.values()):
         return encode(body)
-    parts: list[bytes] = []
+    out: list[Text] = []
     for key, value in body.items():
-        if type(value) is RawJSON:
-            if key == REST:
-                if value.data:
-                    parts.append(value.data)
-                continue
-            parts.append(encode(key) + b":" + value.data)
+        if type(value) is not RawJSON:
+            out += (b",", encode(key), b":", encode(value))
+        elif key == REST:
+            for piece in value.pieces:
+                out += (b",", piece)
         else:
-            parts.append(encode(key) + b":" + encode(value))
-    return b"{" + b",".join(parts) + b"}"
+            out += (b",", encode(key), b":", *value.pieces)
+    if not out:
+        return b"{}"
+    out[0] = b"{"  # in place of the first member's comma
+    out.append(b"}")
+    return b"".join(out)  # the one copy of the big parts
 
 
 def encode(value: Any) -> bytes:

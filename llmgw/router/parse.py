@@ -9,13 +9,15 @@ parse (measured: the loop's longest pause equals the parse time, threaded or not
   with at most :data:`INLINE_VALUES` JSON values (counted from the separators, an upper bound).
   That is at most ~1 ms of the loop, less than handing the body to another process costs,
   and it is nearly every request (a long chat is a few hundred values).
-- **Bigger ones go to a worker process**, at most ``workers`` at a time (a semaphore; waiting is
-  bounded), run at a lower priority so the router and the engines come first on a busy machine.
-  What comes back is only what the router reads (:class:`Summary`): the members named in
-  ``reads``, each up to :data:`BULK_BYTES` (a bigger one as :class:`~llmgw.jsonbody.RawJSON`),
-  every other member as one run of text (:data:`~llmgw.jsonbody.REST`), and the prompt text
-  prefix routing hashes. Writing such a body out again (``jsonbody.dumps``) copies bytes and
-  parses nothing: the router never holds the big body's millions of objects at all.
+- **Bigger ones go to a worker process** (``python -m llmgw.router.parse``, on pipes), at most
+  ``workers`` at a time (waiting is bounded), run at a lower priority so the router and the
+  engines come first on a busy machine. The body goes down the pipe a megabyte at a time. What
+  comes back is only what the router reads (:class:`Summary`): the members named in ``reads``,
+  each up to :data:`BULK_BYTES` (a bigger one as :class:`~llmgw.jsonbody.RawJSON`), where every
+  other member is in the body's bytes (:data:`~llmgw.jsonbody.REST`), and the prompt text prefix
+  routing hashes. The router keeps those parts as views of the bytes it has; writing the body
+  out again (``jsonbody.dumps``) copies them once and parses nothing. It never holds the big
+  body's millions of objects at all, nor copies the body whole on the event loop.
 
 Both ways hold a body to ``jsonbody.MAX_DEPTH`` levels and check ``model`` and ``stream`` alike.
 This module is what the worker process imports, so it imports nothing heavy.
@@ -25,25 +27,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
-import multiprocessing
+import logging
 import os
+import pickle
 import re
 import signal
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+import struct
+import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from llmgw import jsonbody
 from llmgw.jsonbody import REST, RawJSON
 from llmgw.router.prefix import render_chat, render_prompt
+
+log = logging.getLogger(__name__)
 
 SMALL_BYTES = 16 * 1024        # at most (n + 1) / 2 values in n bytes: always few enough to parse inline
 INLINE_BYTES = 256 * 1024      # bigger bodies are never parsed inline
 INLINE_VALUES = 8192           # ~0.5 ms of parsing at worst (many tiny arrays), as much again to check depth
 BULK_BYTES = 16 * 1024         # a member the router reads, bigger than this, comes back as its text
 WORKER_NICE = 10               # the worker's priority below the router's (Linux nice)
+_CHUNK = 1024 * 1024           # a big body is read, and sent to the worker, this much at a time
 
 
 class BadBody(ValueError):
@@ -67,6 +75,35 @@ class Parsed:
     model: str
     stream: bool
     prompt: str | None = None
+
+
+class BodyTooLarge(ValueError):
+    """The body is longer than the limit (a 413)."""
+
+
+class _Chunks(Protocol):
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+
+
+async def read_body(content: _Chunks, limit: int) -> bytes:
+    """A request's whole body (aiohttp's ``request.content``), at most ``limit`` bytes, else
+    :class:`BodyTooLarge`.
+
+    aiohttp's own ``request.read()`` goes through whatever has arrived in one step and grows one
+    buffer as it goes: 16-25 ms of the event loop for a 30 MB body. Here the loop is let go
+    every megabyte, and the pieces are joined once at the end (~3 ms for 30 MB)."""
+    pieces: list[bytes] = []
+    size = since = 0
+    async for piece in content.iter_any():
+        pieces.append(piece)
+        size += len(piece)
+        if size > limit:
+            raise BodyTooLarge(f"more than {limit} bytes")
+        since += len(piece)
+        if since >= _CHUNK:
+            since = 0
+            await asyncio.sleep(0)
+    return b"".join(pieces)
 
 
 def check_request(body: Any) -> tuple[str, bool]:
@@ -106,30 +143,40 @@ def is_small(raw: bytes) -> bool:
 
 # --- the worker's side ----------------------------------------------------------------------
 
+Piece = tuple[int, int] | bytes  # where in the body's bytes (start, end), or the text itself
+
+
 @dataclass(frozen=True)
 class Summary:
-    """What the worker sends back: small however big the body was (but for the text in ``rest``
-    and ``big``, which is copied, never parsed, by the router)."""
+    """What the worker sends back: small however big the body was. The big parts are named by
+    where they are in the body's bytes, which the router holds already (only a body in another
+    encoding than UTF-8 has its parts sent back as UTF-8 text)."""
 
     model: str = ""
     stream: bool = False
     order: tuple[str, ...] = ()  # the members read, in the body's order
     read: dict[str, Any] = field(default_factory=dict)  # those up to BULK_BYTES, parsed
-    big: dict[str, tuple[bytes, int]] = field(default_factory=dict)  # the others: text, prompts in it
-    rest: bytes = b""  # every member not read: `"name":value` pieces joined by commas
+    big: dict[str, tuple[Piece, int]] = field(default_factory=dict)  # the others: value, prompts in it
+    rest: tuple[Piece, ...] = ()  # every member not read, each `"name":value`
     prompt: str | None = None
     error: tuple[str, str] | None = None  # (message, code) of a body that cannot be routed
 
-    def parsed(self) -> Parsed:
+    def parsed(self, raw: bytes) -> Parsed:
+        """The body for the router, its big parts read from ``raw`` (views, not copies)."""
+        view = memoryview(raw)
+
+        def text(piece: Piece) -> jsonbody.Text:
+            return piece if isinstance(piece, bytes) else view[piece[0]:piece[1]]
+
         body: dict[str, Any] = {}
         for name in self.order:
             if name in self.big:
-                text, prompts = self.big[name]
-                body[name] = RawJSON(text, prompts=prompts)
+                piece, prompts = self.big[name]
+                body[name] = RawJSON(text(piece), prompts=prompts)
             else:
                 body[name] = self.read[name]
         if self.rest:
-            body[REST] = RawJSON(self.rest)
+            body[REST] = RawJSON(*(text(p) for p in self.rest))
         return Parsed(body, self.model, self.stream, self.prompt)
 
 
@@ -137,12 +184,13 @@ def summarise(raw: bytes, kind: str | None, reads: frozenset[str], prompt_chars:
     """Parse ``raw`` (in the worker) into a :class:`Summary`. ``kind``: "chat", "prompt"
     (completions) or None, which prompt text to render, ``prompt_chars`` of it at most."""
     try:
-        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        encoding = json.detect_encoding(raw)
+        text = raw.decode(encoding, "surrogatepass")
         members = _members(text)
     except (ValueError, RecursionError):
         # Not an object this walk reads: the whole-body parse gives the error every client gets.
         try:
-            return _summary(_whole(raw), kind, reads, prompt_chars)
+            return _summary(parse_body(raw)[0], kind, reads, prompt_chars)
         except BadBody as exc:
             return Summary(error=(str(exc), exc.code))
     body = {name: value for name, _, _, _, value in members}  # json's own: first place, last value
@@ -150,45 +198,79 @@ def summarise(raw: bytes, kind: str | None, reads: frozenset[str], prompt_chars:
     try:
         if any(jsonbody.too_deep(v, jsonbody.MAX_DEPTH - 1) for v in body.values()):
             raise BadBody(jsonbody.too_deep_message(jsonbody.MAX_DEPTH), "invalid_json")
-        return _summary(body, kind, reads, prompt_chars, text=text, spans=spans)
+        return _summary(body, kind, reads, prompt_chars, spans=spans,
+                        where=_Offsets(text, raw, encoding) if encoding.startswith("utf-8") else _Encoded(text))
     except BadBody as exc:
         return Summary(error=(str(exc), exc.code))
 
 
-def _whole(raw: bytes) -> dict[str, Any]:
-    """``raw`` parsed as one (the way to the error message every client gets); :class:`BadBody`."""
-    return parse_body(raw)[0]
+class _Offsets:
+    """Pieces of a UTF-8 body as byte spans: character offsets in ``text`` turned into byte
+    offsets in ``raw``, counting the bytes in between once, in order."""
+
+    def __init__(self, text: str, raw: bytes, encoding: str) -> None:
+        self.text = text
+        self.base = 3 if encoding == "utf-8-sig" else 0  # the byte order mark, not in ``text``
+        self.ascii = raw.isascii()
+        self.char, self.byte = 0, self.base
+
+    def __call__(self, start: int, end: int) -> Piece:
+        return self.at(start), self.at(end)
+
+    def at(self, char: int) -> int:
+        if self.ascii:
+            return self.base + char
+        if char < self.char:  # not in order: counted from the start again (never for one body's members)
+            self.char, self.byte = 0, self.base
+        self.byte += len(self.text[self.char:char].encode("utf-8", "surrogatepass"))
+        self.char = char
+        return self.byte
+
+
+class _Encoded:
+    """Pieces of a body in UTF-16 or UTF-32 as UTF-8 text (its bytes cannot be forwarded in parts)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __call__(self, start: int, end: int) -> Piece:
+        return self.text[start:end].encode("utf-8", "surrogatepass")
 
 
 def _summary(body: dict[str, Any], kind: str | None, reads: frozenset[str], prompt_chars: int, *,
-             text: str = "", spans: dict[str, tuple[int, int, int]] | None = None) -> Summary:
-    """The summary of ``body``, the text of each member taken from ``text`` at ``spans`` (name:
-    where the member starts, where its value starts and ends), or written again without them."""
+             spans: dict[str, tuple[int, int, int]] | None = None,
+             where: _Offsets | _Encoded | None = None) -> Summary:
+    """The summary of ``body``: the members' pieces at ``spans`` (name: where the member starts,
+    where its value starts and ends, in characters) through ``where``, or written again."""
     model, stream = check_request(body)
     read: dict[str, Any] = {}
-    big: dict[str, tuple[bytes, int]] = {}
-    rest: list[str] = []
-    for name, value in body.items():
-        if spans is None:
-            key = jsonbody.encode(name).decode("utf-8", "surrogatepass")
-            member = key + ":" + jsonbody.encode(value).decode("utf-8", "surrogatepass")
-            start, colon, end = 0, len(key) + 1, len(member)
-        else:
-            member = text
-            start, colon, end = spans[name]
+    big: dict[str, tuple[Piece, int]] = {}
+    rest: list[Piece] = []
+    # In the body's order, so that character offsets are turned into bytes in one pass.
+    for name, value in sorted(body.items(), key=lambda kv: spans[kv[0]][0] if spans else 0):
+        if spans is None or where is None:
+            key = jsonbody.encode(name)
+            text = jsonbody.encode(value)
+            if name not in reads:
+                rest.append(key + b":" + text)
+            elif len(text) <= BULK_BYTES or name == "model":
+                read[name] = value
+            else:
+                big[name] = (text, _prompts(value))
+            continue
+        start, colon, end = spans[name]
         if name not in reads:
-            rest.append(member[start:end])
+            rest.append(where(start, end))
         elif end - colon <= BULK_BYTES or name == "model":
             read[name] = value
         else:
-            big[name] = (member[colon:end].encode("utf-8", "surrogatepass"), _prompts(value))
+            big[name] = (where(colon, end), _prompts(value))
     prompt = None
     if kind == "chat":
         prompt = render_chat(body, prompt_chars)[:prompt_chars]
     elif kind == "prompt":
         prompt = render_prompt(body)[:prompt_chars]
-    return Summary(model, stream, tuple(n for n in body if n in reads), read, big,
-                   ",".join(rest).encode("utf-8", "surrogatepass"), prompt)
+    return Summary(model, stream, tuple(n for n in body if n in reads), read, big, tuple(rest), prompt)
 
 
 def _prompts(value: Any) -> int:
@@ -242,16 +324,73 @@ def _members(text: str) -> list[tuple[str, int, int, int, Any]]:
     return out
 
 
+# The worker's end of the pipe: a request is a 4-byte header length, an 8-byte body length, the
+# header (JSON: kind, reads, prompt_chars) and the body; an answer is an 8-byte length and the
+# pickled Summary (the router reads pickles from its own child only).
+_REQUEST = struct.Struct(">IQ")
+_ANSWER = struct.Struct(">Q")
+
+
+def worker_main() -> None:
+    """``python -m llmgw.router.parse``: answer requests on stdin until it closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's ^C is the router's to act on
+    with contextlib.suppress(OSError):  # not allowed here: the same priority, still off the event loop
+        os.nice(WORKER_NICE)
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    while len(head := inp.read(_REQUEST.size)) == _REQUEST.size:
+        header_size, size = _REQUEST.unpack(head)
+        header = json.loads(inp.read(header_size))
+        raw = inp.read(size)
+        if len(raw) != size:
+            return
+        summary = summarise(raw, header["kind"], frozenset(header["reads"]), header["prompt_chars"])
+        data = pickle.dumps(summary, protocol=pickle.HIGHEST_PROTOCOL)
+        out.write(_ANSWER.pack(len(data)) + data)
+        out.flush()
+
+
 # --- the router's side ----------------------------------------------------------------------
 
-def _worker_start() -> None:
-    """In the worker: below the router's priority, and deaf to the terminal's ^C (the router
-    stops it; a KeyboardInterrupt there would only break the pool mid-shutdown)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        os.nice(WORKER_NICE)
-    except OSError:
-        pass  # not allowed here: the same priority is still off the event loop
+class _Worker:
+    """One worker process and its pipes; one body at a time."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    @classmethod
+    async def start(cls) -> _Worker:
+        # A process of its own (not multiprocessing's spawn, which imports the parent's __main__
+        # again and pickles the whole body in one go under the GIL: 43 ms for 30 MB).
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "llmgw.router.parse",
+                                                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        pipe = proc.stdin.get_extra_info("pipe") if proc.stdin is not None else None
+        if pipe is not None and hasattr(fcntl, "F_SETPIPE_SZ"):
+            # A megabyte a write rather than 64 KiB (Linux): fewer turns of the loop per body.
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, _CHUNK)
+        return cls(proc)
+
+    async def summarise(self, raw: bytes, header: bytes) -> Summary:
+        """The worker's summary of ``raw``; ``ConnectionError`` when the worker is gone."""
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        assert stdin is not None and stdout is not None
+        try:
+            stdin.write(_REQUEST.pack(len(header), len(raw)) + header)
+            view = memoryview(raw)
+            for i in range(0, len(raw), _CHUNK):
+                stdin.write(view[i:i + _CHUNK])
+                await stdin.drain()
+            size, = _ANSWER.unpack(await stdout.readexactly(_ANSWER.size))
+            summary: Summary = pickle.loads(await stdout.readexactly(size))
+        except asyncio.IncompleteReadError as exc:
+            raise ConnectionResetError("the parse worker exited") from exc
+        return summary
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        await self.proc.wait()
 
 
 class BodyParser:
@@ -269,25 +408,26 @@ class BodyParser:
         self.workers = workers
         self.wait = wait
         self.prompt_chars = prompt_chars
-        self.offloaded = 0  # bodies handed to the worker since start
-        self.parsing = 0  # bodies in the worker now
-        self.waiting = 0  # bodies waiting for it
-        self._pool: ProcessPoolExecutor | None = None
+        self.offloaded = 0  # bodies handed to a worker since start
+        self.parsing = 0  # bodies in a worker now
+        self.waiting = 0  # bodies waiting for one
+        self._idle: list[_Worker] = []
+        self._busy: set[asyncio.Task[Summary]] = set()
         self._slots: asyncio.Semaphore | None = None
+        self._closed = False
 
     async def parse(self, raw: bytes, kind: str | None) -> Parsed:
         """``raw`` parsed; :class:`BadBody` when it cannot be routed, :class:`ParserBusy` when no
-        worker took it within ``wait`` seconds. ``kind`` as :func:`summarise`."""
+        worker took it within ``wait`` seconds (or it died on it). ``kind`` as :func:`summarise`."""
         if self.workers <= 0 or is_small(raw):
             body, model, stream = parse_body(raw)
             return Parsed(body, model, stream)
         summary = await self._offload(raw, kind)
         if summary.error is not None:
             raise BadBody(*summary.error)
-        return summary.parsed()
+        return summary.parsed(raw)
 
     async def _offload(self, raw: bytes, kind: str | None) -> Summary:
-        loop = asyncio.get_running_loop()
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.workers)
         slots = self._slots
@@ -300,38 +440,58 @@ class BodyParser:
                              "request bodies; retry shortly.") from None
         finally:
             self.waiting -= 1
-        pool = self._pool
-        try:
-            if pool is None:
-                pool = self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                                        initializer=_worker_start)
-            future = pool.submit(summarise, raw, kind, self.reads, self.prompt_chars)
-        except BaseException:
-            slots.release()
-            raise
-        # The slot is free when the worker is, not when the caller stops waiting: a client that
-        # hangs up mid-parse must not let a second body in beside the one still being parsed.
-        def done() -> None:
+        self.parsing += 1
+        self.offloaded += 1
+        header = json.dumps({"kind": kind, "reads": sorted(self.reads), "prompt_chars": self.prompt_chars}).encode()
+        # The exchange runs to its end even when the client hangs up (the caller is cancelled): the
+        # worker is busy with the body either way, and its pipe must not be left mid-message.
+        task = asyncio.create_task(self._exchange(raw, header))
+        self._busy.add(task)
+
+        def done(t: asyncio.Task[Summary]) -> None:
+            self._busy.discard(t)
             self.parsing -= 1
             slots.release()
 
-        def free(_future: object) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop already closed: nothing waits on the slot
-                loop.call_soon_threadsafe(done)
-
-        self.parsing += 1
-        self.offloaded += 1
-        future.add_done_callback(free)
+        task.add_done_callback(done)
         try:
-            return await asyncio.wrap_future(future)
-        except BrokenProcessPool:
-            if self._pool is pool:  # the worker died (killed, out of memory): a new one next time
-                self._pool = None
-                pool.shutdown(wait=False, cancel_futures=True)
+            return await asyncio.shield(task)
+        except OSError:  # the worker died with it, or none could be started
             raise ParserBusy("The request body parser stopped while reading this body; retry.") from None
 
+    async def _exchange(self, raw: bytes, header: bytes) -> Summary:
+        try:
+            worker = self._idle.pop() if self._idle else await _Worker.start()
+        except OSError as exc:
+            log.error("cannot start a request body parser: %s", exc)
+            raise
+        try:
+            summary = await worker.summarise(raw, header)
+        except BaseException as exc:
+            await worker.stop()
+            if isinstance(exc, ConnectionError):
+                log.error("the request body parser (pid %d) exited with %s; a new one takes the next body",
+                          worker.proc.pid, worker.proc.returncode)
+            raise
+        if self._closed:
+            await worker.stop()
+        else:
+            self._idle.append(worker)
+        return summary
+
     async def close(self) -> None:
-        """Stop the worker (waiting for the body it is on, which is bounded by the body limit)."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+        """Stop the workers, after the bodies they are on (bounded by the body limit)."""
+        self._closed = True
+        if self._busy:
+            await asyncio.wait(set(self._busy))
+        idle, self._idle = self._idle, []
+        for worker in idle:
+            await worker.stop()
+
+
+if __name__ == "__main__":
+    # Through the module's own name: what the worker pickles must name llmgw.router.parse.Summary,
+    # the class the router unpickles, not __main__'s copy of it.
+    import llmgw.router.parse
+
+    llmgw.router.parse.worker_main()

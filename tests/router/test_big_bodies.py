@@ -45,7 +45,8 @@ def pathological(model: str = "chat") -> bytes:
 async def post(s: aiohttp.ClientSession, base: str, data: bytes, *, path: str = CHAT,
                key: str | None = None) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    async with s.post(base + path, data=io.BytesIO(data), headers=headers, timeout=aiohttp.ClientTimeout(total=120)) as r:
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with s.post(base + path, data=io.BytesIO(data), headers=headers, timeout=timeout) as r:
         return r.status, await r.json(content_type=None)
 
 
@@ -73,7 +74,7 @@ async def parser_holds(s: aiohttp.ClientSession, base: str, parsing: int, waitin
 
 
 def parse_workers() -> list[int]:
-    """This process's parse workers: children started by multiprocessing's spawn."""
+    """This process's request body parsers (python -m llmgw.router.parse)."""
     me = str(os.getpid())
     found = []
     for proc in Path("/proc").iterdir():
@@ -84,7 +85,7 @@ def parse_workers() -> list[int]:
             argv = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if ppid == me and b"spawn_main" in argv:
+        if ppid == me and b"llmgw.router.parse" in argv:
             found.append(int(proc.name))
     return found
 
