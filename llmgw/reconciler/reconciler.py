@@ -282,7 +282,12 @@ class Reconciler:
             return
         ready = {r.model for r in self.replicas.values() if r.state == ReplicaState.READY}
         names = [m.name for m in catalog.models if m.name not in ready and m.scaling.max > 0]
-        reasons = unrunnable(catalog, inventory, names)
+        # A node being handed over is this controller's within the grace: what it could run is
+        # not "cannot run" (the router would refuse at once requests it should hold).
+        handed = {k: replace(n, state=NodeState.READY) for k, n in inventory.nodes.items()
+                  if n.state == NodeState.HANDOVER}
+        reasons = unrunnable(catalog, Inventory({**inventory.nodes, **handed}, inventory.taken_at) if handed
+                             else inventory, names)
         if reasons != self._unrunnable:
             self._unrunnable = reasons
             self.sink.set_unrunnable(reasons)

@@ -42,12 +42,14 @@ class Recorder:
     used: dict[str, float] = field(default_factory=dict)
     wanted: dict[str, Demand] = field(default_factory=dict)
     unrunnable: dict[str, str] = field(default_factory=dict)
+    unrunnable_history: list[dict[str, str]] = field(default_factory=list)
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         self.history.append(list(endpoints))
 
     def set_unrunnable(self, reasons: Mapping[str, str]) -> None:
         self.unrunnable = dict(reasons)
+        self.unrunnable_history.append(dict(reasons))
 
     @property
     def current(self) -> list[Endpoint]:

@@ -7,6 +7,7 @@ config. Everything else is real: git commits, sshd, the agent, fetches, processe
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -166,6 +167,45 @@ async def test_restarted_controller_adopts_every_engine(fleet, tmp_path, weights
         assert len(rec.current) == 2
         assert [e.message.endswith("adopted at " + e.message.rsplit(" ", 1)[-1])
                 for e in c2.store.events() if e.kind == "replica-ready"][-2:] == [True, True]
+        await stop_all(c2, repo)
+    finally:
+        await c2.close()
+
+
+@pytest.mark.timeout(120)  # it waits out the succession grace on purpose
+async def test_a_restored_backup_of_a_dead_controller_takes_over_after_the_grace(fleet, tmp_path, weights) -> None:
+    """The controller's machine is gone; its data dir, restored elsewhere (another directory: the
+    nodes cannot know the first is dead), waits the silence out, then adopts every engine."""
+    repo = make_repo(tmp_path, fleet, {"chat": sim_model("chat", weights, min_=2)})
+    c = make_controller(repo, tmp_path / "data", fleet, Recorder())
+    await c.start()
+    await until(lambda: len(ready(c)) == 2, what="2 ready")
+    before = engine_pids(c)
+    await c.follower.close()  # gone without a word (as after kill -9)
+    await c.reconciler.close()
+    await c.fleet.close()
+    c.store.close()
+    shutil.copytree(tmp_path / "data", tmp_path / "restored")
+
+    rec = Recorder()
+    c2 = make_controller(repo, tmp_path / "restored", fleet, rec)
+
+    def n1() -> NodeState | None:
+        node = c2.inventory.snapshot().node("n1")
+        return node.state if node is not None else None
+
+    await c2.start()
+    try:
+        await until(lambda: n1() == NodeState.HANDOVER, what="handover")
+        # Meanwhile its engines serve through this controller's router, and the model is never
+        # called unrunnable (the router would refuse requests it should hold).
+        await until(lambda: len(ready(c2)) == 2 and len(rec.current) == 2, what="served while handed over")
+        assert n1() == NodeState.HANDOVER
+        await until(lambda: n1() == NodeState.READY, timeout=60,
+                    what="the node is this controller's after the grace")
+        assert engine_pids(c2) == before
+        assert all("chat" not in reasons for reasons in rec.unrunnable_history), rec.unrunnable_history
+        assert [e for e in c2.store.events() if e.kind == "stale-engine-stopped"] == []
         await stop_all(c2, repo)
     finally:
         await c2.close()
