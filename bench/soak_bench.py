@@ -10,6 +10,18 @@ two simulated engine replicas, under the common limit of 1,024 descriptors, is d
     admin     GET /api/v1/summary every 0.25 s, timed
     fault     half way through, one engine is killed (SIGKILL); the controller starts it again
 
+Then a hostile tenant (issue 24), against a standalone `llmgw router` following the same `up`,
+with API keys for two tenants:
+
+    victim    8 clients of one tenant sending small chat requests, latency timed, for a while
+              alone, then as long again while
+    hostile   another tenant sends ~30 MB JSON bodies (tiny messages, the shape that costs a
+              parser most) from 2 connections, in a separate process, for a model its key may
+              not use: the router must read and parse each before it can refuse it
+
+and (not with ``--quick``) the same against a router parsing every body on its event loop
+(``--parse-workers 0``, as before issue 24) for comparison.
+
 Every request carries a unique ``user`` field, and each engine logs the ``user`` of each request
 it accepted (the simulator's ``--request-log``), so deliveries are counted per client request and
 per engine, not inferred from totals. A request is *lost* when its client got no answer at all: no
@@ -20,7 +32,8 @@ itself is not lost). The same mix runs once as a warm-up before the router's RSS
     python bench/soak_bench.py [--quick] [--duration S]
 
 Goals: 0 requests lost; at most one delivery of a request per engine (and two in all); router
-RSS after the soak within 10 % of before; the admin API answering throughout (p99 < 1 s). The
+RSS after the soak within 10 % of before; the admin API answering throughout (p99 < 1 s); the
+hostile tenant raises the victim's p99 latency by at most 2x. The
 issue names no peer for this one: the peers' rates are measured by bench/router_bench.py.
 """
 
@@ -28,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import io
 import json
 import os
 import random
@@ -51,6 +66,9 @@ REPO = Path(__file__).resolve().parent.parent
 LLMGW = str(Path(sys.executable).parent / "llmgw")
 MODEL = "sim-chat"
 FD_LIMIT = 1024
+VICTIM_KEY, HOSTILE_KEY = "sk-victim", "sk-hostile"
+HOSTILE_MB = 30
+VICTIMS = 8
 
 
 @dataclass
@@ -94,7 +112,22 @@ def make_catalog(tmp: Path) -> Path:
     model["scaling"] = {"min": 2, "max": 2, "idle_after": "1h", "target_inflight": 1000}
     model["profiles"][0]["args"] = ["--tokens-per-second", "400", "--request-log", "requests.log"]
     path.write_text(yaml.safe_dump(model))
+    settings_path = catalog / "llmgw.yaml"
+    settings = yaml.safe_load(settings_path.read_text())
+    settings["tenants"] = [{"name": "victim-team", "keys": ["victim-key"]},
+                           {"name": "hostile-team", "keys": ["hostile-key"]}]
+    settings_path.write_text(yaml.safe_dump(settings))
     return catalog
+
+
+def keys_file(tmp: Path) -> Path:
+    """Both tenants' keys; the hostile one may use the embedding model only."""
+    path = tmp / "keys.yaml"
+    path.write_text(yaml.safe_dump([
+        {"name": "victim-key", "sha256": hashlib.sha256(VICTIM_KEY.encode()).hexdigest(), "models": ["*"]},
+        {"name": "hostile-key", "sha256": hashlib.sha256(HOSTILE_KEY.encode()).hexdigest(), "models": ["sim-embed"]},
+    ]))
+    return path
 
 
 def limited() -> None:
@@ -326,11 +359,166 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+# --- a hostile tenant ---------------------------------------------------------------------
+
+@dataclass
+class Latencies:
+    ms: list[float] = field(default_factory=list)
+    failures: int = 0
+
+
+async def victims(router: str, seconds: float) -> Latencies:
+    """``VICTIMS`` clients of the victim tenant asking for small answers back to back."""
+    out = Latencies()
+    stop_at = time.monotonic() + seconds
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {VICTIM_KEY}"}
+
+    async def one(session: aiohttp.ClientSession, n: int) -> None:
+        i = 0
+        while time.monotonic() < stop_at:
+            i += 1
+            t0 = time.monotonic()
+            try:
+                async with session.post(f"{router}/v1/chat/completions", headers=headers,
+                                        data=body(f"victim-{n}-{i}", stream=False, tokens=8)) as r:
+                    await r.read()
+                    ok = r.status == 200
+            except (aiohttp.ClientError, TimeoutError):
+                ok = False
+            if ok:
+                out.ms.append((time.monotonic() - t0) * 1000)
+            else:
+                out.failures += 1
+
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(one(session, n) for n in range(VICTIMS)))
+    return out
+
+
+async def probe(router: str) -> bool:
+    """Whether ``router`` answers the victim's request (it has the controller's catalog and replicas)."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session, session.post(
+                f"{router}/v1/chat/completions", data=body("probe", stream=False, tokens=1),
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {VICTIM_KEY}"}) as r:
+            await r.read()
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+def hostile_sender(router: str, seconds: float) -> None:
+    """`--hostile`: 2 connections sending ~30 MB bodies back to back; prints what it got.
+
+    At nice 10: the hostile client runs on this machine only because the bench has one machine;
+    a remote client costs the router's machine nothing but what the router does with its bytes."""
+    os.nice(10)
+    messages = [{"role": "user", "content": "x"}] * (HOSTILE_MB * 1024 * 1024 // 32)
+    data = json.dumps({"model": MODEL, "messages": messages}).encode()
+    statuses: Counter[int] = Counter()
+    stop_at = time.monotonic() + seconds
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        while time.monotonic() < stop_at:
+            try:
+                async with session.post(f"{router}/v1/chat/completions", data=io.BytesIO(data), headers={
+                        "Content-Type": "application/json", "Authorization": f"Bearer {HOSTILE_KEY}"}) as r:
+                    await r.read()
+                    statuses[r.status] += 1
+            except (aiohttp.ClientError, TimeoutError):
+                statuses[0] += 1
+
+    async def run() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            print("ready", flush=True)
+            await asyncio.gather(one(session), one(session))
+
+    asyncio.run(run())
+    print(json.dumps({"bytes": len(data), "statuses": dict(statuses)}), flush=True)
+
+
+def start_router(admin: str, token: str, keys: Path, log: Path, workers: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    with log.open("ab") as fh:
+        proc = subprocess.Popen([LLMGW, "router", "--controller", admin, "--listen", f"127.0.0.1:{port}",
+                                 "--api-keys", str(keys), "--parse-workers", str(workers)],
+                                stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "LLMGW_ADMIN_TOKEN": token})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llmgw router exited ({proc.returncode}): {log.read_text()[-2000:]}")
+        if asyncio.run(probe(base)):
+            return proc, base
+        time.sleep(0.3)
+    raise RuntimeError("the standalone router did not serve the victim within 60 s")
+
+
+@dataclass
+class Hostile:
+    workers: int
+    alone: Latencies
+    attacked: Latencies
+    sent: dict
+
+    def figures(self) -> dict:
+        p99a = pct(self.alone.ms, 0.99) if self.alone.ms else 0.0
+        p99b = pct(self.attacked.ms, 0.99) if self.attacked.ms else 0.0
+        return {"parse_workers": self.workers, "victim_alone_requests": len(self.alone.ms),
+                "victim_alone_p50_ms": round(pct(self.alone.ms, 0.5), 1) if self.alone.ms else None,
+                "victim_alone_p99_ms": round(p99a, 1),
+                "victim_attacked_requests": len(self.attacked.ms),
+                "victim_attacked_p50_ms": round(pct(self.attacked.ms, 0.5), 1) if self.attacked.ms else None,
+                "victim_attacked_p99_ms": round(p99b, 1), "victim_failures": self.alone.failures +
+                self.attacked.failures, "p99_ratio": round(p99b / p99a, 2) if p99a and p99b else None,
+                "hostile_bodies_mb": round(self.sent.get("bytes", 0) / 2**20, 1),
+                "hostile_answers": self.sent.get("statuses", {})}
+
+
+def hostile_phase(admin: str, token: str, tmp: Path, seconds: float, workers: int) -> Hostile:
+    """The victim alone for ``seconds``, then as long again beside the hostile sender."""
+    proc, base = start_router(admin, token, keys_file(tmp), tmp / f"router-{workers}.log", workers)
+    try:
+        asyncio.run(victims(base, 0.5))  # warm: connections, the engines' first answers
+        alone = asyncio.run(victims(base, seconds))
+        sender = subprocess.Popen([sys.executable, __file__, "--hostile", base, str(seconds)],
+                                  stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        assert sender.stdout is not None
+        sender.stdout.readline()  # "ready": its body is built, it starts sending now
+        attacked = asyncio.run(victims(base, seconds))
+        out, _ = sender.communicate(timeout=180)
+        sent = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    h = Hostile(workers, alone, attacked, sent)
+    f = h.figures()
+    print(f"hostile tenant, parse workers {workers}: victim p50/p99 {f['victim_alone_p50_ms']}/"
+          f"{f['victim_alone_p99_ms']} ms alone ({f['victim_alone_requests']} requests), "
+          f"{f['victim_attacked_p50_ms']}/{f['victim_attacked_p99_ms']} ms beside {f['hostile_bodies_mb']} MB "
+          f"bodies from 2 connections ({f['victim_attacked_requests']} requests; hostile answers "
+          f"{f['hostile_answers']}): p99 x{f['p99_ratio']}", file=sys.stderr)
+    return h
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a short soak (the whole run under a minute)")
     p.add_argument("--duration", type=float, default=None, help="seconds of soak (default 120, quick 15)")
+    p.add_argument("--hostile-seconds", type=float, default=None,
+                   help="seconds of each hostile-tenant phase (default 10, quick 4)")
+    p.add_argument("--hostile", nargs=2, metavar=("ROUTER", "SECONDS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.hostile:
+        hostile_sender(args.hostile[0], float(args.hostile[1]))
+        return 0
+    hostile_seconds = args.hostile_seconds or (4.0 if args.quick else 10.0)
     seconds = args.duration or (15.0 if args.quick else 120.0)
     warmup = 4.0 if args.quick else 20.0
     mix = {"streams": 60, "whole": 20, "slow": 8, "idle": 180} if args.quick else \
@@ -367,6 +555,10 @@ def main(argv: list[str] | None = None) -> int:
         per_engine, per_request, delivered = deliveries(tmp, "soak")
         log_bytes = log.stat().st_size
         alive = proc.poll() is None
+        # The router as it is, then (a full run) one parsing every body on its event loop, as before.
+        hostile = [hostile_phase(admin, token, tmp, hostile_seconds, workers) for workers in ((1,) if args.quick
+                                                                                              else (1, 0))]
+        alive = alive and proc.poll() is None
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -376,8 +568,11 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait()
     growth = (rss_after - rss_before) / rss_before if rss_before else float("inf")
     admin_p99 = pct(tally.admin_ms, 0.99)
+    isolated = hostile[0].figures()
+    hostile_met = (isolated["p99_ratio"] is not None and isolated["p99_ratio"] <= 2.0
+                   and isolated["victim_failures"] == 0 and isolated["victim_attacked_requests"] > 0)
     met = (tally.lost == 0 and tally.killed == 1 and per_engine <= 1 and per_request <= 2 and growth <= 0.10 and alive
-           and tally.admin_failures == 0 and admin_p99 < 1000 and proc.returncode == 0)
+           and tally.admin_failures == 0 and admin_p99 < 1000 and proc.returncode == 0 and hostile_met)
     for example in tally.lost_examples:
         print(f"lost: {example}", file=sys.stderr)
     if not alive:
@@ -403,7 +598,10 @@ def main(argv: list[str] | None = None) -> int:
         "idle_connections": tally.idle_open, "engines_killed": tally.killed, "log_bytes": log_bytes,
         "fd_limit": FD_LIMIT,
         "clean_exit": proc.returncode == 0,
-        "goal": "0 lost; <=1 delivery per engine, <=2 per request; RSS within 10%; admin p99 < 1 s, no failures",
+        "hostile": isolated, "hostile_inline_parse": hostile[1].figures() if len(hostile) > 1 else None,
+        "victim_p99_ratio": isolated["p99_ratio"],
+        "goal": "0 lost; <=1 delivery per engine, <=2 per request; RSS within 10%; admin p99 < 1 s, no failures; "
+                "a hostile tenant's 30 MB bodies raise the victim's p99 by <= 2x",
         "met": met,
     }))
     return 0 if met else 1

@@ -55,7 +55,7 @@ from llmgw.router.limits import (
 )
 from llmgw.router.load import poll_loads
 from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
-from llmgw.router.parse import BadBody, BodyParser, ParserBusy
+from llmgw.router.parse import BadBody, BodyParser, BodyTooLarge, ParserBusy, read_body
 from llmgw.router.prefix import MAX_BLOCKS, PrefixIndex, PromptKey, prompt_key
 from llmgw.router.proxy import CLIENT_GONE, Tap, forward_stream, forward_whole, rewrite_model
 from llmgw.router.retry import RetryBudget, RetryTicket, next_step
@@ -444,8 +444,8 @@ class Router:
             return self._refuse(self._buffers_full(), UNKNOWN, t0)
         try:
             async with asyncio.timeout(self.config.body_timeout):
-                raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+                raw = await read_body(request.content, limit)
+        except BodyTooLarge:
             return self._refuse(respond.too_large(limit), UNKNOWN, t0)
         except TimeoutError:
             return self._refuse(respond.body_timeout(self.config.body_timeout), UNKNOWN, t0)

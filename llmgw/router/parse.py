@@ -46,9 +46,9 @@ from llmgw.router.prefix import render_chat, render_prompt
 
 log = logging.getLogger(__name__)
 
-SMALL_BYTES = 16 * 1024        # at most (n + 1) / 2 values in n bytes: always few enough to parse inline
+SMALL_BYTES = 8 * 1024         # at most (n + 1) / 2 values in n bytes: never more than INLINE_VALUES
 INLINE_BYTES = 256 * 1024      # bigger bodies are never parsed inline
-INLINE_VALUES = 8192           # ~0.5 ms of parsing at worst (many tiny arrays), as much again to check depth
+INLINE_VALUES = 4096           # ~0.6 ms to parse and check at worst (tiny objects); a long chat is a few hundred
 BULK_BYTES = 16 * 1024         # a member the router reads, bigger than this, comes back as its text
 WORKER_NICE = 10               # the worker's priority below the router's (Linux nice)
 _CHUNK = 1024 * 1024           # a big body is read, and sent to the worker, this much at a time

@@ -127,7 +127,7 @@ def test_the_prompt_key_of_a_summary_is_the_whole_bodys() -> None:
 
 
 def test_which_bodies_are_parsed_inline() -> None:
-    assert is_small(b"{" + b"1," * 8000 + b"}")  # 16 KB: always
+    assert is_small(b"[" + b"1," * 4000 + b"1]")  # 8 KB: always
     assert is_small(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 200_000}]}).encode())
     assert not is_small(b"[" + b"[]," * 10_000 + b"[]]")  # 30 KB of tiny arrays: 20,000 values
     assert not is_small(json.dumps({"model": "m", "prompt": "x" * 300_000}).encode())  # above 256 KiB
