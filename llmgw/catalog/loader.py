@@ -27,6 +27,16 @@ from llmgw.errors import CatalogError
 # A model file is a few dozen lines; a file this large is a mistake (a weights file
 # committed by hand, a generated dump) and parsing it would only hide that.
 MAX_FILE_BYTES = 1024 * 1024
+# The whole catalog is bounded too, from the sizes a tree listing gives, before any byte is read:
+# fifty files each just under the limit above took a controller from 230 MB to 1.8 GB and held
+# the next good commit 133 s while they were parsed. A model file is under a KiB, so these leave
+# a fleet thousands of models; parsing the worst 4 MiB of YAML peaks at ~120 MB.
+MAX_CATALOG_FILES = 2000
+MAX_CATALOG_BYTES = 4 * 1024 * 1024
+# Entries of any kind the models directory may list (a README beside each model file is fine);
+# past this it is not listed further, so a tree of a million names costs nothing either.
+MAX_MODELS_ENTRIES = 2 * MAX_CATALOG_FILES
+_MIB = 1024 * 1024
 
 SETTINGS_FILE = "llmgw.yaml"
 NODES_FILE = "nodes.yaml"
@@ -57,6 +67,35 @@ MODELS_DIR_SYMLINK = (
     "is a symbolic link; the models directory must be a real directory in the repository "
     "(symlinks are not followed)"
 )
+
+
+MODELS_DIR_OVERFLOW = (
+    f"lists more than {MAX_MODELS_ENTRIES:,} entries; a catalog may hold at most {MAX_CATALOG_FILES:,} files, "
+    "so the directory was not listed further and no file was read"
+)
+
+
+def limit_problem(files: Mapping[str, RawFile]) -> Problem | None:
+    """Why a catalog is too large to read, judged from its files' sizes alone (a reader knows
+    them from a tree listing or a stat, before reading a byte); None when it is not.
+
+    Both readers ask this before reading, and `validate_files` asks it first, so a catalog over
+    a bound is one problem naming the bound and the figures, never a parse."""
+    listed = files.get(MODELS_DIR)
+    if listed is not None and listed.refused == MODELS_DIR_OVERFLOW:
+        return Problem(MODELS_DIR, 1, 1, MODELS_DIR_OVERFLOW)
+    catalog = [f for f in files.values() if is_catalog_file(f.path)]
+    if len(catalog) > MAX_CATALOG_FILES:
+        return Problem(MODELS_DIR, 1, 1, f"the catalog has {len(catalog):,} files; a catalog may hold at most "
+                                         f"{MAX_CATALOG_FILES:,} files, so none was read")
+    total = sum(f.size for f in catalog)
+    if total > MAX_CATALOG_BYTES:
+        largest = max(catalog, key=lambda f: (f.size, f.path))
+        return Problem(largest.path, 1, 1, (
+            f"the catalog's {len(catalog):,} files total {total / _MIB:.1f} MiB; a catalog may hold at most "
+            f"{MAX_CATALOG_BYTES // _MIB} MiB in all, so none was read (the largest is this one, "
+            f"{largest.size / _MIB:.1f} MiB)"))
+    return None
 
 
 def refusal(mode: int) -> str | None:
@@ -94,7 +133,8 @@ def is_catalog_file(rel: str) -> bool:
 
 
 def read_directory(root: str | Path) -> dict[str, RawFile]:
-    """The catalog files under ``root``, read at most MAX_FILE_BYTES + 1 each.
+    """The catalog files under ``root``, read at most MAX_FILE_BYTES + 1 each, and none at all
+    (sizes only) when the catalog is over a bound (`limit_problem`).
 
     ``root`` itself is trusted (the caller named it). Below it nothing is followed: a symlinked
     file or ``models`` directory, a FIFO or a device comes back refused, never opened, so no
@@ -108,23 +148,40 @@ def read_directory(root: str | Path) -> dict[str, RawFile]:
     except (FileNotFoundError, NotADirectoryError) as exc:
         raise CatalogError(f"{root}: not a directory") from exc
     out: dict[str, RawFile] = {}
+    models_fd: int | None = None
     try:
-        for name in (SETTINGS_FILE, "llmgw.yml", NODES_FILE, "nodes.yml"):
-            _read_entry(root_fd, name, name, out)
+        found = [(root_fd, name, name) for name in (SETTINGS_FILE, "llmgw.yml", NODES_FILE, "nodes.yml")]
         models_fd = _open_models_dir(root_fd, out)
         if models_fd is not None:
-            try:
-                for name in sorted(os.listdir(models_fd)):
-                    if Path(name).suffix in (".yaml", ".yml"):
-                        _read_entry(models_fd, name, f"{MODELS_DIR}/{name}", out)
-            finally:
-                os.close(models_fd)
+            found += [(models_fd, name, f"{MODELS_DIR}/{name}") for name in _model_names(models_fd, out)]
+        sizes = {rel: (dir_fd, name, size) for dir_fd, name, rel in found
+                 if (size := _look(dir_fd, name, rel, out)) is not None}
+        listed = {**out, **{rel: RawFile(rel, b"", size) for rel, (_, _, size) in sizes.items()}}
+        if limit_problem(listed) is not None:
+            return listed
+        for rel, (dir_fd, name, _) in sizes.items():
+            _read_entry(dir_fd, name, rel, out)
     finally:
+        if models_fd is not None:
+            os.close(models_fd)
         os.close(root_fd)
     return out
 
 
 _NO_FOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _model_names(models_fd: int, out: dict[str, RawFile]) -> list[str]:
+    """The YAML names in the models directory, listed no further than MAX_MODELS_ENTRIES."""
+    names = []
+    with os.scandir(models_fd) as listing:
+        for count, entry in enumerate(listing, start=1):
+            if count > MAX_MODELS_ENTRIES:
+                out[MODELS_DIR] = RawFile(MODELS_DIR, b"", 0, refused=MODELS_DIR_OVERFLOW)
+                return []
+            if Path(entry.name).suffix in (".yaml", ".yml"):
+                names.append(entry.name)
+    return sorted(names)
 
 
 def _open_models_dir(root_fd: int, out: dict[str, RawFile]) -> int | None:
@@ -146,19 +203,26 @@ def _open_models_dir(root_fd: int, out: dict[str, RawFile]) -> int | None:
         return None
 
 
+def _look(dir_fd: int, name: str, rel: str, out: dict[str, RawFile]) -> int | None:
+    """The size of the regular file `name`, or None (absent, a directory, or refused into out)."""
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISDIR(info.st_mode):
+        return None  # a directory named like a catalog file is not one, as in a git tree
+    # A device is refused on its mode alone: opening one can have effects (a tape rewinds).
+    if reason := refusal(info.st_mode):
+        out[rel] = RawFile(rel, b"", 0, refused=reason)
+        return None
+    return info.st_size
+
+
 def _read_entry(dir_fd: int, name: str, rel: str, out: dict[str, RawFile]) -> None:
     try:
-        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        fd = os.open(name, _NO_FOLLOW, dir_fd=dir_fd)
     except FileNotFoundError:
         return
-    if stat.S_ISDIR(mode):
-        return  # a directory named like a catalog file is not one, as in a git tree
-    # A device is refused on its mode alone: opening one can have effects (a tape rewinds).
-    if reason := refusal(mode):
-        out[rel] = RawFile(rel, b"", 0, refused=reason)
-        return
-    try:
-        fd = os.open(name, _NO_FOLLOW, dir_fd=dir_fd)
     except OSError as exc:
         # ELOOP: replaced by a symlink since the stat. Otherwise (permissions) say why, not what.
         why = _SYMLINK if exc.errno == errno.ELOOP else f"cannot be read: {exc.strerror}"
@@ -166,7 +230,7 @@ def _read_entry(dir_fd: int, name: str, rel: str, out: dict[str, RawFile]) -> No
         return
     with os.fdopen(fd, "rb") as fh:
         st = os.fstat(fh.fileno())
-        if reason := refusal(st.st_mode):  # replaced by a FIFO or a device since the stat
+        if reason := refusal(st.st_mode):  # replaced by a FIFO, a device or a directory since the stat
             out[rel] = RawFile(rel, b"", 0, refused=reason)
             return
         out[rel] = RawFile(rel, fh.read(MAX_FILE_BYTES + 1), st.st_size)
@@ -232,6 +296,8 @@ def validate_files(
 
 
 def _validate_files(files: Mapping[str, RawFile], *, revision: str | None, workers: int) -> ValidationResult:
+    if (too_large := limit_problem(files)) is not None:
+        return ValidationResult(None, (too_large,), len(files))
     problems: list[Problem] = []
     names = set(files)
 

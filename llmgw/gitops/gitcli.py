@@ -16,9 +16,22 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import threading
 from pathlib import Path
 
-from llmgw.catalog.loader import MAX_FILE_BYTES, MODELS_DIR, MODELS_DIR_SYMLINK, RawFile, is_catalog_file, refusal
+from llmgw.catalog.loader import (
+    MAX_FILE_BYTES,
+    MAX_MODELS_ENTRIES,
+    MODELS_DIR,
+    MODELS_DIR_OVERFLOW,
+    MODELS_DIR_SYMLINK,
+    NODES_FILE,
+    SETTINGS_FILE,
+    RawFile,
+    is_catalog_file,
+    limit_problem,
+    refusal,
+)
 from llmgw.errors import GitError
 
 GIT_TIMEOUT = 30.0
@@ -36,13 +49,59 @@ def _run(args: list[str], *, cwd: Path | str | None, timeout: float, env: dict[s
     except OSError as exc:
         raise GitError(f"cannot run git: {exc}") from exc
     if proc.returncode != 0:
-        text = (proc.stderr or proc.stdout).decode("utf-8", "replace").strip()
-        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        # git's reason is on its fatal:/error: lines; the rest is advice.
-        remote = [ln for ln in lines if ln.startswith("remote:")][:2]  # the host's own words, not its advice
-        reason = [ln for ln in lines if ln.startswith(("fatal:", "error:", "! [")) or ln in remote] or lines[-3:]
-        raise GitError(f"git {args[0]} failed: {' '.join(reason) or f'exit {proc.returncode}'}")
+        raise _failed(args, proc.returncode, proc.stderr or proc.stdout)
     return proc.stdout
+
+
+def _failed(args: list[str], code: int, output: bytes) -> GitError:
+    text = output.decode("utf-8", "replace").strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    # git's reason is on its fatal:/error: lines; the rest is advice.
+    remote = [ln for ln in lines if ln.startswith("remote:")][:2]  # the host's own words, not its advice
+    reason = [ln for ln in lines if ln.startswith(("fatal:", "error:", "! [")) or ln in remote] or lines[-3:]
+    return GitError(f"git {args[0]} failed: {' '.join(reason) or f'exit {code}'}")
+
+
+def run_git_capped(args: list[str], *, cwd: Path | str | None, cap: int,
+                   timeout: float = GIT_TIMEOUT) -> tuple[bytes, bool]:
+    """(git's stdout, whether that is all of it): at most ``cap`` bytes are ever held, and git is
+    stopped there. For what a commit's author sizes (a listing, a message): a whole one of a
+    million names or a 100 MB message cost the controller its memory before anything judged it."""
+    try:
+        proc = subprocess.Popen(["git", *args], cwd=cwd, env={**os.environ, **_ENV}, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as exc:
+        raise GitError(f"cannot run git: {exc}") from exc
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, expire)
+    timer.start()
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        out = proc.stdout.read(cap + 1)
+        if len(out) > cap:
+            proc.kill()
+            proc.wait()
+            return out[:cap], False
+        err = proc.stderr.read(64 * 1024)  # git's own words are short; a flood of them is not kept
+        code = proc.wait()
+    finally:
+        timer.cancel()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if expired.is_set():
+        raise GitError(f"git {args[0]} timed out after {timeout:g}s")
+    if code != 0:
+        raise _failed(args, code, err or out)
+    return out, True
 
 
 def run_git(args: list[str], *, cwd: Path | str | None = None, timeout: float = GIT_TIMEOUT,
@@ -85,18 +144,39 @@ def has_commit(repo: Path | str, rev: str) -> bool:
     return True
 
 
-def _entries(repo: Path | str, sha: str, *paths: str, recursive: bool) -> list[tuple[int, str, str, int, str]]:
+# A line of `ls-tree --long`: mode, type, a sha-256 object id, a size and the name; an honest
+# listing of MAX_MODELS_ENTRIES names stays well under this many bytes.
+_LISTING_BYTES = MAX_MODELS_ENTRIES * 512
+_TOP_FILES = (SETTINGS_FILE, "llmgw.yml", NODES_FILE, "nodes.yml", MODELS_DIR)
+
+Entry = tuple[int, str, str, int, str]  # (mode, type, object, size, path)
+
+
+def _entries(repo: Path | str, sha: str, *paths: str, recursive: bool) -> list[Entry]:
     """``git ls-tree`` of ``sha``: (mode, type, object, size, path) per entry."""
+    entries, _ = _listing(repo, sha, *paths, recursive=recursive, cap=None)
+    return entries
+
+
+def _listing(repo: Path | str, sha: str, *paths: str, recursive: bool, cap: int | None) -> tuple[list[Entry], bool]:
+    """(entries, whether that is all of them): with ``cap``, no more than cap bytes of listing."""
     args = ["ls-tree", "-z", "--long", "--full-tree"] + (["-r"] if recursive else []) + [sha, "--", *paths]
+    if cap is None:
+        raw, complete = _run(args, cwd=repo, timeout=GIT_TIMEOUT, env=None), True
+    else:
+        raw, complete = run_git_capped(args, cwd=repo, cap=cap)
+    records = raw.split(b"\0")
+    if not complete:
+        records = records[:-1]  # the last one was cut
     out = []
-    for raw in _run(args, cwd=repo, timeout=GIT_TIMEOUT, env=None).split(b"\0"):
-        if not raw:
+    for record in records:
+        if not record:
             continue
-        meta, _, name = raw.partition(b"\t")
+        meta, _, name = record.partition(b"\t")
         mode, kind, obj, size = meta.split(None, 3)
         out.append((int(mode, 8), kind.decode(), obj.decode(), int(size) if size.strip() != b"-" else 0,
                     os.fsdecode(name)))
-    return out
+    return out, complete
 
 
 def read_tree(repo: Path | str, rev: str, *, subdir: str = "") -> dict[str, RawFile]:
@@ -104,7 +184,10 @@ def read_tree(repo: Path | str, rev: str, *, subdir: str = "") -> dict[str, RawF
 
     A catalog file that is not a regular blob (a symlink, a submodule) comes back refused with its
     content unread; so does a symlinked ``models`` directory. A file over the size limit comes
-    back empty with its real size (its size alone is the problem).
+    back empty with its real size (its size alone is the problem), and so does every file when
+    the catalog is over a bound (`limit_problem`): judged from the listing, before any blob is
+    read. Only the catalog's own two directories are listed, the models one no further than
+    MAX_MODELS_ENTRIES.
     """
     sha = resolve_commit(repo, rev)
     prefix = subdir.strip("/")
@@ -119,23 +202,32 @@ def read_tree(repo: Path | str, rev: str, *, subdir: str = "") -> dict[str, RawF
         if kind != "tree":
             what = "a symbolic link (symlinks are not followed)" if stat.S_ISLNK(mode) else "not a directory"
             raise GitError(f"cannot read {rev!r} under {prefix}: {where} is {what}")
+    base = f"{prefix}/" if prefix else ""
     out: dict[str, RawFile] = {}
+    top = _entries(repo, sha, *(base + name for name in _TOP_FILES), recursive=False)
+    models: list[Entry] = []
+    for mode, kind, _obj, _size, path in top:
+        if path == base + MODELS_DIR and stat.S_ISLNK(mode):
+            out[MODELS_DIR] = RawFile(MODELS_DIR, b"", 0, refused=MODELS_DIR_SYMLINK)
+        elif path == base + MODELS_DIR and kind == "tree":
+            models, complete = _listing(repo, sha, f"{base}{MODELS_DIR}/", recursive=False, cap=_LISTING_BYTES)
+            if not complete or len(models) > MAX_MODELS_ENTRIES:
+                out[MODELS_DIR] = RawFile(MODELS_DIR, b"", 0, refused=MODELS_DIR_OVERFLOW)
+                return out
     wanted: list[tuple[str, str, int]] = []
-    for mode, kind, obj, size, path in _entries(repo, sha, *([prefix + "/"] if prefix else []), recursive=True):
-        rel = path[len(prefix) + 1:] if prefix else path
-        if rel == MODELS_DIR and stat.S_ISLNK(mode):
-            out[rel] = RawFile(rel, b"", 0, refused=MODELS_DIR_SYMLINK)
-            continue
-        if not is_catalog_file(rel):
-            continue
+    for mode, kind, obj, size, path in top + models:
+        rel = path[len(base):]
+        if kind == "tree" or not is_catalog_file(rel):
+            continue  # a directory named like a catalog file is not one
         reason = refusal(mode) if kind == "blob" else refusal(mode) or "not a regular file"
         if reason:
             out[rel] = RawFile(rel, b"", 0, refused=reason)
-            continue
-        if size > MAX_FILE_BYTES:
+        elif size > MAX_FILE_BYTES:
             out[rel] = RawFile(rel, b"", size)
-            continue
-        wanted.append((rel, obj, size))
+        else:
+            wanted.append((rel, obj, size))
+    if limit_problem({**out, **{rel: RawFile(rel, b"", size) for rel, _, size in wanted}}) is not None:
+        return {**out, **{rel: RawFile(rel, b"", size) for rel, _, size in wanted}}
     for (rel, _, size), data in zip(wanted, _blobs(repo, [obj for _, obj, _ in wanted]), strict=True):
         out[rel] = RawFile(rel, data, size)
     return out

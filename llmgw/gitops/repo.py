@@ -14,7 +14,7 @@ from pathlib import Path
 
 from llmgw.catalog.loader import RawFile
 from llmgw.errors import BranchMissing, GitError
-from llmgw.gitops.gitcli import read_tree, run_git
+from llmgw.gitops.gitcli import read_tree, run_git, run_git_capped
 from llmgw.gitops.status import History
 
 GIT_TIMEOUT = 30.0
@@ -101,6 +101,20 @@ class GitMirror:
         return read_tree(self.path, sha, subdir=self.subdir)
 
     def info(self, sha: str) -> CommitInfo:
-        out = run_git(["show", "-s", "--format=%H%x00%an%x00%ae%x00%ct%x00%s%x00%B", sha], cwd=self.path)
-        full, author, email, ctime, subject, body = out.split("\x00", 5)
-        return CommitInfo(full, author, email, subject, body.strip(), float(ctime))
+        """Who wrote ``sha`` and what they said, bounded: a commit's author sizes its message, and a
+        100 MB one would be held (and stored in events) whole. A message cut short loses its
+        trailers, so a prune it allowed is held for an operator instead: the safe side."""
+        raw, _complete = run_git_capped(["show", "-s", "--format=%H%x00%ct%x00%an%x00%ae%x00%s%x00%B", sha],
+                                        cwd=self.path, cap=MAX_INFO_BYTES)
+        fields = raw.decode("utf-8", "replace").split("\x00", 5)
+        full, ctime, author, email, subject, body = fields + [""] * (6 - len(fields))
+        return CommitInfo(full, _short(author), _short(email), _short(subject, MAX_SUBJECT), body.strip(),
+                          float(ctime))
+
+
+MAX_INFO_BYTES = 64 * 1024
+MAX_SUBJECT = 500
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
