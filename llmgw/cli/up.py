@@ -73,7 +73,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     data_dir = Path(args.data_dir).resolve() if args.data_dir is not None else default_data_dir()
     try:
         cfg = prepare(data_dir, catalog=Path(args.catalog).resolve() if args.catalog is not None else None,
-                      router_port=args.router_port, admin_port=args.admin_port)
+                      router_port=args.router_port, admin_port=args.admin_port, lock=True)
     except LlmgwError as exc:
         return fail(console, str(exc))
     layout = UpLayout(data_dir)

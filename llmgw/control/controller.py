@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from llmgw.catalog import Catalog
 from llmgw.contract import EndpointSink, UsageSource
 from llmgw.control.config import ControllerConfig
-from llmgw.control.datadir import hold_data_dir, succeed
+from llmgw.control.datadir import held_here, hold_data_dir, release_data_dir, succeed
 from llmgw.control.fleet_dispatch import FleetDispatcher
 from llmgw.control.fleet_metrics import FleetCollector
 from llmgw.control.ops import FleetOps
@@ -76,6 +76,7 @@ class Controller:
         )
         self.writer = CommitWriter(url, config.branch, data / "writer", subdir=config.subdir)
         self.ops = FleetOps(self)
+        self._own_lock = False  # start() took the data dir's lock itself (an embedding, a test)
         self.registry.register(FleetCollector(self.ops))
 
     def _judge_prune(self, old: Catalog | None, new: Catalog) -> PruneVerdict:
@@ -138,6 +139,7 @@ class Controller:
     async def start(self) -> None:
         # One process per data dir (the command line took it already; an embedding had not). With
         # the lock held, the instance that ran here before has ended: name it to the nodes.
+        self._own_lock = not held_here(self.config.data_dir)
         hold_data_dir(self.config.data_dir)
         self.fleet.predecessor = succeed(self.config.data_dir, self.fleet.instance)
         self.store.open()
@@ -163,6 +165,8 @@ class Controller:
         await self.fleet.release()
         await self.fleet.close()
         self.store.close()
+        if self._own_lock:  # taken here, not by the command line (whose process is ending anyway)
+            release_data_dir(self.config.data_dir)
 
     def _on_catalog(self, catalog: Catalog) -> None:  # noqa: ARG002 - the reconciler reads it itself
         self.reconciler.notify()

@@ -102,7 +102,7 @@ def succeed(data_dir: Path | str, instance: str) -> str | None:
     a cloned disk booted elsewhere) never matches, so a copy never claims a live instance's nodes.
     """
     root = Path(data_dir)
-    if not _held(root):
+    if not held_here(root):
         raise RuntimeError(f"succeed({root}) without the data dir's lock")
     here = _where(root)
     path = root / INSTANCE_FILE
@@ -130,9 +130,10 @@ def _where(root: Path) -> list[object] | None:
     return [boot, st.st_dev, st.st_ino] if boot else None
 
 
-def _held(root: Path) -> bool:
+def held_here(data_dir: Path | str) -> bool:
+    """Whether this process holds ``data_dir``'s lock."""
     try:
-        st = os.stat(root / LOCK_FILE, follow_symlinks=False)
+        st = os.stat(Path(data_dir) / LOCK_FILE, follow_symlinks=False)
     except OSError:
         return False
     return (st.st_dev, st.st_ino) in _HELD

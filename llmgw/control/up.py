@@ -236,10 +236,13 @@ def admin_token(layout: UpLayout) -> str:
     return token
 
 
-def prepare(data_dir: Path, *, catalog: Path | None, router_port: int, admin_port: int) -> ServerConfig:
+def prepare(data_dir: Path, *, catalog: Path | None, router_port: int, admin_port: int,
+            lock: bool = False) -> ServerConfig:
     """The data dir made ready (its catalog seeded on first run), and the config serving it.
 
-    Every check comes before anything is written, so a refused `up` leaves nothing behind."""
+    Every check comes before anything is written, so a refused `up` leaves nothing behind. With
+    ``lock`` (`llmgw up` itself) the data dir is this process's from then on (DataDirInUse when
+    another process runs on it), taken before anything is written."""
     layout = UpLayout(data_dir)
     if data_dir.exists() and not data_dir.is_dir():
         raise ConfigError(f"--data-dir {data_dir}: not a directory")
@@ -256,7 +259,8 @@ def prepare(data_dir: Path, *, catalog: Path | None, router_port: int, admin_por
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--data-dir {data_dir}: cannot create it: {exc.strerror or exc}") from exc
-    hold_data_dir(layout.controller_dir)  # before anything is written: a second `up` here must not touch it
+    if lock:
+        hold_data_dir(layout.controller_dir)  # before anything is written: a second `up` must not touch it
     if seed is not None:
         init_catalog(layout, seed)
     write_agent_config(layout)

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from llmgw.contract import Demand
+from llmgw.control.datadir import held_here, release_data_dir
 from llmgw.gitops.status import SyncState
 from llmgw.inventory import NodeState
 from tests.dispatch.helpers import pid_alive
@@ -209,6 +210,9 @@ async def test_a_restored_backup_of_a_dead_controller_takes_over_after_the_grace
         await stop_all(c2, repo)
     finally:
         await c2.close()
+    # A controller started in-process holds its data dir's lock until it is closed, no longer.
+    assert not held_here(tmp_path / "restored") and held_here(tmp_path / "data")
+    release_data_dir(tmp_path / "data")  # what the kernel does for a killed process
 
 
 async def test_node_loss_moves_replicas_and_stale_engines_stop_on_return(fleet, tmp_path, weights) -> None:
