@@ -49,7 +49,9 @@ log = logging.getLogger(__name__)
 SMALL_BYTES = 8 * 1024         # at most (n + 1) / 2 values in n bytes: never more than INLINE_VALUES
 INLINE_BYTES = 256 * 1024      # bigger bodies are never parsed inline
 INLINE_VALUES = 4096           # ~0.6 ms to parse and check at worst (tiny objects); a long chat is a few hundred
-BULK_BYTES = 16 * 1024         # a member the router reads, bigger than this, comes back as its text
+BULK_BYTES = 4 * 1024          # a member the router reads, bigger than this, comes back as its text
+MAX_MODEL_CHARS = 256          # catalog names and aliases have at most 128
+MAX_PIECES = 64                # runs of members not read sent back as spans; more: as one text
 WORKER_NICE = 10               # the worker's priority below the router's (Linux nice)
 _CHUNK = 1024 * 1024           # a big body is read, and sent to the worker, this much at a time
 
@@ -113,6 +115,9 @@ def check_request(body: Any) -> tuple[str, bool]:
     model = body.get("model")
     if type(model) is not str or not model:
         raise BadBody("The request body must name a `model` (a string).", "missing_model")
+    if len(model) > MAX_MODEL_CHARS:  # no name is that long; and the 404 would echo it all back
+        raise BadBody(f"`model` is {len(model)} characters long: no model or alias has a name longer than "
+                      f"{MAX_MODEL_CHARS}.", "model_not_found")
     stream = body.get("stream")
     # Strict: "stream": "no" is truthy, and guessing would answer SSE to a client expecting JSON.
     if stream is not None and type(stream) is not bool:
@@ -190,18 +195,72 @@ def summarise(raw: bytes, kind: str | None, reads: frozenset[str], prompt_chars:
     except (ValueError, RecursionError):
         # Not an object this walk reads: the whole-body parse gives the error every client gets.
         try:
-            return _summary(parse_body(raw)[0], kind, reads, prompt_chars)
+            return _rewritten(parse_body(raw)[0], kind, reads, prompt_chars)
         except BadBody as exc:
             return Summary(error=(str(exc), exc.code))
     body = {name: value for name, _, _, _, value in members}  # json's own: first place, last value
-    spans = {name: (start, colon, end) for name, start, colon, end, _ in members}
     try:
         if any(jsonbody.too_deep(v, jsonbody.MAX_DEPTH - 1) for v in body.values()):
             raise BadBody(jsonbody.too_deep_message(jsonbody.MAX_DEPTH), "invalid_json")
-        return _summary(body, kind, reads, prompt_chars, spans=spans,
-                        where=_Offsets(text, raw, encoding) if encoding.startswith("utf-8") else _Encoded(text))
+        model, stream = check_request(body)
     except BadBody as exc:
         return Summary(error=(str(exc), exc.code))
+    where = _Offsets(text, raw, encoding) if encoding.startswith("utf-8") else _Encoded(text)
+    last = {name: start for name, start, _, _, _ in members}
+    read: dict[str, Any] = {}
+    big: dict[str, tuple[Piece, int]] = {}
+    runs: list[Piece] = []
+    run: list[int] = []  # [start, end] of the members not read since the last one read
+    # One pass in the body's order (character offsets become byte offsets counting forward). A
+    # run of members not read is one piece, however many members it holds; a member read ends a
+    # run, and only its last occurrence counts (an earlier one left in the text would be what an
+    # engine reading the last occurrence saw: `"max_tokens": 50000, ..., "max_tokens": 1`).
+    for name, start, colon, end, value in members:
+        if name not in reads:
+            run = [run[0] if run else start, end]
+            continue
+        if run:
+            runs.append(where(*run))
+            run = []
+        if last[name] != start:
+            continue
+        if end - colon <= BULK_BYTES or name == "model":
+            read[name] = value
+        else:
+            big[name] = (where(colon, end), _prompts(value))
+    if run:
+        runs.append(where(*run))
+    if len(runs) > MAX_PIECES:  # members read repeated to cut the rest into a million runs
+        runs = [b",".join(p if isinstance(p, bytes) else raw[p[0]:p[1]] for p in runs)]
+    return Summary(model, stream, tuple(n for n in body if n in reads), read, big, tuple(runs),
+                   _prompt_text(body, kind, prompt_chars))
+
+
+def _rewritten(body: dict[str, Any], kind: str | None, reads: frozenset[str], prompt_chars: int) -> Summary:
+    """The summary of a body parsed whole, its parts written again (a body the member walk did
+    not read but json did; none is known)."""
+    model, stream = check_request(body)
+    read: dict[str, Any] = {}
+    big: dict[str, tuple[Piece, int]] = {}
+    rest: list[bytes] = []
+    for name, value in body.items():
+        text = jsonbody.encode(value)
+        if name not in reads:
+            rest.append(jsonbody.encode(name) + b":" + text)
+        elif len(text) <= BULK_BYTES or name == "model":
+            read[name] = value
+        else:
+            big[name] = (text, _prompts(value))
+    return Summary(model, stream, tuple(n for n in body if n in reads), read, big,
+                   (b",".join(rest),) if rest else (), _prompt_text(body, kind, prompt_chars))
+
+
+def _prompt_text(body: dict[str, Any], kind: str | None, prompt_chars: int) -> str | None:
+    if kind == "chat":
+        return render_chat(body, prompt_chars)[:prompt_chars]
+    if kind == "prompt":
+        return render_prompt(body)[:prompt_chars]
+    return None
 
 
 class _Offsets:
@@ -220,7 +279,7 @@ class _Offsets:
     def at(self, char: int) -> int:
         if self.ascii:
             return self.base + char
-        if char < self.char:  # not in order: counted from the start again (never for one body's members)
+        if char < self.char:  # asked out of order: counted from the start again
             self.char, self.byte = 0, self.base
         self.byte += len(self.text[self.char:char].encode("utf-8", "surrogatepass"))
         self.char = char
@@ -235,42 +294,6 @@ class _Encoded:
 
     def __call__(self, start: int, end: int) -> Piece:
         return self.text[start:end].encode("utf-8", "surrogatepass")
-
-
-def _summary(body: dict[str, Any], kind: str | None, reads: frozenset[str], prompt_chars: int, *,
-             spans: dict[str, tuple[int, int, int]] | None = None,
-             where: _Offsets | _Encoded | None = None) -> Summary:
-    """The summary of ``body``: the members' pieces at ``spans`` (name: where the member starts,
-    where its value starts and ends, in characters) through ``where``, or written again."""
-    model, stream = check_request(body)
-    read: dict[str, Any] = {}
-    big: dict[str, tuple[Piece, int]] = {}
-    rest: list[Piece] = []
-    # In the body's order, so that character offsets are turned into bytes in one pass.
-    for name, value in sorted(body.items(), key=lambda kv: spans[kv[0]][0] if spans else 0):
-        if spans is None or where is None:
-            key = jsonbody.encode(name)
-            text = jsonbody.encode(value)
-            if name not in reads:
-                rest.append(key + b":" + text)
-            elif len(text) <= BULK_BYTES or name == "model":
-                read[name] = value
-            else:
-                big[name] = (text, _prompts(value))
-            continue
-        start, colon, end = spans[name]
-        if name not in reads:
-            rest.append(where(start, end))
-        elif end - colon <= BULK_BYTES or name == "model":
-            read[name] = value
-        else:
-            big[name] = (where(colon, end), _prompts(value))
-    prompt = None
-    if kind == "chat":
-        prompt = render_chat(body, prompt_chars)[:prompt_chars]
-    elif kind == "prompt":
-        prompt = render_prompt(body)[:prompt_chars]
-    return Summary(model, stream, tuple(n for n in body if n in reads), read, big, tuple(rest), prompt)
 
 
 def _prompts(value: Any) -> int:
