@@ -131,6 +131,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
         router.set_spent(book.figures(), hub.router_count())
 
     budgets()
+    book.on_change = budgets  # a standalone router's report counts for this router at once
     usage = UsageFlusher(router.usage_outbox, ledger, compact=store.compact_usage, after=budgets)
     usage.start()
     runners: list[web.AppRunner] = []

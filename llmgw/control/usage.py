@@ -56,6 +56,10 @@ class BudgetBook:
         self._scopes: dict[tuple[str, str], _Spent] = {}
         self.version = 0  # changes whenever a figure may have
         self._loading: asyncio.Task[None] | None = None
+        # Called (on the event loop, outside the lock) when figures changed: the controller's own
+        # router hears at once, not only at its next flush.
+        self.on_change: Callable[[], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop on_change runs on (set by load)
 
     def set_catalog(self, catalog: Catalog) -> None:
         """Catalog subscriber: the budgets to follow (a budget whose period changed is read again)."""
@@ -80,6 +84,11 @@ class BudgetBook:
                     scopes[k] = _Spent(b)
             self._scopes = scopes
             self.version += 1
+            loop, fresh = self._loop, any(s.period < 0 for s in scopes.values())
+        if fresh and loop is not None and self.on_change is not None:
+            # A budget new in the catalog is read at once, not at the next flush: until then its
+            # figure is unknown, and a router restarted meanwhile would start from nothing.
+            loop.call_soon_threadsafe(self.on_change)
 
     @property
     def loaded(self) -> bool:
@@ -87,15 +96,17 @@ class BudgetBook:
         with self._lock:
             return all(s.period >= 0 and not s.loading for s in self._scopes.values())
 
-    async def load(self, store: UsageQueries) -> None:
-        """Read, in a thread, what the scopes not read yet used this period."""
+    async def load(self, store: UsageQueries) -> bool:
+        """Read, in a thread, what the scopes not read yet used this period; False when there
+        was none to read (or another load is reading them)."""
+        self._loop = asyncio.get_running_loop()
         now = self.clock()
         with self._lock:
             todo = [(k, s) for k, s in self._scopes.items() if s.period < 0 and not s.loading]
             for _, s in todo:
                 s.loading, s.period, s.tokens = True, period_start(s.budget, now), 0
         if not todo:
-            return
+            return False
         try:
             sums = await asyncio.to_thread(_spent_since, store, {s.period for _, s in todo})
         except BaseException:
@@ -108,6 +119,9 @@ class BudgetBook:
                 s.loading = False
                 s.tokens += sums.get(s.period, {}).get(k, 0)
             self.version += 1
+        if self.on_change is not None:
+            self.on_change()
+        return True
 
     def load_soon(self, store: UsageQueries) -> None:
         """Start :meth:`load` for budgets new since the last (one at a time), without waiting."""
@@ -116,7 +130,8 @@ class BudgetBook:
 
     async def _load_logged(self, store: UsageQueries) -> None:
         try:
-            await self.load(store)
+            while await self.load(store) and not self.loaded:
+                pass  # budgets new in a catalog that came while reading the others
         except sqlite3.Error as exc:  # tried again at the next flush; meanwhile routers keep their own counts
             log.warning("usage ledger: could not read what budgets used (%s); will try again", exc)
 
@@ -142,6 +157,8 @@ class BudgetBook:
                     changed = True
             if changed:
                 self.version += 1
+        if changed and self.on_change is not None:
+            self.on_change()
 
     def figures(self) -> SpentFigures:
         """(tenant, model or "") → (period start, tokens used in it), for the scopes read so far."""

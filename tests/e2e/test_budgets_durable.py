@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from llmgw.control.up import prepare
 from llmgw.router import hash_key
 from tests.e2e.processes import free_port, start, stop, wait_for
 from tests.e2e.test_up import processes_under
@@ -39,7 +39,7 @@ tenants:
     limits:
       budget: {tokens: %d, per: day}
   - name: other
-    keys: [other-key]
+    keys: [other-key, probe-0, probe-1, probe-2]
     limits:
       budget: {tokens: %d, per: day}
 """
@@ -83,15 +83,22 @@ class Fleet:
         (source / "models" / "sim-chat.yaml").write_text(MODEL_YAML)
         self.data = tmp / "state"
         router_port, admin_port = free_port(), free_port()
-        up = prepare(self.data, catalog=source, router_port=router_port, admin_port=admin_port)
+        # The data dir laid out as `llmgw up` lays it out (a catalog repository, the local node's
+        # config), in a process of its own: the layout takes the data dir's lock for its life.
+        laid = subprocess.run([sys.executable, "-c", (
+            "import json, sys; from pathlib import Path; from llmgw.control.up import prepare\n"
+            "c = prepare(Path(sys.argv[1]), catalog=Path(sys.argv[2]), router_port=1, admin_port=2).controller\n"
+            "print(json.dumps([c.repo, str(c.data_dir), str(c.local_agent_config)]))"),
+            str(self.data), str(source)], capture_output=True, text=True, timeout=60, check=True)
+        repo, data_dir, agent = json.loads(laid.stdout.splitlines()[-1])
         self.config = tmp / "controller.yaml"
         self.config.write_text(json.dumps({
-            "repo": up.controller.repo, "data_dir": str(up.controller.data_dir),
-            "local_agent_config": str(up.controller.local_agent_config),
+            "repo": repo, "data_dir": data_dir, "local_agent_config": agent,
             "listen": {"router": f"127.0.0.1:{router_port}", "admin": f"127.0.0.1:{admin_port}"},
             "admin_token": TOKEN, "reconciler": {"tick_interval": "300ms"},
             "api_keys": [{"name": "team-key", "sha256": hash_key("sk-team")},
-                         {"name": "other-key", "sha256": hash_key("sk-other")}],
+                         {"name": "other-key", "sha256": hash_key("sk-other")},
+                         *({"name": f"probe-{i}", "sha256": hash_key(f"sk-probe-{i}")} for i in range(3))],
             **({"router": {"limits_redis": redis}} if redis else {}),
         }))
         self.own = f"http://127.0.0.1:{router_port}"
@@ -129,13 +136,14 @@ class Fleet:
             except ProcessLookupError:
                 pass
 
-    def ledger(self, tenant: str) -> int:
-        """Tokens the ledger holds for ``tenant`` (the usage API)."""
-        req = urllib.request.Request(f"{self.admin}/api/v1/usage?since=1d&by=tenant",
+    def ledger(self, tenant: str, key: str | None = None) -> int:
+        """Tokens the ledger holds for ``tenant`` (and ``key``), by the usage API."""
+        req = urllib.request.Request(f"{self.admin}/api/v1/usage?since=1d&by=tenant,key",
                                      headers={"Authorization": f"Bearer {TOKEN}"})
         with urllib.request.urlopen(req, timeout=10) as r:
             rows = json.loads(r.read())["rows"]
-        return sum(x["prompt_tokens"] + x["completion_tokens"] for x in rows if x["tenant"] == tenant)
+        return sum(x["prompt_tokens"] + x["completion_tokens"] for x in rows
+                   if x["tenant"] == tenant and key in (None, x["key"]))
 
 
 def answer(base: str, key: str, max_tokens: int = 50) -> int:
@@ -144,10 +152,22 @@ def answer(base: str, key: str, max_tokens: int = 50) -> int:
     try:
         c.chat.completions.create(model="chat", messages=HELLO, max_tokens=max_tokens)
     except openai.APIStatusError as exc:
+        ANSWERS.append(exc.message)
         return exc.status_code
     except openai.APIConnectionError:
         return 0
     return 200
+
+
+ANSWERS: list[str] = []
+
+
+def degraded(base: str) -> bool:
+    """Whether the router at ``base`` limits alone (its client port's /metrics)."""
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return any(line.startswith("llmgw_router_limits_degraded ") and float(line.split()[-1]) == 1
+               for line in text.splitlines())
 
 
 def spend(base: str, key: str = "sk-team", max_tokens: int = 50) -> int:
@@ -158,7 +178,7 @@ def spend(base: str, key: str = "sk-team", max_tokens: int = 50) -> int:
         try:
             r = c.chat.completions.create(model="chat", messages=HELLO, max_tokens=max_tokens)
         except openai.RateLimitError as exc:
-            assert "budget" in exc.message, exc.message
+            assert "-token budget per day" in exc.message, exc.message
             return served
         assert r.usage is not None
         served += r.usage.total_tokens
@@ -215,22 +235,27 @@ def test_a_spent_budget_stays_spent_when_redis_restarts_empty_or_goes_away(fleet
         f.start_controller()
         a, b = free_port(), free_port()
         bases = [f.start_router(a), f.start_router(b)]
+        # (A call to Redis slower than 0.25 s on a busy machine is degraded mode for 5 s, whose
+        # share may refuse sooner: the bounds below hold whatever was served.)
         served = spend(bases[0])
-        assert 500 < served <= 600
+        assert 0 < served <= 600
         # Half of the other tenant's budget, through the controller's own router.
         c = openai.OpenAI(base_url=f.own + "/v1", api_key="sk-other", timeout=20, max_retries=0)
         used = 0
         while used < 1_500:
-            r = c.chat.completions.create(model="chat", messages=HELLO, max_tokens=100)
+            try:
+                r = c.chat.completions.create(model="chat", messages=HELLO, max_tokens=100)
+            except openai.RateLimitError:  # degraded for a while: its share spent; Redis answers again
+                wait_for(lambda: not degraded(f.own), 30, "Redis answering the controller's router again")
+                continue
             assert r.usage is not None
             used += r.usage.total_tokens
-        # Each router reports once more after the ledger has all of it (a one-token probe each):
-        # the answer to that report carries the figures with everything in.
+        # Each router reports once more after the ledger has all of it (a one-token probe each,
+        # with a key of its own): the figures that router got back have everything in.
         wait_for(lambda: f.ledger("team") >= served and f.ledger("other") >= used, 20, "the usage in the ledger")
-        before = f.ledger("other")
-        probes = [answer(base, "sk-other", max_tokens=1) for base in (*bases, f.own)]
-        assert probes == [200, 200, 200]
-        wait_for(lambda: f.ledger("other") >= before + 3, 20, "the probes in the ledger")
+        probes = [answer(base, f"sk-probe-{i}", max_tokens=1) for i, base in enumerate((*bases, f.own))]
+        assert probes == [200, 200, 200], ANSWERS[-3:]
+        wait_for(lambda: all(f.ledger("other", f"probe-{i}") for i in range(3)), 20, "each router's probe in ledger")
         used = f.ledger("other")
 
         # Redis restarts without its data: the ledger's figure is where each budget starts. (What
