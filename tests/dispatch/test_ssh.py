@@ -59,13 +59,13 @@ async def test_calls_are_round_trips_on_one_agent_process(fleet: SshdFleet, agen
     node = fleet[0]
     async with ssh_dispatcher(fleet, agent_dir=agent_dir) as d:
         await d.hello(node.id)
-        started = time.monotonic()
         answers = await asyncio.gather(*(d.status(node.id) for _ in range(40)))
-        elapsed = time.monotonic() - started
         stat = d.stats(node.id)
     assert all(a["engines"] == [] for a in answers)
+    # One connection and one agent process for all 40: each call was a round trip on the open
+    # channel, not a session of its own (~170 ms each). Counted, not timed: the suite runs on
+    # busy machines.
     assert (stat.connects, stat.agent_starts) == (1, 1)
-    assert elapsed < 3.0, f"40 calls took {elapsed:.2f}s: a session per call costs ~170 ms each"
 
 
 def nfs_mounts(node: SshdNode) -> dict[str, str]:

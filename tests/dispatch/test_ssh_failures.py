@@ -34,7 +34,11 @@ def agent_dir(tmp_path: Path) -> Path:
 async def test_sshd_killed_mid_call_is_unreachable_at_once_then_reconnects(sshd_fleet, agent_dir: Path) -> None:
     fleet = sshd_fleet(1)
     node = fleet[0]
-    async with ssh_dispatcher(fleet, agent_dir=agent_dir, call_timeout=8, backoff_initial=0.3) as d:
+    # A call timeout far above what a dropped connection may take to notice even on a busy
+    # machine, so the bound below tells "noticed the drop" from "waited the timeout out".
+    clock = FakeClock()  # the backoff moves when the test says, not with the machine's load
+    async with ssh_dispatcher(fleet, agent_dir=agent_dir, call_timeout=40, backoff_initial=0.3,
+                              clock=clock) as d:
         await d.hello(node.id)
         fleet.pause(node)  # the node stops answering...
         call = asyncio.create_task(d.inventory(node.id))
@@ -44,17 +48,17 @@ async def test_sshd_killed_mid_call_is_unreachable_at_once_then_reconnects(sshd_
         fleet.kill(node)  # ...and its sshd dies with the call in flight
         with pytest.raises(NodeUnreachable, match="connection to the agent was lost"):
             await call
-        assert time.monotonic() - killed < 3, "a dead connection must not wait for the call timeout"
+        assert time.monotonic() - killed < 20, "a dead connection must not wait for the call timeout"
 
         with pytest.raises(NodeUnreachable, match="cannot connect"):
             await d.status(node.id)
-        started = time.monotonic()
+        attempts = d.stats(node.id).consecutive_failures
         with pytest.raises(NodeUnreachable, match="next attempt in"):
             await d.status(node.id)  # within the backoff: refused without trying
-        assert time.monotonic() - started < 0.25
+        assert d.stats(node.id).consecutive_failures == attempts  # no attempt was made
 
         fleet.restart(node)
-        await asyncio.sleep(0.35)
+        clock.now += 0.35
         assert (await d.status(node.id))["engines"] == []
         stat = d.stats(node.id)
         assert (stat.connects, stat.consecutive_failures, stat.last_error) == (2, 0, None)
