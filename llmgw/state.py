@@ -33,6 +33,7 @@ from llmgw.contract import USAGE_COUNTS, UsageBatch
 from llmgw.decide.replica import Replica
 from llmgw.errors import ConfigError
 from llmgw.gitops.status import PendingPrune, Rejection, Rewrite
+from llmgw.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +264,10 @@ class Store:
 
     # --- the event log -----------------------------------------------------------------
     def add_event(self, kind: str, subject: str, message: str, *, now: float | None = None) -> Event:
+        """Stored redacted (llmgw.redact): an event quoting a URL with a credential in it (git's
+        error, a repository URL) must not keep the credential in the data dir."""
         t = time.time() if now is None else now
+        subject, message = redact(subject), redact(message)
         with self._lock:
             cur = self.db.execute(
                 "INSERT INTO events(time, kind, subject, message) VALUES(?, ?, ?, ?)", (t, kind, subject, message)
@@ -277,7 +281,8 @@ class Store:
                 "SELECT id, time, kind, subject, message FROM events WHERE id > ? ORDER BY id DESC LIMIT ?",
                 (after, limit),
             ).fetchall()
-        return [Event(*r) for r in reversed(rows)]
+        # Redacted again as read: rows an earlier version stored whole are shown without it too.
+        return [Event(i, t, kind, redact(subject), redact(message)) for i, t, kind, subject, message in reversed(rows)]
 
 
     # --- the usage ledger -----------------------------------------------------------------

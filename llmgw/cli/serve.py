@@ -60,10 +60,12 @@ def run_controller(args: argparse.Namespace, console: Console) -> int:
     from llmgw.control.config import load_config
     from llmgw.control.datadir import hold_data_dir
     from llmgw.control.server import serve_forever
+    from llmgw.redact import redact, redact_logs
     from llmgw.stdio import guard
 
     guard()  # before logging, whose handler keeps the stream it is given
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redact_logs()  # a URL's credential (the repository's, git's stderr) never reaches a log line
     try:
         cfg = load_config(args.config)
         hold_data_dir(cfg.controller.data_dir)  # before anything else: one process per data dir
@@ -71,7 +73,7 @@ def run_controller(args: argparse.Namespace, console: Console) -> int:
         return fail(console, str(exc))
 
     def ready(running) -> None:  # noqa: ANN001 - server.Running
-        console.print(f"llmgw controller following {cfg.controller.repo} ({cfg.controller.branch})")
+        console.print(f"llmgw controller following {redact(cfg.controller.repo)} ({cfg.controller.branch})")
         console.print(f"  router:    {running.router_url}/v1")
         console.print(f"  admin API: {running.admin_url}/api/v1  dashboard: {running.admin_url}/")
 

@@ -68,6 +68,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     # the shutdown below, whatever became of the pipe or terminal it goes to.
     guard()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from llmgw.redact import redact_logs
+    redact_logs()  # as `llmgw controller`: no URL's credential in a log line
     if errors := _option_errors(args):
         return max(fail(console, e) for e in errors)
     data_dir = Path(args.data_dir).resolve() if args.data_dir is not None else default_data_dir()

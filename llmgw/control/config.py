@@ -21,6 +21,7 @@ from llmgw.catalog.durations import DurationError, parse_duration
 from llmgw.errors import ConfigError
 from llmgw.paths import default_data_dir
 from llmgw.reconciler.config import ReconcilerConfig
+from llmgw.redact import redact
 from llmgw.router.config import RouterConfig
 from llmgw.router.keys import KeyRing
 
@@ -49,7 +50,7 @@ class Listen:
 class ControllerConfig:
     """What the control plane itself needs: the repository it follows and how it reaches nodes."""
 
-    repo: str
+    repo: str = field(repr=False)  # its URL may hold a credential: shown only through llmgw.redact
     data_dir: Path
     branch: str = "main"
     subdir: str = ""
@@ -76,7 +77,7 @@ class ServerConfig:
 
     def __repr__(self) -> str:  # never print a secret by accident
         c = self.controller
-        return f"ServerConfig(repo={c.repo!r}, data_dir={str(c.data_dir)!r}, branch={c.branch!r})"
+        return f"ServerConfig(repo={redact(c.repo)!r}, data_dir={str(c.data_dir)!r}, branch={c.branch!r})"
 
 
 def _secret(raw: dict[str, Any], key: str, env: str, base: Path) -> str:

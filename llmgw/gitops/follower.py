@@ -98,7 +98,7 @@ class GitOpsFollower:
         self.watch_path = watch_path
         self.clock = clock
         self.metrics = GitOpsMetrics(registry or CollectorRegistry())
-        self._status = SyncStatus(branch=mirror.branch, url=mirror.url)
+        self._status = SyncStatus(branch=mirror.branch, url=mirror.shown_url)
         self._judged: str | None = None  # the head last judged, so a bad commit is judged once
         self._history_note = ""  # "rewound from … to …", for the event of the commit then applied
         self._lock = asyncio.Lock()
@@ -302,12 +302,12 @@ class GitOpsFollower:
         self._set(state=state, last_error=error)
         self.metrics.fetch_failures.inc()
         if was != state:  # one event per outage, not one per poll
-            self.store.add_event(state.value, self.mirror.url, f"{error}; the last good state stays in force")
+            self.store.add_event(state.value, self.mirror.shown_url, f"{error}; the last good state stays in force")
         log.warning("fetch failed: %s", error)
 
     @property
     def _source(self) -> str:
-        return f"{self.mirror.url} {self.mirror.branch}"
+        return f"{self.mirror.shown_url} {self.mirror.branch}"  # stored: never the credential
 
     def _same_source_applied(self) -> str | None:
         """The applied sha, when it came from the branch followed now: after a switch of branch or

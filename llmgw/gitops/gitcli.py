@@ -17,6 +17,7 @@ import os
 import stat
 import subprocess
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 from llmgw.catalog.loader import (
@@ -33,6 +34,7 @@ from llmgw.catalog.loader import (
     refusal,
 )
 from llmgw.errors import GitError
+from llmgw.redact import redact
 
 GIT_TIMEOUT = 30.0
 _ENV = {"GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", "GIT_OPTIONAL_LOCKS": "0"}
@@ -54,7 +56,8 @@ def _run(args: list[str], *, cwd: Path | str | None, timeout: float, env: dict[s
 
 
 def _failed(args: list[str], code: int, output: bytes) -> GitError:
-    text = output.decode("utf-8", "replace").strip()
+    # git drops a URL's password from its messages but echoes its query (?private_token=...).
+    text = redact(output.decode("utf-8", "replace").strip())
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     # git's reason is on its fatal:/error: lines; the rest is advice.
     remote = [ln for ln in lines if ln.startswith("remote:")][:2]  # the host's own words, not its advice
@@ -102,6 +105,28 @@ def run_git_capped(args: list[str], *, cwd: Path | str | None, cap: int,
     if code != 0:
         raise _failed(args, code, err or out)
     return out, True
+
+
+def origin_env(url: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` plus the URL of the remote ``origin``, for one git command (GIT_CONFIG_COUNT,
+    git >= 2.31). The URL may carry a credential: given this way it is never written to the
+    repository's config on disk (a copied data dir, a backup) nor put in an argv (`ps` shows
+    argvs to every user of the machine), and the repository holds no URL at all."""
+    base = {**os.environ, **(env or {})}
+    try:
+        count = int(base.get("GIT_CONFIG_COUNT", "0"))
+    except ValueError:
+        count = 0
+    return {**(env or {}), "GIT_CONFIG_COUNT": str(count + 1), f"GIT_CONFIG_KEY_{count}": "remote.origin.url",
+            f"GIT_CONFIG_VALUE_{count}": url}
+
+
+def forget_origin_url(cwd: Path | str) -> None:
+    """Remove a URL an earlier version wrote into the repository's config (with its credential)."""
+    try:
+        run_git(["config", "--unset-all", "remote.origin.url"], cwd=cwd)
+    except GitError:
+        pass  # exit 5: there was none
 
 
 def run_git(args: list[str], *, cwd: Path | str | None = None, timeout: float = GIT_TIMEOUT,

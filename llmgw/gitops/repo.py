@@ -14,8 +14,9 @@ from pathlib import Path
 
 from llmgw.catalog.loader import RawFile
 from llmgw.errors import BranchMissing, GitError
-from llmgw.gitops.gitcli import read_tree, run_git, run_git_capped
+from llmgw.gitops.gitcli import forget_origin_url, origin_env, read_tree, run_git, run_git_capped
 from llmgw.gitops.status import History
+from llmgw.redact import redact
 
 GIT_TIMEOUT = 30.0
 
@@ -48,14 +49,19 @@ class GitMirror:
         self.env = env or {}
         self.ref = f"refs/remotes/origin/{branch}"
 
+    @property
+    def shown_url(self) -> str:
+        """The URL as status, events, logs and the dashboard show it: without its credential."""
+        return redact(self.url)
+
     def ensure(self) -> None:
-        """Create the bare mirror on first use, or point an existing one at the configured URL."""
+        """Create the bare mirror on first use. Its config names no URL: each fetch is given it
+        (`origin_env`), so a credential in it never reaches the disk."""
         if not (self.path / "HEAD").exists():
             self.path.mkdir(parents=True, exist_ok=True)
             run_git(["init", "-q", "--bare", str(self.path)])
-            run_git(["remote", "add", "origin", self.url], cwd=self.path)
         else:
-            run_git(["remote", "set-url", "origin", self.url], cwd=self.path)
+            forget_origin_url(self.path)
 
     def fetch(self, *, timeout: float = GIT_TIMEOUT) -> str:
         """Fetch the branch (forced: a rewritten history is simply the new desired state); its sha.
@@ -65,7 +71,8 @@ class GitMirror:
         self.ensure()
         refspec = f"+refs/heads/{self.branch}:{self.ref}"
         try:
-            run_git(["fetch", "-q", "--no-tags", "origin", refspec], cwd=self.path, timeout=timeout, env=self.env)
+            run_git(["fetch", "-q", "--no-tags", "origin", refspec], cwd=self.path, timeout=timeout,
+                    env=origin_env(self.url, self.env))
         except GitError as exc:
             if "couldn't find remote ref" in str(exc):
                 raise BranchMissing(f"the remote has no branch {self.branch!r} (deleted or renamed?)") from None

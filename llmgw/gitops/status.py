@@ -7,6 +7,7 @@ from enum import Enum
 from typing import Any
 
 from llmgw.catalog import Problem
+from llmgw.redact import redact
 
 
 class SyncState(str, Enum):
@@ -101,13 +102,13 @@ class SyncStatus:
     def to_json(self) -> dict[str, Any]:
         return {
             "state": self.state.value,
-            "url": self.url,
+            "url": redact(self.url),  # redacted already; again here, where every reader of the status passes
             "branch": self.branch,
             "applied_sha": self.applied_sha,
             "applied_at": self.applied_at,
             "head_sha": self.head_sha,
             "fetched_at": self.fetched_at,
-            "last_error": self.last_error,
+            "last_error": redact(self.last_error) if self.last_error else self.last_error,
             "rejected": self.rejected.to_json() if self.rejected else None,
             "pending_confirmation": self.pending.to_json() if self.pending else None,
             "last_rewrite": self.rewrite.to_json() if self.rewrite else None,

@@ -18,8 +18,9 @@ import yaml
 
 from llmgw.catalog import read_directory, validate_files
 from llmgw.errors import CatalogError, GitError, PushRejected
-from llmgw.gitops.gitcli import GIT_TIMEOUT, run_git
+from llmgw.gitops.gitcli import GIT_TIMEOUT, forget_origin_url, origin_env, run_git
 from llmgw.gitops.repo import normalise_url
+from llmgw.redact import redact
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 _ACTOR = re.compile(r"^\s*(?P<name>[^<>]+?)\s*<(?P<email>[^<>\s]+)>\s*$")
@@ -102,17 +103,20 @@ class CommitWriter:
         return self._commit(change, actor)
 
     # --- mechanics --------------------------------------------------------------------
-    def _git(self, *args: str, env: dict[str, str] | None = None) -> str:
-        return run_git(list(args), cwd=self.path, env={**self.env, **(env or {})})
+    def _git(self, *args: str, env: dict[str, str] | None = None, timeout: float = GIT_TIMEOUT) -> str:
+        # The remote's URL is given to each command, never stored in the clone (see origin_env).
+        return run_git(list(args), cwd=self.path, env=origin_env(self.url, {**self.env, **(env or {})}),
+                       timeout=timeout)
 
     def _sync_clone(self) -> str:
         """Fresh state of the branch in the private clone; the remote head sha."""
         if not (self.path / ".git").exists():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            run_git(["clone", "-q", "--branch", self.branch, self.url, str(self.path)],
-                    env=self.env, timeout=GIT_TIMEOUT * 2)
-        self._git("remote", "set-url", "origin", self.url)
-        self._git("fetch", "-q", "origin", f"+refs/heads/{self.branch}:refs/remotes/origin/{self.branch}")
+            self.path.mkdir(parents=True, exist_ok=True)
+            run_git(["init", "-q", str(self.path)])
+        else:
+            forget_origin_url(self.path)
+        self._git("fetch", "-q", "origin", f"+refs/heads/{self.branch}:refs/remotes/origin/{self.branch}",
+                  timeout=GIT_TIMEOUT * 2)
         self._git("checkout", "-q", "-B", self.branch, f"origin/{self.branch}")
         self._git("reset", "-q", "--hard", f"origin/{self.branch}")
         self._git("clean", "-qfdx")
@@ -168,4 +172,4 @@ class CommitWriter:
             pass
 
     def _cannot_push(self, exc: Exception) -> str:
-        return f"the controller cannot push to {self.url} ({exc}); push the change to git instead"
+        return f"the controller cannot push to {redact(self.url)} ({exc}); push the change to git instead"
