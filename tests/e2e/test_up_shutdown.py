@@ -95,7 +95,7 @@ def test_a_client_that_leaves_cancels_the_engine_and_sighup_stops_everything(tmp
         t0 = time.monotonic()
         with pytest.raises(openai.APIStatusError) as err:
             client.chat.completions.create(model="llama-3.1-405b-instruct", messages=hi)
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 60  # not held for the 180 s hold timeout (a bound that a busy box cannot trip)
         assert err.value.status_code == 503 and "no node can run it" in err.value.message, err.value.message
         assert "llmgw explain llama-3.1-405b-instruct" in err.value.message
 
@@ -108,7 +108,7 @@ def test_a_client_that_leaves_cancels_the_engine_and_sighup_stops_everything(tmp
         code = stop(proc, signal.SIGHUP, timeout=30)
         took = time.monotonic() - t0
     assert code == 0, log.read_text()[-3000:]
-    assert took < 10, f"stopping took {took:.1f} s"
+    assert took < 25, f"stopping took {took:.1f} s"  # the drain (5 s) and the stop grace, not a hang to the kill
     assert processes_under(data) == [], log.read_text()[-2000:]
 
 
