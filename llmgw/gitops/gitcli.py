@@ -13,7 +13,9 @@ its mode and its blob never read, so neither the target nor its path reaches an 
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import stat
 import subprocess
 import threading
@@ -112,6 +114,9 @@ def origin_env(url: str, env: Mapping[str, str] | None = None) -> dict[str, str]
     git >= 2.31). The URL may carry a credential: given this way it is never written to the
     repository's config on disk (a copied data dir, a backup) nor put in an argv (`ps` shows
     argvs to every user of the machine), and the repository holds no URL at all."""
+    if _git_version() < (2, 31):  # an older git ignores these and reports "'origin' is not a repository"
+        raise GitError(f"git 2.31 or newer is needed (this is {'.'.join(map(str, _git_version()))}): the "
+                       "repository URL is given to git in its environment (GIT_CONFIG_COUNT)")
     base = {**os.environ, **(env or {})}
     try:
         count = int(base.get("GIT_CONFIG_COUNT", "0"))
@@ -119,6 +124,12 @@ def origin_env(url: str, env: Mapping[str, str] | None = None) -> dict[str, str]
         count = 0
     return {**(env or {}), "GIT_CONFIG_COUNT": str(count + 1), f"GIT_CONFIG_KEY_{count}": "remote.origin.url",
             f"GIT_CONFIG_VALUE_{count}": url}
+
+
+@functools.cache
+def _git_version() -> tuple[int, ...]:
+    numbers = re.findall(r"\d+", run_git(["version"]).partition("version")[2])
+    return tuple(int(n) for n in numbers[:3])
 
 
 def forget_origin_url(cwd: Path | str) -> None:

@@ -52,8 +52,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
+from llmgw.redact import redact
 from llmgw.router.limits import Limiter, Refusal, Scope, Ticket, next_period, period_start, refusal
 
 log = logging.getLogger(__name__)
@@ -274,13 +274,8 @@ class Pending:
 
 
 def redacted(url: str) -> str:
-    """``url`` without its password, for logs and metrics."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    """``url`` without its password, for logs and metrics (the one redaction, llmgw.redact)."""
+    return redact(url)
 
 
 def chunk(limit: int | None) -> int:
