@@ -193,11 +193,15 @@ class FeedHub:
         await resp.prepare(request)
         self.watchers += 1
         sent: bytes | None = None
-        if self.budgets is not None and self.budgets.version != self._line_budgets:
-            # A router (re)connecting starts from the figures as they are now, not as they were
-            # at the last change of the catalog or endpoints (those connected get them again too).
-            self._build_line()
         try:
+            if self._line is not None and self.budgets is not None and self.budgets.version != self._line_budgets:
+                # A router (re)connecting starts from the figures as they are now, not as they
+                # were at the last change of the catalog or endpoints (it alone: those connected
+                # get theirs with each report).
+                current, snap = self._line, self.snapshot()
+                if snap is not None:
+                    await resp.write(json.dumps(snap, separators=(",", ":")).encode() + b"\n")
+                    sent = current  # a change published meanwhile is sent below
             while True:
                 event = self._changes.event
                 line = self._line
