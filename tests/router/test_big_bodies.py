@@ -152,7 +152,7 @@ async def test_small_requests_are_answered_while_big_bodies_wait_for_the_parser(
 
 async def test_a_body_that_waits_too_long_for_the_parser_is_a_503_and_a_dead_parser_is_replaced(
         chat_sim: SimProcess) -> None:
-    router = make_router(chat_sim, body_timeout=2.0)  # also how long a body may wait for the parser
+    router = make_router(chat_sim, body_timeout=5.0)  # also how long a big body may wait for the parser
     async with serving(router) as base, aiohttp.ClientSession() as s:
         assert (await post(s, base, pathological("nope")))[0] == 404
         [worker] = parse_workers()
