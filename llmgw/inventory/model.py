@@ -174,6 +174,11 @@ class Node:
         return self.spec.id
 
     @property
+    def gpu_disagreement(self) -> str | None:
+        """What nodes.yaml and the agent say differently of its GPUs (:func:`gpu_disagreement`)."""
+        return gpu_disagreement(self.spec, self.report)
+
+    @property
     def schedulable(self) -> bool:
         return self.state == NodeState.READY and self.report is not None
 
@@ -196,6 +201,50 @@ class Inventory:
             node = _node_from_json(raw)
             nodes[node.id] = node
         return cls(nodes, data.get("taken_at"))
+
+
+# A card reports more than its label in decimal GB (an H100 "80GB" 85.5, an A100 "40GB" 42.9): up to
+# this share over what nodes.yaml declares is the label, not a disagreement. Less than declared always
+# is one: a profile validated against the declaration would not fit.
+GPU_MEMORY_OVER_LABEL = 0.10
+
+
+def gpu_groups(gpus: Iterable[tuple[str, float | None]]) -> str:
+    """``2 × sim 24 GB, 1 × h100 85.5 GB`` (``none`` for no GPU): (class, memory or None) pairs counted."""
+    counts: dict[tuple[str, float | None], int] = {}
+    for key in gpus:
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} × {cls}" + (f" {mem:g} GB" if mem is not None else "")
+                     for (cls, mem), n in sorted(counts.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))) or "none"
+
+
+def gpu_disagreement(spec: NodeSpec, report: NodeReport | None) -> str | None:
+    """How a node's GPUs in nodes.yaml and in its agent's report differ (count, class or memory), or
+    None when they agree or the node has not reported.
+
+    nodes.yaml is what `llmgw validate` checks profiles against; the agent's report (nvidia-smi, or
+    the GPUs its own config declares) is what placement counts, because it is what the node has.
+    Where they differ nothing else said so: a node declaring 2 × l40s whose agent reported none showed
+    0/0 GPUs and took nothing, silently.
+    """
+    if report is None:
+        return None
+    declared = spec.gpus if spec.gpus is not None and spec.gpus.count > 0 else None
+    reported = report.gpus
+    said = gpu_groups((g.gpu_class, g.memory_gb) for g in reported)
+    if declared is None:
+        return f"nodes.yaml declares no GPUs, the agent reports {said}" if reported else None
+    mine = f"nodes.yaml declares {gpu_groups([(declared.gpu_class, declared.memory_gb)] * declared.count)}"
+    if not reported:
+        return f"{mine}, the agent reports none"
+    differs = (len(reported) != declared.count
+               or any(g.gpu_class != declared.gpu_class or _memory_differs(g.memory_gb, declared.memory_gb)
+                      for g in reported))
+    return f"{mine}, the agent reports {said}" if differs else None
+
+
+def _memory_differs(reported_gb: float, label_gb: float) -> bool:
+    return reported_gb < label_gb - 0.05 or reported_gb > label_gb * (1 + GPU_MEMORY_OVER_LABEL)
 
 
 def follow_nodes(nodes: Mapping[str, Node], specs: Iterable[NodeSpec]) -> dict[str, Node]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from llmgw.catalog import Model, NodeId, Profile
 from llmgw.inventory import Gpu, Inventory, Node, NodeState
+from llmgw.inventory.model import gpu_groups
 from llmgw.placement.types import Placement
 
 
@@ -126,12 +127,23 @@ def node_reasons(model: Model, profile: Profile, nf: NodeFree) -> list[str]:
     return reasons
 
 
+NEVER = "never fits on this node"
+
+
 def _gpu_reason(profile: Profile, nf: NodeFree, usable: int) -> str:
-    want = f"{profile.gpus} free GPU{'s' if profile.gpus != 1 else ''}"
-    if profile.gpu_class:
-        want += f" of class {'|'.join(profile.gpu_class)}"
-    if profile.gpu_memory_gb:
-        want += f" with {_fmt(profile.gpu_memory_gb)} GB"
+    """Why the node's GPUs do not take the profile. When the node lacks the class, the count or the
+    memory outright, the reason says it never fits here: "needs 1 free GPU of class l40s … 2 in use"
+    on a node with no l40s at all read as "wait for one to free up"."""
+    node = nf.node
+    note = node.gpu_disagreement
+    agent = [f"{note}: placement counts the agent's"] if note else []
+    never = _never_reason(profile, node.report.gpus if node.report else ())
+    if never is not None:
+        text, details = never
+        details += agent
+        paren = f" ({'; '.join(details)})" if details else ""
+        return f"{text}{paren}: {NEVER}"
+    want = f"{profile.gpus} free GPU{'s' if profile.gpus != 1 else ''}{_asked(profile)}"
     total = len(nf.free) + nf.in_use + len(nf.unhealthy)
     detail = [f"{nf.in_use} in use"] if nf.in_use else []
     if nf.unhealthy:
@@ -141,5 +153,37 @@ def _gpu_reason(profile: Profile, nf: NodeFree, usable: int) -> str:
     if other:
         classes = sorted({g.gpu_class for g in nf.free.values()})
         detail.append(f"{other} free but of class {'/'.join(classes)} or too small")
-    tail = f" (of {total}: {', '.join(detail)})" if detail else f" (of {total})"
+    tail = f" (of {total}: {', '.join(detail)}" if detail else f" (of {total}"
+    tail += "".join(f"; {a}" for a in agent) + ")"
     return f"needs {want}, has {usable}{tail}"
+
+
+def _asked(profile: Profile) -> str:
+    out = f" of class {'|'.join(profile.gpu_class)}" if profile.gpu_class else ""
+    return out + (f" with {_fmt(profile.gpu_memory_gb)} GB" if profile.gpu_memory_gb else "")
+
+
+def _never_reason(profile: Profile, gpus: tuple[Gpu, ...]) -> tuple[str, list[str]] | None:
+    """(reason, details) when the node's GPUs, every one of them free and healthy, could not take the
+    profile: no GPU of an allowed class, too few in all, or too little memory on each. None when
+    waiting (for GPUs in use, or sick ones to recover) could help."""
+    if not gpus:
+        return "node has no GPUs", []
+    of_class = [g for g in gpus if not profile.gpu_class or g.gpu_class in profile.gpu_class]
+    classes = f" of class {'|'.join(profile.gpu_class)}" if profile.gpu_class else ""
+    if not of_class:
+        return f"node has no GPU{classes}", [f"it has {gpu_groups((g.gpu_class, None) for g in gpus)}"]
+    want = profile.gpus
+    if len(of_class) < want:
+        return f"node has {len(of_class)} GPU{'s' if len(of_class) != 1 else ''}{classes} in all, needs {want}", []
+    asked = profile.gpu_memory_gb
+    capable = [g for g in of_class if asked is None or g.memory_gb >= asked]
+    if len(capable) >= want:
+        return None
+    assert asked is not None  # only memory can leave fewer capable than of the class
+    if not capable:
+        most = max(g.memory_gb for g in of_class)
+        each = "each" if all(g.memory_gb == most for g in of_class) else "at most"
+        return f"node's GPUs{classes} have {_fmt(most)} GB {each}, needs {_fmt(asked)} GB per GPU", []
+    many = "s" if len(capable) != 1 else ""
+    return f"node has {len(capable)} GPU{many}{classes} with {_fmt(asked)} GB in all, needs {want}", []

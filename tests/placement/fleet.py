@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llmgw.catalog import Catalog, Model, ModelName, NodeId, NodeSpec, Profile, Scaling, cache_name
+from llmgw.catalog.model import GpuSpec
 from llmgw.inventory import Filesystem, Gpu, Inventory, Node, NodeReport, NodeState, WeightEntry
 
 GB = 1024**3
@@ -38,7 +39,9 @@ def node(
                                 int(disk_gb * GB), shared),),
         weights=tuple(WeightEntry(f"/var/cache/llmgw/{cache_name(s)}", cache_name(s), s, 1) for s in held),
     )
-    spec = NodeSpec(NodeId(node_id), f"10.0.0.{abs(hash(node_id)) % 250}", pool=pool, fabric=fabric)
+    # nodes.yaml declares what the agent reports (a test of a disagreement replaces one of them).
+    spec = NodeSpec(NodeId(node_id), f"10.0.0.{abs(hash(node_id)) % 250}", pool=pool, fabric=fabric,
+                    gpus=GpuSpec(gpus, cls, mem) if gpus else None)
     return Node(spec, state, report if reported else None, last_seen=0.0)
 
 

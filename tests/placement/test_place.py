@@ -45,10 +45,9 @@ def test_every_rejection_reason_is_named() -> None:
     assert only_reason(result, "unreachable") == "node is unreachable"
     assert only_reason(result, "silent") == "node has not reported an inventory"
     assert only_reason(result, "batch") == 'pool "default" wanted, node is in "batch"'
-    assert only_reason(result, "a100") == (
-        "needs 4 free GPUs of class h100 with 40 GB, has 0 (of 8: 8 free but of class a100 or too small)")
+    assert only_reason(result, "a100") == "node has no GPU of class h100 (it has 8 × a100): never fits on this node"
     assert only_reason(result, "small-gpus") == (
-        "needs 4 free GPUs of class h100 with 40 GB, has 0 (of 8: 8 free but of class h100 or too small)")
+        "node's GPUs of class h100 have 24 GB each, needs 40 GB per GPU: never fits on this node")
     assert only_reason(result, "sick") == (
         "needs 4 free GPUs of class h100 with 40 GB, has 3 (of 4: 1 unhealthy (gpu1: ecc errors: 3))")
     assert only_reason(result, "low-ram") == "needs 64 GB RAM free, has 32"
@@ -119,7 +118,7 @@ def test_explanation_text() -> None:
     assert explain(catalog(m), inv, running, "m").lines() == [
         "model m: 1 replica(s) placed",
         "  running: profile gpu on h100 gpus [0, 1, 2, 3]",
-        "  gpu on a100: rejected: needs 4 free GPUs of class h100, has 0 (of 4: 4 free but of class a100 or too small)",
+        "  gpu on a100: rejected: node has no GPU of class h100 (it has 4 × a100): never fits on this node",
         "  gpu on h100: fits",
     ]
 
@@ -130,6 +129,7 @@ def test_unrunnable_names_the_models_no_node_could_ever_hold() -> None:
     cat = catalog(model("huge", profile(gpus=16, gpu_class=("h100",))), model("fits", profile(gpus=2)))
     reasons = unrunnable(cat, inventory(node("h100")), ["huge", "fits"])
     assert set(reasons) == {"huge"}
-    assert reasons["huge"].startswith("no node can run it: gpu on h100:") and "needs 16 free GPUs" in reasons["huge"]
+    assert reasons["huge"].startswith("no node can run it: gpu on h100:") and (
+        "node has 8 GPUs of class h100 in all, needs 16: never fits on this node" in reasons["huge"])
     # Before any node has reported, nothing is judged.
     assert unrunnable(cat, inventory(node("h100", reported=False)), ["huge"]) == {}

@@ -123,4 +123,4 @@ def test_unplaceable_model_is_reported_with_reasons() -> None:
     big = model("big", profile(gpus=16))
     d = run(Catalog(models=(big,)), inventory(node("a")), [])
     assert d.unplaced == {"big": 1}
-    assert [str(r) for r in d.rejections] == ["big/gpu on a: needs 16 free GPUs, has 8 (of 8)"]
+    assert [str(r) for r in d.rejections] == ["big/gpu on a: node has 8 GPUs in all, needs 16: never fits on this node"]
