@@ -37,5 +37,7 @@ def node_problems(n: dict[str, Any]) -> list[str]:
     """What is wrong with a node, for the problems column of `llmgw nodes` and the dashboard."""
     conf = n.get("confinement")
     refused = conf.get("problem") if isinstance(conf, dict) else None
+    gpus = n.get("gpu_disagreement")  # absent from a controller older than the comparison
     return [*n["unhealthy_gpus"], *([n["error"]] if n["error"] else []),
-            *([f"refuses starts: {refused}"] if refused else [])]
+            *([f"refuses starts: {refused}"] if refused else []),
+            *([f"GPUs: {gpus} (placement counts the agent's)"] if gpus else [])]

@@ -66,7 +66,8 @@ SCHEMAS: dict[str, Any] = {
     "Node": _obj({
         "id": STR, "address": STR, "port": INT, "transport": STR, "pool": STR, "state": STR, "hostname": NSTR,
         "labels": _s("object"), "gpu_total": INT, "gpu_free": INT, "gpu_classes": _arr(STR), "fabrics": _arr(STR),
-        "unhealthy_gpus": _arr(STR), "memory_gb": NNUM, "disk_free_gb": NNUM, "disk_total_gb": NNUM,
+        "gpu_disagreement": NSTR, "unhealthy_gpus": _arr(STR), "memory_gb": NNUM, "disk_free_gb": NNUM,
+        "disk_total_gb": NNUM,
         "local_filesystems": _arr(STR), "shared_filesystems": _arr(STR), "weights_on_disk": _arr(STR),
         "last_seen_seconds_ago": NNUM, "agent_version": NSTR, "locked": BOOL, "error": NSTR, "replicas": INT,
         "lease": {**_obj({"holder": NSTR, "epoch": INT, "expires": NNUM, "held": BOOL, "sibling": BOOL, "heard": NNUM,

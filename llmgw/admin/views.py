@@ -48,6 +48,8 @@ def node_view(node: Node, replicas: Sequence[Replica], now: float, *,
         # replica claims, e.g. another controller's (seen: shown free where nothing was placed).
         "gpu_free": len(free[node.id].free) if node.id in free else 0,
         "gpu_classes": sorted({g.gpu_class for g in gpus}),
+        # nodes.yaml's gpus against the agent's report (placement counts the report): null when they agree.
+        "gpu_disagreement": node.gpu_disagreement,
         "fabrics": [node.spec.fabric] if node.spec.fabric else [],
         "unhealthy_gpus": [f"gpu{g.index}: {', '.join(g.problems) or 'unhealthy'}" for g in gpus if not g.healthy],
         "memory_gb": round(r.memory_total_mb / 1024, 1) if r else None,

@@ -17,7 +17,7 @@ from dataclasses import replace
 from llmgw.catalog import NodeSpec
 from llmgw.dispatch.base import Dispatcher
 from llmgw.errors import DispatchError
-from llmgw.inventory.model import Inventory, Lease, Node, NodeState, follow_nodes, parse_report
+from llmgw.inventory.model import Inventory, Lease, Node, NodeState, follow_nodes, gpu_groups, parse_report
 from llmgw.state import Store
 
 log = logging.getLogger(__name__)
@@ -35,11 +35,15 @@ class LiveInventory:
         # Node → (when the other instance of our holder id holding its lease was first heard from,
         # whether it has spoken since): a dead predecessor stays silent, a live copy does not.
         self._siblings: dict[str, tuple[float | None, bool]] = {}
+        # Node → how its nodes.yaml gpus and its agent's report last disagreed (None: they agreed),
+        # so the event is written when that changes, not on every poll.
+        self._gpu_notes: dict[str, str | None] = {}
 
     # --- the fleet's shape ----------------------------------------------------------
     def set_nodes(self, specs: Iterable[NodeSpec]) -> None:
         """Follow nodes.yaml: keep what is known of nodes that stay, forget nodes that left."""
         self._nodes = follow_nodes(self._nodes, specs)
+        self._gpu_notes = {k: v for k, v in self._gpu_notes.items() if k in self._nodes}
 
     def operator_state(self, node_id: str) -> NodeState:
         return NodeState(self.store.node_states().get(node_id, NodeState.READY.value))
@@ -120,6 +124,7 @@ class LiveInventory:
                 # nodes.yaml may have changed under the gather too (a takeover polls outside a tick).
                 node = replace(node, spec=current.spec)
                 self._nodes[node_id] = replace(node, state=self._state(node, operator))
+                self._note_gpus(self._nodes[node_id])
         self._taken_at = self.clock()
         return self.snapshot()
 
@@ -156,6 +161,25 @@ class LiveInventory:
                                  f"(epoch {lease.epoch if lease else '?'})")
         return replace(node, report=report, last_seen=now, unreachable_since=None, error=problem,
                        locked=bool(raw.get("locked", False)))  # the SSH transport's finding, not the agent's
+
+    def _note_gpus(self, node: Node) -> None:
+        """An event and a log line when nodes.yaml's gpus and the agent's report start, change or stop
+        disagreeing. Placement counts the agent's report (what the node has); nodes.yaml is what
+        validation checked, so a disagreement is the operator's to settle."""
+        if node.report is None:
+            return
+        now, before = node.gpu_disagreement, self._gpu_notes.get(node.id)
+        if now == before:
+            return
+        self._gpu_notes[node.id] = now
+        if now is not None:
+            message = f"node {node.id}: {now}; placement counts the agent's"
+            self.store.add_event("node-gpus-disagree", node.id, message)
+            log.warning("%s", message)
+        else:
+            said = gpu_groups((g.gpu_class, g.memory_gb) for g in node.report.gpus)
+            self.store.add_event("node-gpus-agree", node.id,
+                                 f"node {node.id}: nodes.yaml and the agent agree on its GPUs ({said})")
 
     def snapshot(self) -> Inventory:
         return Inventory(dict(self._nodes), self._taken_at)

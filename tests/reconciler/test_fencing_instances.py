@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from llmgw.catalog import NodeId, NodeSpec
+from llmgw.catalog.model import GpuSpec
 from llmgw.dispatch.base import NodeTarget
 from llmgw.dispatch.fence import FencedDispatcher
 from llmgw.dispatch.local import LocalDispatcher
@@ -29,7 +30,8 @@ def instance(node: SshdNode, tmp_path: Path, name: str) -> tuple[FencedDispatche
     local = LocalDispatcher([target], env={MARKER_ENV: str(node.dir)})
     fleet = FencedDispatcher(local, "ctl", instance=name, grace=GRACE)
     live = LiveInventory(fleet, Store(tmp_path / f"{name}.db").open())
-    live.set_nodes([NodeSpec(NodeId(node.id), "localhost", transport="local")])
+    # As its agent config declares them (else the disagreement's event is among the lease's).
+    live.set_nodes([NodeSpec(NodeId(node.id), "localhost", transport="local", gpus=GpuSpec(2, "sim", 24))])
     return fleet, live
 
 
