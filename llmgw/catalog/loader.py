@@ -36,6 +36,7 @@ MAX_CATALOG_BYTES = 4 * 1024 * 1024
 # Entries of any kind the models directory may list (a README beside each model file is fine);
 # past this it is not listed further, so a tree of a million names costs nothing either.
 MAX_MODELS_ENTRIES = 2 * MAX_CATALOG_FILES
+MAX_PROBLEMS = 1000  # what one validation reports (a file's own are bounded in schema.py)
 _MIB = 1024 * 1024
 
 SETTINGS_FILE = "llmgw.yaml"
@@ -332,6 +333,10 @@ def _validate_files(files: Mapping[str, RawFile], *, revision: str | None, worke
     problems += check_catalog(entries, node_entries, settings, other_model_names=unusable_names)
     problems += check_tenants(settings_doc, settings, {e.model.name for e in entries} | unusable_names)
     problems = sorted(set(problems))
+    if len(problems) > MAX_PROBLEMS:  # a rejection is stored and served whole: bounded like the files
+        rest = len(problems) - MAX_PROBLEMS
+        problems = problems[:MAX_PROBLEMS] + [Problem(problems[MAX_PROBLEMS].file, 1, 1, (
+            f"and {rest:,} more problems from here on, not shown (at most {MAX_PROBLEMS:,} are)"))]
     if problems:
         return ValidationResult(None, tuple(problems), len(files))
     models: tuple[Model, ...] = tuple(e.model for e in entries)
