@@ -168,7 +168,7 @@ async def test_every_replica_dead_is_a_clear_502() -> None:
 
 
 async def test_first_byte_timeout() -> None:
-    with SimProcess("slow", "--ttft", "3") as slow:
+    with SimProcess("slow", "--ttft", "60") as slow:
         router = Router(config=RouterConfig(first_byte_timeout=0.3, retries=0))
         router.set_catalog(Catalog(models=(model("slow"),)))
         router.set_endpoints([endpoint("slow", slow.endpoint)])
@@ -176,7 +176,8 @@ async def test_first_byte_timeout() -> None:
             t0 = time.monotonic()
             with pytest.raises(openai.APIStatusError) as err:
                 await c.chat.completions.create(model="slow", messages=HELLO, stream=True)
-            assert err.value.status_code == 504 and time.monotonic() - t0 < 2
+            # Cut at the router's 0.3 s, far from the engine's 60 s (a bound no busy machine trips).
+            assert err.value.status_code == 504 and time.monotonic() - t0 < 20
 
 
 async def test_api_keys(chat_sim: SimProcess, embed_sim: SimProcess) -> None:
