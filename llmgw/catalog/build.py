@@ -137,4 +137,5 @@ def build_node(raw: dict[str, Any]) -> NodeSpec:
         gpus=GpuSpec(gpus["count"], gpus["class"], float(gpus["memory_gb"])) if gpus else None,
         memory_gb=raw.get("memory_gb"),
         disk_gb=raw.get("disk_gb"),
+        agent_config=raw.get("agent_config"),
     )

@@ -128,6 +128,7 @@ class NodeSpec:
     gpus: GpuSpec | None = None
     memory_gb: float | None = None
     disk_gb: float | None = None
+    agent_config: str | None = None  # the agent's --config on the node; None: the agent's own default
 
 
 @dataclass(frozen=True)

@@ -257,17 +257,21 @@ def check_pools(
 def check_nodes(nodes: list[NodeEntry]) -> list[Problem]:
     out = []
     ids: dict[str, NodeEntry] = {}
-    addrs: dict[tuple[str, int], NodeEntry] = {}
+    addrs: dict[tuple[str, int, str, str | None], NodeEntry] = {}
     for n in nodes:
         if n.node.id in ids:
             out.append(n.doc.problem(("nodes", n.index, "id"), f'node id "{n.node.id}" is used twice'))
         ids.setdefault(n.node.id, n)
         if n.node.transport == "ssh":
-            key = (n.node.address, n.node.port)
+            # Two nodes on one host are two agents, each with its own config (cache, state, lease,
+            # ports, GPUs): told apart by agent_config, or by the user whose locked key names its own.
+            key = (n.node.address, n.node.port, n.node.user, n.node.agent_config)
             if key in addrs:
                 out.append(n.doc.problem(
                     ("nodes", n.index, "address"),
-                    f'node "{n.node.id}" has the same address and port as node "{addrs[key].node.id}"',
+                    f'node "{n.node.id}" has the same address and port as node "{addrs[key].node.id}", and the '
+                    "same user and agent_config: one agent twice (two nodes on one host each need their own "
+                    "agent_config, or their own user)",
                 ))
             addrs.setdefault(key, n)
     return out

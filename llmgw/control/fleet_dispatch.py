@@ -14,7 +14,8 @@ from llmgw.errors import ConfigError, NodeUnreachable
 
 
 def target_of(spec: NodeSpec) -> NodeTarget:
-    return NodeTarget(spec.id, spec.address, port=spec.port, user=spec.user, transport=spec.transport)
+    return NodeTarget(spec.id, spec.address, port=spec.port, user=spec.user, transport=spec.transport,
+                      agent_config=spec.agent_config)
 
 
 class FleetDispatcher(AgentVerbs):
