@@ -17,6 +17,11 @@ from llmgw.router.limits import Limiter, Refusal, Ticket, duration, next_period,
 from tests.router.conftest import endpoint, serving, sim_metric
 from tests.router.fake_controller import model
 
+try:  # the HTTP client the installed openai SDK is built on (httpx2 in its newer releases)
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover - older openai releases
+    import httpx  # type: ignore[no-redef]
+
 MESSAGES = [{"role": "user", "content": "Hello"}]
 
 
@@ -143,7 +148,16 @@ def keyed_router(chat_sim: SimProcess, limits: Limits, wall=None) -> Router:  # 
 
 
 async def test_429_carries_openais_headers_and_the_sdk_retry_honours_them(chat_sim: SimProcess) -> None:
-    router = keyed_router(chat_sim, Limits(requests_per_minute=60))  # one a second after a burst of 60
+    # The limiter's clock stands still until the SDK has read a 429, then moves one second: the
+    # burst of 60 cannot refill while a busy machine serves it (a real clock had let the retried
+    # request through at its first try), and the retry is what the clock's step admits.
+    clock = [at("2026-12-04T12:00:00")]
+
+    async def step_on_429(response: httpx.Response) -> None:
+        if response.status_code == 429:
+            clock[0] = at("2026-12-04T12:00:01.01")
+
+    router = keyed_router(chat_sim, Limits(requests_per_minute=60), wall=lambda: clock[0])
     before = sim_metric(chat_sim.endpoint, "llmgw_sim_requests_total")
     async with serving(router) as base:
         plain = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=0, timeout=15)
@@ -157,7 +171,8 @@ async def test_429_carries_openais_headers_and_the_sdk_retry_honours_them(chat_s
         assert r.headers["retry-after"] == "1" and 0 < int(r.headers["retry-after-ms"]) <= 1000
         assert "60 requests per minute" in refused.value.message
         # The SDK's own retry waits what the headers say and then gets through.
-        retrying = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=2, timeout=15)
+        retrying = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=2, timeout=15,
+                                      http_client=httpx.AsyncClient(event_hooks={"response": [step_on_429]}))
         answer = await retrying.chat.completions.with_raw_response.create(model="chat", messages=MESSAGES,
                                                                          max_tokens=1)
         assert answer.http_response.status_code == 200 and answer.retries_taken >= 1
