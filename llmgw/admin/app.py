@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from llmgw.admin import api
-from llmgw.admin.dashboard import dashboard
+from llmgw.admin.dashboard import WARNINGS, dashboard
 from llmgw.admin.openapi import openapi_document
 from llmgw.contract import REPORT_PATH, WATCH_PATH
 from llmgw.control.feed import FeedHub
@@ -118,10 +118,13 @@ def build_admin_app(
     token: str,
     webhook_secret: str = "",
     hub: FeedHub | None = None,
+    warnings: tuple[str, ...] = (),
 ) -> web.Application:
-    """The admin aiohttp app; with a ``hub``, also the watch stream standalone routers follow."""
+    """The admin aiohttp app; with a ``hub``, also the watch stream standalone routers follow.
+    ``warnings`` are shown as banners on the dashboard (an open router, llmgw.router.exposure)."""
     app = web.Application(middlewares=[json_errors, auth_middleware(token)], client_max_size=MAX_BODY)
     app[api.CONTROLLER] = controller.ops  # the admin surface sees the façade, not the parts
+    app[WARNINGS] = warnings
     r = app.router
     r.add_get(f"{PREFIX}/summary", api.summary)
     r.add_get(f"{PREFIX}/sync", api.get_sync)

@@ -31,6 +31,10 @@ def _since(t: float | None, now: float) -> str:
     return f"{s}s ago" if s < 120 else f"{s // 60}m ago" if s < 7200 else f"{s // 3600}h ago"
 
 
+# What the process that serves this page found wrong with its own set-up at start (an open router on
+# every address): shown at the top of every page, since a log line alone is read too late.
+WARNINGS: web.AppKey[tuple[str, ...]] = web.AppKey("warnings")
+
 _ENV.filters["short"] = lambda sha: (sha or "")[:12]
 # The CLI's words for it, so `llmgw nodes` and this page never describe a node differently.
 _ENV.filters["confinement"] = confinement_label
@@ -47,6 +51,7 @@ async def dashboard(request: web.Request) -> web.Response:
     page = _ENV.get_template("dashboard.html").render(
         # The refresh names its target: the bare path, never whatever query this request had.
         refresh=request.path,
+        warnings=request.app.get(WARNINGS, ()),
         now=now,
         since=lambda t: _since(t, now),
         sync=c.sync_status.to_json(),

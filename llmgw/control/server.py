@@ -98,9 +98,13 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     from llmgw.control.feed import Fanout, FeedHub, MergedUsage
     from llmgw.router.app import Router
     from llmgw.router.config import RouterConfig
+    from llmgw.router.exposure import open_warning
     from llmgw.router.keys import KeyRing
 
     keys = KeyRing.from_entries(cfg.api_keys, where="api_keys")
+    exposed = open_warning(keys_open=keys.open, host=cfg.router_listen.host, port=cfg.router_listen.port)
+    if exposed is not None:
+        log.warning("%s", exposed)  # and a banner on the dashboard, below
     router = Router(keys=keys, config=RouterConfig(**cfg.router))
     # The hub serves routers running as their own processes: same endpoints, same catalog,
     # and their usage merged with the in-process router's.
@@ -136,7 +140,8 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     usage.start()
     runners: list[web.AppRunner] = []
     try:
-        admin_app = build_admin_app(controller, token=cfg.admin_token, webhook_secret=cfg.webhook_secret, hub=hub)
+        admin_app = build_admin_app(controller, token=cfg.admin_token, webhook_secret=cfg.webhook_secret, hub=hub,
+                                    warnings=(exposed,) if exposed else ())
         runners.append(await listen(admin_app, cfg.admin_listen.host, cfg.admin_listen.port, drain_timeout=5.0,
                                     max_connections=connection_cap(0.1), openai_errors=False))
         await router.listen(cfg.router_listen.host, cfg.router_listen.port)

@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -47,9 +48,10 @@ class FeedClient:
 
     def __init__(self, router: Router, controller: str, admin_token: str, *, router_id: str | None = None,
                  report_interval: float = 2.0, stale_after: float = 30.0, backoff_max: float = 10.0,
-                 follow_keys: bool = True) -> None:
+                 follow_keys: bool = True, on_keys: Callable[[KeyRing], None] | None = None) -> None:
         self.router = router
         self.follow_keys = follow_keys  # False when the router has its own --api-keys file
+        self.on_keys = on_keys  # told the keys of every snapshot that carries them (the router logs them)
         self.controller = controller.rstrip("/")
         self.router_id = router_id or default_router_id()
         self.report_interval = report_interval
@@ -162,6 +164,8 @@ class FeedClient:
             spent = None
         if keys is not None:
             self.router.keys = keys
+            if self.on_keys is not None:
+                self.on_keys(keys)
         if self.router.config.limits_redis == "":  # a router given its own Redis keeps it
             self.router.use_limits_redis(limits_redis)
         self.router.set_routes(routes)

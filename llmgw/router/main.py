@@ -119,9 +119,19 @@ async def _serve(args: argparse.Namespace, access: AdminAccess, host: str, port:
     from llmgw.router.follow import FeedClient
 
     router = Router(keys=keys, config=config)
+    listening: list[int] = []  # the bound port, once bound (a snapshot may come first)
+    said: list[tuple[bool, int]] = []
+
+    def controller_keys(ring: KeyRing) -> None:
+        """Say which keys the router enforces when the controller's change (not on every snapshot)."""
+        if said and said[-1] == (ring.open, len(ring.keys)):
+            return
+        said.append((ring.open, len(ring.keys)))
+        _say_keys(ring, f"from the controller at {access.url}", host=host, port=listening[0] if listening else port)
+
     feed = FeedClient(router, access.url, access.token, router_id=args.router_id,
                       report_interval=args.report_interval, backoff_max=args.reconnect_max,
-                      follow_keys=not args.api_keys)
+                      follow_keys=not args.api_keys, on_keys=controller_keys)
     router.wake = feed.report_soon
     stop = asyncio.Event()
     throttle_loop_errors()
@@ -132,14 +142,19 @@ async def _serve(args: argparse.Namespace, access: AdminAccess, host: str, port:
     metrics = None
     try:
         bound = await router.listen(host, port)
+        listening.append(bound)
         if metrics_at is not None:
             metrics = await listen(router.metrics_app(access.token), *metrics_at, drain_timeout=1.0,
                                    max_connections=64, openai_errors=False)
             log.info("metrics with tenant and key names on http://%s:%d/metrics (admin token required)",
                      *metrics_at)
         await feed.start()
-        log.info("router %s listening on http://%s:%d, following %s (%s)", feed.router_id, host, bound,
-                 access.url, "open: no API keys" if keys.open else f"{len(keys.keys)} API keys")
+        # Without --api-keys the router enforces the controller's keys, which come with its first
+        # snapshot: this line had said "open: no API keys" while the router enforced them.
+        log.info("router %s listening on http://%s:%d, following %s (API keys: %s)", feed.router_id, host, bound,
+                 access.url, f"from {args.api_keys}" if args.api_keys else "the controller's, with its first snapshot")
+        if args.api_keys:
+            _say_keys(keys, f"from {args.api_keys}", host=host, port=bound)
         await stop.wait()
         log.info("stopping: %d requests in flight get %.0f s", router.inflight(), config.drain_timeout)
     finally:
@@ -148,6 +163,19 @@ async def _serve(args: argparse.Namespace, access: AdminAccess, host: str, port:
         await router.drain()  # first: the last answers' usage goes out with the feed's last report
         await feed.close()
         await router.close()
+
+
+def _say_keys(ring: KeyRing, source: str, *, host: str, port: int) -> None:
+    """Log the keys the router enforces, and warn when it is open on an address others reach."""
+    from llmgw.router.exposure import open_warning
+
+    warning = open_warning(keys_open=ring.open, host=host, port=port)
+    if warning is not None:
+        log.warning("%s (no API keys %s)", warning, source)
+    elif ring.open:
+        log.info("no API keys %s: open, on a loopback address only", source)
+    else:
+        log.info("%d API key%s %s", len(ring.keys), "" if len(ring.keys) == 1 else "s", source)
 
 
 def _run(coro: Any) -> None:
