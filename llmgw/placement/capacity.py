@@ -12,8 +12,11 @@ from dataclasses import dataclass, field
 
 from llmgw.catalog import Model, NodeId, Profile
 from llmgw.inventory import Gpu, Inventory, Node, NodeState
-from llmgw.inventory.model import gpu_groups
+from llmgw.inventory.model import GB, gpu_groups
 from llmgw.placement.types import Placement
+
+# Said of a reason no amount of waiting fixes: the node lacks it outright, not for now.
+NEVER = "never fits on this node"
 
 
 @dataclass
@@ -115,19 +118,26 @@ def node_reasons(model: Model, profile: Profile, nf: NodeFree) -> list[str]:
         if len(usable) < profile.gpus:
             reasons.append(_gpu_reason(profile, nf, len(usable)))
     if profile.memory_gb and nf.ram_gb < profile.memory_gb:
-        reasons.append(f"needs {_fmt(profile.memory_gb)} GB RAM free, has {_fmt(max(nf.ram_gb, 0))}")
+        ram = _ram_gb(node)
+        reasons.append(f"node has {_fmt(ram)} GB RAM in all, needs {_fmt(profile.memory_gb)}: {NEVER}"
+                       if ram < profile.memory_gb else
+                       f"needs {_fmt(profile.memory_gb)} GB RAM free, has {_fmt(max(nf.ram_gb, 0))}")
     weights = model.cache_name
     # A node holding the file needs no room for it; an operator's own copy is never fetched.
     if weights is not None and weights not in nf.held and nf.disk_gb < model.size_gb:
-        fs = node.report.cache_fs if node.report else None
-        shared = " (its cache is on a shared filesystem, not counted)" if fs is not None and fs.shared else ""
-        reasons.append(
-            f"needs {_fmt(model.size_gb)} GB free local disk for the weights, has {_fmt(max(nf.disk_gb, 0))}{shared}"
-        )
+        reasons.append(_disk_reason(model, nf))
     return reasons
 
 
-NEVER = "never fits on this node"
+def _disk_reason(model: Model, nf: NodeFree) -> str:
+    fs = nf.node.report.cache_fs if nf.node.report else None
+    if fs is not None and not fs.shared and fs.total_bytes / GB < model.size_gb:
+        # Nothing freed on it makes room: the filesystem is smaller than the weights.
+        return (f"node's local disk for the weights holds {_fmt(fs.total_bytes / GB)} GB in all, needs "
+                f"{_fmt(model.size_gb)}: {NEVER}")
+    # A shared cache is not "never": weights another node fetches there are held here too.
+    shared = " (its cache is on a shared filesystem, not counted)" if fs is not None and fs.shared else ""
+    return f"needs {_fmt(model.size_gb)} GB free local disk for the weights, has {_fmt(max(nf.disk_gb, 0))}{shared}"
 
 
 def _gpu_reason(profile: Profile, nf: NodeFree, usable: int) -> str:

@@ -50,7 +50,7 @@ def test_every_rejection_reason_is_named() -> None:
         "node's GPUs of class h100 have 24 GB each, needs 40 GB per GPU: never fits on this node")
     assert only_reason(result, "sick") == (
         "needs 4 free GPUs of class h100 with 40 GB, has 3 (of 4: 1 unhealthy (gpu1: ecc errors: 3))")
-    assert only_reason(result, "low-ram") == "needs 64 GB RAM free, has 32"
+    assert only_reason(result, "low-ram") == "node has 32 GB RAM in all, needs 64: never fits on this node"
     assert only_reason(result, "full-disk") == "needs 100 GB free local disk for the weights, has 50"
     assert only_reason(result, "nfs") == (
         "needs 100 GB free local disk for the weights, has 0 (its cache is on a shared filesystem, not counted)")

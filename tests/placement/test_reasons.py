@@ -100,3 +100,16 @@ def test_a_spec_without_gpus_still_places_on_the_gpus_the_agent_reports() -> Non
     n = replace(n, spec=NodeSpec(n.spec.id, n.spec.address))  # nodes.yaml declares none
     result = place(catalog(model("m", profile(gpus=1))), inventory(n), [], now=0)
     assert [p.shards for p in result.placements] == [(Shard("gpu-1", 0, (0,)),)]
+
+
+def test_ram_or_local_disk_smaller_than_asked_in_all_never_fits() -> None:
+    m = model("m", profile(gpus=0, memory_gb=64, engine="llama.cpp"), size_gb=1)
+    assert reason(m, node("small", gpus=0, ram_gb=32)) == "node has 32 GB RAM in all, needs 64" + NEVER
+    # Enough RAM in all, taken by others: waiting helps.
+    busy = Placement("busy", "cpu", (Shard(NodeId("big"), 0, ()),), memory_gb=100)
+    assert reason(m, node("big", gpus=0, ram_gb=128), [busy]) == "needs 64 GB RAM free, has 28"
+    huge = model("huge", profile(gpus=1), size_gb=5000)  # the test node's cache filesystem holds 4000 GB
+    assert reason(huge, node("n", gpus=1)) == (
+        "node's local disk for the weights holds 4000 GB in all, needs 5000" + NEVER)
+    assert reason(model("m", profile(gpus=1), size_gb=100), node("n", gpus=1, disk_gb=50)) == (
+        "needs 100 GB free local disk for the weights, has 50")
