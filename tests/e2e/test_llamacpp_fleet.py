@@ -160,6 +160,7 @@ def test_llama_cpp_replica_through_fetch_start_probe_router_removal_and_collecti
         entry = node.cache_dir / cache_name(source)
         assert (entry / MODEL_FILE).stat().st_size == GGUF.stat().st_size
         assert json.loads((entry / "llmgw-manifest.json").read_text())["source"] == source
+        assert len(_pids_of(str(BINARY), node.cache_dir)) == 1  # the check after removal can see it
 
         # Real answers through the router, plain and streamed, by name and alias.
         client = openai.OpenAI(base_url=router, api_key="unused", timeout=60, max_retries=0)
@@ -208,7 +209,7 @@ def test_llama_cpp_replica_through_fetch_start_probe_router_removal_and_collecti
         wait_for(lambda: admin(admin_url, "/api/v1/replicas") == [], 60, "the replica stopped", proc)
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "hi"}])
-        assert not any(p for p in _pids_of(str(BINARY)))
+        assert _pids_of(str(BINARY), node.cache_dir) == []
 
         orphans = subprocess.run([LLMGW, "weights", "orphans", "-o", "json", "--url", admin_url, "--token", TOKEN],
                                  capture_output=True, text=True, timeout=60, check=True)
@@ -220,16 +221,19 @@ def test_llama_cpp_replica_through_fetch_start_probe_router_removal_and_collecti
         assert not entry.exists()
     finally:
         stop(proc, signal.SIGTERM, timeout=30)
-        for pid in _pids_of(str(BINARY)):
+        for pid in _pids_of(str(BINARY), node.cache_dir):
             os.kill(pid, signal.SIGKILL)
 
 
-def _pids_of(binary: str) -> list[int]:
+def _pids_of(binary: str, cache_dir: Path) -> list[int]:
+    """Live llama-servers serving weights from this test's node: never another test's (an e2e
+    test beside it in the suite, or another suite on the machine, runs the same binary)."""
     out = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if (d / "cmdline").read_bytes().split(b"\0")[0].decode() == binary and \
+                argv = (d / "cmdline").read_bytes().split(b"\0")
+                if argv[0].decode() == binary and any(str(cache_dir).encode() in a for a in argv[1:]) and \
                         (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                     out.append(int(d.name))
             except (OSError, IndexError):
