@@ -7,8 +7,9 @@ anything else, so the second exits at once saying which process holds it. (A *co
 dir is another matter: a lock cannot see it; the nodes fence it by the instance nonce each
 process sends with its lease, see llmgw.dispatch.fence.)
 
-``flock`` rather than a pid file: the kernel drops the lock when the process dies however it
-dies (kill -9 included), so a crash never leaves a stale lock for an operator to clean up.
+``flock`` on the directory itself rather than a pid file: the kernel drops the lock when the
+process dies however it dies (kill -9 included), so a crash never leaves a stale lock for an
+operator to clean up, and no file in the dir can be removed or replaced to let a second one in.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
 from pathlib import Path
 
 from llmgw.errors import ConfigError
@@ -29,54 +31,86 @@ class DataDirInUse(ConfigError):
     """Another process holds the data dir's lock."""
 
 
-# Lock file (device, inode) → the descriptor holding its lock, for this process. Per process
+# Data dir (device, inode) → the descriptor holding its lock, for this process. Per process
 # because the lock is: the command line takes it first thing and the controller it starts asks
-# again, and a second open() of the file in the same process would conflict with the first.
+# again, and a second open() of the directory in the same process would conflict with the first.
 _HELD: dict[tuple[int, int], int] = {}
+
+# A probe (held_by_a_process) holds the lock for an instant; a process taking it at that very
+# instant tries again this many times before saying the data dir is in use.
+_TRIES = 5
+_TRY_GAP_S = 0.02
+
+
+def _open_dir(root: Path) -> int:
+    return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
 def hold_data_dir(data_dir: Path | str) -> int:
     """Lock ``data_dir`` (made when missing) for as long as this process runs; the descriptor.
 
+    The lock is on the directory itself, not on a file in it: a file can be unlinked or renamed
+    over (an operator "cleaning a stale lock", an rsync restore into the live dir), and a second
+    process would then lock a new file and run on the same data dir as the first. The pid file
+    (``llmgw.lock``) is only for the next one's message.
+
     The descriptor is deliberately never closed: the lock lives as long as the process (the
     kernel drops it at exit). Asked again in the same process, the same descriptor. Raises
     :class:`DataDirInUse` naming the data dir and the pid that holds it, and
-    :class:`~llmgw.errors.ConfigError` when the lock file cannot be made.
+    :class:`~llmgw.errors.ConfigError` when the data dir or its pid file cannot be made.
     """
     root = Path(data_dir)
-    path = root / LOCK_FILE
     try:
         root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = _open_dir(root)
         st = os.fstat(fd)
     except OSError as exc:
-        raise ConfigError(f"data dir {root}: cannot create its lock file {path}: {exc.strerror or exc}") from exc
+        raise ConfigError(f"data dir {root}: cannot open it: {exc.strerror or exc}") from exc
     key = (st.st_dev, st.st_ino)
     if key in _HELD:
         os.close(fd)
         return _HELD[key]
+    for attempt in range(_TRIES):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as exc:
+            if attempt + 1 < _TRIES:
+                time.sleep(_TRY_GAP_S)
+                continue
+            os.close(fd)
+            pid = _holder_pid(root)
+            who = f"pid {pid}" if pid is not None else "a process whose pid is not recorded"
+            raise DataDirInUse(
+                f"data dir {root} is in use by another llmgw process ({who}): one controller per data dir. "
+                "Stop that one first; a second controller needs a data dir of its own (a copy of this one is "
+                "another instance of the same controller, which the nodes fence)") from exc
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _write_pid(root)
     except OSError as exc:
-        pid = _holder_pid(fd)
         os.close(fd)
-        who = f"pid {pid}" if pid is not None else "a process whose pid it has not written yet"
-        raise DataDirInUse(
-            f"data dir {root} is in use by another llmgw process ({who}): one controller per data dir. "
-            "Stop that one first; a second controller needs a data dir of its own (a copy of this one is "
-            "another instance of the same controller, which the nodes fence)") from exc
-    # Who holds it, for the next one's message; written after the lock, so never someone else's.
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        raise ConfigError(
+            f"data dir {root}: cannot create its lock file {root / LOCK_FILE}: {exc.strerror or exc}") from exc
     _HELD[key] = fd
     return fd
+
+
+def _write_pid(root: Path) -> None:
+    """Who holds the lock, for the next one's message; written after the lock, so never someone
+    else's. Never through a symlink (it would write wherever the link points)."""
+    pid_fd = os.open(root / LOCK_FILE, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(pid_fd, 0)
+        os.pwrite(pid_fd, f"{os.getpid()}\n".encode(), 0)
+    finally:
+        os.close(pid_fd)
 
 
 def release_data_dir(data_dir: Path | str) -> None:
     """Give the lock up before the process ends (an embedding that runs controllers one after
     another in one process; tests). Nothing when this process does not hold it."""
     try:
-        st = os.stat(Path(data_dir) / LOCK_FILE, follow_symlinks=False)
+        st = os.stat(Path(data_dir))
     except OSError:
         return
     fd = _HELD.pop((st.st_dev, st.st_ino), None)
@@ -84,9 +118,39 @@ def release_data_dir(data_dir: Path | str) -> None:
         os.close(fd)
 
 
-def _holder_pid(fd: int) -> int | None:
+def held_by_a_process(path: Path) -> bool:
+    """Whether a live process (this one included) holds the lock of the data dir ``path`` (or of
+    the data dir whose pid file ``path`` is). False when there is no such data dir.
+
+    For readers that must not trust what a data dir says unless its controller runs (the admin
+    address it wrote, say). A non-blocking probe: a shared lock taken and dropped at once, never
+    waited for; a controller starting at that instant tries again (hold_data_dir).
+    """
+    root = Path(path)
+    if root.name == LOCK_FILE and not root.is_dir():
+        root = root.parent
     try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        fd = _open_dir(root)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) in _HELD:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _holder_pid(root: Path) -> int | None:
+    try:
+        with open(root / LOCK_FILE, "rb") as f:
+            text = f.read(32).decode("ascii", "replace").strip()
     except OSError:
         return None
     return int(text) if text.isdigit() else None
@@ -133,7 +197,7 @@ def _where(root: Path) -> list[object] | None:
 def held_here(data_dir: Path | str) -> bool:
     """Whether this process holds ``data_dir``'s lock."""
     try:
-        st = os.stat(Path(data_dir) / LOCK_FILE, follow_symlinks=False)
+        st = os.stat(Path(data_dir))
     except OSError:
         return False
     return (st.st_dev, st.st_ino) in _HELD

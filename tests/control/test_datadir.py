@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.control.datadir import DataDirInUse, hold_data_dir, release_data_dir, succeed
+from llmgw.control.datadir import DataDirInUse, held_by_a_process, hold_data_dir, release_data_dir, succeed
 
 TRY = ("import sys\nfrom llmgw.control.datadir import hold_data_dir, DataDirInUse\n"
        "try:\n    hold_data_dir(sys.argv[1])\nexcept DataDirInUse as exc:\n    print(exc)\n    sys.exit(1)\n"
@@ -81,3 +81,44 @@ def test_a_restart_on_the_same_data_dir_names_the_instance_it_replaces_and_a_cop
         release_data_dir(copy)
     with pytest.raises(RuntimeError, match="without the data dir's lock"):
         succeed(data, "fifth")
+
+
+@pytest.mark.parametrize("how", ["unlinked", "renamed over"])
+def test_removing_or_replacing_the_pid_file_does_not_let_a_second_process_in(tmp_path: Path, how: str) -> None:
+    # An operator "cleaning a stale lock", or an rsync restore into the live data dir: the lock is
+    # the directory's own, so the second process is refused all the same (it had run on the live
+    # data dir, and the restart shortcut had handed it the live controller's nodes at once).
+    data = tmp_path / "data"
+    hold_data_dir(data)
+    try:
+        if how == "unlinked":
+            (data / "llmgw.lock").unlink()
+        else:
+            (tmp_path / "restored").write_text("")
+            (tmp_path / "restored").rename(data / "llmgw.lock")
+        out = other_process(data)
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert f"data dir {data} is in use by another llmgw process" in out.stdout
+        assert held_by_a_process(data)
+        assert succeed(data, "first") is None  # this process still holds it
+    finally:
+        release_data_dir(data)
+    assert not held_by_a_process(data)
+    assert other_process(data).returncode == 0
+
+
+def test_held_by_a_process_tells_a_live_holder_from_a_dead_one(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    assert not held_by_a_process(data)  # no data dir at all
+    assert not held_by_a_process(tmp_path / "a-file-not-a-dir.txt")
+    with subprocess.Popen([sys.executable, "-c", TRY, str(data)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            assert held_by_a_process(data)
+            assert held_by_a_process(data / "llmgw.lock")  # named by its pid file, as the CLI knows it
+        finally:
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(30)
+    assert not held_by_a_process(data)  # the kernel dropped it with the process
+    assert other_process(data).returncode == 0  # and probing never took it
