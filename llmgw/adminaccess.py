@@ -14,7 +14,8 @@ The URL and the token come from one source, the first that applies:
    not set (the token then has no address of its own, and a CI job or a service keeps it out of
    ``ps`` this way: ``LLMGW_ADMIN_TOKEN=… llmgw router --url U``).
 2. ``--data-dir D``: both from D, as `llmgw up --data-dir D` recorded them: ``D/admin.url``
-   (written once its listeners are up, removed when it stops) and ``D/admin.token``.
+   (written once its listeners are up, removed when it stops) and ``D/admin.token``; the URL only
+   while a process holds the lock of D's controller (an `up` killed with -9 leaves admin.url).
 3. ``LLMGW_ADMIN_URL`` and ``LLMGW_ADMIN_TOKEN``: both from the environment.
 4. The default data dir of `llmgw up` (as 2).
 
@@ -46,12 +47,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmgw.errors import AccessError
-from llmgw.paths import default_data_dir
+from llmgw.paths import default_data_dir, lock_held
 
 ENV_URL = "LLMGW_ADMIN_URL"
 ENV_TOKEN = "LLMGW_ADMIN_TOKEN"
 TOKEN_FILE = "admin.token"
 URL_FILE = "admin.url"
+UP_CONTROLLER_DIR = "controller"  # the part of `up`'s data dir its controller locks (llmgw.control.up)
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,10 @@ def _from_data_dir(d: Path, *, default: bool = False) -> AdminAccess:
         # Guessing the default port here is the bug this module exists to prevent.
         raise AccessError(f"{d} has an admin token but no {URL_FILE}: is `llmgw up --data-dir {d}` running? "
                           "(it records its admin URL once it listens, and removes it when it stops)")
+    if not lock_held(d / UP_CONTROLLER_DIR):
+        # `up` removes admin.url when it stops; one killed (kill -9, the OOM killer) leaves it, and
+        # whoever listens on that port next would be sent the token. The lock dies with the process.
+        raise AccessError(f"no llmgw up is running with data dir {d} ({URL_FILE} is left from one that died)")
     return AdminAccess(url, token, str(token_file))
 
 

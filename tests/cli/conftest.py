@@ -3,7 +3,9 @@ data dir a running `llmgw up` leaves, and no admin settings from the developer's
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -86,9 +88,20 @@ def admin_server() -> Iterator[Callable[..., AdminServer]]:
         httpd.server_close()
 
 
-def up_dir(path: Path, url: str | None, token: str | None) -> Path:
-    """A data dir as a running `llmgw up` leaves it."""
+# Descriptors holding the locks of the data dirs up_dir made "running"; closed after each test.
+_HELD_LOCKS: list[int] = []
+
+
+def up_dir(path: Path, url: str | None, token: str | None, *, running: bool = True) -> Path:
+    """A data dir as a `llmgw up` leaves it: running (its controller's lock held, as up holds it
+    for its whole life), or ``running=False``: killed without its shutdown (the lock gone with it)."""
     path.mkdir(parents=True)
+    if running:
+        lock = path / "controller" / "llmgw.lock"
+        lock.parent.mkdir()
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _HELD_LOCKS.append(fd)
     if url is not None:
         (path / "admin.url").write_text(url + "\n")
     if token is not None:
@@ -103,3 +116,10 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.delenv("LLMGW_ADMIN_TOKEN", raising=False)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
     return tmp_path / "xdg" / "llmgw"
+
+
+@pytest.fixture(autouse=True)
+def _release_up_locks() -> Iterator[None]:
+    yield
+    while _HELD_LOCKS:
+        os.close(_HELD_LOCKS.pop())

@@ -217,3 +217,17 @@ def test_llmgw_up_records_its_url_and_status_finds_it(tmp_path: Path) -> None:
     finally:
         assert stop(proc, signal.SIGINT, timeout=60) == 0
     assert not (data / "admin.url").exists()  # a stopped `up`'s port may be someone else's next
+
+
+def test_admin_url_left_by_a_killed_up_is_not_trusted(run_cli, admin_server, tmp_path: Path,
+                                                       clean_env: Path) -> None:
+    """`up` killed with -9 leaves admin.url; whoever listens on that port next must not get the token."""
+    stranger = admin_server("token-of-d")  # answers as the dead `up` would: only the URL tells them apart
+    d = up_dir(tmp_path / "d", stranger.url, "token-of-d", running=False)
+    code, out = run_cli("status", "--data-dir", str(d))
+    assert code == 1
+    assert f"no llmgw up is running with data dir {d} (admin.url is left from one that died)" in out
+    up_dir(clean_env, stranger.url, "token-of-d", running=False)
+    code, out = run_cli("status")
+    assert code == 1 and f"no llmgw up is running with data dir {clean_env}" in out
+    assert stranger.seen == []
