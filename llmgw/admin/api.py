@@ -23,6 +23,7 @@ from llmgw.decide import holding
 from llmgw.errors import CatalogError, DispatchError, GitError, LlmgwError, PushRejected
 from llmgw.inventory import NodeState
 from llmgw.placement import explain
+from llmgw.serving import read_plain
 
 if TYPE_CHECKING:
     from llmgw.control.ops import FleetOps
@@ -42,7 +43,7 @@ def ctl(request: web.Request) -> FleetOps:
 
 async def json_body(request: web.Request) -> dict[str, Any] | web.Response:
     """The request's JSON object, or a 400 response saying what is wrong with it."""
-    raw = await request.read()
+    raw = await read_plain(request)  # a compressed body is a 415, one that cannot be read a 400
     if not raw.strip():
         return {}
     try:

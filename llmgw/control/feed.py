@@ -45,6 +45,7 @@ from llmgw.contract import (
 )
 from llmgw.control.usage import BudgetBook
 from llmgw.router.changes import Changes
+from llmgw.serving import read_plain
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class FeedHub:
     async def report(self, request: web.Request) -> web.Response:
         """``POST /api/v1/router/report``: one router's last-use times and demand."""
         try:
-            data = jsonbody.loads(await request.read(), what="The router report")  # nesting bounded
+            data = jsonbody.loads(await read_plain(request), what="The router report")  # nesting bounded
             router_id = wire_str(data["router_id"])
             used = {wire_str(k): float(v) for k, v in (data.get("last_used") or {}).items()}
             dem = {wire_str(m): Demand(held=int(d.get("held", 0)), inflight=int(d.get("inflight", 0)))

@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from llmgw.serving import read_plain
+
 MAX_BODY = 5 * 1024 * 1024
 
 
@@ -41,7 +43,7 @@ def webhook_handler(secret: str, trigger: Callable[[], None]) -> Callable[[web.R
     async def handle(request: web.Request) -> web.Response:
         if request.content_length is not None and request.content_length > MAX_BODY:
             return web.json_response({"error": "webhook body too large"}, status=413)
-        body = await request.read()
+        body = await read_plain(request)  # a compressed body is a 415, not decompressed (nor a 500)
         if not key or not signature_ok(key, body, request):
             return web.json_response({"error": "missing or invalid webhook signature"}, status=401)
         trigger()

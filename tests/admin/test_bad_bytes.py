@@ -4,6 +4,7 @@ JSON body nested deeper than any request (seen: a traceback after the parse)."""
 
 from __future__ import annotations
 
+import gzip
 import socket
 from urllib.parse import urlsplit
 
@@ -75,4 +76,20 @@ def test_deep_json_is_a_400_naming_the_limit_on_every_admin_route(running: Runni
         status, _, rest = answer.partition(b"\r\n\r\n")
         assert status.startswith(b"HTTP/1.1 400"), (path, answer[:300])
         assert b"more than 64 levels deep (the limit)" in rest, (path, rest[:300])
+    assert running.controller.desired.catalog is head  # nothing was committed or applied
+
+
+@pytest.mark.parametrize("body", [gzip.compress(b'{"allow_prune": false}'), b"not gzip at all"])
+def test_a_compressed_body_is_a_415_on_every_admin_route_that_reads_one(running: Running, body: bytes) -> None:
+    """aiohttp decompresses request bodies (size limits then apply to what comes out), and one that
+    does not decompress was a 500 with a traceback, also on the unauthenticated webhook. No client
+    of llmgw compresses a body: every route refuses one, saying so."""
+    head = running.controller.desired.catalog
+    for path in [p for p, _ in JSON_ROUTES] + ["/api/v1/hooks/git"]:
+        answer = raw_request(running.url, b"POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                             b"Content-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n"
+                             b"Connection: close\r\n\r\n%s" % (path.encode(), TOKEN.encode(), len(body), body))
+        status, _, rest = answer.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 415") and b"application/json" in status, (path, answer[:300])
+        assert b"Content-Encoding `gzip` are not accepted" in rest, (path, rest[:300])
     assert running.controller.desired.catalog is head  # nothing was committed or applied
