@@ -266,7 +266,7 @@ class Simulator:
         try:
             body = await self._accept(request, want_task="chat")
             seed, prompt_tokens = _chat_seed(body) if chat else _completion_seed(body)
-            requested = _completion_limit(body)
+            requested = _completion_limit(body, chat=chat)
             answers = _answers(body)
         except Rejected as exc:
             return exc.response
@@ -394,24 +394,24 @@ class Simulator:
         await resp.write_eof()
 
 
-# Every field an engine reads as the completion limit: vLLM and SGLang take max_completion_tokens
-# or (when it is unset or 0) max_tokens; llama.cpp takes n_predict, then max_completion_tokens,
-# then max_tokens. The simulator writes the most any of them would for the body, so a router that
-# forwards contradictory fields sees what the worst engine would serve (llmgw.router.limits).
-COMPLETION_FIELDS = ("max_completion_tokens", "max_tokens", "n_predict")
-
-
-def _completion_limit(body: dict[str, Any]) -> int | None:
-    """The largest completion limit the body sets (None: none set), or :class:`Rejected`."""
-    found = None
-    for name in COMPLETION_FIELDS:
+def _completion_limit(body: dict[str, Any], *, chat: bool) -> int | None:
+    """The completion limit as vLLM reads it (None: none set, the default), or :class:`Rejected`.
+    Chat: ``max_completion_tokens or max_tokens`` (a 0 falls through, as Python's ``or`` does);
+    completions: ``max_tokens`` alone. Other engines' fields (llama.cpp's ``n_predict``) are
+    ignored, as vLLM ignores them: a router that reserves one field while vLLM reads another is
+    caught here, by what the simulator writes (llmgw.router.limits)."""
+    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    for name in names:
         v = body.get(name)
         if v is None:
             continue
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise Rejected(400, f"{name} must be a non-negative integer", "BadRequestError")
-        found = v if found is None else max(found, v)
-    return found
+    for name in names:
+        v = body.get(name)
+        if v or (v == 0 and not chat):  # completions read max_tokens as it is, 0 included
+            return int(v)
+    return None
 
 
 def _answers(body: dict[str, Any]) -> int:

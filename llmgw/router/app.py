@@ -524,10 +524,11 @@ class Router:
                                     model.name, t0)
             ticket = admitted
             if ticket is not None and path != EMBEDDINGS:
-                # What is reserved is what the engine may write: every completion-limit field is
-                # sent as the reserved limit (engines differ in which one they read), and a budget
+                # What is reserved is what the engine may write: every completion-limit field an
+                # engine may read is sent as the reserved limit (engines differ in which one they
+                # read, and a 0 is "unset" to vLLM: the default is reserved and sent), and a budget
                 # is a cap even for a request that sets none (limits.capped_fields).
-                fields = capped_fields(ask, cap_unasked=Limiter.has_budget(
+                fields = capped_fields(ask, chat=path == CHAT, cap_unasked=Limiter.has_budget(
                     self._limiter.scopes_of(key.name, chain) or ()))
                 if fields:
                     raw = with_fields(raw, body, fields)

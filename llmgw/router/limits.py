@@ -86,7 +86,9 @@ def asked_for(body: Mapping[str, object]) -> Asked:
             raise BadLimitField(f, f"`{f}` must be a whole number of tokens, not {_shown(v)}.")
         if type(v) is not int:
             plain = False
-        if n >= 0:  # negative: llama.cpp's "unlimited" (-1); vLLM and SGLang refuse it
+        if n == 0:  # vLLM's and SGLang's ``or`` reads 0 as unset, falling through: not a limit
+            plain = False
+        elif n > 0:  # negative: llama.cpp's "unlimited" (-1); vLLM and SGLang refuse it
             if completion is not None and n != completion:
                 plain = False
                 completion = max(completion, n)
@@ -140,17 +142,26 @@ def reserve_for(a: Asked, raw_size: int) -> int:
     return min(MAX_RESERVATION, min(completion, MAX_RESERVATION) * a.answers + prompt_estimate(raw_size))
 
 
-def capped_fields(a: Asked, *, cap_unasked: bool) -> dict[str, int] | None:
-    """The completion-limit fields to send so that no engine writes more than was reserved, or
-    None when the body already says so. Every field present is set to the reserved limit (an
-    engine reads whichever it prefers; each now says the same). A request that sets no limit is
-    sent with the default only when ``cap_unasked`` (a tenant with a budget: unasked, an engine
-    writes up to its context, many reservations past the budget)."""
-    if a.completion is not None:
-        return None if a.plain else {f: a.completion for f in a.fields}
-    if not cap_unasked:
+# What each endpoint's engines read as the completion limit (see COMPLETION_FIELDS): every one is
+# sent, whatever the body named, so no engine finds a field the router did not reserve for.
+# ``max_completion_tokens`` is a chat field (vLLM's and SGLang's completions do not read it).
+CHAT_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
+COMPLETIONS_LIMIT_FIELDS = ("max_tokens", "n_predict")
+
+
+def capped_fields(a: Asked, *, chat: bool, cap_unasked: bool) -> dict[str, int] | None:
+    """The completion-limit fields to send so that no engine writes more than was reserved: every
+    field the endpoint's engines read (and any other the body named), each set to the reserved
+    limit, whatever the body said (an engine reads whichever it prefers, and a field the router
+    did not look at would be a limit nobody reserved: vLLM reads ``max_completion_tokens or
+    max_tokens``, llama.cpp ``n_predict`` first). A request that names no field is sent as it
+    came unless ``cap_unasked`` (a tenant with a budget: unasked, an engine writes up to its
+    context, many reservations past the budget); then None."""
+    if a.completion is None and not a.fields and not cap_unasked:
         return None
-    return {f: DEFAULT_COMPLETION_TOKENS for f in a.fields} or {"max_tokens": DEFAULT_COMPLETION_TOKENS}
+    limit = DEFAULT_COMPLETION_TOKENS if a.completion is None else a.completion
+    names = CHAT_LIMIT_FIELDS if chat else COMPLETIONS_LIMIT_FIELDS
+    return {f: limit for f in (*names, *(f for f in a.fields if f not in names))}
 
 
 def completion_asked(body: Mapping[str, object]) -> int | None:

@@ -265,3 +265,23 @@ def test_argv_built_for_a_sim_profile_runs_through_the_agents_substitution() -> 
         answer = c.chat.completions.create(model="sim-chat", messages=MESSAGES)
         assert len(answer.choices[0].message.content.split()) == 3
         assert answer.choices[0].finish_reason == "stop"
+
+
+def test_the_completion_limit_is_read_as_vllm_reads_it(client: openai.OpenAI) -> None:
+    """vLLM's rule, not the most generous field: chat takes ``max_completion_tokens or
+    max_tokens`` (a 0 falls through), completions ``max_tokens`` alone, and llama.cpp's
+    ``n_predict`` is nobody's limit here. A router that reserves from a field vLLM does not read
+    is caught by what the simulator writes (review 2: ``n_predict: 5`` alone was served to the
+    context)."""
+    def chat(**extra: object) -> int:
+        r = client.chat.completions.create(model="sim-chat", messages=MESSAGES, extra_body=extra)
+        assert r.usage is not None
+        return r.usage.completion_tokens
+
+    assert chat(max_completion_tokens=3, max_tokens=9) == 3
+    assert chat(max_completion_tokens=0, max_tokens=9) == 9
+    assert chat(n_predict=2, max_tokens=5) == 5
+    assert chat(n_predict=2) == chat() == chat(max_completion_tokens=0) == 16  # the default
+    done = client.completions.create(model="sim-chat", prompt="Once upon a time", max_tokens=4,
+                                     extra_body={"max_completion_tokens": 1, "n_predict": 1})
+    assert done.usage is not None and done.usage.completion_tokens == 4

@@ -229,8 +229,8 @@ async def test_a_budget_hours_from_its_reset_tells_the_sdk_not_to_retry(chat_sim
 
 async def test_a_budget_caps_what_a_request_without_max_tokens_may_generate() -> None:
     """Unasked, an engine writes up to its context: a tenant with a budget has the reservation's
-    completion sent as max_tokens (max_completion_tokens, if that is what the client named); a
-    request that sets its own limit, and a key without a budget, go as they came."""
+    completion sent in every limit field an engine reads; a request that sets its own limit is
+    sent with it in every field too, and a key without limits goes as it came."""
     import json
 
     from tests.router.test_deliveries import engine, write_completion
@@ -256,7 +256,7 @@ async def test_a_budget_caps_what_a_request_without_max_tokens_may_generate() ->
             await free.close()
     sent = [json.loads(r.split(b"\r\n\r\n", 1)[1]) for r in seen]
     assert [(b.get("max_tokens"), b.get("max_completion_tokens")) for b in sent] == [
-        (256, None), (9, None), (None, 256), (None, None)]
+        (256, 256), (9, 9), (256, 256), (None, None)]
     assert all(b["messages"] == MESSAGES for b in sent)
 
 
@@ -363,16 +363,26 @@ def test_a_request_reserves_the_largest_limit_any_engine_reads_and_its_answers()
         with pytest.raises(BadLimitField) as bad:
             reservation(body, 0)
         assert bad.value.field == field and f"`{field}`" in str(bad.value)
-    # What is sent: every field the body names, as the reserved limit; nothing when already so.
-    assert capped_fields(asked_for({"max_completion_tokens": 1, "max_tokens": 500}), cap_unasked=False) == {
-        "max_completion_tokens": 500, "max_tokens": 500}
-    assert capped_fields(asked_for({"max_tokens": "300"}), cap_unasked=False) == {"max_tokens": 300}
-    assert capped_fields(asked_for({"max_completion_tokens": None, "max_tokens": 30}), cap_unasked=False) == {
-        "max_completion_tokens": 30, "max_tokens": 30}
-    assert capped_fields(asked_for({"max_tokens": 30}), cap_unasked=True) is None
-    assert capped_fields(asked_for({"n_predict": -1}), cap_unasked=True) == {"n_predict": 256}
-    assert capped_fields(asked_for({"n_predict": -1}), cap_unasked=False) is None
-    assert capped_fields(asked_for({}), cap_unasked=True) == {"max_tokens": 256}
+    # A 0 is "unset" to vLLM's ``or``: the default is reserved (and sent), not 0.
+    assert reservation({"max_completion_tokens": 0}, 0) == reservation({"n_predict": 0}, 0) == 256
+    # What is sent: every field the endpoint's engines read (and any other the body names), as the
+    # reserved limit, whatever the body said.
+    chat_all = ("max_tokens", "max_completion_tokens", "n_predict")
+    assert capped_fields(asked_for({"max_completion_tokens": 1, "max_tokens": 500}), chat=True,
+                         cap_unasked=False) == dict.fromkeys(chat_all, 500)
+    assert capped_fields(asked_for({"max_tokens": "300"}), chat=True, cap_unasked=False) == dict.fromkeys(chat_all, 300)
+    assert capped_fields(asked_for({"max_tokens": 30}), chat=True, cap_unasked=True) == dict.fromkeys(chat_all, 30)
+    assert capped_fields(asked_for({"n_predict": 5}), chat=True, cap_unasked=False) == dict.fromkeys(chat_all, 5)
+    assert capped_fields(asked_for({"max_completion_tokens": 0}), chat=True,
+                         cap_unasked=False) == dict.fromkeys(chat_all, 256)
+    assert capped_fields(asked_for({"n_predict": -1}), chat=True, cap_unasked=False) == dict.fromkeys(chat_all, 256)
+    assert capped_fields(asked_for({}), chat=True, cap_unasked=True) == dict.fromkeys(chat_all, 256)
+    assert capped_fields(asked_for({}), chat=True, cap_unasked=False) is None  # no budget, nothing named
+    # Completions: vLLM's and SGLang's read max_tokens alone; a chat-only field named is set too.
+    assert capped_fields(asked_for({"n_predict": 1}), chat=False, cap_unasked=False) == {
+        "max_tokens": 1, "n_predict": 1}
+    assert capped_fields(asked_for({"max_completion_tokens": 1}), chat=False, cap_unasked=False) == {
+        "max_tokens": 1, "n_predict": 1, "max_completion_tokens": 1}
 
 
 async def test_contradictory_limit_fields_cannot_spend_past_a_budget(chat_sim: SimProcess) -> None:
@@ -434,7 +444,66 @@ async def test_every_limit_field_is_sent_as_the_reserved_limit() -> None:
             await team.close()
     sent = [json.loads(r.split(b"\r\n\r\n", 1)[1]) for r in seen]
     assert [(b.get("max_completion_tokens"), b.get("max_tokens"), b.get("n_predict")) for b in sent] == [
-        (50, 50, 50), (None, 7, None)]
+        (50, 50, 50), (7, 7, 7)]
+
+
+# How each engine reads the completion limit of a body (None: it writes up to its context).
+def vllm_chat_limit(body: dict) -> int | None:
+    return body.get("max_completion_tokens") or body.get("max_tokens")  # SGLang's chat alike
+
+
+def vllm_completions_limit(body: dict) -> int:
+    return body.get("max_tokens", 16)  # vLLM's CompletionRequest default; other fields unread
+
+
+def llama_limit(body: dict) -> int | None:
+    for f in ("n_predict", "max_completion_tokens", "max_tokens"):
+        if body.get(f) is not None:
+            return None if body[f] < 0 else body[f]
+    return None
+
+
+@pytest.mark.parametrize(("path", "extra"), [
+    ("/v1/chat/completions", {"max_completion_tokens": 0}),
+    ("/v1/chat/completions", {"n_predict": 5}),
+    ("/v1/chat/completions", {"n_predict": 0}),
+    ("/v1/chat/completions", {"max_tokens": 0, "n_predict": -1}),
+    ("/v1/chat/completions", {}),
+    ("/v1/completions", {"max_completion_tokens": 1}),
+    ("/v1/completions", {"n_predict": 1}),
+    ("/v1/completions", {"max_tokens": 0}),
+])
+async def test_no_engine_reads_a_limit_past_what_was_reserved(path: str, extra: dict) -> None:
+    """Review 2: fields vLLM does not read (``n_predict``; ``max_completion_tokens`` on
+    completions) or reads as unset (a 0) were reserved as the limit, and vLLM wrote up to its
+    context. Whatever the body, every engine's rule finds the reserved limit in what is sent."""
+    import json
+
+    import aiohttp
+
+    from tests.router.test_deliveries import engine, write_completion
+
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await write_completion(w, 1, 1)
+
+    budget = 1_000
+    async with engine(answer) as (url, seen):
+        keys = KeyRing.from_entries([{"name": "team-key", "sha256": hash_key("sk-team"), "models": ["*"]}])
+        router = Router(keys=keys, config=RouterConfig())
+        router.set_catalog(Catalog(models=(model("chat"),), settings=Settings(tenants=(
+            Tenant("team", ("team-key",), Limits(budget=Budget(tokens=budget, per="day"))),))))
+        router.set_endpoints([endpoint("chat", url)])
+        prompt = {"messages": MESSAGES} if path.endswith("chat/completions") else {"prompt": "hi"}
+        async with serving(router) as base, aiohttp.ClientSession() as s, s.post(
+                base + path, json={"model": "chat", **prompt, **extra},
+                headers={"Authorization": "Bearer sk-team"}) as r:
+            assert r.status == 200, await r.text()
+    sent = json.loads(seen[0].split(b"\r\n\r\n", 1)[1])
+    named = [v for v in extra.values() if v > 0]
+    reserved = max(named) if named else 256
+    limits = [llama_limit(sent)]
+    limits.append(vllm_chat_limit(sent) if path.endswith("chat/completions") else vllm_completions_limit(sent))
+    assert limits == [reserved, reserved], sent
 
 
 # --- issue 24: cheap refusals first ---------------------------------------------------------------
