@@ -629,33 +629,48 @@ class Router:
         self._last_used[rid] = self._wall()
         status: int | None = None
         counted = self._answer_tap(served, account, up.endpoint.engine == "llama.cpp")
-        whole = False
+        whole = tapped = False
+        ticket = account.ticket
 
         def tap(tail: bytes, events: int, complete: bool) -> None:
-            nonlocal whole
-            whole = complete
+            nonlocal whole, tapped
+            whole, tapped = complete, True
             counted(tail, events, complete)
+
+        def gone() -> None:
+            # The client went away before any answer was counted (a whole one not yet read, a
+            # stream before its first chunk, or before its response began): the engine has the
+            # prompt and may be writing, how much is not known, so the whole reservation is
+            # charged (a stream that began counts what it got).
+            if ticket is not None:
+                ticket.settle(account.reserved)
+            tap(b"", 0, False)
         try:
             if stream:
                 clock, metrics = self._clock, self.metrics
                 resp, status = await forward_stream(pool, up.origin, up.heads[path], data, served, request,
                                                     lambda: metrics.first_token(label, clock() - t0), tap,
                                                     strip_usage)
-                return resp
-            resp = await forward_whole(pool, up.origin, up.heads[path], data, served, tap)
-            status = resp.status
+                if status == CLIENT_GONE and not tapped:
+                    gone()
+            else:
+                resp = await forward_whole(pool, up.origin, up.heads[path], data, served, tap)
+                status = resp.status
+            if ticket is not None:  # an engine's error, or an answer without usage: its prompt counts
+                ticket.charge_at_least(account.prompt_estimate)
             return resp
         except BaseException as exc:
-            if not isinstance(exc, UpstreamFailed):
+            if isinstance(exc, UpstreamFailed):
+                if exc.reason not in ("connect", "status") and ticket is not None:
+                    # Sent, then cut off: the engine read the prompt. Charged unless a retry's
+                    # answer settles what was really used.
+                    ticket.charge_at_least(account.prompt_estimate)
+            else:
                 # Cancelled: the client went away, before the answer's end or (a client that
                 # hangs up at the end marker) after it, which is an answer served.
                 status = 200 if whole else CLIENT_GONE
-                if not stream:
-                    # Gone before a whole answer came: the engine worked on it, how much is not
-                    # known, so the whole reservation is charged (a stream counts what it got).
-                    if account.ticket is not None:
-                        account.ticket.settle(account.reserved)
-                    tap(b"", 0, False)
+                if not tapped:
+                    gone()
             raise
         finally:
             up.inflight -= 1

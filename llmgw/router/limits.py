@@ -259,13 +259,19 @@ class Refusal:
 class Ticket:
     """An admitted request: settle its real tokens, then release it (both at most once)."""
 
-    __slots__ = ("_scopes", "_reserved", "_settled", "_released")
+    __slots__ = ("_scopes", "_reserved", "_settled", "_released", "_floor")
 
     def __init__(self, scopes: tuple[Scope, ...], reserved: int) -> None:
         self._scopes = scopes
         self._reserved = reserved
         self._settled = False
         self._released = False
+        self._floor = 0
+
+    def charge_at_least(self, tokens: int) -> None:
+        """What the request is charged if it ends unsettled (an engine was sent its prompt, and
+        a retry elsewhere may still settle what it really used)."""
+        self._floor = max(self._floor, tokens)
 
     def settle(self, tokens: int) -> None:
         """The request's real prompt + completion tokens: the reservation is replaced by them."""
@@ -281,11 +287,12 @@ class Ticket:
                 s.tokens.level = min(s.tokens.capacity, s.tokens.level + self._reserved - tokens)
 
     def release(self) -> None:
-        """The request ended; unsettled, it is taken to have used nothing (it reached no engine)."""
+        """The request ended; unsettled, it is charged :meth:`charge_at_least`'s figure (0: it
+        reached no engine)."""
         if self._released:
             return
         self._released = True
-        self.settle(0)
+        self.settle(self._floor)
         for s in self._scopes:
             s.inflight -= 1
 

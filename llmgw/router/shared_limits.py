@@ -377,7 +377,7 @@ class Allowance:
 class SharedTicket:
     """A request admitted from this router's allowances; its end goes back to them (at most once)."""
 
-    __slots__ = ("_owner", "_allowances", "_reserved", "_used", "_released")
+    __slots__ = ("_owner", "_allowances", "_reserved", "_used", "_released", "_floor")
 
     def __init__(self, owner: SharedLimits, allowances: list[Allowance], reserved: int) -> None:
         owner.in_flight += 1
@@ -386,18 +386,25 @@ class SharedTicket:
         self._reserved = reserved
         self._used: int | None = None
         self._released = False
+        self._floor = 0
 
     def settle(self, tokens: int) -> None:
         if self._used is None:
             self._used = max(0, tokens)
 
+    def charge_at_least(self, tokens: int) -> None:
+        """What the request is charged if it ends unsettled (as :meth:`Ticket.charge_at_least`)."""
+        self._floor = max(self._floor, tokens)
+
     def release(self) -> None:
-        """The request ended; unsettled, it is taken to have used nothing (it reached no engine)."""
+        """The request ended; unsettled, it is charged :meth:`charge_at_least`'s figure (0: it
+        reached no engine)."""
         if self._released:
             return
         self._released = True
+        used = self._floor if self._used is None else self._used
         for a in self._allowances:
-            a.end(self._reserved, self._used or 0)
+            a.end(self._reserved, used)
         self._owner.ended()
 
 

@@ -16,6 +16,7 @@ from llmgw.router import KeyRing, Router, RouterConfig, catalog_from_view, hash_
 from llmgw.router.limits import Limiter, Refusal, Ticket, duration, next_period, period_start
 from tests.router.conftest import endpoint, serving, sim_metric
 from tests.router.fake_controller import model
+from tests.router.test_feed import until
 
 try:  # the HTTP client the installed openai SDK is built on (httpx2 in its newer releases)
     import httpx2 as httpx
@@ -575,3 +576,64 @@ async def test_a_spent_budget_or_full_concurrency_is_refused_before_the_body(cha
         assert await half_a_body(base, "sk-team", 2_000, wait=10) == (True, 429)
         running.release()
         assert await half_a_body(base, "sk-team", 2_000, wait=0.3) == (False, 200)
+
+
+# --- review 2: a request sent to an engine is charged, whichever way it ends ----------------------
+
+@pytest.mark.slow
+async def test_a_stream_dropped_before_its_first_token_is_charged_its_reservation() -> None:
+    """The engine read the prompt (and may be writing): a client gone before the stream's first
+    chunk is charged the whole reservation, as a client gone before a whole answer is. It was
+    charged nothing: a tenant could have engines read any number of prompts for free."""
+    import json
+
+    from llmgw.router.limits import reservation
+
+    with SimProcess("chat", "--ttft", "600") as sim:
+        router = keyed_router(sim, Limits(budget=Budget(tokens=100_000, per="day")))
+        body = {"model": "chat", "stream": True, "max_tokens": 10,
+                "messages": [{"role": "user", "content": "word " * 2_000}]}
+        raw = json.dumps(body).encode()
+        async with serving(router) as base:
+            port = int(base.rsplit(":", 1)[1])
+            scope = router._limiter.tenant_scope("team-key")  # noqa: SLF001
+            assert scope is not None
+            for i in range(2):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-team\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw))
+                await writer.drain()
+                await until(lambda: sim_metric(sim.endpoint, "vllm:num_requests_running") >= 1, timeout=30)
+                writer.transport.abort()
+                await until(lambda: scope.inflight == 0 and
+                            sim_metric(sim.endpoint, "vllm:num_requests_running") == 0, timeout=30)
+                assert scope.used == (i + 1) * reservation(body, len(raw))
+
+
+async def test_an_engine_error_after_the_prompt_was_sent_is_charged_its_prompt() -> None:
+    """An engine that answers an error (or a stream that fails) was still sent the prompt: at
+    least the prompt estimate is charged, never nothing."""
+    from llmgw.router.limits import prompt_estimate
+    from tests.router.test_deliveries import engine
+
+    async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        err = b'{"error": {"message": "bad", "type": "BadRequestError"}}'
+        w.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(err), err))
+        await w.drain()
+
+    async with engine(answer) as (url, _seen):
+        keys = KeyRing.from_entries([{"name": "team-key", "sha256": hash_key("sk-team"), "models": ["*"]}])
+        router = Router(keys=keys, config=RouterConfig())
+        router.set_catalog(Catalog(models=(model("chat"),), settings=Settings(tenants=(
+            Tenant("team", ("team-key",), Limits(budget=Budget(tokens=100_000, per="day"))),))))
+        router.set_endpoints([endpoint("chat", url)])
+        async with serving(router) as base:
+            team = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=0, timeout=15)
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError):
+                    await team.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=5, stream=stream)
+            await team.close()
+        scope = router._limiter.tenant_scope("team-key")  # noqa: SLF001
+        assert scope is not None and scope.inflight == 0
+        assert scope.used >= 2 * prompt_estimate(60)
