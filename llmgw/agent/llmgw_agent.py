@@ -565,11 +565,15 @@ def inspect_entry(cache_dir: str, name: str) -> Tuple[Optional[JsonDict], Option
 # one: the instance tells the two processes apart (seen: each obeyed, each stopped the other's
 # engines as stale). Another instance of the holder is fenced like any other controller while the
 # holding instance is heard from (each of its polls touches lease.beat). Once that instance has
-# been silent for the grace it asked for (it died: a controller restarted after a crash), another
-# instance of the same holder succeeds it at the same epoch: the same controller, so its engines
-# stay its own and are adopted. A live copy keeps renewing, so it cannot be displaced that way.
-# A restarted controller that knows the instance it replaces (``succeeds``: it ran on the same
-# data dir during this boot, and the data dir's lock proves it has ended) takes over at once.
+# been silent for the grace it asked for, or has released the lease, another instance of the same
+# holder may take it, at a RAISED epoch: nothing proves the two are one controller (the silent one
+# may be a live original that paused, the taker a copy), so the old instance's engines become
+# foreign to the taker (reported, their GPUs taken, never stopped as stale). Only a restarted
+# controller that knows the instance it replaces (``succeeds``: it ran on the same data dir during
+# this boot, and the data dir's lock proves it has ended) takes over at once and at the same epoch,
+# adopting its engines. The grace is four missed beats of a live holder (its keeper renews every
+# few seconds between polls): a live instance that stalls longer than that (SIGSTOP, a VM paused
+# or migrated, a host deep in swap) loses the node to a sibling and is told so when it resumes.
 MAX_LEASE_TTL = 3600.0
 DEFAULT_SUCCESSION_GRACE = 20.0
 
@@ -729,12 +733,19 @@ def take_lease(cfg: NodeConfig, asker: Asker, *, takeover: bool) -> JsonDict:
         if not (current_view["held"] or current_view["expired"] or takeover
                 or _succeeds(lease, current_view, asker, now)):
             return current_view
-        # The same holder id is the same controller (restarted, or moved with its data dir): its
-        # epoch stays, so the engines it started remain its own. Another holder, or an operator's
-        # takeover, raises the epoch: what was started before is someone else's.
+        # The epoch stays only for the instance holding it (a renewal, or taking its own expired
+        # lease back) and for a proven restart of it (``succeeds`` names it: same data dir, same
+        # boot, its lock free): the engines it started remain the controller's. Anyone else raises
+        # it, another instance of the same holder id included (succeeding a silent instance, or
+        # taking a released lease): that instance may be a copy of the data dir, and at the same
+        # epoch the old instance's engines would be "ours" to it and stopped as stale (seen: a
+        # fenced copy stopped every engine of the original once it stopped cleanly or paused).
         same = lease is not None and lease["holder"] == asker.holder
+        proven = same and lease is not None and (
+            lease.get("instance") == asker.instance
+            or (asker.succeeds is not None and lease.get("instance") == asker.succeeds))
         epoch = int(lease["epoch"]) if lease is not None else 0
-        if not same or takeover:
+        if not proven or takeover:
             epoch += 1
         since = lease.get("since", now) if lease is not None and same else now
         lease = {"holder": asker.holder, "instance": asker.instance, "epoch": epoch, "expires": now + asker.ttl,

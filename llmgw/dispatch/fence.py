@@ -10,10 +10,11 @@ takeover``).
 The holder id comes from the data dir, so a copied or restored data dir shares it; the instance,
 a nonce made for each process, tells the two apart. Between polls (a tick can be long: a stop
 waits out its grace) a keeper renews each held lease every ``beat`` seconds, because a sibling
-instance may succeed an instance silent for ``grace``: that is how a controller restarted after a
-crash gets its nodes back without waiting the lease out, and the keeper is what keeps a live
+instance may succeed an instance silent for ``grace`` (at a higher epoch: it may be a copy, so the
+silent one's engines are foreign to it, never stopped as stale), and the keeper is what keeps a live
 controller from looking dead to a copy. A restart on the same data dir and machine knows the
-instance it replaces (``predecessor``) and names it: the node hands that one's leases over at once.
+instance it replaces (``predecessor``) and names it: the node hands that one's leases over at once
+and at the same epoch, so the restart adopts its engines. Only that proof keeps the epoch.
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ LEASE_TTL = 60.0
 # Heard from at least this often while it runs (polls, else the keeper)...
 LEASE_BEAT = 5.0
 # ...so a silence of this long means the instance is gone: another instance of the same controller
-# (restarted after a crash) takes its nodes over. Four missed beats: a stalled loop or one slow SSH
-# round trip must not make a live controller look dead to a copy of it.
+# (a restart that cannot prove it, a restored backup, or a copy) takes its nodes over at a higher
+# epoch. Four missed beats: a stalled loop or one slow SSH round trip must not make a live
+# controller look dead to a copy of it. A longer stall (SIGSTOP, a VM paused or migrated, deep swap)
+# does lose the nodes to a running copy; the resumed instance is told so (its nodes' error and a
+# node-fenced event) and leaves them alone, and its engines keep running, foreign to the copy.
+# A longer grace only moves that line, and a restart unable to prove itself waits it out.
 SUCCESSION_GRACE = 20.0
 
 

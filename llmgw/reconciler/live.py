@@ -35,6 +35,10 @@ class LiveInventory:
         # Node → (when the other instance of our holder id holding its lease was first heard from,
         # whether it has spoken since): a dead predecessor stays silent, a live copy does not.
         self._siblings: dict[str, tuple[float | None, bool]] = {}
+        # Node → the epoch at which this instance held its lease before another instance of our
+        # holder id took it (we were silent past the grace: paused, stalled, cut off), so the
+        # operator is told that, and what to do, not "a copied data dir?" as for one never ours.
+        self._lost: dict[str, int] = {}
         # Node → how its nodes.yaml gpus and its agent's report last disagreed (None: they agreed),
         # so the event is written when that changes, not on every poll.
         self._gpu_notes: dict[str, str | None] = {}
@@ -77,7 +81,7 @@ class LiveInventory:
         """FENCED or HANDOVER when the node's lease is not ours; None when it is (or none is asked)."""
         if lease is None or lease.held:
             return None
-        if lease.sibling and not self._siblings.get(node_id, (None, False))[1]:
+        if lease.sibling and node_id not in self._lost and not self._siblings.get(node_id, (None, False))[1]:
             return NodeState.HANDOVER
         return NodeState.FENCED
 
@@ -91,6 +95,14 @@ class LiveInventory:
         spoke = lease.heard is not None and (first is None or lease.heard > first)
         self._siblings[node_id] = (first, live or spoke)
 
+    def _note_lost(self, node_id: str, before: Lease | None, now: Lease | None) -> None:
+        """Remember that a lease we held went to another instance of our holder id; forget it
+        once the node is ours again or in other hands."""
+        if now is None or now.held or not now.sibling:
+            self._lost.pop(node_id, None)
+        elif before is not None and before.held:
+            self._lost[node_id] = before.epoch
+
     def _lease_problem(self, node_id: str, lease: Lease | None) -> str | None:
         """Why this controller does not act on the node (shown as its error), or None."""
         state = self._lease_state(node_id, lease)
@@ -100,6 +112,13 @@ class LiveInventory:
             return (f"held by another instance of this controller ({lease.holder}, epoch {lease.epoch}), not heard "
                     f"from again yet: an earlier life of this one (a restart after a crash) is succeeded once silent "
                     f"for {lease.grace or 0:g}s; one still running (a copy of this data dir?) keeps it")
+        if lease.sibling and node_id in self._lost:
+            return (f"taken over by another instance of controller {lease.holder} (now epoch {lease.epoch}; this one "
+                    f"held it at epoch {self._lost[node_id]}) after this one was not heard from for "
+                    f"{lease.grace or 0:g}s (paused, stalled or cut off?): this controller no longer acts on it, and "
+                    "the engines it started there are left running, foreign to the other. Two instances of one "
+                    "controller run (a copied data dir?): stop the one to give up; on the one to keep, `llmgw "
+                    "node takeover` (with --stop-foreign to stop the engines the other started)")
         if lease.sibling:
             return (f"held by another instance of controller {lease.holder} (epoch {lease.epoch}), which is running "
                     "(a copied data dir?): this controller does not act on it; stop the other one, or `llmgw node "
@@ -149,6 +168,7 @@ class LiveInventory:
         if node.unreachable_since is not None:
             self.store.add_event("node-reachable", node_id, f"node {node_id} answers again")
         lease = report.lease
+        self._note_lost(node_id, node.report.lease if node.report is not None else None, lease)
         self._watch_sibling(node_id, lease)
         problem = self._lease_problem(node_id, lease)
         state = self._lease_state(node_id, lease)

@@ -122,8 +122,9 @@ def test_a_lease_renewed_while_the_clock_ran_fast_ends_rather_than_fencing_its_h
 # --- instances: one holder id, two processes (a restart after a crash; a copied data dir) ---------
 # A controller's holder id lives in its data dir, so a restored backup or a copy has the same id.
 # Each start also sends an instance nonce: another instance of the same holder is fenced like any
-# other controller while the one holding the lease is heard from, and succeeds it (same epoch:
-# the same controller, restarted) only once that one has been silent for the lease's grace.
+# other controller while the one holding the lease is heard from; it succeeds that one once it has
+# been silent for the lease's grace (a higher epoch: it may be a copy), or at once and at the same
+# epoch when it names it as the instance it replaces (a proven restart).
 A1 = {"holder": "ctl-a", "instance": "i1", "ttl": 60, "grace": 5}
 A2 = {"holder": "ctl-a", "instance": "i2", "ttl": 60, "grace": 5}
 FENCE_1 = {"holder": "ctl-a", "epoch": 1, "instance": "i1"}
@@ -158,25 +159,30 @@ def test_another_instance_of_the_holder_is_fenced_while_the_holder_is_heard_from
     assert (lease["instance"], lease["epoch"]) == ("i1", 1)
 
 
-def test_a_restarted_controller_succeeds_its_silent_old_instance_and_keeps_its_engines(node: Node) -> None:
+def test_an_instance_succeeding_a_silent_one_raises_the_epoch_and_leaves_its_engines_alone(node: Node) -> None:
+    # The silent instance may be a live original that paused (SIGSTOP, a VM migrating) and the one
+    # asking a copy of its data dir: nothing proves they are one controller, so what the silent one
+    # started is not the new one's to stop (seen: a fenced copy stopped all the original's engines).
     node.ok("inventory", {"lease": A1})
     node.ok("start", {**ENGINE, "fence": FENCE_1})
+    fence = {"holder": "ctl-a", "epoch": 2, "instance": "i2"}
     try:
         assert not node.ok("inventory", {"lease": A2})["lease"]["held"]  # i1 was heard just now
-        silence(node, 6)  # i1 died (kill -9): not heard for longer than its grace
+        silence(node, 6)  # i1 not heard for longer than its grace
         view = node.ok("inventory", {"lease": A2})["lease"]
-        assert (view["held"], view["epoch"], view["sibling"]) == (True, 1, False)  # same controller: same epoch
-        # Its engines are the restarted controller's: a start of the same replica is that engine.
-        again = node.ok("start", {**ENGINE, "fence": FENCE_2})
-        assert again["already_running"] is True
+        assert (view["held"], view["epoch"], view["sibling"]) == (True, 2, False)
+        engine = node.ok("inventory", {"lease": A2})["engines"][0]
+        assert (engine["holder"], engine["epoch"]) == ("ctl-a", 1)  # i1's, not at i2's epoch
+        message = refused(node, "start", {**ENGINE, "fence": fence})
+        assert "already running here, started by controller 'ctl-a' (epoch 1)" in message
         # The old instance, should it come back, is fenced, and cannot take the lease back.
         assert "another instance" in refused(node, "stop", {"replica_id": "r1", "fence": FENCE_1})
         assert not node.ok("inventory", {"lease": A1})["lease"]["held"]
     finally:
-        node.ok("stop", {"replica_id": "r1", "grace_seconds": 1, "fence": FENCE_2})
+        node.ok("stop", {"replica_id": "r1", "grace_seconds": 1, "fence": fence})
 
 
-def test_only_the_instance_holding_the_lease_can_release_it(node: Node) -> None:
+def test_only_a_proven_restart_keeps_the_epoch_after_a_release(node: Node) -> None:
     node.ok("inventory", {"lease": A1})
     # A copy stopping cleanly must not hand the live controller's nodes to whoever asks next.
     after = node.ok("lease", {**A2, "release": True})
@@ -184,9 +190,17 @@ def test_only_the_instance_holding_the_lease_can_release_it(node: Node) -> None:
     assert node.ok("inventory", {"lease": B})["lease"]["held"] is False
     released = node.ok("lease", {**A1, "release": True})
     assert released["expired"]
-    # The next start of the same controller continues at once, at the same epoch.
-    view = node.ok("inventory", {"lease": A2})["lease"]
+    # The restart of the same controller (it names i1: its data dir's lock and record prove it)
+    # continues at once, at the same epoch: i1's engines are its own.
+    view = node.ok("inventory", {"lease": {**A2, "succeeds": "i1"}})["lease"]
     assert (view["held"], view["epoch"]) == (True, 1)
+    # Another instance taking a released lease (a copy waiting fenced) gets a higher epoch.
+    assert node.ok("lease", {**A2, "release": True})["expired"]
+    taken = node.ok("inventory", {"lease": {**A1, "instance": "i3"}})["lease"]
+    assert (taken["held"], taken["epoch"]) == (True, 2)
+    # The holding instance taking its own expired lease back is no succession: the same epoch.
+    assert node.ok("lease", {**A1, "instance": "i3", "release": True})["expired"]
+    assert node.ok("inventory", {"lease": {**A1, "instance": "i3"}})["lease"]["epoch"] == 2
 
 
 def test_a_takeover_by_another_instance_raises_the_epoch_and_fences_the_first(node: Node) -> None:

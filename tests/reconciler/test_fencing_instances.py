@@ -1,7 +1,7 @@
 """Two processes with one holder id (a copied data dir, or a restart after a crash), as the live
 inventory sees a node through the fenced dispatcher and a real agent: a node held by a live copy
-is fenced and stays so; one held by a dead earlier life is handed over, then ours, at the same
-epoch. Time is never waited out: the lease's "last heard" is moved back instead."""
+is fenced and stays so; one held by a silent instance is handed over, then ours at a higher epoch
+(the silent one's engines foreign), and at the same epoch only to a proven restart. Time is never waited out: the lease's "last heard" is moved back instead."""
 
 from __future__ import annotations
 
@@ -17,11 +17,14 @@ from llmgw.dispatch.base import NodeTarget
 from llmgw.dispatch.fence import FencedDispatcher
 from llmgw.dispatch.local import LocalDispatcher
 from llmgw.inventory import NodeState
+from llmgw.inventory.model import engine_is_ours
 from llmgw.reconciler.live import LiveInventory
 from llmgw.state import Store
 from tests.fixtures.sshd_fleet import MARKER_ENV, SshdNode
 
 GRACE = 5.0
+ENGINE = {"replica_id": "r1", "engine": "pyhttp", "args": ["{port}", "--bind", "{host}"], "gpus": [0],
+          "labels": {"llmgw.replica": "r1"}}
 
 
 def instance(node: SshdNode, tmp_path: Path, name: str) -> tuple[FencedDispatcher, LiveInventory]:
@@ -76,17 +79,25 @@ async def test_a_copy_of_a_running_controller_is_fenced_and_cannot_take_the_node
         assert json.loads((node.state_dir / "lease.json").read_text()) == before
         await live_a.poll()
         assert state(live_a, node) == NodeState.READY
+        await a.call(node.id, "start", ENGINE)
         await a.release()
         await live_b.poll()
-        assert state(live_b, node) == NodeState.READY and b.epoch(node.id) == 1
+        # B gets the node at once, but at a higher epoch: nothing proves it is A restarted (it
+        # may be the copy that sat fenced), so A's engine is foreign to it, never stale.
+        assert state(live_b, node) == NodeState.READY and b.epoch(node.id) == 2
+        report = live_b.snapshot().node(node.id).report  # type: ignore[union-attr]
+        assert report is not None and [e.replica_id for e in report.engines] == ["r1"]
+        assert not engine_is_ours(report.engines[0], report.lease, holder="ctl")
+        await b.call(node.id, "stop", {"replica_id": "r1", "grace_seconds": 1})
 
 
-async def test_a_controller_restarted_after_a_crash_gets_its_node_back_at_the_same_epoch(local_node, tmp_path) -> None:
+async def test_an_instance_succeeding_a_silent_one_gets_the_node_at_a_higher_epoch(local_node, tmp_path) -> None:
     node = local_node()
     a, live_a = instance(node, tmp_path, "a")
     async with a:
         await live_a.poll()
-    # A is gone without a word (kill -9): its lease is live for another minute.
+        await a.call(node.id, "start", ENGINE)
+    # A is silent (gone without a word, or only paused): its lease is live for another minute.
     b, live_b = instance(node, tmp_path, "b")
     async with b:
         await live_b.poll()
@@ -94,8 +105,35 @@ async def test_a_controller_restarted_after_a_crash_gets_its_node_back_at_the_sa
         assert "succeeded once silent for 5s" in live_b.snapshot().node(node.id).error  # type: ignore[union-attr]
         silence(node, GRACE + 1)
         await live_b.poll()
-        assert state(live_b, node) == NodeState.READY and b.epoch(node.id) == 1
+        assert state(live_b, node) == NodeState.READY and b.epoch(node.id) == 2
         assert [e.kind for e in live_b.store.events()][-2:] == ["node-handover", "node-lease"]
+        report = live_b.snapshot().node(node.id).report  # type: ignore[union-attr]
+        assert report is not None and not engine_is_ours(report.engines[0], report.lease, holder="ctl")
+        await b.call(node.id, "stop", {"replica_id": "r1", "grace_seconds": 1})
+
+
+async def test_a_paused_instance_that_lost_its_node_is_told_what_happened_and_what_to_do(local_node, tmp_path) -> None:
+    node = local_node()
+    a, live_a = instance(node, tmp_path, "a")
+    b, live_b = instance(node, tmp_path, "b")
+    async with a, b:
+        await live_a.poll()
+        await live_b.poll()
+        silence(node, GRACE + 1)  # A paused (SIGSTOP, a VM migrating) longer than the grace
+        await live_b.poll()
+        assert state(live_b, node) == NodeState.READY and b.epoch(node.id) == 2
+        await live_a.poll()  # A resumes
+        assert state(live_a, node) == NodeState.FENCED
+        error = live_a.snapshot().node(node.id).error  # type: ignore[union-attr]
+        assert ("taken over by another instance of controller ctl (now epoch 2; this one held it at epoch 1) "
+                "after this one was not heard from for 5s") in error
+        assert "llmgw node takeover" in error and "--stop-foreign" in error
+        fenced = [e for e in live_a.store.events() if e.kind == "node-fenced"]
+        assert len(fenced) == 1 and "taken over by another instance" in fenced[0].message
+        # Taken back by the operator's takeover: ours again, and the note is gone.
+        await a.takeover(node.id)
+        await live_a.poll()
+        assert state(live_a, node) == NodeState.READY and a.epoch(node.id) == 3
 
 
 async def test_the_keeper_renews_between_polls(local_node) -> None:
