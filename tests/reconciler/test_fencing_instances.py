@@ -1,7 +1,8 @@
 """Two processes with one holder id (a copied data dir, or a restart after a crash), as the live
 inventory sees a node through the fenced dispatcher and a real agent: a node held by a live copy
 is fenced and stays so; one held by a silent instance is handed over, then ours at a higher epoch
-(the silent one's engines foreign), and at the same epoch only to a proven restart. Time is never waited out: the lease's "last heard" is moved back instead."""
+(the silent one's engines foreign), and at the same epoch only to a proven restart. Time is never
+waited out: the lease's "last heard" is moved back instead."""
 
 from __future__ import annotations
 
