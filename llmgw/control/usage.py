@@ -138,6 +138,7 @@ class BudgetBook:
     def recorded(self, batch: UsageBatch) -> None:
         """A batch just recorded in the ledger: its tokens count against the budgets they fall in."""
         changed = False
+        now = self.clock()
         with self._lock:
             for r in batch.rows:
                 tokens = r.prompt_tokens + r.completion_tokens
@@ -147,7 +148,11 @@ class BudgetBook:
                     s = self._scopes.get(k)
                     if s is None or s.period < 0:
                         continue
-                    start = period_start(s.budget, r.minute)
+                    # A row stamped ahead of this clock (a router's clock skewed) counts in the
+                    # current period: moving the scope into a period not begun would tell every
+                    # router it used next to nothing, and a Redis restarted empty would hand out
+                    # a fresh budget.
+                    start = min(period_start(s.budget, r.minute), period_start(s.budget, now))
                     if start == s.period:
                         s.tokens += tokens
                     elif start > s.period and not s.loading:  # the first use of a new period

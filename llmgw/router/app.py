@@ -729,7 +729,10 @@ class Router:
         if entry is None:
             entry = self._usage[(key, model)] = Usage()
         entry.add(delta)
-        minute = int(self._wall()) // 60 * 60
+        # On the shared limits' clock (Redis's) when there is one, as admission is: a router whose
+        # own clock is off would report its use in another budget period.
+        offset = self._shared.offset if self._shared is not None else 0.0
+        minute = int(self._wall() + offset) // 60 * 60
         self.usage_outbox.add(minute, self._limiter.tenant(key) or "", key, model, delta)
 
     def _engine_counts(self, up: Upstream, queries: float, hits: float) -> None:

@@ -79,6 +79,48 @@ async def test_the_book_reads_each_budget_period_from_the_ledger_then_follows_ev
     store.close()
 
 
+async def test_rows_from_a_router_ahead_of_the_controller_count_in_the_current_period(tmp_path: Path) -> None:
+    """Review 2: a router whose clock is a day ahead stamped its row in tomorrow's period, and the
+    book moved the scope there: every router was then told (tomorrow, 30) instead of (today,
+    830), and a Redis restarted empty handed the tenant a fresh budget. A row from the future
+    counts in the controller's current period."""
+    clock = [at("2026-12-03T12:00:00")]
+    store = Store(tmp_path / "llmgw.db").open()
+    book = BudgetBook(clock=lambda: clock[0])
+    book.set_catalog(catalog(Limits(budget=DAY)))
+    await book.load(store)
+    ledger = BookedLedger(store, book)
+    day = period_start(DAY, clock[0])
+    ledger.record_usage(UsageBatch("good", 1, (row(clock[0], "team", "chat", 400, 400),)))
+    ledger.record_usage(UsageBatch("ahead", 1, (row(clock[0] + 86_400, "team", "chat", 10, 20),)))
+    assert book.figures() == {("team", ""): (day, 830)}
+    clock[0] = at("2026-12-04T00:00:01")  # the controller's own day ends: the period does
+    assert book.figures() == {("team", ""): (day + 86_400, 0)}
+    store.close()
+
+
+async def test_a_router_stamps_its_usage_on_the_shared_limits_clock(chat_sim: SimProcess) -> None:
+    """Admission runs on Redis's clock; the usage rows are stamped on it too, so a router whose
+    own clock is a day ahead reports today's use as today's."""
+    port = free_port()
+    redis = redis_server(port)
+    try:
+        r = Router(keys=KEYS, config=RouterConfig(limits_redis=f"redis://127.0.0.1:{port}/0"),
+                   wall=lambda: time.time() + 86_400.0)
+        r.set_catalog(catalog(Limits(budget=DAY)))
+        r.set_endpoints([endpoint("chat", chat_sim.endpoint)])
+        async with serving(r) as base, openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team",
+                                                          max_retries=0, timeout=15) as c:
+            await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=5)
+        batch = r.usage_outbox.take()
+        assert batch is not None and batch.rows
+        now = time.time()
+        assert all(abs(x.minute - now) < 3_600 for x in batch.rows), [x.minute - now for x in batch.rows]
+    finally:
+        redis.kill()
+        redis.wait(5)
+
+
 # --- a router starts from the ledger -------------------------------------------------------------
 
 async def test_a_router_restarted_mid_budget_starts_from_what_the_ledger_says(chat_sim: SimProcess,
