@@ -30,5 +30,9 @@ def fail(console: Console, message: str, *, code: int = 1) -> int:
 def _escape(text: str) -> str:
     from rich.markup import escape
 
-    return escape(text)
+    from llmgw.safetext import visible
+
+    # A message quotes what it is about (a file name, a catalog key, a server's answer): shown as
+    # text, never as rich markup nor as terminal escapes.
+    return escape(visible(text))
 

@@ -12,6 +12,7 @@ from rich.text import Text
 from llmgw.catalog import ValidationResult, read_directory, validate_files
 from llmgw.cli.output import fail, print_json
 from llmgw.errors import CatalogError, GitError
+from llmgw.safetext import visible
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,12 +64,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
         })
         return 0 if result.ok else 1
     for p in result.problems:
-        line = Text(f"{prefix}{p.file}:{p.line}:{p.col}:", style="bold")
-        line.append(f" {p.message}", style="")
+        # Text, never markup; visible(): a file name or an echoed key may carry terminal escapes.
+        line = Text(visible(f"{prefix}{p.file}:{p.line}:{p.col}:"), style="bold")
+        line.append(visible(f" {p.message}"), style="")
         console.print(line)
     if result.ok and result.catalog is not None:
         c = result.catalog
-        console.print(Text(f"✓ {args.path}: {len(c.models)} models, {len(c.nodes)} nodes, valid",
+        console.print(Text(f"✓ {visible(args.path)}: {len(c.models)} models, {len(c.nodes)} nodes, valid",
                            style="green"))
         return 0
     files = len({p.file for p in result.problems})

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from llmgw import safetext
 from llmgw.catalog import Problem
 from llmgw.plan.changes import Change, _show
 from llmgw.plan.plan import NodeUse, Plan
@@ -85,13 +87,15 @@ class FreeUse:
         return f"{self.disk_free_before_gb:g}/{t:g} → {self.disk_free_after_gb:g}/{t:g} GB"
 
 
-def prune_line(plan: Plan | None) -> str | None:
-    """The guard's verdict when the commit stops a ready replica (or removes a model), else None."""
+def prune_line(plan: Plan | None, *, esc: Callable[[str], str] = str) -> str | None:
+    """The guard's verdict when the commit stops a ready replica (or removes a model), else None.
+
+    ``esc`` makes the guard's reasons (they name models) safe for the output format."""
     v = plan.prune if plan is not None else None
     if v is None or not (v.held or v.replicas_stopped or v.models_removed):
         return None
     if v.held:
-        return ("Prune guard: this commit would be held for confirmation (" + "; ".join(v.reasons)
+        return ("Prune guard: this commit would be held for confirmation (" + "; ".join(map(esc, v.reasons))
                 + "); add the trailer `Llmgw-Allow-Prune: yes` or run `llmgw sync --allow-prune` after it lands.")
     return (f"Prune guard: passes (stops {v.replicas_stopped} of {v.replicas_ready} ready replicas, "
             f"removes {len(v.models_removed)} model(s): within the limits).")
@@ -147,30 +151,37 @@ def render_text(r: DiffReport) -> str:
     if prune:
         out += [prune, ""]
     out.append(summary_line(r))
-    return "\n".join(out) + "\n"
+    # Every line is ours around catalog text; escaping whole lines reaches every piece of that text.
+    return "\n".join(map(safetext.visible, out)) + "\n"
 
 
 # --- markdown ----------------------------------------------------------------------------
 def _md(text: Any) -> str:
-    return str(text).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+    """Catalog text in the comment: shown, never formatted (llmgw.safetext.markdown)."""
+    return safetext.markdown(text)
+
+
+def _code(text: Any) -> str:
+    # <code>, not a backtick span: a backtick in the text would end the span early.
+    return f"<code>{_md(text)}</code>"
 
 
 def render_markdown(r: DiffReport) -> str:
-    out = [f"### llmgw diff `{_md(r.base)}` → `{_md(r.head)}`", "", f"**{summary_line(r)}**", ""]
-    prune = prune_line(r.plan)
+    out = [f"### llmgw diff {_code(r.base)} → {_code(r.head)}", "", f"**{summary_line(r)}**", ""]
+    prune = prune_line(r.plan, esc=_md)
     if prune:
-        out += [f"> :warning: {_md(prune)}", ""]
+        out += [f"> :warning: {prune}", ""]
     if r.problems:
-        out += ["#### :x: Validation", ""] + [f"- `{_md(p.file)}:{p.line}:{p.col}`: {_md(p.message)}"
+        out += ["#### :x: Validation", ""] + [f"- {_code(f'{p.file}:{p.line}:{p.col}')}: {_md(p.message)}"
                                                for p in r.problems] + [""]
     if r.changes:
         out += ["#### Catalog changes", ""]
         for c in r.changes:
-            out.append(f"<details><summary><code>{c.op}</code> {c.kind} <b>{_md(c.name)}</b></summary>")
+            out.append(f"<details><summary><code>{c.op}</code> {_md(c.kind)} <b>{_md(c.name)}</b></summary>")
             out.append("")
             if c.fields:
                 out += ["| field | before | after |", "|---|---|---|"]
-                out += [f"| `{_md(f.path)}` | {_md(_show(f.before)) if c.op == '~' else ''} | {_md(_show(f.after))} |"
+                out += [f"| {_code(f.path)} | {_md(_show(f.before)) if c.op == '~' else ''} | {_md(_show(f.after))} |"
                         for f in c.fields]
                 out.append("")
             out += ["</details>", ""]
@@ -182,9 +193,9 @@ def render_markdown(r: DiffReport) -> str:
         if p.steps:
             out += ["| action | model | where | why |", "|---|---|---|---|"]
             for s in p.steps:
-                what = f"replace `{_md(s.replica)}`" if s.action == "replace" else s.action
+                what = f"replace {_code(s.replica)}" if s.action == "replace" else s.action
                 if s.action == "stop":
-                    what = f"stop `{_md(s.replica)}`"
+                    what = f"stop {_code(s.replica)}"
                 out.append(f"| {what} | {_md(s.model)}/{_md(s.profile)} | {_md(s.where_text())} | {_md(s.reason)} |")
             out.append("")
         for model, n in sorted(p.unplaced_counts.items()):
@@ -200,7 +211,7 @@ def render_markdown(r: DiffReport) -> str:
             out += ["**Weights to fetch:** " + ", ".join(f"{_md(n)}: {_md(m)} ({gb:g} GB)" for n, m, gb in p.fetches),
                     ""]
         if p.new_orphans:
-            out += ["**Weights that become orphans:** " + ", ".join(f"{_md(n)}: `{_md(x)}` ({gb:g} GB)"
+            out += ["**Weights that become orphans:** " + ", ".join(f"{_md(n)}: {_code(x)} ({gb:g} GB)"
                                                                      for n, x, gb in p.new_orphans), ""]
         if p.node_use:
             out += ["| node | GPUs free/total | disk free/total |", "|---|---|---|"]
@@ -219,6 +230,8 @@ def render_markdown(r: DiffReport) -> str:
 
 def render_error_markdown(message: str) -> str:
     """`llmgw diff --format markdown` when it could not run: a comment that says so and why."""
+    # Line by line: a newline stays one (the fence keeps it literal), any other control is shown.
+    message = "\n".join(map(safetext.visible, message.split("\n")))
     fence = "`" * max(3, _longest_backtick_run(message) + 1)  # the message cannot close the block
     text = f"### :x: llmgw diff could not run\n\n{fence}text\n{message}\n{fence}\n"
     tail = f"\n…\n{fence}\n"

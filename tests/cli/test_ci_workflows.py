@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import yaml
 
+from llmgw.safetext import markdown
 from tests.conftest import REPO_ROOT, git
 from tests.e2e.processes import catalog_repo, controller_config, start, stop, wait_for
 from tests.reconciler.fleet_e2e import sim_model
@@ -222,10 +223,10 @@ def test_the_plan_against_the_live_controller_is_posted(flavour: str, fleet: Fle
     assert run.failed is None, run.log
     assert run.outputs["plan"] == {"exit": "2"}
     comment = posted(flavour, run, comment_api)
-    assert comment.startswith("### llmgw diff `origin/main")
+    assert comment.startswith("### llmgw diff <code>origin/main")
     assert "**Plan: 1 to start, 0 to stop, 0 unplaceable.**" in comment
     assert "<code>+</code> model <b>qwen</b>" in comment  # the change, by name
-    assert f"#### Plan against the fleet (live fleet at {fleet.admin})" in comment
+    assert f"#### Plan against the fleet (live fleet at {markdown(fleet.admin)})" in comment
     assert "| start | qwen/sim |" in comment
     assert TOKEN not in comment and TOKEN not in "".join(run.log)
 
@@ -276,7 +277,7 @@ def test_an_invalid_catalog_is_posted_with_its_problems_and_fails_the_job(fleet:
     run = run_job(WORKFLOWS["github"], work, context=github())
     assert run.failed == "Verdict" and run.outputs["plan"] == {"exit": "1"}, run.log
     comment = posted("github", run, CommentApi())
-    assert "#### :x: Validation" in comment and "`models/qwen.yaml:" in comment
+    assert "#### :x: Validation" in comment and "<code>models/qwen.yaml&#58;" in comment
     assert "models/qwen.yaml:" in run.log[-1]  # `llmgw validate` in the job's log, file:line
 
 
