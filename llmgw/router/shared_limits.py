@@ -428,8 +428,8 @@ class SharedLimits:
         # mode starts from when Redis goes away.
         self._known: dict[str, tuple[float, int]] = {}
         # Scope name -> (until, and when its wait ends, on this router's clock; the refusal; the
-        # limits it was for).
-        self._refused: dict[str, tuple[float, float, Refusal, Any]] = {}
+        # limits it was for; the least a request must reserve for it to hold).
+        self._refused: dict[str, tuple[float, float, Refusal, Any, int]] = {}
         self.instance = secrets.token_hex(8)  # whose holdings these are, in Redis
         self.in_flight = 0  # requests admitted from allowances and not ended
         self._redis = redis.from_url(url, socket_timeout=TIMEOUT, socket_connect_timeout=TIMEOUT)
@@ -493,15 +493,20 @@ class SharedLimits:
         known = self._refused.get(s.name)
         if known is None:
             return None
-        until, retry_at, refused, limits = known
+        until, retry_at, refused, limits, least = known
         clock = self._clock()
         if clock >= until or limits != s.limits:
             del self._refused[s.name]
             return None
+        if reserve < least:  # a smaller request may fit where the refused one did not: Redis says
+            return None
         return Refusal(refused.message, max(0.0, retry_at - clock), refused.headers)
 
-    def _remember(self, s: Scope, refused: Refusal, kind: str, used: int) -> None:
-        """A refusal of Redis's that holds for a while whatever the next request's body says."""
+    def _remember(self, s: Scope, refused: Refusal, kind: str, used: int, reserve: int) -> None:
+        """A refusal of Redis's that holds for a while: for any request (requests per minute, a
+        budget spent to the last token), or (tokens per minute, a budget nearly spent) for those
+        that reserve at least ``reserve``, what the refused one did: a smaller one may fit."""
+        least = 0 if kind == "requests" else reserve
         if kind in ("requests", "tokens"):
             limit = s.limits.requests_per_minute if kind == "requests" else s.limits.tokens_per_minute
             # A limit asked for request by request (no allowances to come back) refills with time
@@ -509,12 +514,13 @@ class SharedLimits:
             keep = refused.retry_after if (limit or 0) <= CHUNK_SHARE else min(refused.retry_after, REFUSAL_MEMORY)
         elif kind == "budget" and s.limits.budget is not None and used >= s.limits.budget.tokens:
             keep = min(refused.retry_after, 60.0)  # spent to the last token: asked again each minute
+            least = 0
         else:
             return
         if len(self._refused) > 4096:
             self._refused.clear()
         clock = self._clock()
-        self._refused[s.name] = (clock + keep, clock + refused.retry_after, refused, s.limits)
+        self._refused[s.name] = (clock + keep, clock + refused.retry_after, refused, s.limits, least)
 
     def _alone(self, limiter: Limiter, key: str, models: tuple[str, ...], reserve: int,
                now: float) -> Ticket | Refusal | None:
@@ -627,7 +633,7 @@ class SharedLimits:
                 self._known[scope.name] = (float(allowances[int(result[1]) - 1].period),
                                            int(result[6]) + int(result[7]))
             refused = _refusal(scope, [str(x) for x in result], reserve, now)
-            self._remember(scope, refused, str(result[2]), int(result[6]))
+            self._remember(scope, refused, str(result[2]), int(result[6]), reserve)
             return refused
         for a, have, need in zip(allowances, haves, needs, strict=True):
             a.took((have[0] + need[0], have[1] + need[1], have[2] + need[2], have[3] + need[3]))

@@ -441,3 +441,21 @@ async def test_a_tenant_redis_refused_is_refused_before_its_next_body_is_read(ch
         assert await half_a_body(bases[0], "sk-team", 30_000_000, wait=10) == (True, 429)
         assert await half_a_body(bases[1], "sk-team", 2_000, wait=0.3) == (False, 429)  # read, then asked
         assert await half_a_body(bases[1], "sk-team", 30_000_000, wait=10) == (True, 429)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_small_request_that_fits_is_not_refused_for_a_big_ones_sake(chat_sim: SimProcess, redis_url,  # noqa: ANN001
+                                                                            shared: bool) -> None:
+    """Review 2: the pre-body check replayed Redis's last refusal whatever the next request's
+    size: a 600-token request refused for tokens per minute made the next 5-token one, which
+    fits the ~400 left, a 429 with the big one's Retry-After. A refusal for tokens is replayed
+    only for requests that reserve at least as much (in memory as with Redis)."""
+    limits = Limits(tokens_per_minute=1_000)
+    r = router(chat_sim, redis_url[0], limits) if shared else router_at(chat_sim.endpoint, "", limits)
+    async with serving(r) as base, openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team",
+                                                      max_retries=0, timeout=15) as c:
+        await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=600)
+        with pytest.raises(openai.RateLimitError):
+            await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=600)
+        small = await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=5)
+        assert small.choices[0].message.content
