@@ -19,6 +19,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -26,6 +27,9 @@ from llmgw.adminaccess import given
 from llmgw.cli.client import ApiError, Client, add_options, resolve_client
 from llmgw.cli.output import fail, print_json
 from llmgw.errors import CatalogError, GitError
+
+if TYPE_CHECKING:
+    from llmgw.plan import FleetSnapshot
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -123,8 +127,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             head_files = read_directory(catalog_dir)  # checked above to be inside the repository
         fleet, note = None, ""
         if args.snapshot:
-            raw = json.loads(Path(args.snapshot).read_text())
-            fleet = FleetSnapshot.from_json(raw)
+            fleet = load_snapshot(Path(args.snapshot))
             note = f"snapshot {Path(args.snapshot).name}"
         elif client is not None:
             fleet = FleetSnapshot.from_json(client.request("GET", "/api/v1/inventory"))
@@ -133,7 +136,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return _fail(console, args.format, str(exc))
     base_name = (base_sha[:12] if base_rev == base_sha else base_rev if base_rev == base_sha[: len(base_rev)]
                  else f"{base_rev} ({base_sha[:12]})")
-    report = build_report(base_name, base_files, head_name, head_files, fleet, now=time.time(), fleet_note=note)
+    try:
+        report = build_report(base_name, base_files, head_name, head_files, fleet, now=time.time(), fleet_note=note)
+    except _SHAPE_ERRORS as exc:
+        if not args.snapshot:
+            raise  # a live controller's inventory is ours: a bug to see, not a file to blame
+        # The shapes load_snapshot checks parse; a value of the right shape but a wrong type deeper
+        # in (a string where placement counts) only shows when the plan uses it.
+        return _fail(console, args.format, f"--snapshot {args.snapshot}: a value of the wrong type "
+                                           f"({type(exc).__name__}: {exc}); export it again with "
+                                           "`llmgw inventory export`")
     if args.format == "json":
         print_json(console, render_json(report))
     else:
@@ -143,6 +155,65 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if report.problems:
         return 1
     return 2 if report.changed else 0
+
+
+# What reading a hand-edited or corrupted snapshot raises: a missing key, a wrong type, a bad enum.
+_SHAPE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError)
+
+
+def load_snapshot(path: Path) -> FleetSnapshot:
+    """The fleet in ``path`` (`llmgw inventory export`'s JSON); ValueError naming the file and the
+    JSON path of what is wrong (CI prints it in the PR comment: never a traceback)."""
+    from llmgw.decide.replica import Replica
+    from llmgw.inventory import Inventory
+    from llmgw.plan import FleetSnapshot
+
+    def wrong(where: str, what: str) -> ValueError:
+        return ValueError(f"--snapshot {path}: {where}: {what} (expected the JSON of `llmgw inventory export`)")
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"--snapshot {path}: cannot read it: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise wrong("the file", "not UTF-8 text") from None
+    if not text.strip():
+        raise wrong("the file", "empty")
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise wrong("the file", f"not JSON ({exc})") from None
+
+    def expect(value: object, kind: type, where: str) -> None:
+        if not isinstance(value, kind):
+            raise wrong(where, f"a {kind.__name__} was expected, found {json.dumps(value)[:60]}")
+
+    expect(raw, dict, "$")
+    expect(raw.get("inventory"), dict, "$.inventory")
+    nodes, replicas = raw["inventory"].get("nodes", []), raw.get("replicas", [])
+    expect(nodes, list, "$.inventory.nodes")
+    expect(replicas, list, "$.replicas")
+    # Each element parsed on its own, so the message names the one that is wrong.
+    for i, node in enumerate(nodes):
+        expect(node, dict, f"$.inventory.nodes[{i}]")
+        try:
+            Inventory.from_json({"nodes": [node]})
+        except _SHAPE_ERRORS as exc:
+            raise wrong(f"$.inventory.nodes[{i}]", _why(exc)) from None
+    for i, replica in enumerate(replicas):
+        expect(replica, dict, f"$.replicas[{i}]")
+        try:
+            Replica.from_json(replica)
+        except _SHAPE_ERRORS as exc:
+            raise wrong(f"$.replicas[{i}]", _why(exc)) from None
+    try:
+        return FleetSnapshot.from_json(raw)
+    except _SHAPE_ERRORS as exc:
+        raise wrong("$", _why(exc)) from None
+
+
+def _why(exc: Exception) -> str:
+    return f"no key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
 
 
 def _fail(console: Console, fmt: str, message: str) -> int:

@@ -3,10 +3,17 @@ as a pull request comment (never an empty one), scripts read the JSON."""
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from llmgw.catalog import read_directory, validate_files
 from llmgw.plan.render import MARKDOWN_LIMIT, render_error_markdown
+from tests.conftest import git
+from tests.plan.scenarios import BASE, FIXED_DATES, fleet
 
 
 def test_an_error_is_a_markdown_comment_the_message_cannot_break_out_of() -> None:
@@ -25,3 +32,63 @@ def test_each_format_says_what_went_wrong(run_cli, tmp_path: Path) -> None:
     assert code == 1 and str(missing) in json.loads(out)["error"]
     code, out = run_cli("diff", "--repo", str(missing))
     assert code == 1 and out.startswith("error: ") and str(missing) in out
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> tuple[Path, dict]:
+    """A committed catalog and the fleet that runs it, as `llmgw inventory export` writes it."""
+    repo = tmp_path_factory.mktemp("snap") / "catalog"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main", env=FIXED_DATES)
+    for rel, text in BASE.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "base", env=FIXED_DATES)
+    catalog = validate_files(read_directory(repo)).catalog
+    assert catalog is not None
+    return repo, fleet(catalog).to_json()
+
+
+def _paths(x: object, p: tuple = ()) -> Iterator[tuple]:
+    yield p
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _paths(v, (*p, k))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from _paths(v, (*p, i))
+
+
+@pytest.mark.slow
+def test_a_malformed_snapshot_is_an_error_naming_the_file_never_a_traceback(run_cli, planned, tmp_path: Path) -> None:
+    """Every value (leaf or container) of a real snapshot replaced by each hostile one in turn."""
+    repo, base = planned
+    snap = tmp_path / "fleet.json"
+    code, out = run_cli("diff", "HEAD", "HEAD", "--repo", str(repo), "--snapshot", str(snap))
+    assert code == 1 and f"--snapshot {snap}: cannot read it" in out
+    for text in ("", "   \n", "{", "[1]"):
+        snap.write_text(text)
+        code, out = run_cli("diff", "HEAD", "HEAD", "--repo", str(repo), "--snapshot", str(snap))
+        assert code == 1 and f"--snapshot {snap}: " in out, (text, out)
+    tried = 0
+    for path in list(_paths(base))[1:]:
+        for value in ("```\n## injected @octocat", 5, None, [], {}, -1.5, True):
+            data = copy.deepcopy(base)
+            *parents, last = path
+            at = data
+            for k in parents:
+                at = at[k]
+            at[last] = value
+            snap.write_text(json.dumps(data))
+            try:
+                code, out = run_cli("diff", "HEAD", "HEAD", "--repo", str(repo), "--snapshot", str(snap),
+                                    "--format", "markdown")
+            except Exception as exc:  # noqa: BLE001 - the point: report which value escaped as a traceback
+                pytest.fail(f"{'/'.join(map(str, path))} = {value!r}: {type(exc).__name__}: {exc}")
+            tried += 1
+            if code == 1:
+                assert "llmgw diff could not run" in out and f"--snapshot {snap}: " in out, out
+            else:
+                assert code in (0, 2), out  # a value the plan takes (an unknown extra, a null error)
+    assert tried > 500
