@@ -79,7 +79,10 @@ def hold_data_dir(data_dir: Path | str) -> int:
                 time.sleep(_TRY_GAP_S)
                 continue
             os.close(fd)
-            pid = _holder_pid(root)
+            # The kernel's word first: the pid file may be gone, or restored with an old pid.
+            pid = _flock_holder(st)
+            if pid is None:
+                pid = _holder_pid(root)
             who = f"pid {pid}" if pid is not None else "a process whose pid is not recorded"
             raise DataDirInUse(
                 f"data dir {root} is in use by another llmgw process ({who}): one controller per data dir. "
@@ -147,6 +150,22 @@ def held_by_a_process(path: Path) -> bool:
         os.close(fd)
 
 
+def _flock_holder(st: os.stat_result) -> int | None:
+    """The pid holding a flock on the file ``st`` describes, from /proc/locks (Linux): the pid
+    file may have been removed, and the refusal should still say whom to stop."""
+    wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (a blocked waiter's line has "->").
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == wanted and fields[4].isdigit():
+            return int(fields[4])
+    return None
+
+
 def _holder_pid(root: Path) -> int | None:
     try:
         with open(root / LOCK_FILE, "rb") as f:
@@ -166,6 +185,9 @@ def succeed(data_dir: Path | str, instance: str) -> str | None:
     a cloned disk booted elsewhere) never matches, so a copy never claims a live instance's nodes.
     """
     root = Path(data_dir)
+    # The lock is the directory's own (hold_data_dir), so holding it proves no other process runs
+    # on this directory: no file in it can be removed or replaced to fake that (seen with a lock
+    # file: a second controller named the live one as its predecessor and took its nodes at once).
     if not held_here(root):
         raise RuntimeError(f"succeed({root}) without the data dir's lock")
     here = _where(root)

@@ -94,11 +94,12 @@ def test_removing_or_replacing_the_pid_file_does_not_let_a_second_process_in(tmp
         if how == "unlinked":
             (data / "llmgw.lock").unlink()
         else:
-            (tmp_path / "restored").write_text("")
+            (tmp_path / "restored").write_text("1\n")  # a backup's pid file, naming some old process
             (tmp_path / "restored").rename(data / "llmgw.lock")
         out = other_process(data)
         assert out.returncode == 1, out.stdout + out.stderr
-        assert f"data dir {data} is in use by another llmgw process" in out.stdout
+        # The pid file is gone or replaced; the kernel still knows whom to name.
+        assert f"data dir {data} is in use by another llmgw process (pid {os.getpid()})" in out.stdout
         assert held_by_a_process(data)
         assert succeed(data, "first") is None  # this process still holds it
     finally:
