@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from llmgw.catalog import Catalog
@@ -55,7 +56,17 @@ from llmgw.router.limits import (
 )
 from llmgw.router.load import poll_loads
 from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
-from llmgw.router.parse import BadBody, BodyParser, BodyTooLarge, ParserBusy, read_body
+from llmgw.router.parse import (
+    BadBody,
+    BodyParser,
+    BodyTooLarge,
+    Buffers,
+    BuffersFull,
+    Hold,
+    ParserBusy,
+    TooManyBodies,
+    read_body,
+)
 from llmgw.router.prefix import MAX_BLOCKS, PrefixIndex, PromptKey, prompt_key
 from llmgw.router.proxy import CLIENT_GONE, Tap, forward_stream, forward_whole, rewrite_model
 from llmgw.router.retry import RetryBudget, RetryTicket, next_step
@@ -64,7 +75,7 @@ from llmgw.router.shared_limits import SharedLimits, SharedTicket
 from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, choose
 from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
 from llmgw.router.usage import Usage, UsageOutbox, ask_for_usage, reported_usage, wants_usage, with_fields
-from llmgw.serving import connection_cap, listen
+from llmgw.serving import body_encoding_refused, connection_cap, listen
 from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -136,9 +147,11 @@ class Router:
         self._budget = RetryBudget()
         self._handlers: set[asyncio.Task[object]] = set()  # requests being routed, for the drain
         self._unrunnable: dict[str, str] = {}  # model -> why no node can run it (from placement)
-        self._buffered = 0  # bytes of request bodies held by requests in flight
+        # Bytes of request bodies held by requests in flight, in all and per key (or client address)
+        self._buffers = Buffers(limit=config.buffered_limit, share=config.key_buffered)
         self._parser = BodyParser(reads=READS, workers=config.parse_workers, wait=config.body_timeout,
-                                  prompt_chars=config.prefix_block_chars * MAX_BLOCKS)
+                                  prompt_chars=config.prefix_block_chars * MAX_BLOCKS,
+                                  per_sender=config.key_parse_bodies)
         self._retired: list[Origin] = []
         self._pool: UpstreamPool | None = None
         self._load_session: aiohttp.ClientSession | None = None
@@ -438,24 +451,29 @@ class Router:
         length = request.content_length
         if length is not None and length > limit:
             return self._refuse(respond.too_large(limit), UNKNOWN, t0)
-        # A total over every request in flight, not only a cap per request: 32 MB each times a
-        # thousand slow uploads is 32 GB of a router's memory.
-        if self._buffered + (length or 0) > self.config.buffered_limit:
-            return self._refuse(self._buffers_full(), UNKNOWN, t0)
+        refused_encoding = body_encoding_refused(request)
+        if refused_encoding is not None:
+            return self._refuse(respond.error(415, refused_encoding, code="unsupported_content_encoding"), UNKNOWN, t0)
+        # A total over every request in flight, not only a cap per request (32 MB each times a
+        # thousand slow uploads is 32 GB of a router's memory), and a share of it per key: counted
+        # as bodies are read (the Content-Length up front), so concurrent uploads cannot all pass.
+        hold = Hold(self._buffers, key.name if key is not None else f"address {request.remote}")
         try:
-            async with asyncio.timeout(self.config.body_timeout):
-                raw = await read_body(request.content, limit)
-        except BodyTooLarge:
-            return self._refuse(respond.too_large(limit), UNKNOWN, t0)
-        except TimeoutError:
-            return self._refuse(respond.body_timeout(self.config.body_timeout), UNKNOWN, t0)
-        if self._buffered + len(raw) > self.config.buffered_limit:
-            return self._refuse(self._buffers_full(), UNKNOWN, t0)
-        self._buffered += len(raw)
-        try:
-            return await self._handle_body(request, path, raw, key, t0)
+            try:
+                hold.cover(length or 0)
+                async with asyncio.timeout(self.config.body_timeout):
+                    raw = await read_body(request.content, limit, hold)
+            except BodyTooLarge:
+                return self._refuse(respond.too_large(limit), UNKNOWN, t0)
+            except TimeoutError:
+                return self._refuse(respond.body_timeout(self.config.body_timeout), UNKNOWN, t0)
+            except BuffersFull as exc:
+                return self._refuse(self._buffers_full(exc), UNKNOWN, t0)
+            except RequestPayloadError as exc:  # a broken chunked body: the client's, never a 500
+                return self._refuse(respond.bad_request(f"The request body could not be read: {exc}"), UNKNOWN, t0)
+            return await self._handle_body(request, path, raw, key, t0, who=hold.who)
         finally:
-            self._buffered -= len(raw)
+            hold.release()
 
     def _refuse_early(self, key: ApiKey | None, length: int | None) -> web.Response | None:
         """Cheap refusals first: a tenant already out of requests per minute, requests in flight
@@ -477,16 +495,24 @@ class Router:
             return respond.bad_request(refused.message, "exceeds_budget")
         return respond.rate_limited(refused.message, refused.retry_after, refused.headers)
 
-    def _buffers_full(self) -> web.Response:
-        return respond.unavailable(f"The router holds {self._buffered} bytes of request bodies in flight, its limit "
-                                   f"({self.config.buffered_limit}); retry shortly.", self.config.retry_after)
+    def _buffers_full(self, exc: BuffersFull) -> web.Response:
+        if exc.share:  # this key's own share: its to slow down, nobody else's
+            return respond.rate_limited(str(exc), self.config.retry_after, {})
+        return respond.unavailable(str(exc), self.config.retry_after)
+
+    @property
+    def _buffered(self) -> int:
+        """Bytes of request bodies held by requests in flight."""
+        return self._buffers.total
 
     async def _handle_body(self, request: web.Request, path: str, raw: bytes, key: ApiKey | None,
-                           t0: float) -> web.StreamResponse:
+                           t0: float, *, who: str = "") -> web.StreamResponse:
         try:
-            parsed = await self._parser.parse(raw, _PROMPT_KIND.get(path))
+            parsed = await self._parser.parse(raw, _PROMPT_KIND.get(path), who)
         except BadBody as exc:
             return self._refuse(respond.bad_request(str(exc), exc.code), UNKNOWN, t0)
+        except TooManyBodies as exc:
+            return self._refuse(respond.rate_limited(str(exc), self.config.retry_after, {}), UNKNOWN, t0)
         except ParserBusy as exc:
             return self._refuse(respond.unavailable(str(exc), self.config.retry_after), UNKNOWN, t0)
         body, asked, stream = parsed.body, parsed.model, parsed.stream

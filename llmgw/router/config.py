@@ -12,6 +12,15 @@ class RouterConfig:
     # parsed at once; 0 parses every body on the loop (one 30 MB body held it for ~1 s).
     parse_workers: int = 1
     buffered_limit: int = 1024 * 1024 * 1024  # bytes of bodies held by all requests in flight; beyond, 503
+    # Bytes of bodies one API key (or client address, on an open router) may hold in flight; beyond,
+    # 429. 0: a quarter of buffered_limit, at least body_limit. One key filling the total made every
+    # other tenant's request a 503.
+    key_buffered_limit: int = 0
+    key_parse_bodies: int = 2           # big bodies one key may have waiting for or in the parser; beyond, 429
+
+    @property
+    def key_buffered(self) -> int:
+        return self.key_buffered_limit or max(self.buffered_limit // 4, self.body_limit)
     # Seconds a client has to send its whole body once the head is in: a slow upload holds a
     # connection and a handler, and the listener's idle timeout stops counting once a head is read.
     body_timeout: float = 30.0

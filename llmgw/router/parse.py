@@ -53,6 +53,12 @@ BULK_BYTES = 4 * 1024          # a member the router reads, bigger than this, co
 MAX_MODEL_CHARS = 256          # catalog names and aliases have at most 128
 MAX_PIECES = 64                # runs of members not read sent back as spans; more: as one text
 WORKER_NICE = 10               # the worker's priority below the router's (Linux nice)
+# Parse cost bounds, checked in the worker before parsing: 32 MB of `"":0` members (6.4 million)
+# held the one worker for 17 s and 1.3 GB, while other tenants' big bodies waited. A real request
+# has tens of top-level members and far fewer values (a 32 MB chat of short messages: ~1 million).
+MAX_VALUES = 2_000_000
+MAX_MEMBERS = 10_000
+PER_SENDER = 2                 # big bodies one sender may have waiting for or in the parser
 _CHUNK = 1024 * 1024           # a big body is read, and sent to the worker, this much at a time
 
 
@@ -83,13 +89,79 @@ class BodyTooLarge(ValueError):
     """The body is longer than the limit (a 413)."""
 
 
+class BuffersFull(RuntimeError):
+    """Holding more of a body would pass the router's total or one sender's share (a 503/429)."""
+
+    def __init__(self, message: str, *, share: bool) -> None:
+        super().__init__(message)
+        self.share = share  # the sender's own share (a 429: theirs to slow down), not the total
+
+
+class TooManyBodies(RuntimeError):
+    """One sender has as many big bodies waiting for or in the parser as it may (a 429)."""
+
+
+class Buffers:
+    """Bytes of request bodies the router holds: in all, and per sender (API key name, or client
+    address on an open router). Counted as they are read, not once a body is whole: counted only
+    then, any number of concurrent uploads each passed the check and were all held (12 × 30 MB
+    against a 64 MiB limit). The share per sender keeps one key from filling the total, which would
+    make every other tenant's smallest request a 503."""
+
+    def __init__(self, *, limit: int, share: int) -> None:
+        self.limit = limit
+        self.share = share
+        self.total = 0
+        self.held: dict[str, int] = {}
+
+    def take(self, who: str, size: int) -> None:
+        """Hold ``size`` more bytes for ``who``, else :class:`BuffersFull` (nothing taken)."""
+        mine = self.held.get(who, 0)
+        if mine + size > self.share:
+            raise BuffersFull(f"This client holds {mine} bytes of request bodies in flight; one client may hold "
+                              f"{self.share} (a share of the router's {self.limit}); retry when some have "
+                              "finished.", share=True)
+        if self.total + size > self.limit:
+            raise BuffersFull(f"The router holds {self.total} bytes of request bodies in flight, its limit "
+                              f"({self.limit}); retry shortly.", share=False)
+        self.total += size
+        self.held[who] = mine + size
+
+    def give(self, who: str, size: int) -> None:
+        self.total -= size
+        left = self.held.get(who, 0) - size
+        if left > 0:
+            self.held[who] = left
+        else:
+            self.held.pop(who, None)
+
+
+@dataclass
+class Hold:
+    """What one request holds in :class:`Buffers`; :meth:`release` gives it all back."""
+
+    buffers: Buffers
+    who: str
+    size: int = 0
+
+    def cover(self, size: int) -> None:
+        """Hold at least ``size`` bytes (a body read so far, or its Content-Length up front)."""
+        if size > self.size:
+            self.buffers.take(self.who, size - self.size)
+            self.size = size
+
+    def release(self) -> None:
+        self.buffers.give(self.who, self.size)
+        self.size = 0
+
+
 class _Chunks(Protocol):
     def iter_any(self) -> AsyncIterator[bytes]: ...
 
 
-async def read_body(content: _Chunks, limit: int) -> bytes:
+async def read_body(content: _Chunks, limit: int, hold: Hold | None = None) -> bytes:
     """A request's whole body (aiohttp's ``request.content``), at most ``limit`` bytes, else
-    :class:`BodyTooLarge`.
+    :class:`BodyTooLarge`; each piece counted in ``hold`` as it arrives (:class:`BuffersFull`).
 
     aiohttp's own ``request.read()`` goes through whatever has arrived in one step and grows one
     buffer as it goes: 16-25 ms of the event loop for a 30 MB body. Here the loop is let go
@@ -101,6 +173,8 @@ async def read_body(content: _Chunks, limit: int) -> bytes:
         size += len(piece)
         if size > limit:
             raise BodyTooLarge(f"more than {limit} bytes")
+        if hold is not None:
+            hold.cover(size)
         since += len(piece)
         if since >= _CHUNK:
             since = 0
@@ -191,7 +265,10 @@ def summarise(raw: bytes, kind: str | None, reads: frozenset[str], prompt_chars:
     try:
         encoding = json.detect_encoding(raw)
         text = raw.decode(encoding, "surrogatepass")
+        _check_values(text)
         members = _members(text)
+    except BadBody as exc:
+        return Summary(error=(str(exc), exc.code))
     except (ValueError, RecursionError):
         # Not an object this walk reads: the whole-body parse gives the error every client gets.
         try:
@@ -305,6 +382,20 @@ def _prompts(value: Any) -> int:
 
 
 _WS = re.compile(r"[ \t\n\r]*")
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def _values(text: str) -> int:
+    """An upper bound on the JSON values in ``text``: its commas and opening brackets."""
+    return text.count(",") + text.count("[") + text.count("{") + 1
+
+
+def _check_values(text: str) -> None:
+    """:class:`BadBody` when ``text`` holds more than :data:`MAX_VALUES` values. Counted outside
+    strings only when the quick count is over (a long document full of commas is fine)."""
+    if _values(text) > MAX_VALUES and _values(_STRING.sub('""', text)) > MAX_VALUES:
+        raise BadBody(f"The request body holds more than {MAX_VALUES:,} JSON values (the router's limit).",
+                      "too_many_values")
 _DECODER = json.JSONDecoder()
 
 
@@ -334,6 +425,9 @@ def _members(text: str) -> list[tuple[str, int, int, int, Any]]:
             colon = _ws(text, i + 1)
             value, i = _DECODER.raw_decode(text, colon)
             out.append((name, start, colon, i, value))
+            if len(out) > MAX_MEMBERS:
+                raise BadBody(f"The request body has more than {MAX_MEMBERS:,} top-level members (the router's "
+                              "limit).", "too_many_members")
             i = _ws(text, i)
             if text[i:i + 1] == ",":
                 i = _ws(text, i + 1)
@@ -423,10 +517,12 @@ class BodyParser:
     ``workers``: processes, and so big bodies parsed at once (0: every body inline, as before);
     started on the first big body, so a router that never sees one never starts one.
     ``wait``: seconds a big body may wait for a worker before it is answered 503.
+    ``per_sender``: big bodies one sender (``who``) may have waiting or parsing at once; more is
+    :class:`TooManyBodies`, so one key's bodies cannot keep every other tenant's waiting.
     """
 
     def __init__(self, *, reads: frozenset[str], workers: int = 1, wait: float = 30.0,
-                 prompt_chars: int = 64 * 512) -> None:
+                 prompt_chars: int = 64 * 512, per_sender: int = PER_SENDER) -> None:
         self.reads = reads | {"model", "stream"}
         self.workers = workers
         self.wait = wait
@@ -434,18 +530,31 @@ class BodyParser:
         self.offloaded = 0  # bodies handed to a worker since start
         self.parsing = 0  # bodies in a worker now
         self.waiting = 0  # bodies waiting for one
+        self.per_sender = per_sender
+        self._queued: dict[str, int] = {}  # sender -> its bodies waiting for or in a worker
         self._idle: list[_Worker] = []
         self._busy: set[asyncio.Task[Summary]] = set()
         self._slots: asyncio.Semaphore | None = None
         self._closed = False
 
-    async def parse(self, raw: bytes, kind: str | None) -> Parsed:
+    async def parse(self, raw: bytes, kind: str | None, who: str = "") -> Parsed:
         """``raw`` parsed; :class:`BadBody` when it cannot be routed, :class:`ParserBusy` when no
         worker took it within ``wait`` seconds (or it died on it). ``kind`` as :func:`summarise`."""
         if self.workers <= 0 or is_small(raw):
             body, model, stream = parse_body(raw)
             return Parsed(body, model, stream)
-        summary = await self._offload(raw, kind)
+        queued = self._queued.get(who, 0)
+        if queued >= self.per_sender:
+            raise TooManyBodies(f"This client has {queued} large request bodies waiting for or being parsed, "
+                                f"the most one client may ({self.per_sender}); retry when one is answered.")
+        self._queued[who] = queued + 1
+        try:
+            summary = await self._offload(raw, kind)
+        finally:
+            if (left := self._queued[who] - 1) > 0:
+                self._queued[who] = left
+            else:
+                del self._queued[who]
         if summary.error is not None:
             raise BadBody(*summary.error)
         return summary.parsed(raw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import logging
 import time
@@ -204,3 +205,19 @@ async def test_a_body_that_does_not_arrive_in_time_is_408(chat_sim: SimProcess) 
         assert b"connection: close" in head.lower()
         assert json.loads(body)["error"]["code"] == "request_timeout"
         assert router._buffered == 0
+
+
+@pytest.mark.parametrize("data", [gzip.compress(b'{"model": "chat", "messages": []}'), b"not gzip at all"])
+async def test_a_compressed_body_is_a_415_before_it_is_read(chat_sim: SimProcess, data: bytes) -> None:
+    """aiohttp decompresses request bodies and the size limits applied to what came out (352 KB of
+    gzip sent, 344 MB held); one that did not decompress was a 500 with a traceback. No OpenAI
+    client compresses a body, nor does any engine take one: refused, saying why."""
+    router = make_router(chat_sim)
+    async with serving(router) as base, aiohttp.ClientSession() as s, s.post(
+            base + "/v1/chat/completions", data=data,
+            headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}) as r:
+        status, answer = r.status, await r.json()
+    assert status == 415, answer
+    assert answer["error"]["code"] == "unsupported_content_encoding"
+    assert "Content-Encoding `gzip` are not accepted here; send the body uncompressed" in answer["error"]["message"]
+    assert router._buffered == 0

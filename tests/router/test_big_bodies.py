@@ -131,7 +131,7 @@ async def test_a_big_body_reaches_the_engine_whole_with_only_the_routers_changes
 async def test_small_requests_are_answered_while_big_bodies_wait_for_the_parser(chat_sim: SimProcess) -> None:
     """Two senders of 8 MB bodies held the event loop; with the parser stopped dead (SIGSTOP),
     nothing but the big bodies waits, and at most one of them is in the worker at a time."""
-    router = make_router(chat_sim)
+    router = make_router(chat_sim, key_parse_bodies=3)  # one client here (an open router: by address) sends all 3
     async with serving(router) as base, aiohttp.ClientSession() as s:
         assert (await post(s, base, pathological("nope")))[0] == 404  # parsed (in the worker), then refused
         [worker] = parse_workers()
@@ -197,3 +197,133 @@ async def test_without_parse_workers_every_body_is_parsed_inline(chat_sim: SimPr
         r = await c.chat.completions.create(model="chat", messages=big_messages())  # type: ignore[arg-type]
         assert r.choices[0].message.content
         assert parse_workers() == []
+
+
+# --- one key cannot hold the router's buffers or its parser (review 2) ---------------------------
+
+TWO_KEYS = [{"name": "a-key", "sha256": hash_key("sk-a"), "models": ["*"]},
+            {"name": "b-key", "sha256": hash_key("sk-b"), "models": ["*"]}]
+
+
+def two_keys(url: str, **config: object) -> Router:
+    router = Router(keys=KeyRing.from_entries(TWO_KEYS), config=RouterConfig(**config))  # type: ignore[arg-type]
+    router.set_catalog(Catalog(models=(model("chat"),)))
+    router.set_endpoints([endpoint("chat", url)])
+    return router
+
+
+async def start_upload(base: str, key: str, first: bytes, *, length: int | None = None,
+                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A request whose body is still being sent: ``first`` of it (chunked, or a Content-Length)."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    framing = b"Content-Length: %d" % length if length is not None else b"Transfer-Encoding: chunked"
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode()
+                 + b"\r\nContent-Type: application/json\r\n" + framing + b"\r\n\r\n")
+    writer.write(first if length is not None else b"%x\r\n%s\r\n" % (len(first), first))
+    await writer.drain()
+    return reader, writer
+
+
+async def answer_of(reader: asyncio.StreamReader) -> tuple[int, dict]:
+    async with asyncio.timeout(60):  # a hang guard
+        head = await reader.readuntil(b"\r\n\r\n")
+        size = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        return int(head.split()[1]), json.loads(await reader.readexactly(size))
+
+
+async def held(router: Router, size: int) -> bool:
+    return router._buffered >= size  # noqa: SLF001
+
+
+MB = 1024 * 1024
+
+
+async def test_bodies_count_against_the_buffered_limit_as_they_are_read(chat_sim: SimProcess) -> None:
+    """Counted only once whole, 12 concurrent uploads of 30 MB (each a byte short) all passed a
+    64 MiB limit and the router held 340 MB. Counted as read, the upload that would pass it is a
+    503 at once, and so is one whose Content-Length would."""
+    router = two_keys(chat_sim.endpoint, body_limit=2 * MB, buffered_limit=3 * MB)
+    async with serving(router) as base:
+        _, first = await start_upload(base, "sk-a", b'{"model": "chat", "x": "' + b"a" * (3 * MB // 2))
+        await until(lambda: held(router, 3 * MB // 2), "the first upload's bytes counted as they arrive")
+        reader, second = await start_upload(base, "sk-b", b"b" * (3 * MB // 2) + b"x" * 100)
+        status, answer = await answer_of(reader)
+        assert status == 503 and "its limit (3145728)" in answer["error"]["message"], answer
+        reader, third = await start_upload(base, "sk-b", b"", length=2 * MB)
+        status, answer = await answer_of(reader)
+        assert status == 503 and "its limit (3145728)" in answer["error"]["message"], answer
+        for w in (first, second, third):
+            w.close()
+        await until(lambda: held_none(router), "every held byte given back when the uploads end")
+        async with aiohttp.ClientSession() as s:
+            assert (await post(s, base, json.dumps({"model": "chat", "messages": HI}).encode(), key="sk-b"))[0] == 200
+
+
+async def held_none(router: Router) -> bool:
+    return router._buffered == 0  # noqa: SLF001
+
+
+async def test_one_key_holds_at_most_its_share_of_the_buffers() -> None:
+    """One key filling buffered_limit made every other tenant's smallest request a 503: a key's
+    own share is smaller, and going past it is that key's 429, nobody else's."""
+    async with engine(answer_whole) as (url, _seen), aiohttp.ClientSession() as s:
+        router = two_keys(url, body_limit=2 * MB, buffered_limit=8 * MB)  # a key: a quarter, at least body_limit
+        async with serving(router) as base:
+            await _past_the_share(router, base, s)
+
+
+async def _past_the_share(router: Router, base: str, s: aiohttp.ClientSession) -> None:
+    """Key a holds most of its share with an upload still being sent; key b is served meanwhile."""
+    _, first = await start_upload(base, "sk-a", b'{"model": "chat", "x": "' + b"a" * (3 * MB // 2))
+    await until(lambda: held(router, 3 * MB // 2), "the first upload's bytes counted as they arrive")
+    reader, second = await start_upload(base, "sk-a", b"", length=MB)
+    status, answer = await answer_of(reader)
+    assert status == 429 and "one client may hold 2097152" in answer["error"]["message"], answer
+    # Another key is served meanwhile, big body and small.
+    big = json.dumps({"model": "chat", "messages": HI, "x": "b" * (3 * MB // 2)}).encode()
+    assert (await post(s, base, big, key="sk-b"))[0] == 200
+    assert (await post(s, base, json.dumps({"model": "chat", "messages": HI}).encode(), key="sk-b"))[0] == 200
+    first.close()
+    second.close()
+    await until(lambda: held_none(router), "every held byte given back when the uploads end")
+
+
+async def test_one_key_has_at_most_two_big_bodies_waiting_for_the_parser(chat_sim: SimProcess) -> None:
+    """One key's big bodies kept the one parse worker busy, and another tenant's big body waited
+    30 s for a 503. A key has two waiting or parsing at most; a third is its own 429."""
+    router = two_keys(chat_sim.endpoint, body_timeout=60.0)
+    async with serving(router) as base, aiohttp.ClientSession() as s:
+        assert (await post(s, base, pathological("nope"), key="sk-a"))[0] == 404  # the worker started
+        [worker] = parse_workers()
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            two = [asyncio.create_task(post(s, base, pathological("nope"), key="sk-a")) for _ in range(2)]
+            await until(lambda: parser_holds(s, base, 1, 1), "one of a's big bodies in the stopped worker, one waiting")
+            status, answer = await post(s, base, pathological("nope"), key="sk-a")
+            assert status == 429, answer
+            assert "the most one client may (2)" in answer["error"]["message"], answer
+            other = asyncio.create_task(post(s, base, pathological("nope"), key="sk-b"))  # b's waits its turn
+            await until(lambda: parser_holds(s, base, 1, 2), "b's big body waiting too")
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        assert [status for status, _ in await asyncio.gather(*two, other)] == [404, 404, 404]
+
+
+async def test_a_body_with_more_values_than_the_parser_takes_is_a_400_naming_the_limit() -> None:
+    """32 MB of `"":0` members held the parse worker for 17 s and 1.3 GB. Counted before parsing:
+    more than 2,000,000 values, or more than 10,000 top-level members, is a 400. A long text full
+    of commas is a few values, and is served."""
+    many = b'{"model": "chat", "messages": [{"role": "user", "content": "hi"}], "x": [' + b"0," * 2_000_000 + b"0]}"
+    members = b'{"model": "chat", ' + b'"": 0, ' * 10_001 + b'"messages": []}'
+    commas = json.dumps({"model": "chat", "messages": [{"role": "user", "content": "," * 2_100_000}]}).encode()
+    async with engine(answer_whole) as (url, seen), aiohttp.ClientSession() as s, serving(two_keys(url)) as base:
+        status, answer = await post(s, base, many, key="sk-a")
+        assert (status, answer["error"]["code"]) == (400, "too_many_values"), answer
+        assert "more than 2,000,000 JSON values" in answer["error"]["message"]
+        status, answer = await post(s, base, members, key="sk-a")
+        assert (status, answer["error"]["code"]) == (400, "too_many_members"), answer
+        assert "more than 10,000 top-level members" in answer["error"]["message"]
+        status, answer = await post(s, base, commas, key="sk-a")
+        assert status == 200, answer
+        assert received(seen)["messages"][0]["content"] == "," * 2_100_000
