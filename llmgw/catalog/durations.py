@@ -7,6 +7,8 @@ import re
 _UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 _ORDER = ["d", "h", "m", "s", "ms"]
 _PART = re.compile(r"(\d+)(ms|s|m|h|d)")
+# No real duration needs more digits; 400 nines of days overflowed float() (review 3).
+_MAX_DIGITS = 12
 
 
 class DurationError(ValueError):
@@ -21,12 +23,16 @@ def parse_duration(text: str) -> float:
     """
     if not isinstance(text, str) or not text:
         raise DurationError("a duration must be a string such as 90s, 15m or 1h30m")
+    if len(text) > 40:
+        raise DurationError(f'"{text[:40]}..." is too long for a duration such as 90s, 15m or 1h30m')
     pos = 0
     last = -1
     total = 0.0
     for match in _PART.finditer(text):
         if match.start() != pos:
             break
+        if len(match.group(1)) > _MAX_DIGITS:
+            raise DurationError(f'"{text}": a duration has at most {_MAX_DIGITS} digits per unit')
         unit = match.group(2)
         rank = _ORDER.index(unit)
         if rank <= last:

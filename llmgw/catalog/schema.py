@@ -50,7 +50,7 @@ def _anchored_pattern(validator: Any, pattern: str, instance: Any, schema: dict[
     # never meant. Same check as the standard keyword otherwise.
     yield from _PATTERN(validator, pattern, instance, schema)
     if isinstance(instance, str) and pattern.endswith("$") and instance.endswith("\n"):
-        yield jsonschema.ValidationError(f"{instance!r} ends with a newline")
+        yield jsonschema.ValidationError(f'"{_clip(str(instance))}" ends with a newline')
 
 
 _PATTERN = Draft202012Validator.VALIDATORS["pattern"]
@@ -95,15 +95,26 @@ def dotted(path: Path) -> str:
     return out
 
 
+# A problem quotes a value so the operator recognises it, never whole: fifty problems each
+# quoting a 900 KB string made a 172 MiB rejection, stored and served on every poll.
+MAX_QUOTED = 200
+
+
+def _clip(text: str) -> str:
+    if len(text) <= MAX_QUOTED:
+        return text
+    return f"{text[:MAX_QUOTED]}... ({len(text):,} characters)"
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, bool):
         return f"boolean {str(value).lower()}"
     if value is None:
         return "nothing"
     if isinstance(value, str):
-        return f'string "{value}"'
+        return f'string "{_clip(value)}"'
     if isinstance(value, int | float):
-        return f"number {value}"
+        return f"number {_clip(str(value))}"
     if isinstance(value, list):
         return "a list"
     if isinstance(value, dict):
@@ -161,7 +172,7 @@ def _message(error: jsonschema.ValidationError) -> tuple[Path, str]:
         return path, f"{prefix}{_describe(value)} is not valid: must be {meaning}"
     if kw in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
         op = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[kw]
-        return path, f"{prefix}must be {op} {error.validator_value}, got {value}"
+        return path, f"{prefix}must be {op} {error.validator_value}, got {_clip(str(value))}"
     if kw == "minItems":
         n = error.validator_value
         return path, f"{prefix}must have at least {n} item{'s' if n != 1 else ''}"

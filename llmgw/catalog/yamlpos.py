@@ -9,6 +9,7 @@ and item under its path.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +22,11 @@ Path = tuple[str | int, ...]
 # libyaml's loader where available; the pure-Python one behaves the same, only slower.
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
-# Aliases can make a small file expand into a huge tree (the "billion laughs" document);
-# a real catalog file never comes near this many values.
+# A real catalog file never comes near this many values. Aliases are refused outright (see
+# _AliasFound), so a file's values are bounded by its bytes; this is a second bound.
 MAX_NODES = 200_000
+# No catalog number has more digits; a longer one would raise out of int()/float() later.
+MAX_DIGITS = 30
 
 
 @dataclass
@@ -49,11 +52,47 @@ class Document:
 
 
 _STR_TAG = "tag:yaml.org,2002:str"
+_INT_TAG = "tag:yaml.org,2002:int"
+_FLOAT_TAG = "tag:yaml.org,2002:float"
 
 
 class _Budget:
     def __init__(self) -> None:
         self.left = MAX_NODES
+        # Node identities already built: libyaml returns the SAME node for every alias of an
+        # anchor, so a second visit is an alias. One 400 KB string aliased 190,000 times in a
+        # 752 KB file expanded to 76 GB once anything formatted it (review 3).
+        self.seen: set[int] = set()
+
+
+class _AliasFound(Exception):
+    pass
+
+
+class _Refused(Exception):
+    """A value was refused (its problem recorded); the document is not fit for the schema."""
+
+
+def _number(node: yaml.ScalarNode, loader: Any, doc: Document, problems: list[Problem]) -> Any:
+    """A scalar that is not a plain string; a huge or non-finite number becomes a problem.
+
+    int("9" * 5000) raises ValueError, a 400-digit int raises OverflowError when a rule turns
+    it into a float, and .nan compares false with every bound, so it would pass them all.
+    """
+    line, col = _mark(node)
+    digits = sum(ch.isdigit() for ch in node.value[: MAX_DIGITS * 2 + 10])
+    if node.tag in (_INT_TAG, _FLOAT_TAG) and digits > MAX_DIGITS:
+        problems.append(Problem(doc.file, line, col, f"number has more than {MAX_DIGITS} digits"))
+        raise _Refused
+    try:
+        value = loader.construct_object(node, deep=True)
+    except (ValueError, OverflowError) as exc:
+        problems.append(Problem(doc.file, line, col, f"value cannot be read: {str(exc)[:100]}"))
+        raise _Refused from None
+    if isinstance(value, float) and not math.isfinite(value):
+        problems.append(Problem(doc.file, line, col, "a number must be finite (not .nan or .inf)"))
+        raise _Refused
+    return value
 
 
 def _mark(node: yaml.Node) -> tuple[int, int]:
@@ -71,11 +110,14 @@ def _build(
     budget.left -= 1
     if budget.left < 0:
         raise _TooLarge
+    if id(node) in budget.seen:
+        raise _AliasFound
+    budget.seen.add(id(node))
     if isinstance(node, yaml.ScalarNode):
         # Most scalars are plain strings; skipping the constructor for them halves parsing.
         if node.tag == _STR_TAG:
             return node.value
-        return loader.construct_object(node, deep=True)
+        return _number(node, loader, doc, problems)
     if isinstance(node, yaml.SequenceNode):
         out_list = []
         for i, item in enumerate(node.value):
@@ -135,6 +177,10 @@ def parse_yaml(file: str, text: str) -> tuple[Document | None, list[Problem]]:
         return None, [Problem(file, line, col, what)]
     except yaml.YAMLError as exc:
         return None, [Problem(file, 1, 1, f"YAML error: {exc}")]
+    except _Refused:
+        return None, problems
+    except _AliasFound:
+        return None, [_alias_problem(file, text)]
     except _TooLarge:
         return None, [
             Problem(file, 1, 1, f"document expands to more than {MAX_NODES} values (YAML aliases?)")
@@ -143,3 +189,20 @@ def parse_yaml(file: str, text: str) -> tuple[Document | None, list[Problem]]:
         return None, [Problem(file, 1, 1, "document is nested too deeply")]
     finally:
         loader.dispose()
+
+
+def _alias_problem(file: str, text: str) -> Problem:
+    """The first alias in ``text``, found again with the event parser for its position.
+
+    Only run once an alias was seen, so a catalog without aliases pays nothing for it.
+    Catalog files do not need aliases; refusing them keeps a file's cost bounded by its bytes.
+    """
+    try:
+        for event in yaml.parse(text, Loader=_Loader):
+            if isinstance(event, yaml.AliasEvent):
+                line, col = event.start_mark.line + 1, event.start_mark.column + 1
+                name = str(event.anchor)[:40]
+                return Problem(file, line, col, f"YAML aliases (*{name}) are not allowed in a catalog")
+    except yaml.YAMLError:
+        pass
+    return Problem(file, 1, 1, "YAML aliases are not allowed in a catalog")
