@@ -99,7 +99,7 @@ def _secret(raw: dict[str, Any], key: str, env: str, base: Path) -> str:
 POSITIVE = frozenset({"tick_interval", "fetch_interval", "probe_timeout", "start_timeout", "concurrency",
                       "crash_loop_after", "connect_timeout", "first_byte_timeout", "body_timeout", "load_interval",
                       "body_limit", "buffered_limit", "keepalive_timeout", "prefix_block_chars",
-                      "prefix_index_blocks"})
+                      "prefix_index_blocks", "key_parse_bodies"})
 # What nodes accept: a longer stop grace is refused by every agent (its MAX_GRACE).
 MAXIMUM = {"stop_grace": 600.0}
 
