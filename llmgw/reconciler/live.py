@@ -115,10 +115,11 @@ class LiveInventory:
         if lease.sibling and node_id in self._lost:
             return (f"taken over by another instance of controller {lease.holder} (now epoch {lease.epoch}; this one "
                     f"held it at epoch {self._lost[node_id]}) after this one was not heard from for "
-                    f"{lease.grace or 0:g}s (paused, stalled or cut off?): this controller no longer acts on it, and "
-                    "the engines it started there are left running, foreign to the other. Two instances of one "
-                    "controller run (a copied data dir?): stop the one to give up; on the one to keep, `llmgw "
-                    "node takeover` (with --stop-foreign to stop the engines the other started)")
+                    f"{lease.grace or 0:g}s (paused, stalled or cut off?): this controller no longer acts on it and "
+                    "gives its replicas there up; the engines it started keep running, and the other stops none "
+                    "of them as stale. Two instances of one controller run (a copied data dir?): stop the one to "
+                    "give up; on the one to keep, `llmgw node takeover` (--stop-foreign stops the engines it "
+                    "does not claim, so it can start its own)")
         if lease.sibling:
             return (f"held by another instance of controller {lease.holder} (epoch {lease.epoch}), which is running "
                     "(a copied data dir?): this controller does not act on it; stop the other one, or `llmgw node "
