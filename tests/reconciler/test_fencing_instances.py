@@ -131,10 +131,19 @@ async def test_a_paused_instance_that_lost_its_node_is_told_what_happened_and_wh
         assert "llmgw node takeover" in error and "--stop-foreign" in error
         fenced = [e for e in live_a.store.events() if e.kind == "node-fenced"]
         assert len(fenced) == 1 and "taken over by another instance" in fenced[0].message
-        # Taken back by the operator's takeover: ours again, and the note is gone.
-        await a.takeover(node.id)
+        # Not locked out: once the other stops (cleanly), the node is A's again at its next poll...
+        await b.release()
         await live_a.poll()
         assert state(live_a, node) == NodeState.READY and a.epoch(node.id) == 3
+        assert live_a.snapshot().node(node.id).error is None  # type: ignore[union-attr]
+        # ...or, with the other still running, by the operator's takeover.
+        silence(node, GRACE + 1)
+        await live_b.poll()
+        await live_a.poll()
+        assert state(live_a, node) == NodeState.FENCED
+        await a.takeover(node.id)
+        await live_a.poll()
+        assert state(live_a, node) == NodeState.READY and a.epoch(node.id) == 5
 
 
 async def test_the_keeper_renews_between_polls(local_node) -> None:
