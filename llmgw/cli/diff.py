@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from llmgw.adminaccess import given
+from llmgw.adminaccess import ENV_URL, given
 from llmgw.cli.client import ApiError, Client, add_options, resolve_client
 from llmgw.cli.output import fail, print_json
 from llmgw.errors import CatalogError, GitError
@@ -87,17 +88,17 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from llmgw.plan import FleetSnapshot, build_report, render_json, render_markdown, render_text
 
     if args.snapshot and (args.url or args.token or args.data_dir):
-        return _fail(console, args.format, "--snapshot and a controller (--url, --token, --data-dir) both name "
+        return _fail(console, args, "--snapshot and a controller (--url, --token, --data-dir) both name "
                                            "the fleet to plan against: give one")
     try:
         root = repo = work_tree_root(args.repo)
     except GitError as exc:
-        return _fail(console, args.format, str(exc))
+        return _fail(console, args, str(exc))
     catalog_dir = Path(args.repo).resolve()
     if not catalog_dir.is_relative_to(root):
         # A symlink that leaves the repository: reading through it would publish that
         # directory's files in the comment CI posts.
-        return _fail(console, args.format, f"{args.repo}: resolves outside the repository {root}")
+        return _fail(console, args, f"{args.repo}: resolves outside the repository {root}")
     subdir = catalog_dir.relative_to(root).as_posix()
     subdir = "" if subdir == "." else subdir
     client = None
@@ -131,9 +132,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
             note = f"snapshot {Path(args.snapshot).name}"
         elif client is not None:
             fleet = FleetSnapshot.from_json(client.request("GET", "/api/v1/inventory"))
-            note = f"live fleet at {client.url}"
+            note = _named(f"live fleet at {client.url}", args)
     except (GitError, CatalogError, ApiError, OSError, ValueError, KeyError) as exc:
-        return _fail(console, args.format, str(exc))
+        return _fail(console, args, str(exc))
     base_name = (base_sha[:12] if base_rev == base_sha else base_rev if base_rev == base_sha[: len(base_rev)]
                  else f"{base_rev} ({base_sha[:12]})")
     try:
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             raise  # a live controller's inventory is ours: a bug to see, not a file to blame
         # The shapes load_snapshot checks parse; a value of the right shape but a wrong type deeper
         # in (a string where placement counts) only shows when the plan uses it.
-        return _fail(console, args.format, f"--snapshot {args.snapshot}: a value of the wrong type "
+        return _fail(console, args, f"--snapshot {args.snapshot}: a value of the wrong type "
                                            f"({type(exc).__name__}: {exc}); export it again with "
                                            "`llmgw inventory export`")
     if args.format == "json":
@@ -216,9 +217,26 @@ def _why(exc: Exception) -> str:
     return f"no key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
 
 
-def _fail(console: Console, fmt: str, message: str) -> int:
+def _named(text: str, args: argparse.Namespace) -> str:
+    """``text`` with the controller's URL named by its source when it came from the environment.
+
+    In CI ``$LLMGW_ADMIN_URL`` is a workflow secret (where the fleet's admin API listens) and the
+    output is a comment on a pull request anyone may open: the value would be published there.
+    """
+    url = os.environ.get(ENV_URL, "")
+    if args.url or args.token or args.data_dir or args.snapshot or not url:
+        return text  # the URL came from a flag, or there is none from the environment
+    for form in {url, url.rstrip("/")}:
+        if form:
+            text = text.replace(form, f"${ENV_URL}")
+    return text
+
+
+def _fail(console: Console, args: argparse.Namespace, message: str) -> int:
     """The error as a document of the format asked for: a PR comment is never left empty."""
     from llmgw.plan.render import render_error_markdown
+
+    fmt, message = args.format, _named(message, args)
 
     if fmt == "markdown":
         console.file.write(render_error_markdown(message))

@@ -226,7 +226,9 @@ def test_the_plan_against_the_live_controller_is_posted(flavour: str, fleet: Fle
     assert comment.startswith("### llmgw diff <code>origin/main")
     assert "**Plan: 1 to start, 0 to stop, 0 unplaceable.**" in comment
     assert "<code>+</code> model <b>qwen</b>" in comment  # the change, by name
-    assert f"#### Plan against the fleet (live fleet at {markdown(fleet.admin)})" in comment
+    # The address is a workflow secret and the comment public: named by its variable, not shown.
+    assert f"#### Plan against the fleet (live fleet at {markdown('$LLMGW_ADMIN_URL')})" in comment
+    assert fleet.admin.split("://")[1] not in comment
     assert "| start | qwen/sim |" in comment
     assert TOKEN not in comment and TOKEN not in "".join(run.log)
 
@@ -267,7 +269,7 @@ def test_a_diff_that_fails_posts_why_and_fails_the_job(flavour: str, fleet: Flee
     assert run.outputs["plan"] == {"exit": "1"}
     comment = posted(flavour, run, comment_api)
     assert comment.startswith("### :x: llmgw diff could not run")
-    assert f"the controller at {fleet.admin} refused the admin token from $LLMGW_ADMIN_TOKEN" in comment
+    assert "the controller at $LLMGW_ADMIN_URL refused the admin token from $LLMGW_ADMIN_TOKEN" in comment
     assert "::error::llmgw diff failed (exit 1)" in run.log[-1]
     assert "a-revoked-token" not in comment
 

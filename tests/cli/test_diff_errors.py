@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,3 +93,29 @@ def test_a_malformed_snapshot_is_an_error_naming_the_file_never_a_traceback(run_
             else:
                 assert code in (0, 2), out  # a value the plan takes (an unknown extra, a null error)
     assert tried > 500
+
+
+def test_a_controller_url_from_the_environment_is_named_not_published(run_cli, planned, admin_server,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In CI $LLMGW_ADMIN_URL is a secret and the comment is public: messages name the variable."""
+    repo, _ = planned
+    server = admin_server("the-right-token")
+    monkeypatch.setenv("LLMGW_ADMIN_URL", server.url)
+    monkeypatch.setenv("LLMGW_ADMIN_TOKEN", "a-wrong-token")
+    for fmt in ("markdown", "text", "json"):
+        code, out = run_cli("diff", "HEAD", "HEAD", "--repo", str(repo), "--format", fmt)
+        assert code == 1 and "the controller at $LLMGW_ADMIN_URL refused the admin token" in out, out
+        assert server.url.split("://")[1] not in out
+    httpd_gone = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("LLMGW_ADMIN_URL", httpd_gone + "/")
+    code, out = run_cli("diff", "HEAD", "HEAD", "--repo", str(repo), "--format", "markdown")
+    assert code == 1 and "cannot reach the controller at $LLMGW_ADMIN_URL" in out and "127.0.0.1" not in out, out
+    # Named with a flag, the address is the reader's own: it is shown.
+    code, out = run_cli("diff", "HEAD", "HEAD", "--repo", str(repo), "--url", httpd_gone, "--token", "t")
+    assert code == 1 and f"cannot reach the controller at {httpd_gone}" in out
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
