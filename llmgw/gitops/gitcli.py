@@ -13,12 +13,14 @@ its mode and its blob never read, so neither the target nor its path reaches an 
 
 from __future__ import annotations
 
+import base64
 import functools
 import os
 import re
 import stat
 import subprocess
 import threading
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -111,9 +113,15 @@ def run_git_capped(args: list[str], *, cwd: Path | str | None, cap: int,
 
 def origin_env(url: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """``env`` plus the URL of the remote ``origin``, for one git command (GIT_CONFIG_COUNT,
-    git >= 2.31). The URL may carry a credential: given this way it is never written to the
-    repository's config on disk (a copied data dir, a backup) nor put in an argv (`ps` shows
-    argvs to every user of the machine), and the repository holds no URL at all."""
+    git >= 2.31). Given this way the URL is never written to the repository's config on disk (a
+    copied data dir, a backup) and the repository holds no URL at all.
+
+    An http(s) URL's ``user:password@`` is taken out of it and given as an Authorization header
+    in the same environment (/proc/PID/environ is readable by its owner only): git starts its
+    remote helper as ``git remote-https origin <URL>``, and that argv is readable by every user
+    of the machine. ``credential.helper`` is reset to none, so no helper of the user running
+    llmgw (``store`` writes ~/.git-credentials) is handed a credential. A query-string token
+    (``?private_token=``) has no other way to git and stays in the URL."""
     if _git_version() < (2, 31):  # an older git ignores these and reports "'origin' is not a repository"
         raise GitError(f"git 2.31 or newer is needed (this is {'.'.join(map(str, _git_version()))}): the "
                        "repository URL is given to git in its environment (GIT_CONFIG_COUNT)")
@@ -122,8 +130,37 @@ def origin_env(url: str, env: Mapping[str, str] | None = None) -> dict[str, str]
         count = int(base.get("GIT_CONFIG_COUNT", "0"))
     except ValueError:
         count = 0
-    return {**(env or {}), "GIT_CONFIG_COUNT": str(count + 1), f"GIT_CONFIG_KEY_{count}": "remote.origin.url",
-            f"GIT_CONFIG_VALUE_{count}": url}
+    bare, header = _split_credential(url)
+    config = [("remote.origin.url", bare), ("credential.helper", "")]
+    if header:
+        config.append(("http.extraHeader", header))
+    out = {**(env or {}), "GIT_CONFIG_COUNT": str(count + len(config))}
+    for i, (key, value) in enumerate(config, start=count):
+        out[f"GIT_CONFIG_KEY_{i}"] = key
+        out[f"GIT_CONFIG_VALUE_{i}"] = value
+    return out
+
+
+def _split_credential(url: str) -> tuple[str, str | None]:
+    """An http(s) URL without its userinfo, and that userinfo as a Basic Authorization header.
+
+    The userinfo runs to the LAST "@" of the authority (as curl reads it): a password may hold
+    an unencoded "@".
+    Other schemes (ssh://git@host) keep theirs: there it is a login name, and not a password.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower().removeprefix("git+") not in ("http", "https"):
+        return url, None
+    # The authority as git and curl read it: up to the first "/", "?" or "#".
+    end = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    at = rest.rfind("@", 0, end)
+    if at < 0:
+        return url, None
+    userinfo, host_and_path = rest[:at], rest[at + 1:]
+    user, _, password = userinfo.partition(":")
+    pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+    token = base64.b64encode(pair.encode()).decode()
+    return f"{scheme}://{host_and_path}", f"Authorization: Basic {token}"
 
 
 @functools.cache
