@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -40,6 +42,13 @@ def main(argv: Sequence[str] | None = None, *, console: Console | None = None) -
         return int(args.func(args, console or make_console()))
     except KeyboardInterrupt:  # Ctrl-C before a command installed its own handling
         return 130
+    except BrokenPipeError:
+        # The reader left (`llmgw events -o json | head -1`): done, quietly, as `git log | head` is.
+        # stdout onto /dev/null: the flush at exit would otherwise raise the same error again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

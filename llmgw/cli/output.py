@@ -7,6 +7,7 @@ command into a StringIO and compare the text a person would see.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -23,6 +24,10 @@ def print_json(console: Console, data: Any) -> None:
 
 
 def fail(console: Console, message: str, *, code: int = 1) -> int:
+    """``error: message`` on stderr (a console on the process's stdout is swapped for one on
+    stderr: `llmgw nodes -o json > f` must not write the error into f); ``code``."""
+    if console.file is sys.stdout:
+        console = make_console(stderr=True)
     console.print(f"[bold red]error:[/] {_escape(message)}")
     return code
 
