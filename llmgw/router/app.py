@@ -534,7 +534,7 @@ class Router:
                 ask = asked_for(body)
             except BadLimitField as exc:
                 return self._refuse(respond.bad_request(str(exc), "invalid_value"), model.name, t0)
-            reserve = reserve_for(ask, len(raw))
+            reserve = reserve_for(ask, raw)
             chain = tuple(m.name for m in self._chains.get(model.name, (model,)))
             if self._shared is not None:
                 admitted = await self._shared.admit(self._limiter, key.name, chain, reserve, self._wall())
@@ -559,7 +559,7 @@ class Router:
                 if fields:
                     raw = with_fields(raw, body, fields)
                     body = {**body, **fields}
-        account = Account(key.name if key is not None else "", ticket, prompt_estimate(len(raw)), reserve)
+        account = Account(key.name if key is not None else "", ticket, prompt_estimate(raw), reserve)
         try:
             return await self._route(request, path, raw, body, asked, model, stream and path != EMBEDDINGS, t0,
                                      account, parsed.prompt)

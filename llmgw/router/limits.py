@@ -27,9 +27,18 @@ from llmgw.jsonbody import RawJSON
 DEFAULT_COMPLETION_TOKENS = 256  # reserved when a request sets no max_tokens
 
 
-def prompt_estimate(raw_size: int) -> int:
-    """Prompt tokens guessed from the body's size (~4 bytes a token), before the engine counts them."""
-    return raw_size // 4
+def prompt_estimate(body: bytes | int) -> int:
+    """Prompt tokens reserved for a body, before the engine counts them: never fewer than a
+    tokenizer may find, or requests in flight together overshoot a budget (what is reserved
+    beyond the real count is given back when the request settles). ASCII: a token per 2 bytes
+    (short words, "a a a", are that; a token-id list, "0,0,0", has at most that many ids; an
+    escaped character, 6 or 12 bytes, is at most 4 byte tokens). Raw non-ASCII text: a token a
+    byte (byte-fallback tokenizers). Given only a size (a body not read yet), the ASCII figure:
+    the least any body of that size is reserved."""
+    if type(body) is int:
+        return (body + 1) // 2
+    assert isinstance(body, bytes)
+    return (len(body) + 1) // 2 if body.isascii() else len(body)
 
 
 MAX_RESERVATION = 2 ** 31  # a "max_tokens" beyond any context is reserved as this much
@@ -130,16 +139,17 @@ def _shown(v: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def reservation(body: Mapping[str, object], raw_size: int) -> int:
+def reservation(body: Mapping[str, object], raw: bytes | int) -> int:
     """Tokens a request reserves: its completion limit (the largest of every field an engine
     reads, a number or a numeric string; :data:`DEFAULT_COMPLETION_TOKENS` when none is set),
     times its answers and prompts, plus the prompt estimate. :class:`BadLimitField` as :func:`asked_for`."""
-    return reserve_for(asked_for(body), raw_size)
+    return reserve_for(asked_for(body), raw)
 
 
-def reserve_for(a: Asked, raw_size: int) -> int:
+def reserve_for(a: Asked, raw: bytes | int) -> int:
+    """As :func:`reservation`; ``raw``: the body (or its size: see :func:`prompt_estimate`)."""
     completion = DEFAULT_COMPLETION_TOKENS if a.completion is None else a.completion
-    return min(MAX_RESERVATION, min(completion, MAX_RESERVATION) * a.answers + prompt_estimate(raw_size))
+    return min(MAX_RESERVATION, min(completion, MAX_RESERVATION) * a.answers + prompt_estimate(raw))
 
 
 # What each endpoint's engines read as the completion limit (see COMPLETION_FIELDS): every one is

@@ -236,15 +236,19 @@ async def test_a_redis_restarted_without_its_data_starts_from_the_ledger(chat_si
         async with AsyncExitStack() as stack:
             bases = [await stack.enter_async_context(serving(r)) for r in routers]
             served = await spend(bases[0])
-            assert DAY.tokens - 60 < served <= DAY.tokens
+            assert DAY.tokens - 100 < served <= DAY.tokens  # short of it by less than a reservation (50 + prompt)
             figures = {("team", ""): (period_start(DAY, time.time()), served)}  # the ledger, as reported
             for r in routers:
                 r.set_spent(figures, 2)
             redis.kill()
             redis.wait(5)
             redis = redis_server(port)  # empty: no persistence
-            for base in bases:
-                assert await spend(base) == 0  # refused at once, by the grant's floor or degraded mode
+            # No fresh budget: what is served after is within what was left (by the grant's floor
+            # or degraded mode). Not necessarily nothing: a router still holds the allowance the
+            # lost Redis granted it, and may serve one more request from it and the floor's rest.
+            after = [await spend(base) for base in bases]
+            assert served + sum(after) <= DAY.tokens, (served, after)
+            assert sum(after) < 100  # at most one request (a reservation: 50 + its prompt)
             for r in routers:
                 assert r._shared is not None and not r._shared.degraded  # noqa: SLF001 - Redis answered
             # The router that had not used Redis before it went away asked the new one: it says so too.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import UTC, datetime
 
 import openai
@@ -212,7 +213,7 @@ async def test_a_budget_hours_from_its_reset_tells_the_sdk_not_to_retry(chat_sim
     from prometheus_client.parser import text_string_to_metric_families
 
     clock = [at("2026-12-03T12:00:00")]
-    router = keyed_router(chat_sim, Limits(budget=Budget(tokens=40, per="day")), wall=lambda: clock[0])
+    router = keyed_router(chat_sim, Limits(budget=Budget(tokens=60, per="day")), wall=lambda: clock[0])
     async with serving(router) as base:
         c = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team", max_retries=3, timeout=15)
         with pytest.raises(openai.RateLimitError) as refused:
@@ -289,7 +290,7 @@ def test_huge_or_odd_max_tokens_are_read_as_engines_read_them_and_never_overflow
     assert reservation({"max_tokens": "300"}, 0) == 300 and reservation({"max_tokens": 300.0}, 0) == 300
     assert reservation({"max_completion_tokens": None, "max_tokens": 3000}, 0) == 3000
     assert reservation({"max_tokens": -1}, 0) == 256  # llama.cpp's "unlimited": the default is reserved
-    assert reservation({"max_tokens": 10, "n": 5}, 40) == 60
+    assert reservation({"max_tokens": 10, "n": 5}, 40) == 70  # and a token per 2 bytes of the body
     lim = limiter(tokens_per_minute=1000)
     t = lim.admit("k", ("m",), reservation({"max_tokens": 10 ** 400}, 0), 0.0)
     assert isinstance(t, Ticket)
@@ -566,8 +567,9 @@ async def test_a_spent_budget_or_full_concurrency_is_refused_before_the_body(cha
         assert scope is not None
         left = 1_000 - scope.spent()  # less than one more request's reservation
         assert left < 250
-        assert (await half_a_body(base, "sk-team", 4 * left, wait=0.3))[0] is False  # it could still fit
-        assert await half_a_body(base, "sk-team", 4 * (left + 1), wait=10) == (True, 429)  # it cannot
+        # A body's size alone is reserved as a token per 2 bytes (limits.prompt_estimate).
+        assert (await half_a_body(base, "sk-team", 2 * left, wait=0.3))[0] is False  # it could still fit
+        assert await half_a_body(base, "sk-team", 2 * (left + 1), wait=10) == (True, 429)  # it cannot
         await c.close()
     router = keyed_router(chat_sim, Limits(concurrent=1))
     async with serving(router) as base:
@@ -637,3 +639,50 @@ async def test_an_engine_error_after_the_prompt_was_sent_is_charged_its_prompt()
         scope = router._limiter.tenant_scope("team-key")  # noqa: SLF001
         assert scope is not None and scope.inflight == 0
         assert scope.used >= 2 * prompt_estimate(60)
+
+
+# --- review 2: the prompt is reserved conservatively ----------------------------------------------
+
+def test_the_prompt_estimate_is_never_below_what_a_tokenizer_may_count() -> None:
+    """bytes/4 under-reserved text of short words ("a a a": a token per 2 bytes), token-id
+    prompts ("0,0,0": the same) and non-ASCII text (byte-fallback: up to a token a byte), so
+    requests in flight together overshot a budget. A token per 2 bytes of ASCII, one a byte
+    otherwise; an id list counts at least its ids."""
+    import json
+
+    from llmgw.router.limits import prompt_estimate
+
+    words = json.dumps({"messages": [{"role": "user", "content": "a " * 1000}]}).encode()
+    assert prompt_estimate(words) >= 1000
+    ids = json.dumps({"prompt": [0] * 1000}).encode()
+    assert prompt_estimate(ids) >= 1000
+    emoji = json.dumps({"prompt": "\U0001F600" * 100}, ensure_ascii=False).encode()
+    assert prompt_estimate(emoji) >= 400  # 4 bytes each: up to 4 byte tokens
+    escaped = json.dumps({"prompt": "\U0001F600" * 100}).encode()  # \ud83d\ude00: 12 bytes each
+    assert prompt_estimate(escaped) >= 400
+    # Before the body is read, its size alone: the least any body of that size is estimated at.
+    assert prompt_estimate(len(words)) <= prompt_estimate(words)
+    assert prompt_estimate(len(emoji)) <= prompt_estimate(emoji)
+
+
+@pytest.mark.slow
+async def test_requests_in_flight_together_cannot_use_more_than_the_budget() -> None:
+    """Eight requests held until five run at once, each a 1,000-token prompt: the engine's own
+    count of what it processed for the tenant stays within its 3,000-token budget (5,000 were
+    served when the prompt was reserved as bytes/4)."""
+    budget = 3_000
+    # Held until five run at once, or (fewer admitted, as they should be) for 5 s.
+    with SimProcess("chat", "--hold-until-running", "5", "--hold-timeout", "5") as sim:
+        router = keyed_router(sim, Limits(budget=Budget(tokens=budget, per="day")))
+        before = sim_metric(sim.endpoint, "vllm:prompt_tokens_total") + sim_metric(
+            sim.endpoint, "vllm:generation_tokens_total")
+        async with serving(router) as base, openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team",
+                                                               max_retries=0, timeout=60) as c:
+            async def one() -> None:
+                with contextlib.suppress(openai.RateLimitError):
+                    await c.chat.completions.create(model="chat", max_tokens=1,
+                                                    messages=[{"role": "user", "content": "a " * 1000}])
+            await asyncio.gather(*(one() for _ in range(8)))
+        engine = sim_metric(sim.endpoint, "vllm:prompt_tokens_total") + sim_metric(
+            sim.endpoint, "vllm:generation_tokens_total") - before
+    assert 0 < engine <= budget
