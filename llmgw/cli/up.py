@@ -81,7 +81,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     layout = UpLayout(data_dir)
 
     async def main(stop: asyncio.Event) -> None:
-        running = await start(cfg, router_flag="--router-port", admin_flag="--admin-port")
+        running = await start(cfg, router_flag="--router-port", admin_flag="--admin-port", owns_engines=True)
         # From here on the reconciler may be starting engines: whatever happens next, the
         # `finally` stops them. (A signal that came while starting has set `stop` already.)
         url_file = layout.data_dir / URL_FILE

@@ -87,8 +87,10 @@ class Running:
 
 
 async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
-                admin_flag: str = "admin listener") -> Running:
-    """Start every part and both listeners; the caller awaits its stop signal, then ``close()``."""
+                admin_flag: str = "admin listener", owns_engines: bool = False) -> Running:
+    """Start every part and both listeners; the caller awaits its stop signal, then ``close()``.
+
+    ``owns_engines``: a failed start stops the engines its reconciler started (`up`)."""
     if not cfg.admin_token:
         raise ConfigError("no admin token: set admin_token (or admin_token_file, or LLMGW_ADMIN_TOKEN)")
     check_free(cfg.admin_listen, admin_flag)
@@ -145,15 +147,34 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
         runners.append(await listen(admin_app, cfg.admin_listen.host, cfg.admin_listen.port, drain_timeout=5.0,
                                     max_connections=connection_cap(0.1), openai_errors=False))
         await router.listen(cfg.router_listen.host, cfg.router_listen.port)
+    except OSError as exc:
+        # Taken since check_free (another `up` started at the same moment): the same error as its.
+        await _undo_start(runners, usage, controller, router, stop_engines=owns_engines)
+        if exc.errno == errno.EADDRINUSE:
+            which = (admin_flag, cfg.admin_listen) if not runners else (router_flag, cfg.router_listen)
+            raise ConfigError(f"{which[0]} port {which[1].port} on {which[1].host} is already in use") from exc
+        raise
     except BaseException:
+        await _undo_start(runners, usage, controller, router, stop_engines=owns_engines)
+        raise
+    return Running(controller, router, runners, f"http://{cfg.router_listen.host}:{cfg.router_listen.port}",
+                   f"http://{cfg.admin_listen.host}:{cfg.admin_listen.port}", usage)
+
+
+async def _undo_start(runners: list[web.AppRunner], usage: UsageFlusher, controller: Controller, router: Any, *,
+                      stop_engines: bool) -> None:
+    """A start that failed half-way: close what it opened; the engines too when the caller owns them
+    (`up`: its reconciler may have started some already)."""
+    try:
+        if stop_engines:
+            await controller.quiesce()
+            await controller.stop_engines()
+    finally:
         for runner in runners:
             await runner.cleanup()
         await usage.close()
         await controller.close()
         await router.close()
-        raise
-    return Running(controller, router, runners, f"http://{cfg.router_listen.host}:{cfg.router_listen.port}",
-                   f"http://{cfg.admin_listen.host}:{cfg.admin_listen.port}", usage)
 
 
 async def serve_forever(cfg: ServerConfig, *, stop: asyncio.Event,
