@@ -19,6 +19,7 @@ from llmgw.errors import GitError
 from llmgw.gitops.gitcli import origin_env
 from llmgw.gitops.repo import GitMirror
 from llmgw.gitops.writer import CommitWriter
+from llmgw.redact import redact
 from tests.catalog.corpus import SMALL, write_catalog
 from tests.conftest import git
 from tests.gitops.conftest import Remote
@@ -108,3 +109,21 @@ def test_a_query_string_token_stays_in_the_url_and_userinfo_never_does() -> None
     assert "" in [env[k.replace("KEY", "VALUE")] for k, v in env.items() if v == "credential.helper"]
     assert "https://host/x.git?private_token=abc" in origin_env("https://host/x.git?private_token=abc").values()
     assert "ssh://git@host/x.git" in origin_env("ssh://git@host/x.git").values()
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    # GitHub's documented token form puts the token in the user part.
+    (f"https://{SECRET}:x-oauth-basic@github.com/org/c.git", "https://***@github.com/org/c.git"),
+    (f"https://ci:pa'{SECRET}@host/c.git", "https://***@host/c.git"),
+    (f"https://ci:pa\"{SECRET}@host/c.git", "https://***@host/c.git"),
+    (f"https://ci:pa`{SECRET}@host/c.git", "https://***@host/c.git"),
+    (f"https://ci:<{SECRET}>@host/c.git", "https://***@host/c.git"),
+    (f"'https://ci:pa'{SECRET}@host/c.git/': 403", "'https://***@host/c.git/': 403"),
+    (f"https://ci:123/{SECRET}@host/c.git", "https://***@host/c.git"),  # "123" looks like a port
+    (f"https://{SECRET}'x@host/c.git", "https://***@host/c.git"),
+    (f"redis://user:{SECRET}@cache/1", "redis://user:***@cache/1"),  # there the user is a login
+    ("hf://org/model@rev and file:///srv/a@b 'https://h/x.git/': 403",
+     "hf://org/model@rev and file:///srv/a@b 'https://h/x.git/': 403"),
+])
+def test_redact_hides_every_userinfo_of_a_token_url(text: str, shown: str) -> None:
+    assert redact(text) == shown

@@ -28,7 +28,7 @@ TOKEN = "credential-admin-token"
 
 
 @pytest.mark.parametrize(("text", "shown"), [
-    ("https://user:tok@host/x.git", "https://user:***@host/x.git"),
+    ("https://user:tok@host/x.git", "https://***@host/x.git"),
     ("https://tok@host/x.git", "https://***@host/x.git"),
     ("git+https://tok@host/x.git", "git+https://***@host/x.git"),
     ("ssh://git:pw@host:22/x.git", "ssh://git:***@host:22/x.git"),
@@ -36,8 +36,8 @@ TOKEN = "credential-admin-token"
     ("https://host/x.git?private_token=tok&ref=a", "https://host/x.git?private_token=***&ref=***"),
     ("fatal: unable to access 'https://h/x.git?private_token=tok/': 403", "fatal: unable to access "
      "'https://h/x.git?private_token=***': 403"),
-    ("https://user:pa/ss@host/x.git", "https://user:***@host/x.git"),  # "/" in a password, unencoded
-    ("https://user:p@ss@host/x.git", "https://user:***@host/x.git"),
+    ("https://user:pa/ss@host/x.git", "https://***@host/x.git"),  # "/" in a password, unencoded
+    ("https://user:p@ss@host/x.git", "https://***@host/x.git"),
     ("hf://org/model@rev and file:///srv/a@b and http://10.0.0.1:8000/v1", "hf://org/model@rev and "
      "file:///srv/a@b and http://10.0.0.1:8000/v1"),
     ("git@github.com:org/x.git", "git@github.com:org/x.git"),
@@ -144,7 +144,7 @@ def test_a_credential_in_the_repository_url_is_on_no_surface(tmp_path: Path, whe
                 server.password = "rotated"  # the credential is refused from now on
                 _post_sync(admin)
             status = wait_for(lambda: (s := sync())["state"] == "fetch-failed" and s, 60, "a failed fetch", proc)
-            assert status["last_error"] and status["url"].startswith(f"http://ci:***@127.0.0.1:{server.port}/")
+            assert status["last_error"] and status["url"].startswith(f"http://***@127.0.0.1:{server.port}/")
             surfaces = _surfaces(admin)
             assert any("fetch-failed" in e["kind"] for e in json.loads(surfaces["/api/v1/events?limit=1000"]))
             if where == "query":
@@ -153,9 +153,9 @@ def test_a_credential_in_the_repository_url_is_on_no_surface(tmp_path: Path, whe
             stop(proc, signal.SIGTERM)
     leaks = {name: SECRET in text for name, text in surfaces.items()}
     assert not any(leaks.values()), leaks
-    shown = f"http://ci:***@127.0.0.1:{server.port}/catalog.git"  # what they show instead
+    shown = f"http://***@127.0.0.1:{server.port}/catalog.git"  # what they show instead
     assert shown in surfaces["dashboard"] and shown in surfaces["/api/v1/events?limit=1000"]
     output = log.read_text()
-    assert "following http://ci:***@127.0.0.1" in output  # the banner, redacted
+    assert "following http://***@127.0.0.1" in output  # the banner, redacted
     assert SECRET not in output
     assert _files_holding(data, SECRET) == []  # the SQLite database (and its WAL), the mirror's config
