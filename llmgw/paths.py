@@ -12,29 +12,26 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "llmgw"
 
 
-LOCK_FILE = "llmgw.lock"  # llmgw.control.datadir's lock, probed here without importing it (the router may not)
-
 
 def lock_held(directory: Path) -> bool:
-    """Whether a process holds ``directory``'s controller lock (llmgw.control.datadir), now.
+    """Whether a process holds the controller lock of the data dir ``directory`` now: the flock on
+    the directory itself that llmgw.control.datadir takes (its ``held_by_a_process`` answers the
+    same; this copy exists because the router, which reads admin.url too, may not import
+    llmgw.control).
 
     A probe, never a wait: a shared non-blocking flock fails only while someone holds the
-    exclusive one. Both the directory itself and its ``llmgw.lock`` file are probed, so the
-    answer holds whichever of the two the controller locks. Nothing is created: a directory or
-    lock file that does not exist is held by nobody.
+    exclusive one. A directory that does not exist is held by nobody.
     """
-    import fcntl  # here: the module is imported at every CLI start-up
+    import fcntl  # here: this module is imported at every CLI start-up
 
-    for path, flags in ((directory, os.O_RDONLY | os.O_DIRECTORY),
-                        (directory / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)):
-        try:
-            fd = os.open(path, flags | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return True
-        finally:
-            os.close(fd)  # closing drops the shared probe lock at once
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the shared probe lock at once
     return False

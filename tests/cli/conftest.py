@@ -97,9 +97,8 @@ def up_dir(path: Path, url: str | None, token: str | None, *, running: bool = Tr
     for its whole life), or ``running=False``: killed without its shutdown (the lock gone with it)."""
     path.mkdir(parents=True)
     if running:
-        lock = path / "controller" / "llmgw.lock"
-        lock.parent.mkdir()
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        (path / "controller").mkdir()  # up's controller locks its directory (llmgw.control.datadir)
+        fd = os.open(path / "controller", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         _HELD_LOCKS.append(fd)
     if url is not None:
