@@ -13,7 +13,7 @@ import multiprocessing as mp
 import os
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llmgw.catalog.build import build_model, build_node, build_settings
@@ -338,12 +338,23 @@ def _validate_files(files: Mapping[str, RawFile], *, revision: str | None, worke
         problems = problems[:MAX_PROBLEMS] + [Problem(problems[MAX_PROBLEMS].file, 1, 1, (
             f"and {rest:,} more problems from here on, not shown (at most {MAX_PROBLEMS:,} are)"))]
     if problems:
-        return ValidationResult(None, tuple(problems), len(files))
+        return ValidationResult(None, tuple(_short(p) for p in problems), len(files))
     models: tuple[Model, ...] = tuple(e.model for e in entries)
     catalog = Catalog(
         models=models, nodes=tuple(n.node for n in node_entries), settings=settings, revision=revision
     )
     return ValidationResult(catalog, (), len(files))
+
+
+# A message quotes values clipped (schema.MAX_QUOTED); this bounds any that a rule quotes whole, so
+# a rejection (stored, served on every poll) is at most MAX_PROBLEMS of these.
+MAX_MESSAGE = 1000
+
+
+def _short(problem: Problem) -> Problem:
+    if len(problem.message) <= MAX_MESSAGE:
+        return problem
+    return replace(problem, message=problem.message[:MAX_MESSAGE] + "... (message cut short)")
 
 
 # Below this many model files a second process costs more than it saves.

@@ -139,11 +139,11 @@ def _message(error: jsonschema.ValidationError) -> tuple[Path, str]:
         # jsonschema checks a key as if it were a value at the mapping's own path;
         # point at the key itself and say it is a key.
         key = error.instance
-        where = dotted(path)
+        where = _clip(dotted(path))
         meaning = (error.schema or {}).get("x-message") if isinstance(error.schema, dict) else None
-        what = f"must be {meaning}" if meaning else error.message
-        return path + (key,), f'{where + ": " if where else ""}key "{key}" is not valid: {what}'
-    where = dotted(path)
+        what = f"must be {meaning}" if meaning else _clip(error.message)
+        return path + (key,), f'{where + ": " if where else ""}key "{_clip(str(key))}" is not valid: {what}'
+    where = _clip(dotted(path))
     prefix = f"{where}: " if where else ""
     kw = error.validator
     schema = error.schema if isinstance(error.schema, dict) else {}
@@ -156,7 +156,7 @@ def _message(error: jsonschema.ValidationError) -> tuple[Path, str]:
         key = extra[0] if extra else "?"
         hint = difflib.get_close_matches(str(key), allowed, n=1)
         tail = f' (did you mean "{hint[0]}"?)' if hint else f" (allowed: {', '.join(allowed)})"
-        return path + (key,), f'{prefix}unknown key "{key}"{tail}'
+        return path + (key,), f'{prefix}unknown key "{_clip(str(key))}"{tail}'
     if kw == "type":
         expected = error.validator_value
         names = [expected] if isinstance(expected, str) else list(expected)
@@ -185,7 +185,7 @@ def _message(error: jsonschema.ValidationError) -> tuple[Path, str]:
         return path, f"{prefix}must be {word} {error.validator_value} characters long"
     if kw == "propertyNames":
         return path, f"{prefix}key {_describe(value)} is not allowed here"
-    return path, f"{prefix}{error.message}"
+    return path, f"{prefix}{_clip(error.message)}"
 
 
 # A file may hold a list of 190,000 wrong values: each is a problem, and all of them had cost 58 s

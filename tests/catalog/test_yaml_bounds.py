@@ -68,3 +68,16 @@ def test_a_huge_duration_is_a_problem_at_its_line() -> None:
     problems = validate(text)
     assert len(problems) == 1 and problems[0].startswith(f"models/small.yaml:{line}:"), problems
     assert len(problems[0]) < 300
+
+
+@pytest.mark.parametrize("where", ["top-level key", "nested key", "tenant"])
+def test_a_huge_key_is_quoted_short(where: str) -> None:
+    key = "k" * 900_000  # an explicit key ("? "): a plain one ends at 1,024 characters
+    if where == "top-level key":
+        text = SMALL.replace("size_gb: 16", f"size_gb: 16\n? {key}\n: 1")
+    elif where == "nested key":
+        text = SMALL.replace("  idle_after: 15m", f"  idle_after: 15m\n  ? {key}\n  : 1")
+    else:
+        text = SMALL.replace("aliases: [tiny]", f"aliases: [tiny, {key}]")
+    problems = validate(text)
+    assert problems and all(len(p) < 1200 for p in problems), [p[:300] for p in problems]
