@@ -62,6 +62,7 @@ def _paths(x: object, p: tuple = ()) -> Iterator[tuple]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # ~700 runs of diff, each reading git: a minute alone, more on a busy box
 def test_a_malformed_snapshot_is_an_error_naming_the_file_never_a_traceback(run_cli, planned, tmp_path: Path) -> None:
     """Every value (leaf or container) of a real snapshot replaced by each hostile one in turn."""
     repo, base = planned
