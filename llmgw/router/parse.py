@@ -54,8 +54,9 @@ MAX_MODEL_CHARS = 256          # catalog names and aliases have at most 128
 MAX_PIECES = 64                # runs of members not read sent back as spans; more: as one text
 WORKER_NICE = 10               # the worker's priority below the router's (Linux nice)
 # Parse cost bounds, checked in the worker before parsing: 32 MB of `"":0` members (6.4 million)
-# held the one worker for 17 s and 1.3 GB, while other tenants' big bodies waited. A real request
-# has tens of top-level members and far fewer values (a 32 MB chat of short messages: ~1 million).
+# held the one worker for 17 s and 1.3 GB, while other tenants' big bodies waited; refused here in
+# ~1.5 s. A real request has tens of top-level members; 2 million values is ~650,000 chat messages
+# (each message is 3: its object, role and content), far more than any context holds.
 MAX_VALUES = 2_000_000
 MAX_MEMBERS = 10_000
 PER_SENDER = 2                 # big bodies one sender may have waiting for or in the parser
