@@ -414,7 +414,9 @@ def hostile_sender(router: str, seconds: float) -> None:
     At nice 10: the hostile client runs on this machine only because the bench has one machine;
     a remote client costs the router's machine nothing but what the router does with its bytes."""
     os.nice(10)
-    messages = [{"role": "user", "content": "x"}] * (HOSTILE_MB * 1024 * 1024 // 32)
+    # ~1.5 M JSON values: under the parser's 2 M cap, so each body is parsed whole, not refused
+    # cheaply by the count (one-character messages were ~3 M values and measured only the count).
+    messages = [{"role": "user", "content": "x" * 28}] * (HOSTILE_MB * 1024 * 1024 // 64)
     data = json.dumps({"model": MODEL, "messages": messages}).encode()
     statuses: Counter[int] = Counter()
     stop_at = time.monotonic() + seconds
