@@ -15,9 +15,9 @@ def default_data_dir() -> Path:
 
 def lock_held(directory: Path) -> bool:
     """Whether a process holds the controller lock of the data dir ``directory`` now: the flock on
-    the directory itself that llmgw.control.datadir takes (its ``held_by_a_process`` answers the
-    same; this copy exists because the router, which reads admin.url too, may not import
-    llmgw.control).
+    the directory itself that llmgw.control.datadir takes. Here, not there, because the router
+    (which reads admin.url too) may not import llmgw.control; datadir's ``held_by_a_process``
+    asks this.
 
     A probe, never a wait: a shared non-blocking flock fails only while someone holds the
     exclusive one. A directory that does not exist is held by nobody.

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from llmgw.errors import ConfigError
+from llmgw.paths import lock_held
 
 LOCK_FILE = "llmgw.lock"
 INSTANCE_FILE = "instance.json"
@@ -133,21 +134,10 @@ def held_by_a_process(path: Path) -> bool:
     if root.name == LOCK_FILE and not root.is_dir():
         root = root.parent
     try:
-        fd = _open_dir(root)
+        st = os.stat(root)
     except OSError:
         return False
-    try:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) in _HELD:
-            return True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
+    return (st.st_dev, st.st_ino) in _HELD or lock_held(root)
 
 
 def _flock_holder(st: os.stat_result) -> int | None:
