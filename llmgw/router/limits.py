@@ -72,41 +72,27 @@ class Asked(NamedTuple):
     completion: int | None  # the largest completion limit set; None: none set, or "unlimited"
     answers: int            # answers per prompt times prompts (each may write ``completion``)
     fields: tuple[str, ...]  # the completion-limit fields present in the body
-    plain: bool              # every present field is already the whole number ``completion``
 
 
 def asked_for(body: Mapping[str, object]) -> Asked:
     """The request's completion limit and answer count; :class:`BadLimitField` when a field holds
     something that is not a count (engines disagree on what such a value means)."""
-    # On every limited request: the usual body names one field, as a plain number, and no n.
     completion: int | None = None
     fields: tuple[str, ...] = ()
-    plain = True
     for f in COMPLETION_FIELDS:
         if f not in body:
             continue
         fields += (f,)
         v = body[f]
         if v is None:
-            plain = False  # llama.cpp would look at a null before the next field: rewritten too
-            continue
+            continue  # llama.cpp would look at a null before the next field: rewritten like the rest
         n = v if type(v) is int else _count(v)
         if n is None:
             raise BadLimitField(f, f"`{f}` must be a whole number of tokens, not {_shown(v)}.")
-        if type(v) is not int:
-            plain = False
-        if n == 0:  # vLLM's and SGLang's ``or`` reads 0 as unset, falling through: not a limit
-            plain = False
-        elif n > 0:  # negative: llama.cpp's "unlimited" (-1); vLLM and SGLang refuse it
-            if completion is not None and n != completion:
-                plain = False
-                completion = max(completion, n)
-            elif completion is None:
-                completion = n
-        else:
-            plain = False
-    if completion is None:
-        plain = not fields
+        # 0: vLLM's and SGLang's ``or`` reads it as unset, falling through: not a limit.
+        # Negative: llama.cpp's "unlimited" (-1); vLLM and SGLang refuse it. Neither caps anything.
+        if n > 0:
+            completion = n if completion is None else max(completion, n)
     answers = 1
     for f in ANSWER_FIELDS:
         v = body.get(f)
@@ -121,7 +107,7 @@ def asked_for(body: Mapping[str, object]) -> Asked:
     prompt = body.get("prompt")
     if prompt is not None:
         answers *= _prompts(prompt)
-    return Asked(completion, answers, fields, plain)
+    return Asked(completion, answers, fields)
 
 
 def _prompts(prompt: object) -> int:
