@@ -207,7 +207,8 @@ async def test_a_body_that_does_not_arrive_in_time_is_408(chat_sim: SimProcess) 
         assert router._buffered == 0
 
 
-@pytest.mark.parametrize("data", [gzip.compress(b'{"model": "chat", "messages": []}'), b"not gzip at all"])
+@pytest.mark.parametrize("data", [gzip.compress(b'{"model": "chat", "messages": []}', mtime=0), b"not gzip at all"],
+                         ids=["gzip", "not-gzip"])  # mtime=0, ids: xdist's workers must collect the same tests
 async def test_a_compressed_body_is_a_415_before_it_is_read(chat_sim: SimProcess, data: bytes) -> None:
     """aiohttp decompresses request bodies and the size limits applied to what came out (352 KB of
     gzip sent, 344 MB held); one that did not decompress was a 500 with a traceback. No OpenAI
