@@ -253,8 +253,12 @@ def test_a_spent_budget_stays_spent_when_redis_restarts_empty_or_goes_away(fleet
         # Each router reports once more after the ledger has all of it (a one-token probe each,
         # with a key of its own): the figures that router got back have everything in.
         wait_for(lambda: f.ledger("team") >= served and f.ledger("other") >= used, 20, "the usage in the ledger")
-        probes = [answer(base, f"sk-probe-{i}", max_tokens=1) for i, base in enumerate((*bases, f.own))]
-        assert probes == [200, 200, 200], ANSWERS[-3:]
+        # On a busy machine a router may be in degraded mode (Redis slower than 0.25 s) or still
+        # hold an allowance for a few tenths of a second: a probe is asked again until it is
+        # served (the tenant has ~1,500 tokens left; a bound on a hang, not a check of speed).
+        for i, base in enumerate((*bases, f.own)):
+            wait_for(lambda i=i, base=base: answer(base, f"sk-probe-{i}", max_tokens=1) == 200, 30,
+                     f"probe {i} served", None)
         wait_for(lambda: all(f.ledger("other", f"probe-{i}") for i in range(3)), 20, "each router's probe in ledger")
         used = f.ledger("other")
 
