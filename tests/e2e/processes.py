@@ -83,3 +83,27 @@ def controller_config(tmp: Path, name: str, repo: Path, fleet, token: str,  # no
         "admin_token": token, "reconciler": {"tick_interval": "300ms"}, **extra,
     }))
     return config, f"http://127.0.0.1:{admin_port}"
+
+
+# One local node and one simulated chat model: the smallest catalog an `llmgw controller` serves.
+def local_node_yaml(gpus: int) -> str:
+    return ("nodes:\n  - id: local\n    transport: local\n    address: 127.0.0.1\n    pool: local\n"
+            f"    gpus: {{count: {gpus}, class: sim, memory_gb: 24}}\n    memory_gb: 16\n    disk_gb: 50\n")
+
+
+SIM_CHAT_MODEL_YAML = """\
+name: sim-chat
+aliases: [chat]
+task: chat
+source: sim://tiny-chat
+size_gb: 0.1
+scaling: {min: 1, max: 1}
+profiles:
+  - name: sim
+    engine: sim
+    gpus: 1
+    gpu_class: [sim]
+    gpu_memory_gb: 2
+    memory_gb: 1
+    pool: local
+"""

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from llmgw.router import hash_key
-from tests.e2e.processes import free_port, start, stop, wait_for
+from tests.e2e.processes import SIM_CHAT_MODEL_YAML, free_port, local_node_yaml, start, stop, wait_for
 from tests.e2e.test_up import processes_under
 from tests.router.test_budget_ledger import redis_server
 
@@ -43,32 +43,6 @@ tenants:
     limits:
       budget: {tokens: %d, per: day}
 """
-NODES_YAML = """\
-nodes:
-  - id: local
-    transport: local
-    address: 127.0.0.1
-    pool: local
-    gpus: {count: 2, class: sim, memory_gb: 24}
-    memory_gb: 16
-    disk_gb: 50
-"""
-MODEL_YAML = """\
-name: sim-chat
-aliases: [chat]
-task: chat
-source: sim://tiny-chat
-size_gb: 0.1
-scaling: {min: 1, max: 1}
-profiles:
-  - name: sim
-    engine: sim
-    gpus: 1
-    gpu_class: [sim]
-    gpu_memory_gb: 2
-    memory_gb: 1
-    pool: local
-"""
 
 
 class Fleet:
@@ -79,8 +53,8 @@ class Fleet:
         source = tmp / "catalog-src"
         (source / "models").mkdir(parents=True)
         (source / "llmgw.yaml").write_text(LLMGW_YAML % (budget, other_budget))
-        (source / "nodes.yaml").write_text(NODES_YAML)
-        (source / "models" / "sim-chat.yaml").write_text(MODEL_YAML)
+        (source / "nodes.yaml").write_text(local_node_yaml(2))
+        (source / "models" / "sim-chat.yaml").write_text(SIM_CHAT_MODEL_YAML)
         self.data = tmp / "state"
         router_port, admin_port = free_port(), free_port()
         # The data dir laid out as `llmgw up` lays it out (a catalog repository, the local node's

@@ -20,7 +20,7 @@ import pytest
 
 from llmgw.control.up import prepare
 from llmgw.router import hash_key
-from tests.e2e.processes import free_port, start, stop, wait_for
+from tests.e2e.processes import SIM_CHAT_MODEL_YAML, free_port, local_node_yaml, start, stop, wait_for
 from tests.e2e.test_up import processes_under
 
 pytestmark = pytest.mark.slow
@@ -31,32 +31,6 @@ pools:
 tenants:
   - name: acme-corp
     keys: [acme-prod-key]
-"""
-NODES_YAML = """\
-nodes:
-  - id: local
-    transport: local
-    address: 127.0.0.1
-    pool: local
-    gpus: {count: 1, class: sim, memory_gb: 24}
-    memory_gb: 16
-    disk_gb: 50
-"""
-MODEL_YAML = """\
-name: sim-chat
-aliases: [chat]
-task: chat
-source: sim://tiny-chat
-size_gb: 0.1
-scaling: {min: 1, max: 1}
-profiles:
-  - name: sim
-    engine: sim
-    gpus: 1
-    gpu_class: [sim]
-    gpu_memory_gb: 2
-    memory_gb: 1
-    pool: local
 """
 NAMES = ("acme-corp", "acme-prod-key")
 
@@ -88,8 +62,8 @@ def test_usage_per_tenant_and_key_is_served_behind_the_admin_token_only(tmp_path
     source = tmp_path / "catalog-src"
     (source / "models").mkdir(parents=True)
     (source / "llmgw.yaml").write_text(LLMGW_YAML)
-    (source / "nodes.yaml").write_text(NODES_YAML)
-    (source / "models" / "sim-chat.yaml").write_text(MODEL_YAML)
+    (source / "nodes.yaml").write_text(local_node_yaml(1))
+    (source / "models" / "sim-chat.yaml").write_text(SIM_CHAT_MODEL_YAML)
     data = tmp_path / "state"
     router_port, admin_port, own_port, metrics_port = free_port(), free_port(), free_port(), free_port()
     up = prepare(data, catalog=source, router_port=router_port, admin_port=admin_port)
