@@ -70,6 +70,11 @@ class Endpoint:
     # When the engine became ready (unix time): a new value is a new engine process, whose caches
     # are empty (the router forgets which prompts it sent the old one).
     ready_since: float = 0.0
+    # Progressive delivery (DESIGN §5): while a model has a canary, every endpoint of the model
+    # carries the canary's share of its requests in percent (drawn once per request, so a request
+    # and its retries stay on one version), and ``canary`` marks the canary's own. 0: no split.
+    canary: bool = False
+    canary_percent: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,6 +110,112 @@ def wire_name(v: Any) -> str:
     except UnicodeEncodeError:
         raise ValueError(f"{s!r} is not valid Unicode") from None
     return s
+
+
+# Latency buckets of the per-replica measurements a canary is judged by: 1 ms to ~10 min, each
+# 1.25x the last, so a p95 read off them is within 25 % of the true one (plenty to tell 2x).
+LATENCY_BOUNDS: tuple[float, ...] = tuple(0.001 * 1.25 ** i for i in range(60))
+_BUCKETS = len(LATENCY_BOUNDS) + 1  # the last: beyond the last bound
+MAX_STATS_COUNT = 2 ** 53
+
+
+def latency_bucket(seconds: float) -> int:
+    """The index of the bucket ``seconds`` falls in (its upper bound is the first one >= it)."""
+    lo, hi = 0, len(LATENCY_BOUNDS)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if LATENCY_BOUNDS[mid] < seconds:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class ReplicaStats:
+    """What one router saw of one replica since it started (cumulative; the controller takes
+    differences over an analysis interval): requests sent, of those errors (a failed attempt,
+    an engine error other than 429, a stream the engine cut), and histograms of time to first
+    token (a whole answer: its time) and of each stream's mean inter-token latency."""
+
+    requests: int = 0
+    errors: int = 0
+    ttft: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
+    itl: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
+
+    def observe(self, *, error: bool, ttft: float | None = None, itl: float | None = None) -> None:
+        self.requests += 1
+        self.errors += error
+        if ttft is not None:
+            self.ttft[latency_bucket(ttft)] += 1
+        if itl is not None:
+            self.itl[latency_bucket(itl)] += 1
+
+    def __add__(self, other: ReplicaStats) -> ReplicaStats:
+        return ReplicaStats(self.requests + other.requests, self.errors + other.errors,
+                            [a + b for a, b in zip(self.ttft, other.ttft, strict=True)],
+                            [a + b for a, b in zip(self.itl, other.itl, strict=True)])
+
+    def __sub__(self, other: ReplicaStats) -> ReplicaStats:
+        """What happened since ``other`` was read (never below zero: a router that restarted)."""
+        return ReplicaStats(max(self.requests - other.requests, 0), max(self.errors - other.errors, 0),
+                            [max(a - b, 0) for a, b in zip(self.ttft, other.ttft, strict=True)],
+                            [max(a - b, 0) for a, b in zip(self.itl, other.itl, strict=True)])
+
+    def covers(self, other: ReplicaStats) -> bool:
+        """Every count at least ``other``'s: this is a later reading of the same router's counters."""
+        return (self.requests >= other.requests and self.errors >= other.errors
+                and all(a >= b for a, b in zip(self.ttft, other.ttft, strict=True))
+                and all(a >= b for a, b in zip(self.itl, other.itl, strict=True)))
+
+    @property
+    def error_rate(self) -> float | None:
+        return self.errors / self.requests if self.requests else None
+
+    def p95(self, which: str) -> float | None:
+        """The 95th percentile of ``ttft`` or ``itl`` (the upper bound of its bucket), or None
+        with no samples."""
+        counts = self.ttft if which == "ttft" else self.itl
+        total = sum(counts)
+        if not total:
+            return None
+        need, seen = 0.95 * total, 0
+        for i, n in enumerate(counts):
+            seen += n
+            if seen >= need:
+                return LATENCY_BOUNDS[min(i, len(LATENCY_BOUNDS) - 1)]
+        return LATENCY_BOUNDS[-1]
+
+    def to_json(self) -> dict[str, Any]:
+        # Sparse histograms: most buckets of most replicas are empty.
+        return {"requests": self.requests, "errors": self.errors,
+                "ttft": {str(i): n for i, n in enumerate(self.ttft) if n},
+                "itl": {str(i): n for i, n in enumerate(self.itl) if n}}
+
+    @classmethod
+    def from_json(cls, d: Any) -> ReplicaStats:
+        """Off the wire; ValueError/TypeError when a count or a bucket is malformed."""
+        if not isinstance(d, dict):
+            raise TypeError(f"replica stats must be an object, got {type(d).__name__}")
+        s = cls()
+        for name in ("requests", "errors"):
+            v = d.get(name, 0)
+            if type(v) is not int or not 0 <= v < MAX_STATS_COUNT:
+                raise ValueError(f"malformed replica stats: {name} must be a whole number from 0 to 2**53")
+            setattr(s, name, v)
+        if s.errors > s.requests:
+            raise ValueError("malformed replica stats: more errors than requests")
+        for name in ("ttft", "itl"):
+            hist = d.get(name) or {}
+            if not isinstance(hist, dict):
+                raise TypeError(f"malformed replica stats: {name} must be an object")
+            counts = getattr(s, name)
+            for k, v in hist.items():
+                if not (isinstance(k, str) and k.isdigit() and int(k) < _BUCKETS) \
+                        or type(v) is not int or not 0 <= v < MAX_STATS_COUNT:
+                    raise ValueError(f"malformed replica stats: {name} bucket {k!r}")
+                counts[int(k)] = v
+        return s
 
 
 @dataclass(frozen=True)
@@ -342,13 +453,18 @@ class EndpointSink(Protocol):
 
 
 class UsageSource(Protocol):
-    """The router's report: when each replica was last used, demand and prompt-cache hits per model."""
+    """The router's report: when each replica was last used, demand and prompt-cache hits per model,
+    and what each router measured of each replica (for canary analysis)."""
 
     def last_used(self) -> Mapping[str, float]: ...
 
     def demand(self) -> Mapping[str, Demand]: ...
 
     def prompt_cache(self) -> Mapping[str, PromptCache]: ...
+
+    def replica_stats(self) -> Mapping[str, Mapping[str, ReplicaStats]]:
+        """Per router process (an id that changes when it restarts), per replica id: what it
+        measured since it started (cumulative)."""
 
 
 class NoUsage:
@@ -359,6 +475,9 @@ class NoUsage:
         return {}
 
     def prompt_cache(self) -> Mapping[str, PromptCache]:
+        return {}
+
+    def replica_stats(self) -> Mapping[str, Mapping[str, ReplicaStats]]:
         return {}
 
 

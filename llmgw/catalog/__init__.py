@@ -12,6 +12,7 @@ from llmgw.catalog.loader import (
     validate_files,
 )
 from llmgw.catalog.model import (
+    CanaryChecks,
     Catalog,
     GpuSpec,
     Model,
@@ -20,6 +21,7 @@ from llmgw.catalog.model import (
     NodeSpec,
     Profile,
     PruneGuard,
+    RolloutPolicy,
     Scaling,
     Settings,
     cache_name,
@@ -27,6 +29,7 @@ from llmgw.catalog.model import (
 from llmgw.catalog.problems import Problem
 
 __all__ = [
+    "CanaryChecks",
     "Catalog",
     "GpuSpec",
     "Model",
@@ -37,6 +40,7 @@ __all__ = [
     "Profile",
     "PruneGuard",
     "RawFile",
+    "RolloutPolicy",
     "Scaling",
     "Settings",
     "ValidationResult",

@@ -53,6 +53,45 @@ class Scaling:
     target_inflight: int = 16
 
 
+Strategy = Literal["replace", "canary"]
+
+
+@dataclass(frozen=True)
+class CanaryChecks:
+    """What a canary must not do worse than the stable replicas, over the same interval.
+
+    ``error_rate``: percentage points the canary's error rate may exceed the stable's by (a
+    fleet whose clients send bad requests fails on both alike). ``ttft_p95``/``itl_p95``: the
+    canary's p95 time to first token and inter-token latency at most this many times the
+    stable's. ``min_requests``: a step is judged only once the canary (and the stable group)
+    served this many requests in it; until then it waits for traffic.
+    """
+
+    error_rate: float = 2.0
+    ttft_p95: float = 2.0
+    itl_p95: float = 2.0
+    min_requests: int = 20
+
+
+@dataclass(frozen=True)
+class RolloutPolicy:
+    """How a change of a model's fingerprint reaches its replicas (DESIGN §5, Rollouts).
+
+    ``replace``: a new replica beside each old one, the old stopped once the new serves.
+    ``canary``: one replica of the new version takes ``steps`` percent of the traffic in turn,
+    each step judged by ``checks`` after ``interval`` seconds; then the rest are replaced.
+    In both, at most ``max_surge`` new replicas are started beside old ones at a time, and when
+    the fleet has no room for them, ``max_unavailable`` old ones are stopped first instead.
+    """
+
+    strategy: Strategy = "replace"
+    steps: tuple[float, ...] = (10.0, 50.0)
+    interval: float = 60.0
+    checks: CanaryChecks = field(default_factory=CanaryChecks)
+    max_surge: int = 1
+    max_unavailable: int = 1
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str
@@ -84,6 +123,7 @@ class Model:
     scaling: Scaling = field(default_factory=Scaling)
     fallbacks: tuple[ModelName, ...] = ()
     routing: Routing = "least-outstanding"
+    rollout: RolloutPolicy = field(default_factory=RolloutPolicy)
     file: str = ""
 
     @property
@@ -170,6 +210,7 @@ class Tenant:
 class Settings:
     pools: tuple[str, ...] = ()
     default_scaling: Scaling = field(default_factory=Scaling)
+    default_rollout: RolloutPolicy = field(default_factory=RolloutPolicy)
     prune_guard: PruneGuard = field(default_factory=PruneGuard)
     env_allow: tuple[str, ...] = ()
     tenants: tuple[Tenant, ...] = ()
