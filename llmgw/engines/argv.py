@@ -12,8 +12,16 @@ engine      node's executable (node config)  arguments built here
 vllm        ``vllm``                         ``serve {weights} ...``
 sglang      ``python``                       ``-m sglang.launch_server ...``
 llama.cpp   ``llama-server``                 ``-m {weights}/<file>.gguf ...``
+rpc-server  ``rpc-server`` (llama.cpp's)     ``--host {host} --port {port}`` (a worker)
 sim         ``python -m llmgw.engines.sim``  ``--model NAME ...``
 ==========  ===============================  ==========================================
+
+A replica across nodes (``nodes: N``) starts one process per node, each with its
+:class:`Shard`. Rank 0 is the head that serves HTTP. A llama.cpp head is ``llama-server --rpc
+<worker>,...``; its workers run the node's ``rpc-server`` engine (:func:`shard_engine`), which
+needs no weights. vLLM and SGLang run the same engine on every rank with their own multi-node
+flags, and :func:`shard_env` names the fabric for their collectives: ``{fabric_address}`` and
+``{fabric_interface}`` in an env value are the node's own, replaced by its agent.
 
 Every engine serves the model under its canonical name (:func:`served_name`), which is what
 the router rewrites a request's ``model`` field to, whatever alias the client used. The
@@ -35,6 +43,9 @@ from llmgw.errors import EngineArgsError
 PORT = "{port}"
 WEIGHTS = "{weights}"
 HOST = "{host}"
+FABRIC_ADDRESS = "{fabric_address}"
+FABRIC_INTERFACE = "{fabric_interface}"
+RPC_SERVER = "rpc-server"  # the node's engine name for a llama.cpp worker
 
 # vLLM's own default for --master-port (ParallelConfig.master_port, vllm/config/parallel.py).
 DEFAULT_DIST_PORT = 29501
@@ -50,12 +61,16 @@ class Shard:
     same two values, so the controller picks them before starting any rank. Two sharded
     replicas whose rank 0 shares a node need different ``dist_port`` values; the HTTP port is
     separate and stays the agent's ``{port}``.
+
+    ``workers`` is what a llama.cpp head alone needs: ``host:port`` of each worker's
+    ``rpc-server``, known once the workers run (they start first).
     """
 
     rank: int
     node_count: int
     rank0_address: str
     dist_port: int = DEFAULT_DIST_PORT
+    workers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.node_count < 2:
@@ -176,11 +191,14 @@ def sglang_args(model: Model, profile: Profile, shard: Shard | None = None) -> t
 #   GGUF file), -a/--alias, --host, --port, --metrics ("enable prometheus compatible metrics
 #   endpoint (default: disabled)"), -ngl/--n-gpu-layers N (999 = every layer: accepted by old
 #   builds and new ones alike, where "all" is newer), --embedding/--embeddings.
-#   llama-server has no multi-node mode of its own (its --rpc backends are not a rank scheme).
+#   Across nodes, tools/rpc/README.md: each worker runs `rpc-server -H <host> -p <port>` and the
+#   head `llama-server --rpc host:port,...`, which sends the workers their layers (they need no
+#   weights). Layers go to the RPC devices as they go to GPUs, so a head always offloads every
+#   layer (-ngl 999): with -ngl 0 a CPU head would keep them all and the workers would idle.
 def llamacpp_args(model: Model, profile: Profile, shard: Shard | None = None) -> tuple[str, ...]:
     _check_shard(profile, shard)
-    if shard is not None:
-        raise EngineArgsError(f"{model.name}: llama.cpp cannot shard one replica across nodes")
+    if shard is not None and shard.rank > 0:
+        return rpc_server_args(profile)
     args: list[str] = []
     if source_file_name(model.source) is not None:
         args += ["-m", weights_path(model)]
@@ -191,11 +209,41 @@ def llamacpp_args(model: Model, profile: Profile, shard: Shard | None = None) ->
             f"{model.name}: llama.cpp loads one .gguf file, but source {model.source} does not name one; "
             "point the source at the .gguf file or give the profile args ['-m', '{weights}/<file>.gguf']"
         )
+    offload = shard is not None or profile.gpus > 0
     args += ["--alias", served_name(model), "--host", HOST, "--port", PORT, "--metrics",
-             "--n-gpu-layers", "0" if profile.gpus == 0 else "999"]
+             "--n-gpu-layers", "999" if offload else "0"]
+    if shard is not None:
+        if len(shard.workers) != shard.node_count - 1:
+            raise EngineArgsError(f"{model.name}: a llama.cpp head of {shard.node_count} nodes needs "
+                                  f"{shard.node_count - 1} worker address(es), has {len(shard.workers)}")
+        args += ["--rpc", ",".join(shard.workers)]
     if model.task == "embedding":
         args.append("--embeddings")
     return (*args, *profile.args)
+
+
+# rpc-server — checked against ggml-org/llama.cpp tools/rpc/rpc-server.cpp's usage: -H/--host,
+#   -p/--port, -t/--threads, -d/--device, -c/--cache. Host and port are the agent's (the node's
+#   fabric address, a port of its range); the cache is never asked for (it writes files, and a
+#   worker has none). The profile's args are llama-server's and would stop rpc-server at the
+#   first flag it does not know, so only their thread count is carried over: a worker computes
+#   its layers with the threads the operator gave the head.
+def rpc_server_args(profile: Profile) -> tuple[str, ...]:
+    args = ["--host", HOST, "--port", PORT]
+    threads = _threads(profile.args)
+    if threads is not None:
+        args += ["--threads", threads]
+    return tuple(args)
+
+
+def _threads(args: tuple[str, ...]) -> str | None:
+    found = None
+    for i, a in enumerate(args):
+        if a in ("-t", "--threads") and i + 1 < len(args):
+            found = args[i + 1]
+        elif a.startswith("--threads="):
+            found = a.split("=", 1)[1]
+    return found if found is not None and found.isdigit() else None
 
 
 def _names_model_file(args: tuple[str, ...]) -> bool:
@@ -216,6 +264,34 @@ def sim_args(model: Model, profile: Profile, shard: Shard | None = None) -> tupl
     return (*args, *profile.args)
 
 
+def shard_engine(profile: Profile, rank: int) -> str:
+    """The node's engine name a rank runs: a llama.cpp worker is the node's ``rpc-server``."""
+    return RPC_SERVER if profile.engine == "llama.cpp" and rank > 0 else profile.engine
+
+
+def holds_weights(profile: Profile, rank: int) -> bool:
+    """Whether a rank of ``profile`` loads the weights from its node's disk. A llama.cpp worker
+    is sent its layers by the head over RPC, so only the head needs them; vLLM and SGLang load
+    each rank's part from its own node."""
+    return rank == 0 or profile.engine != "llama.cpp"
+
+
+# The collectives of vLLM and SGLang across nodes pick an address and an interface of their own
+# (the first non-loopback one), which on a node with a management and a fabric network is often
+# the wrong one: seen as ranks that time out connecting. Checked against NCCL's env docs
+# (NCCL_SOCKET_IFNAME, "=" for an exact name), PyTorch distributed's (GLOO_SOCKET_IFNAME), and
+# vLLM's envs.py (VLLM_HOST_IP: the address this node's workers announce to the others).
+def shard_env(profile: Profile, shard: Shard | None) -> dict[str, str]:
+    """Env a rank needs to talk to the others over the fabric; empty off a sharded replica and for
+    llama.cpp (its RPC addresses are in its argv). The profile's own env wins over these."""
+    if shard is None or profile.engine not in ("vllm", "sglang"):
+        return {}
+    env = {"NCCL_SOCKET_IFNAME": "=" + FABRIC_INTERFACE, "GLOO_SOCKET_IFNAME": FABRIC_INTERFACE}
+    if profile.engine == "vllm":
+        env["VLLM_HOST_IP"] = FABRIC_ADDRESS
+    return env
+
+
 Builder = Callable[[Model, Profile, Shard | None], tuple[str, ...]]
 
 BUILDERS: Mapping[Engine, Builder] = {
@@ -232,7 +308,7 @@ def engine_args(model: Model, profile: Profile, shard: Shard | None = None) -> t
     Appended by the agent to the node's executable for ``profile.engine``; placeholders
     ``{port}``, ``{weights}``, ``{host}`` are left for the agent. Raises
     :class:`EngineArgsError` for a combination the engine cannot run (a sharded profile
-    without its shard, llama.cpp across nodes or without a .gguf file).
+    without its shard, a llama.cpp head without its workers' addresses or without a .gguf file).
     """
     builder = BUILDERS.get(profile.engine)
     if builder is None:

@@ -10,7 +10,10 @@ from llmgw.engines.argv import (
     EngineArgsError,
     Shard,
     engine_args,
+    holds_weights,
     served_name,
+    shard_engine,
+    shard_env,
     source_file_name,
     weights_path,
 )
@@ -128,9 +131,49 @@ def test_llamacpp_directory_source_needs_the_operator_to_name_the_file() -> None
                            "-m", "{weights}/model-q4.gguf")
 
 
-def test_llamacpp_cannot_shard() -> None:
-    with pytest.raises(EngineArgsError, match="cannot shard"):
-        args_for(profile("llama.cpp", nodes=2), Shard(rank=0, node_count=2, rank0_address="a"), source=GGUF_URL)
+def test_llamacpp_head_offloads_every_layer_to_its_workers_rpc_servers() -> None:
+    # llama.cpp tools/rpc/README.md: `llama-server --rpc host:port,host:port`; a CPU head with
+    # -ngl 0 would keep every layer and leave the workers idle.
+    p = profile("llama.cpp", gpus=0, nodes=3, args=("--threads", "1"))
+    head = Shard(rank=0, node_count=3, rank0_address="10.0.0.11", workers=("10.0.0.12:8101", "[fd00::3]:8100"))
+    assert args_for(p, head, source=GGUF_URL) == (
+        "-m", "{weights}/qwen2.5-7b-instruct-q3_k_m.gguf", "--alias", "llama-8b", *BASE, "--metrics",
+        "--n-gpu-layers", "999", "--rpc", "10.0.0.12:8101,[fd00::3]:8100", "--threads", "1")
+
+
+def test_llamacpp_worker_is_an_rpc_server_with_only_host_port_and_the_heads_threads() -> None:
+    p = profile("llama.cpp", gpus=0, nodes=3, args=("--ctx-size", "2048", "-t", "2"))
+    worker = Shard(rank=2, node_count=3, rank0_address="10.0.0.11")
+    # No llama-server flag (rpc-server stops at the first it does not know), never -c (a cache on disk).
+    assert args_for(p, worker, source=GGUF_URL) == (*BASE, "--threads", "2")
+    assert args_for(profile("llama.cpp", gpus=1, nodes=2), Shard(rank=1, node_count=2, rank0_address="a"),
+                    source=GGUF_URL) == BASE
+    assert shard_engine(p, 0) == "llama.cpp" and shard_engine(p, 1) == shard_engine(p, 2) == "rpc-server"
+    assert shard_engine(profile("vllm", nodes=2), 1) == "vllm"
+
+
+def test_only_a_llamacpp_head_holds_weights_every_vllm_and_sglang_rank_does() -> None:
+    assert [holds_weights(profile("llama.cpp", nodes=3), r) for r in range(3)] == [True, False, False]
+    assert [holds_weights(profile("vllm", nodes=2), r) for r in range(2)] == [True, True]
+    assert [holds_weights(profile("sglang", nodes=2), r) for r in range(2)] == [True, True]
+
+
+def test_llamacpp_head_without_every_worker_address_is_refused() -> None:
+    with pytest.raises(EngineArgsError, match="needs 2 worker address"):
+        args_for(profile("llama.cpp", nodes=3), Shard(rank=0, node_count=3, rank0_address="a", workers=("b:1",)),
+                 source=GGUF_URL)
+
+
+def test_fabric_env_of_sharded_vllm_and_sglang_and_none_elsewhere() -> None:
+    shard = Shard(rank=1, node_count=2, rank0_address="10.0.0.11")
+    # NCCL_SOCKET_IFNAME "=name" matches that interface exactly (NCCL env docs), not every prefix.
+    assert shard_env(profile("vllm", nodes=2), shard) == {
+        "VLLM_HOST_IP": "{fabric_address}", "NCCL_SOCKET_IFNAME": "={fabric_interface}",
+        "GLOO_SOCKET_IFNAME": "{fabric_interface}"}
+    assert shard_env(profile("sglang", nodes=2), shard) == {
+        "NCCL_SOCKET_IFNAME": "={fabric_interface}", "GLOO_SOCKET_IFNAME": "{fabric_interface}"}
+    assert shard_env(profile("llama.cpp", nodes=2), shard) == {}
+    assert shard_env(profile("vllm"), None) == {}
 
 
 # -- sim ------------------------------------------------------------------------------------
