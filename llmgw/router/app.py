@@ -25,6 +25,7 @@ import hmac
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from llmgw.catalog import Catalog
-from llmgw.contract import Demand, Endpoint, PromptCache
+from llmgw.contract import Demand, Endpoint, PromptCache, ReplicaStats
 from llmgw.router import respond
 from llmgw.router.answer import llama_timings
 from llmgw.router.changes import Changes
@@ -135,6 +136,10 @@ class Router:
         # reading one engine sees the same totals, so these stay out of the reports routers sum.
         self._polled_counts: dict[str, list[int]] = {}
         self._usage: dict[tuple[str, str], Usage] = {}  # (key name, model served) -> use since start
+        # What this process measured of each replica since it started, for canary analysis: the
+        # controller takes differences, so a restarted router is a new instance, never a reset.
+        self.instance_id = uuid.uuid4().hex
+        self._stats: dict[str, ReplicaStats] = {}
         # The same counts by minute, until the controller's ledger has them (llmgw.contract).
         self.usage_outbox = UsageOutbox()
         self._limiter = Limiter()  # tenants' limits, from the catalog (llmgw.yaml)
@@ -228,9 +233,13 @@ class Router:
             self.metrics.forget_replicas(gone)
             for rid in gone:
                 self._last_used.pop(rid, None)
+                self._stats.pop(rid, None)
                 origin = old.upstreams[rid].origin
                 origin.retired = True  # its connections close as they come back...
                 self._retired.append(origin)  # ...and the idle ones at the next sweep
+        for rid in self.table.upstreams:
+            if rid not in self._stats:
+                self._stats[rid] = ReplicaStats()
         self._changes.notify()
 
     def set_unrunnable(self, reasons: Mapping[str, str]) -> None:
@@ -261,6 +270,13 @@ class Router:
             for m, (prompt, cached) in self._polled_counts.items():
                 out[m] = out.get(m, PromptCache()) + PromptCache(prompt_tokens=prompt, cached_tokens=cached)
         return out
+
+    def replica_stats(self) -> dict[str, dict[str, ReplicaStats]]:
+        """Usage source: ``{instance_id: {replica id: stats}}``, what this router measured of each
+        replica in the table since it started (cumulative), as copies: the live counters go on
+        moving while the caller takes differences."""
+        return {self.instance_id: {rid: ReplicaStats(s.requests, s.errors, list(s.ttft), list(s.itl))
+                                   for rid, s in self._stats.items()}}
 
     def usage(self) -> dict[tuple[str, str], Usage]:
         """Tokens and requests per (API key name, model served) since this router started; the key
@@ -592,9 +608,12 @@ class Router:
         # which is taken out again when the client did not want it (llmgw.router.usage).
         strip_usage = stream and not wants_usage(body)
         counted = False  # a retried request's blocks are counted once
+        # Drawn once: a request and its retries stay on one version of a model with a canary.
+        draw = self._rng.random()
         while True:
             table = self.table
-            choice = choose(table, chain, self._clock(), self._rng, tried, prompt, self.config.prefix_imbalance)
+            choice = choose(table, chain, self._clock(), self._rng, tried, prompt, self.config.prefix_imbalance,
+                            draw=draw)
             if choice is None:
                 if failure is not None:
                     return self._refuse(self._failed(model, chain, failure, len(tried)), model.name, t0)
@@ -655,13 +674,18 @@ class Router:
         self._last_used[rid] = self._wall()
         status: int | None = None
         counted = self._answer_tap(served, account, up.endpoint.engine == "llama.cpp")
-        whole = tapped = False
+        whole = tapped = failed = False
         ticket = account.ticket
+        clock = self._clock
+        # This attempt's own start: time the request waited for a replica is not the replica's.
+        start = clock()
+        first: float | None = None  # when a stream's first chunk came
+        events = 0
 
-        def tap(tail: bytes, events: int, complete: bool) -> None:
-            nonlocal whole, tapped
-            whole, tapped = complete, True
-            counted(tail, events, complete)
+        def tap(tail: bytes, n: int, complete: bool) -> None:
+            nonlocal whole, tapped, events
+            whole, tapped, events = complete, True, n
+            counted(tail, n, complete)
 
         def gone() -> None:
             # The client went away before any answer was counted (a whole one not yet read, a
@@ -673,10 +697,15 @@ class Router:
             tap(b"", 0, False)
         try:
             if stream:
-                clock, metrics = self._clock, self.metrics
+                metrics = self.metrics
+
+                def on_first() -> None:
+                    nonlocal first
+                    first = clock()
+                    metrics.first_token(label, first - t0)
+
                 resp, status = await forward_stream(pool, up.origin, up.heads[path], data, served, request,
-                                                    lambda: metrics.first_token(label, clock() - t0), tap,
-                                                    strip_usage)
+                                                    on_first, tap, strip_usage)
                 if status == CLIENT_GONE and not tapped:
                     gone()
             else:
@@ -687,6 +716,7 @@ class Router:
             return resp
         except BaseException as exc:
             if isinstance(exc, UpstreamFailed):
+                failed = True
                 if exc.reason not in ("connect", "status") and ticket is not None:
                     # Sent, then cut off: the engine read the prompt. Charged unless a retry's
                     # answer settles what was really used.
@@ -701,8 +731,40 @@ class Router:
         finally:
             up.inflight -= 1
             self._last_used[rid] = self._wall()
+            end = clock()
             if status is not None:
-                self.metrics.request(label, status, rid, self._clock() - t0)
+                self.metrics.request(label, status, rid, end - t0)
+            self._observe(rid, failed=failed, status=status, whole=whole, tapped=tapped, start=start,
+                          first=first, end=end, events=events)
+
+    def _observe(self, rid: str, *, failed: bool, status: int | None, whole: bool, tapped: bool, start: float,
+                 first: float | None, end: float, events: int) -> None:
+        """One attempt's outcome in its replica's :class:`ReplicaStats` (what a canary is judged by).
+
+        An error: the attempt failed (any reason), the engine answered 5xx or a 4xx other than 429
+        (a rate limit is the engine protecting itself, not a broken version), or cut a stream. Not
+        counted at all: the client went away before the answer was whole (not the replica's
+        doing), nor a replica no longer in the table. Latencies only for answers served (2xx), so
+        fast refusals cannot make a broken version look fast (its error rate judges it): time to
+        the first chunk of a stream (else the whole answer's time) from this attempt's start, and
+        a stream's mean time between its content events.
+        """
+        stats = self._stats.get(rid)  # made with the table (set_endpoints): a replica gone is not counted
+        if stats is None:
+            return
+        if not failed:
+            if status is None or (status == CLIENT_GONE and not whole):
+                return
+            if status == CLIENT_GONE or status < 300:  # a client that hung up at the end got its answer
+                if tapped and not whole:  # the engine cut it short
+                    stats.observe(error=True)
+                    return
+                ttft = (end if first is None else first) - start
+                itl = (end - first) / (events - 1) if first is not None and events >= 2 else None
+                stats.observe(error=False, ttft=ttft, itl=itl)
+                return
+            failed = status >= 500 or status != 429 and status >= 400
+        stats.observe(error=failed)
 
     # --- prefix affinity (llmgw.router.prefix) -------------------------------------------
     def _prompt_key(self, body: dict, path: str, chain: tuple[RouteModel, ...],

@@ -13,6 +13,14 @@ engine (read from its ``/metrics``) — divided by the replica's weight. Ties ar
 (weighted), so at low load traffic spreads instead of always landing on the first replica. A
 replica that failed recently is cooling down and only used when nothing else of its model is
 left. Nothing here does I/O; time and randomness are passed in.
+
+Progressive delivery (DESIGN §5): while a model has a canary, its replicas form two tracks, the
+canary's and the stable ones', each with its own priority groups (built with the table, so a
+model without a canary pays nothing per request). A request's one uniform draw, made once in the
+handler, picks the track (its retries stay on it: one version per request); selection, prefix
+affinity included, runs within the track. Only when the drawn track has no replica left to try
+does the request go to the other: a canary that failed before the first byte must not cost a
+client a request the stable version could serve.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from llmgw.contract import Endpoint
 from llmgw.router.prefix import PrefixIndex, PromptKey, rendezvous
@@ -76,16 +85,37 @@ class Upstream:
         return f"Upstream({self.replica_id!r}, {self.url!r}, inflight={self.inflight})"
 
 
+Groups = tuple[tuple[Upstream, ...], ...]  # a model's replicas by priority, lowest value first
+
+
+@dataclass(frozen=True)
+class Split:
+    """A model's traffic split while it has a canary: ``percent`` of its requests to the canary's
+    replicas, the rest to the stable ones, each track with its own priority groups."""
+
+    percent: float
+    canary: Groups
+    stable: Groups
+
+    def tracks(self, draw: float) -> tuple[Groups, Groups]:
+        """The drawn track first, the other as the last resort."""
+        if draw * 100.0 < self.percent:
+            return self.canary, self.stable
+        return self.stable, self.canary
+
+
 class EndpointTable:
-    """An immutable view of the ready replicas: per model, priority groups in order."""
+    """An immutable view of the ready replicas: per model, priority groups in order, and the
+    split of each model that has a canary."""
 
-    __slots__ = ("groups", "upstreams", "version")
+    __slots__ = ("groups", "upstreams", "version", "splits")
 
-    def __init__(self, groups: Mapping[str, tuple[tuple[Upstream, ...], ...]],
-                 upstreams: Mapping[str, Upstream], version: int) -> None:
+    def __init__(self, groups: Mapping[str, Groups], upstreams: Mapping[str, Upstream], version: int,
+                 splits: Mapping[str, Split] | None = None) -> None:
         self.groups = groups
         self.upstreams = upstreams
         self.version = version
+        self.splits: Mapping[str, Split] = splits or {}
 
     def has(self, model: str) -> bool:
         return model in self.groups
@@ -117,27 +147,62 @@ def build_table(endpoints: Sequence[Endpoint], previous: EndpointTable) -> Endpo
     for u in upstreams.values():
         by_model.setdefault(u.model, {}).setdefault(u.endpoint.priority, []).append(u)
     groups = {model: tuple(tuple(prio[p]) for p in sorted(prio)) for model, prio in by_model.items()}
-    return EndpointTable(groups, upstreams, previous.version + 1)
+    splits = {}
+    for model, model_groups in groups.items():
+        split = _split(model, model_groups)
+        if split is not None:
+            splits[model] = split
+    return EndpointTable(groups, upstreams, previous.version + 1, splits)
+
+
+def _split(model: str, groups: Groups) -> Split | None:
+    """The model's split, or None when it has none: no canary replica, a share of 0 (or not a
+    number), or no stable replica left (everything goes to what exists). A share of 100 or more
+    sends every request to the canary, the stable replicas remaining its retry."""
+    canaries = [u for g in groups for u in g if u.endpoint.canary]
+    if not canaries:
+        return None
+    percent = min(canaries[0].endpoint.canary_percent, 100.0)
+    if others := {u.endpoint.canary_percent for u in canaries[1:]} - {canaries[0].endpoint.canary_percent}:
+        # The control plane publishes one share per model; two mean a bug upstream, said once per table.
+        log.warning("canary replicas of %s carry different shares (%s and %s); using %s", model,
+                    canaries[0].endpoint.canary_percent, sorted(others), percent)
+    if not percent > 0.0:  # also NaN
+        return None
+    canary = tuple(t for t in (tuple(u for u in g if u.endpoint.canary) for g in groups) if t)
+    stable = tuple(t for t in (tuple(u for u in g if not u.endpoint.canary) for g in groups) if t)
+    if not stable:
+        return None
+    return Split(percent, canary, stable)
 
 
 def choose(table: EndpointTable, chain: Sequence[RouteModel], now: float, rng: random.Random,
            tried: tuple[Upstream, ...] = (), prompt: PromptKey | None = None,
-           imbalance: float = 4.0) -> tuple[RouteModel, Upstream] | None:
+           imbalance: float = 4.0, *, draw: float = 1.0) -> tuple[RouteModel, Upstream] | None:
     """Where to send a request for ``chain[0]``: the model (or the fallback) and the replica, or
     None when nothing in the chain has a replica left to try. Pure: the handler applies it.
 
     A healthy replica anywhere in the chain (the model, then its fallbacks in order) comes before
     one that failed in the last few seconds. A model routed by ``prefix`` is picked by
     :func:`pick_prefix` when the request has a ``prompt`` key, else like any other.
+
+    ``draw`` is the request's own uniform number in [0, 1), the same for each of its attempts:
+    for a model with a :class:`Split` (a fallback's own too), below its share the canary's
+    replicas are tried first, else the stable ones; the other track only once the drawn one has
+    nothing left. The default 1.0 never draws the canary.
     """
+    splits = table.splits
     for cooled in (False, True):
         for m in chain:
             groups = table.groups.get(m.name)
-            if groups is not None:
+            if groups is None:
+                continue
+            split = splits.get(m.name) if splits else None
+            for track in (groups,) if split is None else split.tracks(draw):
                 if prompt is not None and m.routing == "prefix":
-                    up = pick_prefix(groups, now, prompt, imbalance, tried, cooled=cooled)
+                    up = pick_prefix(track, now, prompt, imbalance, tried, cooled=cooled)
                 else:
-                    up = pick(groups, now, rng, tried, cooled=cooled)
+                    up = pick(track, now, rng, tried, cooled=cooled)
                 if up is not None:
                     return m, up
     return None
