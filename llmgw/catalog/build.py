@@ -12,6 +12,7 @@ from typing import Any
 from llmgw.catalog.durations import DurationError, parse_duration
 from llmgw.catalog.model import (
     Budget,
+    CanaryChecks,
     GpuSpec,
     Limits,
     Model,
@@ -20,11 +21,13 @@ from llmgw.catalog.model import (
     NodeSpec,
     Profile,
     PruneGuard,
+    RolloutPolicy,
     Scaling,
     Settings,
     Tenant,
 )
 from llmgw.catalog.problems import Problem
+from llmgw.catalog.semantic import rollout_problems
 from llmgw.catalog.yamlpos import Document, Path
 
 
@@ -55,15 +58,43 @@ def build_scaling(
     )
 
 
+def build_rollout(
+    doc: Document, path: Path, raw: dict[str, Any] | None, base: RolloutPolicy, problems: list[Problem]
+) -> RolloutPolicy:
+    """``base`` (llmgw.yaml's default, or the built-in one for that default itself) with the fields
+    ``raw`` sets, ``checks`` key by key; the rules a schema cannot say are reported at their keys."""
+    raw = raw or {}
+    # A duration that does not parse is reported here, once; the range rule judges only real ones.
+    written = _duration(doc, path + ("interval",), raw["interval"], problems) if "interval" in raw else None
+    checks = raw.get("checks") or {}
+    policy = RolloutPolicy(
+        strategy=raw.get("strategy", base.strategy),
+        steps=tuple(float(s) for s in raw["steps"]) if "steps" in raw else base.steps,
+        interval=base.interval if written is None else written,
+        checks=CanaryChecks(
+            error_rate=float(checks.get("error_rate", base.checks.error_rate)),
+            ttft_p95=float(checks.get("ttft_p95", base.checks.ttft_p95)),
+            itl_p95=float(checks.get("itl_p95", base.checks.itl_p95)),
+            min_requests=checks.get("min_requests", base.checks.min_requests),
+        ),
+        max_surge=raw.get("max_surge", base.max_surge),
+        max_unavailable=raw.get("max_unavailable", base.max_unavailable),
+    )
+    problems += rollout_problems(doc, path, raw, policy, interval=written)
+    return policy
+
+
 def build_settings(doc: Document | None, problems: list[Problem]) -> Settings:
     if doc is None:
         return Settings()
     raw = doc.data
-    defaults = (raw.get("defaults") or {}).get("scaling")
+    defaults = raw.get("defaults") or {}
     guard = raw.get("prune_guard") or {}
     return Settings(
         pools=tuple(p["name"] for p in raw.get("pools") or ()),
-        default_scaling=build_scaling(doc, ("defaults", "scaling"), defaults, Scaling(), problems),
+        default_scaling=build_scaling(doc, ("defaults", "scaling"), defaults.get("scaling"), Scaling(), problems),
+        default_rollout=build_rollout(doc, ("defaults", "rollout"), defaults.get("rollout"), RolloutPolicy(),
+                                      problems),
         prune_guard=PruneGuard(
             max_model_share=float(guard.get("max_model_share", 0.5)),
             max_replica_share=float(guard.get("max_replica_share", 0.5)),
@@ -119,6 +150,7 @@ def build_model(doc: Document, settings: Settings, problems: list[Problem]) -> M
         scaling=build_scaling(doc, ("scaling",), raw.get("scaling"), settings.default_scaling, problems),
         fallbacks=tuple(ModelName(f) for f in raw.get("fallbacks") or ()),
         routing=raw.get("routing", "least-outstanding"),
+        rollout=build_rollout(doc, ("rollout",), raw.get("rollout"), settings.default_rollout, problems),
         file=doc.file,
     )
 

@@ -14,11 +14,14 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
-from llmgw.catalog.model import Model, NodeSpec, Profile, Settings
+from llmgw.catalog.model import Model, NodeSpec, Profile, RolloutPolicy, Settings
 from llmgw.catalog.problems import Problem
+from llmgw.catalog.schema import dotted
 from llmgw.catalog.yamlpos import Document
+from llmgw.catalog.yamlpos import Path as KeyPath
 
 AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "llmgw_agent.py"
 
@@ -172,6 +175,56 @@ def check_scaling(entries: Iterable[ModelEntry]) -> list[Problem]:
             out.append(e.doc.problem(
                 ("scaling", "min"), f"scaling.min ({s.min}) is greater than scaling.max ({s.max})"
             ))
+    return out
+
+
+# A canary step shorter than this has too few requests to judge; one longer than a day holds a
+# rollout (and every later commit to the model) for longer than anyone watches it.
+MIN_INTERVAL = 1.0
+MAX_INTERVAL = 86400.0
+
+
+def rollout_problems(
+    doc: Document, path: KeyPath, raw: dict[str, Any], policy: RolloutPolicy, *, interval: float | None
+) -> list[Problem]:
+    """What the schema cannot say about one `rollout:` block (a model's, or llmgw.yaml's default).
+
+    ``raw`` is the block as written and ``policy`` what it built to, over the default; a rule is
+    judged only where the block writes a key the rule is about, so a mistake in the default is
+    reported once, in llmgw.yaml, not again in every model that inherits it. ``interval`` is the
+    block's own interval in seconds, None when it writes none or one that does not parse (already
+    reported). Per-value bounds (a step in (0, 100), at most 10 steps, ratios >= 1, ...) are the
+    schema's, so editors show them too.
+    """
+    out = []
+    where = dotted(path)
+    if "steps" in raw:
+        steps = policy.steps
+        for i in range(1, len(steps)):
+            if steps[i] <= steps[i - 1]:
+                # Out of order is a typo far more often than an intention, and a step that gives
+                # the canary less traffic than the last one proves nothing new.
+                out.append(doc.problem(path + ("steps", i), (
+                    f"{where}.steps[{i}]: {steps[i]:g} is not above the step before it ({steps[i - 1]:g}): "
+                    "steps must strictly increase")))
+    if interval is not None:
+        text = raw["interval"]
+        if interval < MIN_INTERVAL:
+            out.append(doc.problem(path + ("interval",), (
+                f"{where}.interval: {text} is shorter than 1s: a step needs time to see requests on the canary")))
+        elif interval > MAX_INTERVAL:
+            out.append(doc.problem(path + ("interval",), (
+                f"{where}.interval: {text} is longer than 24h: each canary step is judged at most a day "
+                "after it starts")))
+    written = [k for k in ("max_surge", "max_unavailable") if k in raw]
+    if written and policy.max_surge == 0 and policy.max_unavailable == 0:
+        # Neither a new replica beside the old nor an old one stopped first: nothing could move.
+        key = written[0]
+        inherited = [k for k in ("max_surge", "max_unavailable") if k not in raw]
+        tail = f" ({inherited[0]} 0 comes from defaults.rollout in llmgw.yaml)" if inherited else ""
+        out.append(doc.problem(path + (key,), (
+            f"{where}.{key}: max_surge and max_unavailable are both 0: the rollout would never make "
+            f"progress{tail}")))
     return out
 
 
