@@ -2,8 +2,9 @@
 
 :class:`FeedHub` is the reconciler's endpoint sink and a catalog subscriber (``order=ROUTER``),
 keeps the latest snapshot, streams it to every watcher, and merges the routers' reports into one
-usage source (latest last-use per replica, demand summed over routers, a router's report forgotten
-once it is older than ``report_ttl``). A report with held requests wakes the reconciler at once.
+usage source (latest last-use per replica, demand summed over routers, each router process's
+per-replica measurements for canary analysis, a router's report forgotten once it is older than
+``report_ttl``). A report with held requests wakes the reconciler at once.
 Authentication is the admin listener's business: mount :meth:`FeedHub.watch` and
 :meth:`FeedHub.report` behind its token check.
 
@@ -37,6 +38,7 @@ from llmgw.contract import (
     Demand,
     Endpoint,
     PromptCache,
+    ReplicaStats,
     UsageBatch,
     UsageLedger,
     catalog_view,
@@ -51,8 +53,10 @@ log = logging.getLogger(__name__)
 
 
 MAX_REPORTED_MODELS = 10_000
-# One router's last report: when, last use per replica, demand and prompt-cache counts per model.
-Report = tuple[float, dict[str, float], dict[str, Demand], dict[str, PromptCache]]
+MAX_REPORTED_REPLICAS = 10_000
+# One router's last report: when, last use per replica, demand and prompt-cache counts per model,
+# and what its process measured of each replica ({instance: {replica id: stats}}, empty or one).
+Report = tuple[float, dict[str, float], dict[str, Demand], dict[str, PromptCache], dict[str, dict[str, ReplicaStats]]]
 
 
 class FeedHub:
@@ -151,7 +155,7 @@ class FeedHub:
     # --- usage: the reconciler's side ---------------------------------------------------
     def last_used(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for _, used, _, _ in self._live_reports():
+        for _, used, _, _, _ in self._live_reports():
             for rid, t in used.items():
                 if t > out.get(rid, 0.0):
                     out[rid] = t
@@ -160,7 +164,7 @@ class FeedHub:
     def demand(self) -> dict[str, Demand]:
         held: dict[str, int] = {}
         inflight: dict[str, int] = {}
-        for _, _, dem, _ in self._live_reports():
+        for _, _, dem, _, _ in self._live_reports():
             for model, d in dem.items():
                 held[model] = held.get(model, 0) + d.held
                 inflight[model] = inflight.get(model, 0) + d.inflight
@@ -169,9 +173,17 @@ class FeedHub:
     def prompt_cache(self) -> dict[str, PromptCache]:
         """Summed over the routers heard from (each counts since it started)."""
         out: dict[str, PromptCache] = {}
-        for _, _, _, cache in self._live_reports():
+        for _, _, _, cache, _ in self._live_reports():
             for model, c in cache.items():
                 out[model] = out.get(model, PromptCache()) + c
+        return out
+
+    def replica_stats(self) -> dict[str, dict[str, ReplicaStats]]:
+        """Per router process heard from within ``report_ttl``, per replica: what it measured since
+        it started (cumulative, as last reported)."""
+        out: dict[str, dict[str, ReplicaStats]] = {}
+        for *_, stats in self._live_reports():
+            out.update(stats)
         return out
 
     def routers(self) -> dict[str, float]:
@@ -229,6 +241,7 @@ class FeedHub:
             cache = {wire_str(m): PromptCache.from_json(c) for m, c in (data.get("prompt_cache") or {}).items()}
             if len(cache) > MAX_REPORTED_MODELS:
                 raise ValueError(f"{len(cache)} models in one report (at most {MAX_REPORTED_MODELS})")
+            stats = _replica_stats(data.get("replica_stats"))
         except KeyError as exc:
             # The admin API's error shape ({"error": "..."}), not the OpenAI one: this is an admin route.
             return web.json_response({"error": f"malformed router report: {exc.args[0]} is missing"}, status=400)
@@ -248,7 +261,7 @@ class FeedHub:
                 rejected = seq if type(seq) is int else None
                 log.error("usage ledger: a batch from router %s was refused and is lost (%s)", router_id,
                           f"missing {exc.args[0]}" if isinstance(exc, KeyError) else exc)
-        self._reports[router_id] = (self.clock(), used, dem, cache)
+        self._reports[router_id] = (self.clock(), used, dem, cache, stats)
         if self.wake is not None:
             for model, d in dem.items():
                 if d.held > 0:
@@ -266,6 +279,32 @@ class FeedHub:
                 log.warning("usage ledger: could not record a batch from %s (%s)", router_id, exc)
         answer.update(self.spent())  # with its own batch in them
         return web.json_response(answer)
+
+
+def _replica_stats(d: Any) -> dict[str, dict[str, ReplicaStats]]:
+    """A report's ``replica_stats`` (``{"instance": id, "replicas": {replica id: stats}}``) as
+    ``{instance: {replica id: stats}}``; nothing when absent (an older router). Malformed: the
+    whole report is refused with a 400, as a malformed ``prompt_cache`` is, so the router's log
+    says so instead of canary analysis silently going without its figures."""
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise TypeError(f"replica_stats must be an object, got {type(d).__name__}")
+    instance = d.get("instance")
+    if not isinstance(instance, str) or not instance:
+        raise ValueError(f"replica_stats.instance must be a string naming the router process, got {instance!r}")
+    replicas = d.get("replicas") or {}
+    if not isinstance(replicas, dict):
+        raise TypeError(f"replica_stats.replicas must be an object, got {type(replicas).__name__}")
+    if len(replicas) > MAX_REPORTED_REPLICAS:  # before parsing them: a report costs what is bounded
+        raise ValueError(f"{len(replicas)} replicas in one report's replica_stats (at most {MAX_REPORTED_REPLICAS})")
+    out = {}
+    for rid, s in replicas.items():
+        try:
+            out[wire_str(rid)] = ReplicaStats.from_json(s)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"replica_stats of {rid!r}: {exc}") from exc
+    return {instance: out}
 
 
 class Fanout:
@@ -313,4 +352,15 @@ class MergedUsage:
         for s in self.sources:
             for m, c in s.prompt_cache().items():
                 out[m] = out.get(m, PromptCache()) + c
+        return out
+
+    def replica_stats(self) -> dict[str, dict[str, ReplicaStats]]:
+        """Every source's router processes (instances are unique: each router makes its own id);
+        a source without the method contributes nothing."""
+        out: dict[str, dict[str, ReplicaStats]] = {}
+        for s in self.sources:
+            read = getattr(s, "replica_stats", None)
+            if read is not None:
+                for instance, replicas in read().items():
+                    out[instance] = dict(replicas)
         return out

@@ -7,7 +7,8 @@ router goes on serving from the last snapshot meanwhile. Requests to replicas th
 up keep succeeding; a replica that died meanwhile is retried around and cooled down by the
 router as usual.
 
-Reports (last use per replica, demand per model) go out every ``report_interval`` seconds, and
+Reports (last use per replica, demand per model, what the router measured of each replica for
+canary analysis) go out every ``report_interval`` seconds, and
 at once when the router holds a request or serves one by fallback (:meth:`FeedClient.report_soon`
 is the router's ``wake`` callback), so a model at zero is woken without waiting for the tick.
 """
@@ -202,6 +203,10 @@ class FeedClient:
             "last_used": self.router.last_used(),
             "demand": {m: {"held": d.held, "inflight": d.inflight} for m, d in self.router.demand().items()},
             "prompt_cache": {m: c.to_json() for m, c in self.router.prompt_cache(polled=False).items()},
+            # Cumulative since this router process started; the instance tells the controller
+            # when it restarted (its counters began again), so differences never go negative.
+            "replica_stats": {"instance": self.router.instance_id, "replicas": {
+                rid: s.to_json() for rid, s in self.router.replica_stats()[self.router.instance_id].items()}},
         }
         outbox = self.router.usage_outbox
         batch = outbox.take()

@@ -1,0 +1,162 @@
+"""What standalone routers measured of each replica reaches the controller (issue 26): carried by
+their reports, kept with each router's report and forgotten with it, merged with the in-process
+router's, and a malformed part refused clearly. A real FeedHub on a real port, real Routers, a
+real simulated engine and the real openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from llmgw.catalog.model import Catalog
+from llmgw.contract import REPORT_PATH, PromptCache, ReplicaStats
+from llmgw.control.feed import MAX_REPORTED_REPLICAS, FeedHub, MergedUsage
+from llmgw.engines.testing import SimProcess, free_port
+from llmgw.router import FeedClient, Router
+from tests.router.conftest import TOKEN, client, endpoint, serving
+from tests.router.fake_controller import make_app, model
+
+HELLO = [{"role": "user", "content": "hi"}]
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@asynccontextmanager
+async def hub_served(hub: FeedHub) -> AsyncIterator[str]:
+    runner = web.AppRunner(make_app(hub, TOKEN), access_log=None, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def post(url: str, report: Any) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as s, s.post(url + REPORT_PATH, json=report, headers=AUTH,
+                                                    timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        return resp.status, await resp.json()
+
+
+def stats(requests: int, errors: int = 0, ttft: float = 0.05) -> ReplicaStats:
+    s = ReplicaStats()
+    for i in range(requests):
+        s.observe(error=i < errors, ttft=None if i < errors else ttft)
+    return s
+
+
+def report(router_id: str, instance: Any, replicas: Any) -> dict[str, Any]:
+    return {"router_id": router_id, "last_used": {}, "demand": {},
+            "replica_stats": {"instance": instance, "replicas": replicas}}
+
+
+async def until(cond: Callable[[], object], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition never became true"
+        await asyncio.sleep(0.02)
+
+
+async def test_reports_carry_replica_stats_kept_per_router_and_forgotten_with_the_report() -> None:
+    clock = Clock()
+    hub = FeedHub(clock=clock, report_ttl=30.0)
+    a, b = stats(10, errors=2), stats(4, ttft=0.4)
+    async with hub_served(hub) as url:
+        assert (await post(url, report("r1", "i1", {"stable": a.to_json(), "canary": b.to_json()})))[0] == 200
+        assert (await post(url, report("r2", "i2", {"stable": stats(3).to_json()})))[0] == 200
+        # A router that does not report them (an older one) is no error and adds nothing.
+        assert (await post(url, {"router_id": "r3", "last_used": {}, "demand": {}}))[0] == 200
+        assert hub.replica_stats() == {"i1": {"stable": a, "canary": b}, "i2": {"stable": stats(3)}}
+        assert hub.replica_stats()["i1"]["stable"].error_rate == 0.2
+        # A later report of the same router replaces its figures (they are cumulative).
+        clock.now += 20
+        assert (await post(url, report("r1", "i1", {"stable": stats(12, errors=2).to_json()})))[0] == 200
+        assert hub.replica_stats()["i1"] == {"stable": stats(12, errors=2)}
+        # r2 silent for longer than report_ttl: its figures go with its report; r1's stay.
+        clock.now += 15
+        assert set(hub.replica_stats()) == {"i1"}
+        clock.now += 30
+        assert hub.replica_stats() == {}
+
+
+async def test_malformed_replica_stats_are_refused_clearly_and_nothing_of_the_report_is_kept() -> None:
+    hub = FeedHub()
+    good = stats(2).to_json()
+    bad_cases: list[tuple[Any, str]] = [
+        ("nope", "replica_stats must be an object"),
+        ({"replicas": {"a": good}}, "replica_stats.instance"),
+        ({"instance": 7, "replicas": {"a": good}}, "replica_stats.instance"),
+        ({"instance": "i", "replicas": ["a"]}, "replica_stats.replicas must be an object"),
+        ({"instance": "i", "replicas": {"a": {"requests": -1}}}, "replica_stats of 'a'"),
+        ({"instance": "i", "replicas": {"a": {"requests": 1, "errors": 2}}}, "more errors than requests"),
+        ({"instance": "i", "replicas": {"a": {"requests": 1, "ttft": {"999": 1}}}}, "ttft bucket"),
+        ({"instance": "i", "replicas": {"a": {"requests": 1.5}}}, "requests must be a whole number"),
+        ({"instance": "i", "replicas": {str(n): {} for n in range(MAX_REPORTED_REPLICAS + 1)}},
+         f"at most {MAX_REPORTED_REPLICAS}"),
+    ]
+    async with hub_served(hub) as url:
+        for part, words in bad_cases:
+            status, body = await post(url, {"router_id": "r1", "last_used": {"x": 1.0}, "demand": {},
+                                            "replica_stats": part})
+            assert status == 400, part
+            assert body["error"].startswith("malformed router report: "), body
+            assert words in body["error"], (words, body)
+        assert hub.replica_stats() == {} and hub.routers() == {}  # the same as a malformed prompt_cache
+
+
+class OldSource:
+    """A usage source from before replica stats (no ``replica_stats`` method)."""
+
+    def last_used(self) -> dict[str, float]:
+        return {}
+
+    def demand(self) -> dict[str, Any]:
+        return {}
+
+    def prompt_cache(self) -> dict[str, PromptCache]:
+        return {}
+
+
+async def test_a_standalone_routers_measurements_reach_the_controller_merged_with_its_own() -> None:
+    catalog = Catalog(models=(model("chat"),))
+    with SimProcess("chat") as sim:
+        eps = [endpoint("chat", sim.endpoint, "chat-g1")]
+        hub = FeedHub(keepalive=0.2)
+        hub.set_catalog(catalog)
+        hub.set_endpoints(eps)
+        standalone, local = Router(), Router()
+        local.set_catalog(catalog)
+        local.set_endpoints(eps)
+        async with hub_served(hub) as url, serving(standalone) as base, serving(local) as local_base:
+            feed = FeedClient(standalone, url, TOKEN, router_id="r1", report_interval=0.2, backoff_max=0.3)
+            await feed.start()
+            try:
+                await until(lambda: standalone.table.has("chat"))
+                async with client(base) as c:
+                    for _ in range(3):
+                        assert (await c.chat.completions.create(model="chat", messages=HELLO)).choices
+                async with client(local_base) as c:
+                    assert (await c.chat.completions.create(model="chat", messages=HELLO)).choices
+                await until(lambda: hub.replica_stats().get(standalone.instance_id, {}).get(
+                    "chat-g1", ReplicaStats()).requests == 3)
+            finally:
+                await feed.close()
+        merged = MergedUsage(local, hub, OldSource()).replica_stats()
+        assert set(merged) == {local.instance_id, standalone.instance_id}
+        assert merged[standalone.instance_id] == standalone.replica_stats()[standalone.instance_id]
+        assert merged[local.instance_id]["chat-g1"].requests == 1
+        assert sum(merged[standalone.instance_id]["chat-g1"].ttft) == 3  # histograms survive the wire
