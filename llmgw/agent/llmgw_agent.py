@@ -39,6 +39,7 @@ import errno
 import fcntl
 import hashlib
 import importlib.util
+import ipaddress
 import json
 import math
 import os
@@ -49,6 +50,7 @@ import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -90,6 +92,9 @@ DEFAULT_ENV_ALLOW = frozenset({
     "TOKENIZERS_PARALLELISM", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING", "CUDA_MODULE_LOADING",
     "PYTORCH_CUDA_ALLOC_CONF", "NCCL_DEBUG", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_P2P_DISABLE",
     "NCCL_P2P_LEVEL", "NCCL_SOCKET_IFNAME", "NCCL_CUMEM_ENABLE", "VLLM_ATTENTION_BACKEND",
+    # A sharded replica's ranks name the node's fabric (llmgw.engines.argv.shard_env): an address
+    # and an interface name, neither a file nor code.
+    "VLLM_HOST_IP", "GLOO_SOCKET_IFNAME",
     "VLLM_LOGGING_LEVEL", "VLLM_WORKER_MULTIPROC_METHOD", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
 })
 # What an engine inherits from the agent's own environment: only what programs need to find
@@ -177,6 +182,12 @@ class NodeConfig:
     engine_env: Tuple[Tuple[str, str], ...] = ()
     local_sources: Tuple[str, ...] = ()
     sandbox_hide: Tuple[str, ...] = ()
+    # A replica across nodes (DESIGN §5): the address and interface of the network between nodes,
+    # where a llama.cpp worker's rpc-server listens (RPC has no authentication: never a wildcard),
+    # and the peers a llama.cpp head on this node may send its layers to (--rpc).
+    fabric_address: str = ""
+    fabric_interface: Optional[str] = None
+    rpc_peers: Tuple[Any, ...] = ()  # ipaddress networks
 
 
 def load_config(path: str) -> NodeConfig:
@@ -214,7 +225,31 @@ def load_config(path: str) -> NodeConfig:
         engine_env=tuple(sorted(_config_env_map(path, raw).items())),
         local_sources=tuple(_config_abs(path, d, "local_sources[]") for d in _config_list(path, raw, "local_sources")),
         sandbox_hide=tuple(_config_abs(path, d, "sandbox_hide[]") for d in _config_list(path, raw, "sandbox_hide")),
+        fabric_address=_config_fabric(path, raw, advertise),
+        fabric_interface=_config_str(path, raw, "fabric_interface") if "fabric_interface" in raw else None,
+        rpc_peers=tuple(_config_network(path, n) for n in _config_list(path, raw, "rpc_peers")),
     )
+
+
+WILDCARDS = frozenset({"0.0.0.0", "::", "[::]", "*", "localhost"})
+
+
+def _config_fabric(path: str, raw: JsonDict, advertise: str) -> str:
+    """fabric_address, advertise_address when unset. A wildcard would put an rpc-server, which
+    runs whatever its clients send, on every network of the node."""
+    value = _config_str(path, raw, "fabric_address") if "fabric_address" in raw else advertise
+    if value in WILDCARDS:
+        raise AgentError(f"node config {path}: fabric_address must be one address of this node on the network "
+                         f"between nodes, not {value} (set fabric_address explicitly)")
+    return value
+
+
+def _config_network(path: str, value: Any) -> Any:
+    try:
+        return ipaddress.ip_network(value, strict=False)
+    except (TypeError, ValueError):
+        raise AgentError(f"node config {path}: rpc_peers[] must be an IP address or network (10.0.0.0/24), "
+                         f"not {value!r}") from None
 
 
 def _config_abs(path: str, value: Any, key: str) -> str:
@@ -852,6 +887,8 @@ def verb_inventory(cfg: NodeConfig, request: JsonDict) -> JsonDict:
         # Which confinement this node gives engines (user, sandbox): shown by `llmgw nodes`.
         "confinement": confinement(cfg).view(),
         "env_allow": sorted(cfg.env_allow),
+        # Where this node's shards of a replica across nodes meet the others (rpc-server, vLLM's master).
+        "fabric_address": cfg.fabric_address,
         "lease": lease,
     }
 
@@ -1951,7 +1988,7 @@ PATH_FLAGS: Dict[str, Dict[str, str]] = {
           "--lookup-cache-static --api-key-file --ssl-key-file --ssl-cert-file --media-path --path --models-dir "
           "--models-preset --ui-config-file --webui-config-file --video-ffmpeg-dir",
         w="-lcd --lookup-cache-dynamic --log-file --slot-save-path --log-prompts-dir --host",
-        x="--tools --tools-runtime -ag --agent --mcp-servers-config --mcp-servers-json --ui-mcp-proxy --rpc"),
+        x="--tools --tools-runtime -ag --agent --mcp-servers-config --mcp-servers-json --ui-mcp-proxy"),
     "vllm": _flag_table(
         r="--model --tokenizer --hf-config-path --generation-config --allowed-local-media-path --lora-modules "
           "--default-mm-loras --chat-template --ssl-keyfile --ssl-certfile --ssl-ca-certs --config --spec-model "
@@ -1975,24 +2012,34 @@ PATH_FLAGS: Dict[str, Dict[str, str]] = {
 }
 
 
+RPC_SERVER = "rpc-server"
+
+
 def engine_kind(name: str, prefix: Tuple[str, ...]) -> Optional[str]:
     """Which engine's flag table applies: by the node's engine name, else by its executable."""
-    if name in PATH_FLAGS:
+    if name in PATH_FLAGS or name == RPC_SERVER:
         return name
     words = " ".join(os.path.basename(p) for p in prefix)
-    for kind, marker in (("llama.cpp", "llama-server"), ("vllm", "vllm"), ("sglang", "sglang")):
+    for kind, marker in ((RPC_SERVER, "rpc-server"), ("llama.cpp", "llama-server"), ("vllm", "vllm"),
+                         ("sglang", "sglang")):
         if marker in words:
             return kind
     return None
 
 
-def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: Tuple[str, ...]) -> None:
+def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: Tuple[str, ...],
+               rpc_peers: Tuple[Any, ...] = ()) -> None:
     """Refuse args that would make the engine read or write outside what it was given."""
     flags = PATH_FLAGS.get(kind or "", {})
     i = 0
     while i < len(args):
         arg = args[i]
         mode = None
+        if kind == "llama.cpp" and (arg == "--rpc" or arg.startswith("--rpc=")):
+            peers = arg.partition("=")[2] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            check_rpc_peers(peers, rpc_peers)
+            i += 1 if "=" in arg else 2
+            continue
         if arg.startswith("-"):
             name, value = _flag_and_value(flags, kind, arg)
             mode = _path_flag_mode(flags, name, kind)
@@ -2011,6 +2058,62 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
             # absolute paths and its ".." escapes are checked all the same.
             _check_value("argument", arg, "r", area=area, read_roots=read_roots, every=False)
         i += 1
+
+
+def check_rpc_peers(value: str, peers: Tuple[Any, ...]) -> None:
+    """A llama.cpp head sends its weights and activations to every --rpc server, and trusts what they
+    answer: only to peers the node's owner lists in rpc_peers (a tampered controller could otherwise
+    copy the model to a machine of its own)."""
+    for item in value.split(","):
+        host, _, port = item.strip().rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            address = None
+        if address is None or not port.isdigit() or not any(address in net for net in peers):
+            allowed = ", ".join(str(n) for n in peers) or "none"
+            raise Refused(f"start: --rpc {item.strip()!r} is refused: a llama.cpp head sends its layers only to "
+                          f"rpc-servers at addresses in this node's rpc_peers (allowed: {allowed})",
+                          setting="rpc_peers")
+
+
+RPC_SERVER_FLAGS = {"-H": "host", "--host": "host", "-p": "port", "--port": "port", "-t": "threads",
+                    "--threads": "threads", "-d": "device", "--device": "device"}
+DEVICE_RE = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*\Z")
+
+
+def check_rpc_server_args(cfg: NodeConfig, args: List[str], *, port: int) -> None:
+    """An rpc-server (a llama.cpp worker) runs whatever computation its client sends and has no
+    authentication (llama.cpp tools/rpc/README.md): it listens on the node's fabric address and the
+    port the agent chose, and nothing else; it writes nothing (-c, its tensor cache, is refused with
+    every flag not known here)."""
+    seen = set()
+    i = 0
+    while i < len(args):
+        name, eq, value = args[i].partition("=")
+        what = RPC_SERVER_FLAGS.get(name)
+        if what is None:
+            raise Refused(f"start: rpc-server argument {args[i]!r} is refused: a worker takes only --host (the "
+                          "node's fabric address), --port, --threads and --device", setting="args")
+        if not eq:
+            i += 1
+            value = args[i] if i < len(args) else ""
+        if what == "host" and value != cfg.fabric_address:
+            raise Refused(f"start: rpc-server --host {value!r} is refused: it listens only on this node's "
+                          f"fabric_address {cfg.fabric_address} (RPC has no authentication)", setting="fabric_address")
+        if what == "port" and value != str(port):
+            raise Refused(f"start: rpc-server --port {value!r} is refused: the port is the agent's choice "
+                          f"({port})", setting="port_range")
+        if what == "threads" and not value.isdigit():
+            raise Refused(f"start: rpc-server --threads {value!r} is not a number", setting="args")
+        if what == "device" and not DEVICE_RE.match(value):
+            raise Refused(f"start: rpc-server --device {value!r} is not a list of device names", setting="args")
+        seen.add(what)
+        i += 1
+    if not {"host", "port"} <= seen:
+        raise Refused("start: rpc-server needs --host {host} and --port {port} (without them it would "
+                      "listen where its defaults say)", setting="args")
 
 
 def _flag_and_value(flags: Dict[str, str], kind: Optional[str], arg: str) -> Tuple[str, Optional[str]]:
@@ -2159,9 +2262,10 @@ def _hidden_paths(cfg: NodeConfig) -> List[str]:
 
 
 def sandbox_argv(cfg: NodeConfig, conf: Confinement, argv: List[str], *, area: str,
-                 weights: Optional[str], gpus: Tuple[int, ...] = ()) -> List[str]:
+                 weights: Optional[str], gpus: Tuple[int, ...] = (), writable: bool = True) -> List[str]:
     """bwrap around argv: a read-only system, the hidden paths empty, only the weights entry
-    (read-only) and the engine's area (writable) bound back, its own pid/ipc/uts namespaces."""
+    (read-only) and the engine's area (writable unless ``writable`` is false: an rpc-server has
+    nothing to write) bound back, its own pid/ipc/uts namespaces."""
     assert conf.bwrap is not None
     out = [conf.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/dev/shm"]
     for device in _gpu_devices(gpus):
@@ -2174,7 +2278,7 @@ def sandbox_argv(cfg: NodeConfig, conf: Confinement, argv: List[str], *, area: s
         out += ["--ro-bind", "/dev/null", config]  # the node's config is the owner's business only
     binds = [("--ro-bind", p) for p in cfg.sandbox_paths if os.path.exists(p)]
     binds += [("--ro-bind", weights)] if weights is not None else []
-    for kind, path in binds + [("--bind", area)]:
+    for kind, path in binds + [("--bind" if writable else "--ro-bind", area)]:
         out += _mount_point_parents(path, hidden) + [kind, path, path]
     out += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--chdir", area, "--"]
@@ -2429,18 +2533,48 @@ def choose_port(cfg: NodeConfig, requested: Optional[int]) -> int:
     raise AgentError(f"start: no free port in {first}-{last}")
 
 
-_PLACEHOLDER_RE = re.compile(r"\{(port|weights|host)\}")
+_PLACEHOLDER_RE = re.compile(r"\{(port|weights|host|fabric_address|fabric_interface)\}")
 
 
 def build_argv(prefix: Tuple[str, ...], args: Tuple[str, ...], values: Dict[str, str]) -> List[str]:
-    """The node's executable (prefix) + the caller's args, with exactly {port}, {weights} and
-    {host} replaced in one pass (a replaced value is never expanded again)."""
+    """The node's executable (prefix) + the caller's args, with exactly {port}, {weights}, {host},
+    {fabric_address} and {fabric_interface} replaced in one pass (a replaced value is never
+    expanded again)."""
     return list(prefix) + [_PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], arg) for arg in args]
 
 
-def _endpoint(address: str, port: int) -> str:
+def fabric_interface(cfg: NodeConfig) -> str:
+    """The interface holding fabric_address (fabric_interface when the config names one): what
+    NCCL and Gloo are told to use. Found by asking the kernel each interface's IPv4 address."""
+    if cfg.fabric_interface is not None:
+        return cfg.fabric_interface
+    for _index, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            try:
+                packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == cfg.fabric_address:
+            return name
+    raise Refused(f"start: no interface of this node holds fabric_address {cfg.fabric_address}; name it with "
+                  f"fabric_interface in {cfg.path}", setting="fabric_interface")
+
+
+def placeholder_values(cfg: NodeConfig, spec: "StartSpec", *, port: int, weights: Optional[str],
+                       kind: Optional[str]) -> Dict[str, str]:
+    wanted = "".join(spec.args) + "".join(spec.env.values())
+    return {
+        "port": str(port), "weights": weights or "",
+        # An rpc-server's {host} is the fabric address whatever bind_address says (0.0.0.0 behind NAT).
+        "host": cfg.fabric_address if kind == RPC_SERVER else cfg.bind_address,
+        "fabric_address": cfg.fabric_address,
+        "fabric_interface": fabric_interface(cfg) if "{fabric_interface}" in wanted else "",
+    }
+
+
+def _endpoint(address: str, port: int, *, scheme: str = "http") -> str:
     host = f"[{address}]" if ":" in address and not address.startswith("[") else address
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
 
 
 def verb_start(cfg: NodeConfig, request: JsonDict) -> JsonDict:
@@ -2473,9 +2607,17 @@ def _start(cfg: NodeConfig, request: JsonDict, lease: Optional[JsonDict]) -> Jso
         area = engine_area(cfg, spec.replica_id)
         port = choose_port(cfg, spec.port)
         prefix = cfg.engines[spec.engine]
-        args = build_argv((), spec.args, {"port": str(port), "weights": weights or "", "host": cfg.bind_address})
+        kind = engine_kind(spec.engine, prefix)
+        values = placeholder_values(cfg, spec, port=port, weights=weights, kind=kind)
+        args = build_argv((), spec.args, values)
+        spec = replace(spec, env={k: build_argv((), (v,), values)[0] for k, v in spec.env.items()})
+        if kind == RPC_SERVER:
+            if spec.weights is not None:
+                raise Refused("start: an rpc-server is given no weights (the head sends its layers); it runs with "
+                              "no files at all", setting="engines")
+            check_rpc_server_args(cfg, args, port=port)
         read_roots = tuple(p for p in (weights,) if p is not None) + cfg.sandbox_paths
-        check_args(engine_kind(spec.engine, prefix), args, area=area, read_roots=read_roots)
+        check_args(kind, args, area=area, read_roots=read_roots, rpc_peers=cfg.rpc_peers)
         ensure_run_dir(cfg, conf)
         check_visible(cfg, conf, list(prefix), weights=weights, area=area)
         prepare_area(cfg, conf, spec.replica_id)
@@ -2494,7 +2636,9 @@ def _launch(cfg: NodeConfig, spec: StartSpec, argv: List[str], *, conf: Confinem
     _ensure_dir(os.path.join(cfg.state_dir, "exits"))
     env = engine_environment(cfg, conf, spec, area)
     sandboxed = conf.sandbox == "bwrap"
-    launch = sandbox_argv(cfg, conf, argv, area=area, weights=weights, gpus=spec.gpus) if sandboxed else argv
+    rpc = engine_kind(spec.engine, cfg.engines[spec.engine]) == RPC_SERVER
+    launch = sandbox_argv(cfg, conf, argv, area=area, weights=weights, gpus=spec.gpus,
+                          writable=not rpc) if sandboxed else argv
     # Without a sandbox the monitor switches to the engine user itself (bwrap's setpriv does it inside).
     user = None if sandboxed or conf.uid == os.geteuid() else {"uid": conf.uid, "gid": conf.gid,
                                                                 "groups": list(conf.groups)}
@@ -2505,7 +2649,10 @@ def _launch(cfg: NodeConfig, spec: StartSpec, argv: List[str], *, conf: Confinem
         raise AgentError(f"start: {reply.get('error', 'the engine did not start')}")
     record = {
         "replica_id": spec.replica_id, "pid": reply["pid"], "pid_start": reply.get("pid_start"), "boot_id": boot_id(),
-        "port": port, "endpoint": _endpoint(cfg.advertise_address, port), "engine": spec.engine,
+        # An rpc-server speaks its own protocol on the fabric, not HTTP: its endpoint says so.
+        "port": port, "engine": spec.engine,
+        "endpoint": (_endpoint(cfg.fabric_address, port, scheme="tcp") if rpc
+                     else _endpoint(cfg.advertise_address, port)),
         "argv": argv, "env_keys": sorted(spec.env), "gpus": list(spec.gpus), "weights": weights,
         "user": conf.user, "sandbox": conf.sandbox, "area": area,
         "labels": spec.labels, "started_at": time.time(), "log": log, "agent_version": AGENT_VERSION,
@@ -2636,7 +2783,29 @@ def engine_view(cfg: NodeConfig, record: JsonDict) -> JsonDict:
         "holder": record.get("holder"), "epoch": record.get("epoch"),
         "started_at": record.get("started_at"), "log": record.get("log"),
         "log_tail": tail_lines(record.get("log") or ""),
+        # A worker answers once its port accepts connections: the head is started only then.
+        "listening": alive and engine_kind(str(record.get("engine")), cfg.engines.get(str(record.get("engine")), ()))
+        == RPC_SERVER and _is_int(record.get("port")) and listening(record["port"]),
     }
+
+
+TCP_LISTEN = "0A"
+
+
+def listening(port: int) -> bool:
+    """Whether a socket of this node listens on ``port``, from the kernel's tables (a connect would
+    be taken by an rpc-server as a client, and it serves one client at a time)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 3 and fields[3] == TCP_LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                return True
+    return False
 
 
 def prune_engine_records(cfg: NodeConfig, now: float) -> None:
