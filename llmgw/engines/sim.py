@@ -8,6 +8,13 @@ llama.cpp, then 200) and ``/metrics`` in vLLM's names plus two counters of its o
 (``llmgw_sim_requests_total``, ``llmgw_sim_requests_cancelled_total``) so a test can see that
 a client going away cancelled the request upstream.
 
+``--fail-rate F`` (0 to 1) makes it a bad version that still becomes ready: the first inference
+request (chat, completions or embeddings; the reconciler's one-token readiness probe) is answered,
+and of the ones after it, request i (counted from 1) is answered 500 with an OpenAI-style error
+exactly when floor(i*F) > floor((i-1)*F), so any n of them hold floor(n*F) failures, spread
+evenly, and a test can count on the number. Requests refused for their own sake (a malformed
+body, an unknown model, still loading) take no turn; /health, /metrics and /v1/models never fail.
+
 Output is deterministic: the words are drawn from a fixed vocabulary by the sha256 of the prompt,
 one token per SSE chunk, ``--ttft`` before the first and ``1/--tokens-per-second`` between the
 next ones (0 = as fast as possible). Embeddings are unit vectors derived from the input's hash.
@@ -75,6 +82,8 @@ class SimConfig:
     # whatever the machine's speed (a pace of tokens per second proves it only on an idle box).
     hold_until_running: int = 0
     hold_timeout: float = 60.0
+    # Share of inference requests after the first answered 500 (see the module docstring).
+    fail_rate: float = 0.0
 
 
 class Rejected(Exception):
@@ -118,6 +127,8 @@ class Simulator:
         self.waiting = 0
         self.requests_total = 0
         self.cancelled_total = 0
+        self.failed_total = 0
+        self._inference_seen = 0  # inference requests accepted so far, the readiness probe included
         self.prefix_queries = 0
         self.prefix_hits = 0
         # vLLM's own token counters: prompts taken in, tokens written out (a stream cut short
@@ -167,6 +178,22 @@ class Simulator:
     def mark_ready(self) -> None:
         self.ready = True
 
+    def _failing(self) -> web.Response | None:
+        """The simulated failure for the request just accepted, or None to serve it.
+
+        Taken as the request is accepted, with no await in between, so concurrent requests each
+        take one turn, in the order they were accepted, and the number failed is exact whatever
+        the interleaving.
+        """
+        i = self._inference_seen  # 0: the first, the readiness probe, always served
+        self._inference_seen += 1
+        rate = self.config.fail_rate
+        if i == 0 or math.floor(i * rate) <= math.floor((i - 1) * rate):
+            return None
+        self.failed_total += 1
+        return _error(500, f"simulated engine failure (--fail-rate {rate:g}): request {i} after the first",
+                      "InternalServerError")
+
     # -- plain endpoints ---------------------------------------------------------------
 
     async def health(self, _request: web.Request) -> web.Response:
@@ -211,6 +238,9 @@ class Simulator:
             "# HELP llmgw_sim_requests_cancelled_total Requests whose client went away before the end.\n"
             "# TYPE llmgw_sim_requests_cancelled_total counter\n"
             f"llmgw_sim_requests_cancelled_total{label} {float(self.cancelled_total)}\n"
+            "# HELP llmgw_sim_requests_failed_total Requests answered 500 by --fail-rate.\n"
+            "# TYPE llmgw_sim_requests_failed_total counter\n"
+            f"llmgw_sim_requests_failed_total{label} {float(self.failed_total)}\n"
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
@@ -233,6 +263,8 @@ class Simulator:
         except Rejected as exc:
             return exc.response
         self.requests_total += 1
+        if (failure := self._failing()) is not None:
+            return failure
         data, tokens = [], 0
         for i, text in enumerate(inputs):
             vec = embedding_vector(text, dim)
@@ -274,9 +306,11 @@ class Simulator:
         finish = "length" if requested is not None else "stop"
         words = prompt_words(seed, count)
         self.requests_total += 1
-        self._look_up_prefix(seed, prompt_tokens)
-        if self._log is not None:
+        if self._log is not None:  # a failed request reached the engine all the same
             self._log.write(f"{str(body.get('user', '')).replace(chr(10), ' ')}\n")
+        if (failure := self._failing()) is not None:
+            return failure  # before any work: what a router sees of an engine erroring at once
+        self._look_up_prefix(seed, prompt_tokens)
         resp: web.StreamResponse | None = None
         try:
             if self._slots is not None:
@@ -491,6 +525,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str, int]:
     p.add_argument("--hold-until-running", type=int, default=0,
                    help="hold each first token until this many generations run at once (tests)")
     p.add_argument("--hold-timeout", type=float, default=60.0, help="seconds a held generation waits at most")
+    p.add_argument("--fail-rate", type=_rate, default=0.0, metavar="F",
+                   help="answer this share (0 to 1) of inference requests after the first 500, evenly spread")
     a = p.parse_args(argv)
     task = "chat" if a.task == "completion" else a.task
     config = SimConfig(model=a.model, aliases=tuple(a.alias), task=task, startup_delay=a.startup_delay,
@@ -498,8 +534,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str, int]:
                        max_tokens_default=a.max_tokens_default, max_running=a.max_running,
                        embedding_dim=a.embedding_dim, request_log=a.request_log,
                        prefix_cache_blocks=a.prefix_cache_blocks, hold_until_running=a.hold_until_running,
-                       hold_timeout=a.hold_timeout)
+                       hold_timeout=a.hold_timeout, fail_rate=a.fail_rate)
     return config, a.host, a.port
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share from 0 to 1 (0.3: 30 % of requests fail)")
+    return value
 
 
 async def serve(config: SimConfig, host: str, port: int, *, stop: asyncio.Event) -> None:
