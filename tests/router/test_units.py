@@ -255,9 +255,10 @@ def test_demand_for_a_primary_lingers_until_it_has_a_replica() -> None:
 def test_hub_merges_reports_and_forgets_silent_routers() -> None:
     clock = Clock()
     hub = FeedHub(clock=clock, report_ttl=30)
-    hub._reports["r1"] = (clock.now, {"a": 5.0, "b": 9.0}, {"m": Demand(held=1, inflight=2)}, {})
+    hub._reports["r1"] = (clock.now, {"a": 5.0, "b": 9.0}, {"m": Demand(held=1, inflight=2)}, {}, {})
     clock.now += 20
-    hub._reports["r2"] = (clock.now, {"a": 7.0}, {"m": Demand(held=0, inflight=3), "n": Demand(inflight=1)}, {})
+    hub._reports["r2"] = (clock.now, {"a": 7.0}, {"m": Demand(held=0, inflight=3), "n": Demand(inflight=1)}, {},
+                          {})
     assert hub.last_used() == {"a": 7.0, "b": 9.0}
     assert hub.demand() == {"m": Demand(held=1, inflight=5), "n": Demand(held=0, inflight=1)}
     clock.now += 15
