@@ -8,6 +8,7 @@ YAML below (corpus.SMALL is 13 lines, corpus.SETTINGS 5).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,23 @@ def test_the_examples_validate_and_keep_replacing() -> None:
     assert result.catalog is not None, result.problems
     assert result.catalog.settings.default_rollout == RolloutPolicy()
     assert {m.rollout.strategy for m in result.catalog.models} == {"replace"}
+
+
+def test_the_examples_commented_canary_blocks_are_valid_once_uncommented(tmp_path: Path) -> None:
+    # An operator uncomments them as they stand; they must then validate and mean what they say.
+    files = {rel: (EXAMPLES / rel).read_text() for rel in ("llmgw.yaml", "nodes.yaml")}
+    files |= {f"models/{p.name}": p.read_text() for p in (EXAMPLES / "models").glob("*.yaml")}
+    settings = files["llmgw.yaml"].replace("    strategy: replace\n", "")
+    files["llmgw.yaml"] = re.sub(r"^    #   ", "    ", settings, flags=re.M)
+    llama = "models/llama-3.1-8b-instruct.yaml"
+    files[llama] = re.sub(r"^# (rollout:|  \w+: .*)$", r"\1", files[llama], flags=re.M)
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    result = validate_files(read_directory(tmp_path))
+    assert result.catalog is not None, result.problems
+    default = result.catalog.settings.default_rollout
+    assert default == RolloutPolicy(strategy="canary", steps=(5.0, 25.0, 50.0), interval=60.0)
+    model = result.catalog.model("llama-3.1-8b-instruct")
+    assert model is not None and model.rollout == RolloutPolicy(strategy="canary", steps=(5.0, 25.0, 50.0),
+                                                                interval=120.0)
