@@ -13,6 +13,7 @@ import random
 from collections import Counter
 from dataclasses import replace
 
+import aiohttp
 import openai
 import pytest
 
@@ -234,6 +235,60 @@ async def test_a_failing_canary_costs_clients_nothing_and_its_errors_are_counted
             assert sum(canary_delta.ttft) == 0  # failures carry no latency
             assert stable_delta.requests == n and stable_delta.errors == 0
             assert canary_delta.error_rate == 1.0 and stable_delta.error_rate == 0.0
+
+
+@pytest.mark.slow
+async def test_a_canary_failing_half_its_requests_is_counted_and_clients_see_only_its_share() -> None:
+    with SimProcess("m") as stable, SimProcess("m", "--fail-rate", "0.5") as new:
+        router = split_router(stable, new)
+        async with serving(router) as base, client(base) as cl:
+            n = 200
+            sem = asyncio.Semaphore(8)
+
+            async def one(i: int) -> bool:
+                async with sem:
+                    try:
+                        if i % 2:
+                            stream = await cl.chat.completions.create(model="m", messages=HELLO, stream=True,
+                                                                      max_tokens=6)
+                            async for _ in stream:
+                                pass
+                        else:
+                            await cl.chat.completions.create(model="m", messages=HELLO, max_tokens=6)
+                        return True
+                    except openai.InternalServerError:
+                        return False  # the engine's 500 is passed on (not retried: it may have generated)
+
+            served = await asyncio.gather(*(one(i) for i in range(n)))
+            failed_by_engine = int(sim_metric(new.endpoint, "llmgw_sim_requests_failed_total"))
+            on_canary = served_by(new)
+            mine = router.replica_stats()[router.instance_id]
+            assert served.count(False) == failed_by_engine
+            assert 20 <= on_canary <= 80, on_canary  # the canary's share of the load, as above
+            # Its first request is served, then every second one fails (the simulator's exact count).
+            assert failed_by_engine == (on_canary - 1) // 2
+            assert (mine["canary"].requests, mine["canary"].errors) == (on_canary, failed_by_engine)
+            assert (mine["stable"].requests, mine["stable"].errors) == (n - on_canary, 0)
+            assert sum(mine["canary"].ttft) == on_canary - failed_by_engine  # latencies of answers only
+            error_rate = mine["canary"].error_rate
+            assert error_rate is not None and 0.4 < error_rate <= 0.5
+
+
+@pytest.mark.slow
+async def test_a_client_that_goes_away_mid_stream_costs_the_replica_nothing() -> None:
+    with SimProcess("m", "--ttft", "0.05", "--tokens-per-second", "20") as sim:
+        router = Router()
+        router.set_catalog(Catalog(models=(model("m"),)))
+        router.set_endpoints([endpoint("m", sim.endpoint, "r")])
+        async with serving(router) as base, aiohttp.ClientSession() as session:
+            body = {"model": "m", "messages": HELLO, "stream": True, "max_tokens": 200}
+            async with session.post(base + "/v1/chat/completions", json=body,
+                                    timeout=aiohttp.ClientTimeout(total=15)) as resp:
+                assert resp.status == 200
+                await resp.content.readline()  # the stream began; then the client hangs up
+            while router.inflight() or not sim_metric(sim.endpoint, "llmgw_sim_requests_cancelled_total"):
+                await asyncio.sleep(0.02)  # the router saw the client go and cut the engine's request
+            assert router.replica_stats()[router.instance_id]["r"] == ReplicaStats()
 
 
 async def test_stats_of_a_replica_that_leaves_the_table_are_dropped() -> None:
