@@ -96,7 +96,8 @@ class Replica:
         p = d["placement"]
         placement = Placement(
             model=p["model"], profile=p["profile"],
-            shards=tuple(Shard(s["node"], s["rank"], tuple(s["gpus"])) for s in p["shards"]),
+            shards=tuple(Shard(s["node"], s["rank"], tuple(s["gpus"]), s.get("holds_weights", True))
+                         for s in p["shards"]),
             memory_gb=p.get("memory_gb", 0.0), size_gb=p.get("size_gb", 0.0), weights=p.get("weights"),
         )
         shards = tuple(ShardStatus(**{**s, "gpus": tuple(s["gpus"])}) for s in d.get("shards", ()))

@@ -78,6 +78,7 @@ class EngineRecord:
     gpus: tuple[int, ...] = ()
     holder: str | None = None  # the controller whose lease the node obeyed when it started this
     epoch: int | None = None
+    listening: bool = False  # an rpc-server (a llama.cpp worker) whose port accepts connections
 
     def label(self, key: str) -> str | None:
         return dict(self.labels).get(key)
@@ -142,6 +143,7 @@ class NodeReport:
     confinement: Confinement | None = None
     env_allow: tuple[str, ...] = ()
     lease: Lease | None = None
+    fabric_address: str | None = None  # where this node's shards of a multi-node replica meet the others
 
     @property
     def cache_fs(self) -> Filesystem | None:
@@ -287,6 +289,7 @@ def _node_from_json(raw: Mapping[str, Any]) -> Node:
             confinement=Confinement(**r["confinement"]) if r.get("confinement") else None,
             env_allow=tuple(r.get("env_allow", ())),
             lease=Lease(**r["lease"]) if r.get("lease") else None,
+            fabric_address=r.get("fabric_address"),
         )
     return Node(
         spec=spec, state=NodeState(raw.get("state", "unknown")), report=report,
@@ -322,6 +325,7 @@ def parse_engine(raw: Mapping[str, Any]) -> EngineRecord:
         gpus=tuple(int(g) for g in raw.get("gpus") or ()),
         holder=raw["holder"] if isinstance(raw.get("holder"), str) else None,
         epoch=int(raw["epoch"]) if isinstance(raw.get("epoch"), int) else None,
+        listening=raw.get("listening") is True,
     )
 
 
@@ -364,6 +368,7 @@ def parse_report(raw: Mapping[str, Any]) -> NodeReport:
         confinement=parse_confinement(raw.get("confinement")),
         env_allow=tuple(str(n) for n in raw.get("env_allow") or ()),
         lease=parse_lease(raw.get("lease")),
+        fabric_address=raw["fabric_address"] if isinstance(raw.get("fabric_address"), str) else None,
     )
 
 

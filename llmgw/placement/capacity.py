@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from llmgw.catalog import Model, NodeId, Profile
+from llmgw.engines.argv import holds_weights
 from llmgw.inventory import Gpu, Inventory, Node, NodeState
 from llmgw.inventory.model import GB, gpu_groups
 from llmgw.placement.types import Placement
@@ -68,7 +69,7 @@ def free_capacity(inventory: Inventory, placements: Iterable[Placement]) -> dict
                 if nf.free.pop(i, None) is not None:
                     nf.in_use += 1
             nf.ram_gb -= p.memory_gb
-            if p.weights and p.weights not in nf.held:
+            if p.weights and shard.holds_weights and p.weights not in nf.held:
                 # Being fetched: the download will take this room even if it has not yet.
                 nf.disk_gb -= p.size_gb
                 nf.held.add(p.weights)
@@ -102,8 +103,10 @@ def _state_reason(node: Node) -> str | None:
     return f"is {node.state.value}"
 
 
-def node_reasons(model: Model, profile: Profile, nf: NodeFree) -> list[str]:
-    """Why ``nf`` cannot hold one shard of ``profile``; empty when it can."""
+def node_reasons(model: Model, profile: Profile, nf: NodeFree, *, rank: int = 0) -> list[str]:
+    """Why ``nf`` cannot hold the shard of ``profile`` of this ``rank``; empty when it can. Rank 0
+    (the head, the only shard of a single-node profile) is the strictest: a llama.cpp worker needs
+    no room for the weights."""
     node = nf.node
     state = _state_reason(node)
     if state:
@@ -122,7 +125,7 @@ def node_reasons(model: Model, profile: Profile, nf: NodeFree) -> list[str]:
         reasons.append(f"node has {_fmt(ram)} GB RAM in all, needs {_fmt(profile.memory_gb)}: {NEVER}"
                        if ram < profile.memory_gb else
                        f"needs {_fmt(profile.memory_gb)} GB RAM free, has {_fmt(max(nf.ram_gb, 0))}")
-    weights = model.cache_name
+    weights = model.cache_name if holds_weights(profile, rank) else None
     # A node holding the file needs no room for it; an operator's own copy is never fetched.
     if weights is not None and weights not in nf.held and nf.disk_gb < model.size_gb:
         reasons.append(_disk_reason(model, nf))

@@ -5,18 +5,45 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from llmgw.catalog import Catalog, Model, NodeId
+from llmgw.catalog import Catalog, Model, NodeId, Profile
+from llmgw.engines.argv import holds_weights
 from llmgw.inventory import Inventory
 from llmgw.placement.capacity import NodeFree, free_capacity, node_reasons
-from llmgw.placement.types import Placement
+from llmgw.placement.types import Placement, Shard
 
 
 @dataclass(frozen=True)
 class Candidate:
+    """One (profile, node) pair judged for the head (rank 0). ``worker`` is set only for a profile
+    whose workers are judged otherwise (a llama.cpp worker needs no disk): why the node could not
+    be one, empty when it could."""
+
     profile: str
     node: str
     fits: bool
     reasons: tuple[str, ...]
+    worker: tuple[str, ...] | None = None
+
+
+def shard_lines(p: Placement, *, indent: str = "    ") -> list[str]:
+    """What each node of a replica across nodes must hold, by rank: the head and its workers. None
+    for a single-node replica (its one line says it all)."""
+    if len(p.shards) < 2:
+        return []
+    return [indent + shard_text(s, p) for s in p.shards]
+
+
+def shard_text(s: Shard, p: Placement) -> str:
+    role = "head" if s.rank == 0 else "worker"
+    gpus = f"gpus {list(s.gpus)}" if s.gpus else "no GPU"
+    if not s.holds_weights:
+        holds = "no weights (the head sends its layers)"
+    elif p.weights is None:
+        holds = "the operator's own copy of the weights"
+    else:
+        holds = f"the weights of {p.model} ({p.size_gb:g} GB)"
+    ram = f", {p.memory_gb:g} GB RAM" if p.memory_gb else ""
+    return f"rank {s.rank} ({role}) on {s.node}: {gpus}{ram}, {holds}"
 
 
 @dataclass(frozen=True)
@@ -31,8 +58,12 @@ class Explanation:
         for p in self.running:
             where = ", ".join(f"{s.node} gpus {list(s.gpus)}" for s in p.shards)
             out.append(f"  running: profile {p.profile} on {where}")
+            out += shard_lines(p)
         for c in self.candidates:
             verdict = "fits" if c.fits else "rejected: " + "; ".join(c.reasons)
+            if c.worker is not None:
+                as_worker = "fits" if not c.worker else "rejected: " + "; ".join(c.worker)
+                verdict = f"as head {verdict}; as worker {as_worker}"
             out.append(f"  {c.profile} on {c.node}: {verdict}")
         return out
 
@@ -49,9 +80,16 @@ def explain(catalog: Catalog, inventory: Inventory, replicas: Iterable[Placement
 
 
 def _candidates(model: Model, free: Mapping[NodeId, NodeFree]) -> tuple[Candidate, ...]:
-    return tuple(Candidate(profile.name, node_id, not reasons, tuple(reasons))
+    return tuple(Candidate(profile.name, node_id, not reasons, tuple(reasons),
+                           _as_worker(model, profile, free[node_id]))
                  for profile in model.profiles_by_priority() for node_id in sorted(free)
                  for reasons in (node_reasons(model, profile, free[node_id]),))
+
+
+def _as_worker(model: Model, profile: Profile, nf: NodeFree) -> tuple[str, ...] | None:
+    if not profile.sharded or holds_weights(profile, 1):
+        return None
+    return tuple(node_reasons(model, profile, nf, rank=1))
 
 
 def unrunnable(catalog: Catalog, inventory: Inventory, names: Iterable[str]) -> dict[str, str]:

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from itertools import islice
 
 from llmgw.catalog import Catalog, Model, ModelName, NodeId, Profile
+from llmgw.engines.argv import holds_weights
 from llmgw.inventory import Inventory
 from llmgw.placement.capacity import NodeFree, free_capacity, matching_gpus, node_reasons
 from llmgw.placement.types import Placement, PlacementResult, Rejection, Shard
@@ -98,28 +99,36 @@ def _tightness(profile: Profile, nf: NodeFree) -> tuple[float, str]:
 
 
 def _pick(model: Model, profile: Profile, index: _Index, count: int, exclude: set[NodeId]) -> list[NodeId]:
-    """Up to ``count`` nodes for the shards of one replica: weight holders, then best fit."""
+    """Up to ``count`` nodes for the shards of one replica, in rank order: weight holders, then best
+    fit. Each node is judged for the rank it would take (the next free one), so a llama.cpp head
+    lands where the weights are or fit, and its workers wherever memory is."""
     free = index.free
     chosen: list[NodeId] = []
 
     def ok(node_id: NodeId) -> bool:
-        return node_id not in exclude and node_id not in chosen and not node_reasons(model, profile, free[node_id])
+        return node_id not in exclude and node_id not in chosen and \
+            not node_reasons(model, profile, free[node_id], rank=len(chosen))
 
     if model.cache_name:
         holders = sorted((n for n in index.holders.get(model.cache_name, ()) if ok(n)),
                          key=lambda n: _tightness(profile, free[n]))
         chosen.extend(holders[:count])
-    if len(chosen) < count:
+    while len(chosen) < count:
+        # One pass per rank judgement: the head (rank 0) may need disk that workers do not.
+        before = len(chosen)
         if profile.gpus > 0:
             for node_id in index.candidates(profile):
                 if ok(node_id):
                     chosen.append(node_id)
-                    if len(chosen) == count:
+                    if len(chosen) == count or (len(chosen) == 1 and not holds_weights(profile, 1)):
                         break
         else:
             pool = [index.by_pool[profile.pool]] if profile.pool else list(index.by_pool.values())
             fits = sorted((n for nodes in pool for n in nodes if ok(n)), key=lambda n: _tightness(profile, free[n]))
-            chosen.extend(fits[: count - len(chosen)])
+            take = 1 if not chosen and not holds_weights(profile, 1) else count - len(chosen)
+            chosen.extend(fits[:take])
+        if len(chosen) == before:
+            break
     return chosen
 
 
@@ -132,12 +141,13 @@ def _take(model: Model, profile: Profile, nodes: list[NodeId], index: _Index) ->
             del nf.free[i]
         nf.in_use += len(gpus)
         nf.ram_gb -= profile.memory_gb or 0
-        if model.cache_name and model.cache_name not in nf.held:
+        holds = holds_weights(profile, rank)
+        if holds and model.cache_name and model.cache_name not in nf.held:
             nf.disk_gb -= model.size_gb
             nf.held.add(model.cache_name)
             index.holders[model.cache_name].append(node_id)
         index.refile(node_id)
-        shards.append(Shard(node_id, rank, gpus))
+        shards.append(Shard(node_id, rank, gpus, holds_weights=holds))
     return Placement(
         model=model.name, profile=profile.name, shards=tuple(shards),
         memory_gb=float(profile.memory_gb or 0), size_gb=model.size_gb, weights=model.cache_name,

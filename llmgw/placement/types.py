@@ -10,9 +10,13 @@ from llmgw.catalog import ModelName, NodeId
 
 @dataclass(frozen=True)
 class Shard:
+    """One node's part of a replica. ``holds_weights`` is false for a llama.cpp worker, which the
+    head sends its layers over RPC: it needs memory (and its GPUs), not room for the weights."""
+
     node: NodeId
     rank: int
     gpus: tuple[int, ...]
+    holds_weights: bool = True
 
 
 @dataclass(frozen=True)

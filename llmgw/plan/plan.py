@@ -16,7 +16,7 @@ from llmgw.catalog import Catalog
 from llmgw.decide.replica import Replica, ReplicaState
 from llmgw.decide.tick import decide
 from llmgw.inventory import Inventory, follow_nodes
-from llmgw.placement import Rejection
+from llmgw.placement import Placement, Rejection
 from llmgw.plan.guard import PruneVerdict, judge_prune
 
 GB = 1024**3
@@ -48,6 +48,7 @@ class Step:
     where: tuple[tuple[str, tuple[int, ...]], ...]  # (node, gpus) per shard
     reason: str
     replica: str | None = None  # the replica stopped or replaced
+    placement: Placement | None = None  # its shards by rank, with what each node must hold
 
     def where_text(self) -> str:
         return ", ".join(f"{n} gpus {','.join(map(str, g)) or '-'}" for n, g in self.where)
@@ -108,14 +109,17 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
     for new in d.create:
         where = tuple((s.node, s.gpus) for s in new.placement.shards)
         if new.replaces:
-            steps.append(Step("replace", new.placement.model, new.placement.profile, where, new.reason, new.replaces))
+            steps.append(Step("replace", new.placement.model, new.placement.profile, where, new.reason, new.replaces,
+                              new.placement))
         else:
-            steps.append(Step("start", new.placement.model, new.placement.profile, where, new.reason))
+            steps.append(Step("start", new.placement.model, new.placement.profile, where, new.reason,
+                              placement=new.placement))
     for rid, why in (*d.lost, *d.stop):
         r = by_id[rid]
         if rid in replaced:
             continue
-        steps.append(Step("stop", r.model, r.profile, tuple((s.node, s.gpus) for s in r.placement.shards), why, rid))
+        steps.append(Step("stop", r.model, r.profile, tuple((s.node, s.gpus) for s in r.placement.shards), why, rid,
+                          r.placement))
 
     # Weights: fetched where a new shard lands without them; orphaned where no model wants them any more.
     fetches = []
@@ -125,7 +129,7 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
             continue
         for s in new.placement.shards:
             node = inv.node(s.node)
-            if node and node.report and model.cache_name not in node.report.held:
+            if s.holds_weights and node and node.report and model.cache_name not in node.report.held:
                 fetches.append((s.node, model.name, model.size_gb))
     wanted_after = head.wanted_cache_names()
     wanted_before = base.wanted_cache_names() if base else frozenset()

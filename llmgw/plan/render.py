@@ -8,8 +8,9 @@ from typing import Any
 
 from llmgw import safetext
 from llmgw.catalog import Problem
+from llmgw.placement.explain import shard_lines, shard_text
 from llmgw.plan.changes import Change, _show
-from llmgw.plan.plan import NodeUse, Plan
+from llmgw.plan.plan import NodeUse, Plan, Step
 
 MARKDOWN_LIMIT = 65_536  # GitHub's limit on a comment body
 
@@ -127,6 +128,7 @@ def render_text(r: DiffReport) -> str:
                 out.append(f"  ~ replace {s.replica} with {s.model}/{s.profile} on {s.where_text()}  ({s.reason})")
             else:
                 out.append(f"  - stop    {s.replica} ({s.model}/{s.profile} on {s.where_text()})  ({s.reason})")
+            out += shard_lines(s.placement, indent="      ") if s.placement else []
         for model, n in sorted(p.unplaced_counts.items()):
             out.append(f"  ! cannot place {model} ({n} replica{'s' * (n != 1)}):")
             for x in p.unplaceable.get(model, ()):
@@ -196,7 +198,7 @@ def render_markdown(r: DiffReport) -> str:
                 what = f"replace {_code(s.replica)}" if s.action == "replace" else s.action
                 if s.action == "stop":
                     what = f"stop {_code(s.replica)}"
-                out.append(f"| {what} | {_md(s.model)}/{_md(s.profile)} | {_md(s.where_text())} | {_md(s.reason)} |")
+                out.append(f"| {what} | {_md(s.model)}/{_md(s.profile)} | {_where_md(s)} | {_md(s.reason)} |")
             out.append("")
         for model, n in sorted(p.unplaced_counts.items()):
             out.append(f"<details><summary>:x: cannot place <b>{_md(model)}</b> ({n})</summary>")
@@ -226,6 +228,21 @@ def render_markdown(r: DiffReport) -> str:
         note = "\n\n_…truncated: the full plan is longer than a PR comment allows; run `llmgw diff` locally._\n"
         text = text[: MARKDOWN_LIMIT - len(note)] + note
     return text
+
+
+def _where_md(s: Step) -> str:
+    """The step's nodes; for a replica across nodes, each shard by rank with what its node holds."""
+    lines = shard_lines(s.placement, indent="") if s.placement else []
+    return "<br>".join(_md(x) for x in lines) if lines else _md(s.where_text())
+
+
+def _shards_json(s: Step) -> list[dict[str, Any]]:
+    # Ranks and what each node holds only for a replica across nodes: a single-node step's shard
+    # stays {node, gpus} as before (tools reading the plan already parse it).
+    if s.placement is None or len(s.placement.shards) < 2:
+        return [{"node": n, "gpus": list(g)} for n, g in s.where]
+    return [{"node": x.node, "gpus": list(x.gpus), "rank": x.rank, "role": "head" if x.rank == 0 else "worker",
+             "holds_weights": x.holds_weights, "text": shard_text(x, s.placement)} for x in s.placement.shards]
 
 
 def render_error_markdown(message: str) -> str:
@@ -260,7 +277,7 @@ def render_json(r: DiffReport) -> dict[str, Any]:
         "problems": [x.to_json() for x in r.problems],
         "plan": None if p is None else {
             "steps": [{"action": s.action, "model": s.model, "profile": s.profile, "replica": s.replica,
-                       "shards": [{"node": n, "gpus": list(g)} for n, g in s.where], "reason": s.reason}
+                       "shards": _shards_json(s), "reason": s.reason}
                       for s in p.steps],
             "unplaceable": {m: {"replicas": n, "rejections": [
                 {"profile": x.profile, "node": x.node, "reason": x.reason} for x in p.unplaceable.get(m, ())]}

@@ -3,6 +3,13 @@
 Each step is idempotent against the agent (a second `fetch` joins the first, a second
 `start` of a live replica id answers its record, `stop` of a dead one is a no-op), so a
 tick cut short by a crash is simply done again by the next controller.
+
+A replica across nodes (DESIGN §5) is all or nothing. Its workers (ranks > 0) start first; the
+head (rank 0) starts once every worker answers (a llama.cpp worker's rpc-server listens, the
+others run), since a llama.cpp head needs its workers' addresses and dies without them. Any
+shard failing fails the replica: every shard is stopped at once, head first so no client is
+served by a head whose workers are going, and the replica starts again as a whole after its
+backoff. Only the shards that load weights fetch them (a llama.cpp worker has none).
 """
 
 from __future__ import annotations
@@ -17,8 +24,8 @@ import aiohttp
 from llmgw.catalog import Catalog, Model, Profile
 from llmgw.decide.replica import Replica, ReplicaState, ShardStatus
 from llmgw.dispatch.base import Dispatcher
+from llmgw.engines.argv import RPC_SERVER, engine_args, holds_weights, shard_engine, shard_env
 from llmgw.engines.argv import Shard as EngineShard
-from llmgw.engines.argv import engine_args
 from llmgw.engines.health import check_health, probe_ready
 from llmgw.errors import DispatchError, EngineArgsError, StartRefused
 from llmgw.inventory import EngineRecord, Inventory
@@ -77,8 +84,14 @@ class Lifecycle:
                 return r  # decide() stops it; nothing to start for a model that left
             if r.state in (S.PENDING, S.FETCHING):
                 return await self._fetch_then_start(r, model, profile, inventory, now)
+            if r.state == S.STARTING and profile.sharded and r.shards[0].pid is None:
+                return await self._start_head(r, model, profile, inventory, now)
             if r.state == S.STARTING:
                 return await self._probe(r, model, now)
+            if r.state == S.FAILED and any(s.pid is not None for s in r.shards):
+                # At once, not at the retry: the other shards of a replica across nodes would
+                # otherwise hold their nodes (and a head keep serving) for the whole backoff.
+                r = await self._stop_failed(r)
             if r.state == S.FAILED and r.retry_at is not None and now >= r.retry_at:
                 await self._stop_shards(r)
                 fresh = tuple(replace(s, pid=None, port=None, endpoint=None, state="pending") for s in r.shards)
@@ -101,6 +114,8 @@ class Lifecycle:
         if model.cache_name is not None:
             waiting = []
             for shard in r.shards:
+                if not holds_weights(profile, shard.rank):
+                    continue  # a llama.cpp worker: the head sends it its layers
                 node = inventory.node(shard.node)
                 if node and node.report and model.cache_name in node.report.held:
                     continue
@@ -112,43 +127,76 @@ class Lifecycle:
                     waiting.append(f"{shard.node} {answer.get('bytes_done', 0)}/{answer.get('bytes_total') or '?'}")
             if waiting:
                 return r.moved(S.FETCHING, now, error=None)
-        return await self._start(r, model, profile, now)
+        return await self._start(r, model, profile, inventory, now)
 
-    async def _start(self, r: Replica, model: Model, profile: Profile, now: float) -> Replica:
+    async def _start(self, r: Replica, model: Model, profile: Profile, inventory: Inventory,
+                     now: float) -> Replica:
+        """Start a single-node replica's engine, or a replica across nodes' workers (its head
+        waits for them: :meth:`_start_head`)."""
         shards = list(r.shards)
-        rank0_host: str | None = None
-        dist_port = DIST_PORT_BASE + r.generation % 1000
         for i, shard in enumerate(shards):
+            if profile.sharded and shard.rank == 0:
+                continue
             try:
-                eshard = (EngineShard(shard.rank, len(shards), rank0_host or "{host}", dist_port)
-                          if profile.sharded else None)
-                args = engine_args(model, profile, eshard)
+                shards[i] = await self._start_shard(r, model, profile, shard, inventory)
             except EngineArgsError as exc:
                 return self._failed(r, now, str(exc), permanent=True)
-            answer = await self.dispatcher.start(shard.node, {
-                "replica_id": shard.agent_id,
-                "engine": profile.engine,
-                "args": list(args),
-                "env": dict(profile.env),
-                "gpus": list(shard.gpus),
-                "port": None,
-                "weights": model.weights_ref,
-                "labels": {
-                    "llmgw.replica": r.id, "llmgw.model": model.name, "llmgw.profile": profile.name,
-                    "llmgw.rank": str(shard.rank), "llmgw.generation": str(r.generation),
-                    "llmgw.revision": r.revision or "",
-                },
-            })
-            endpoint = answer.get("endpoint")
-            if i == 0 and endpoint:
-                rank0_host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
-            shards[i] = replace(shard, pid=answer.get("pid"), port=answer.get("port"), endpoint=endpoint,
-                                state="started")
-        if r.state not in (S.STARTING,):
+        if not profile.sharded:
             self.store.add_event("replica-starting", r.id,
                                  f"{model.name}/{profile.name}: engine started on "
                                  + ", ".join(f"{s.node} pid {s.pid}" for s in shards))
+        else:
+            self.store.add_event("replica-starting", r.id,
+                                 f"{model.name}/{profile.name}: workers started on "
+                                 + ", ".join(f"{s.node} (rank {s.rank}) pid {s.pid}" for s in shards if s.rank)
+                                 + f"; the head on {shards[0].node} starts once every worker answers")
         return r.moved(S.STARTING, now, shards=tuple(shards), error=None)
+
+    async def _start_head(self, r: Replica, model: Model, profile: Profile, inventory: Inventory,
+                          now: float) -> Replica:
+        waiting = [f"{s.node} (rank {s.rank})" for s in r.shards[1:]
+                   if not _answers(inventory, s, shard_engine(profile, s.rank))]
+        if waiting:
+            if now - r.state_since > self.config.start_timeout:
+                return self._failed(r, now, f"workers did not answer within {self.config.start_timeout:g}s: "
+                                    + ", ".join(waiting))
+            return replace(r, error=f"waiting for workers: {', '.join(waiting)}")
+        try:
+            head = await self._start_shard(r, model, profile, r.shards[0], inventory)
+        except EngineArgsError as exc:
+            return self._failed(r, now, str(exc), permanent=True)
+        self.store.add_event("replica-starting", r.id,
+                             f"{model.name}/{profile.name}: every worker answers; head started on {head.node} "
+                             f"pid {head.pid}")
+        return replace(r, shards=(head, *r.shards[1:]), error=None)
+
+    async def _start_shard(self, r: Replica, model: Model, profile: Profile, shard: ShardStatus,
+                           inventory: Inventory) -> ShardStatus:
+        """Start one rank; raises EngineArgsError when its argv cannot be built."""
+        eshard = None
+        if profile.sharded:
+            head = r.shards[0]
+            eshard = EngineShard(shard.rank, len(r.shards), _fabric_address(inventory, head.node),
+                                 DIST_PORT_BASE + r.generation % 1000,
+                                 workers=tuple(_hostport(s.endpoint) for s in r.shards[1:] if s.endpoint)
+                                 if shard.rank == 0 else ())
+        args = engine_args(model, profile, eshard)
+        answer = await self.dispatcher.start(shard.node, {
+            "replica_id": shard.agent_id,
+            "engine": shard_engine(profile, shard.rank),
+            "args": list(args),
+            "env": {**shard_env(profile, eshard), **dict(profile.env)},  # the operator's word wins
+            "gpus": list(shard.gpus),
+            "port": None,
+            "weights": model.weights_ref if holds_weights(profile, shard.rank) else None,
+            "labels": {
+                "llmgw.replica": r.id, "llmgw.model": model.name, "llmgw.profile": profile.name,
+                "llmgw.rank": str(shard.rank), "llmgw.generation": str(r.generation),
+                "llmgw.revision": r.revision or "",
+            },
+        })
+        return replace(shard, pid=answer.get("pid"), port=answer.get("port"), endpoint=answer.get("endpoint"),
+                       state="started")
 
     async def _probe(self, r: Replica, model: Model, now: float) -> Replica:
         endpoint = r.endpoint
@@ -171,9 +219,27 @@ class Lifecycle:
         self.store.add_event("replica-stopped", r.id, f"{r.model}: {r.stop_reason or 'stopped'}")
         return r.moved(S.STOPPED, now)
 
-    async def _stop_shards(self, r: Replica) -> None:
-        for shard in r.shards:
-            await self.stop_engine(shard.node, shard.agent_id)
+    async def _stop_shards(self, r: Replica) -> bool:
+        """Stop every shard, the head first (it serves clients and would fail them when its
+        workers go); True when every node answered."""
+        answered = True
+        for shard in sorted(r.shards, key=lambda s: s.rank):
+            answered = await self.stop_engine(shard.node, shard.agent_id) and answered
+        return answered
+
+    async def _stop_failed(self, r: Replica) -> Replica:
+        """A failed replica's shards stopped now; a shard whose node did not answer keeps its pid,
+        so it is asked again (and at the retry)."""
+        shards = []
+        for shard in sorted(r.shards, key=lambda s: s.rank):
+            if await self.stop_engine(shard.node, shard.agent_id):
+                shard = replace(shard, pid=None, port=None, endpoint=None, state="stopped")
+            shards.append(shard)
+        stopped = [f"{s.node} (rank {s.rank})" for s in shards if s.pid is None]
+        if len(r.shards) > 1 and stopped:
+            self.store.add_event("replica-shards-stopped", r.id,
+                                 f"{r.model}: every shard stopped, head first: {', '.join(stopped)}")
+        return replace(r, shards=tuple(shards))
 
     async def stop_engine(self, node_id: str, agent_id: str) -> bool:
         """Stop one engine; True when the node answered (the engine is gone either way)."""
@@ -200,6 +266,31 @@ class Lifecycle:
                              + ("not retried" if permanent else f"retry in {delay:g}s"))
         return r.moved(S.FAILED, now, error=message, failures=failures,
                        retry_at=None if permanent else now + delay)
+
+
+def _answers(inventory: Inventory, shard: ShardStatus, engine: str) -> bool:
+    """A worker answers: its engine runs (the very process started), and an rpc-server's port
+    accepts connections (the agent reads the kernel's listening sockets)."""
+    record = _engine(inventory, shard)
+    if record is None or not record.alive or record.pid != shard.pid:
+        return False
+    return record.listening or engine != RPC_SERVER
+
+
+def _fabric_address(inventory: Inventory, node_id: str) -> str:
+    """Where the other ranks reach ``node_id``: its agent's fabric_address, else its nodes.yaml
+    address (an agent older than multi-node replicas)."""
+    node = inventory.node(node_id)
+    if node is None:
+        return node_id
+    if node.report is not None and node.report.fabric_address:
+        return node.report.fabric_address
+    return node.spec.address
+
+
+def _hostport(endpoint: str) -> str:
+    """``host:port`` of an engine endpoint (``tcp://10.0.0.12:8101`` → ``10.0.0.12:8101``)."""
+    return endpoint.split("://", 1)[-1].rstrip("/")
 
 
 def _engine(inventory: Inventory, shard: ShardStatus) -> EngineRecord | None:
