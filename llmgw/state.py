@@ -23,7 +23,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -37,11 +37,12 @@ from llmgw.redact import redact
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sync (kind TEXT PRIMARY KEY, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS replicas (id TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS rollouts (model TEXT PRIMARY KEY, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS node_states (node TEXT PRIMARY KEY, state TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -223,6 +224,25 @@ class Store:
             try:
                 self.db.execute("DELETE FROM replicas")
                 self.db.executemany("INSERT INTO replicas(id, record) VALUES(?, ?)", rows)
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+
+    def rollout_records(self) -> dict[str, dict[str, Any]]:
+        """Per model: the spec its stable replicas serve and its rollout (llmgw.reconciler.rollouts)."""
+        with self._lock:
+            rows = self.db.execute("SELECT model, record FROM rollouts").fetchall()
+        return {m: json.loads(r) for m, r in rows}
+
+    def save_rollout_records(self, records: Mapping[str, Mapping[str, Any]]) -> None:
+        """The rollout records, replacing all there were, in one transaction."""
+        rows = [(m, json.dumps(r)) for m, r in records.items()]
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.execute("DELETE FROM rollouts")
+                self.db.executemany("INSERT INTO rollouts(model, record) VALUES(?, ?)", rows)
                 self.db.execute("COMMIT")
             except BaseException:
                 self.db.execute("ROLLBACK")

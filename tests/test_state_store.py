@@ -104,4 +104,5 @@ def test_a_v2_data_dir_gains_the_usage_ledger_and_keeps_its_state(tmp_path: Path
         assert store.usage(0, 2 ** 40)[0]["completion_tokens"] == 3
     finally:
         store.close()
-    assert sqlite3.connect(path).execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("3",)
+    assert Store(path).open().rollout_records() == {}  # the rollouts table (v4) is there too
+    assert sqlite3.connect(path).execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (str(SCHEMA_VERSION),)

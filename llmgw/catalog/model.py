@@ -222,6 +222,9 @@ class Catalog:
     nodes: tuple[NodeSpec, ...] = ()
     settings: Settings = field(default_factory=Settings)
     revision: str | None = None
+    # The commit carried ``Llmgw-Skip-Analysis: yes``: a canary rollout it starts skips the
+    # analysis (an emergency fix goes out at once, max_surge/max_unavailable still apply).
+    skip_analysis: bool = False
     _index: dict[str, Model] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

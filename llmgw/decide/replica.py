@@ -68,6 +68,7 @@ class Replica:
     stop_reason: str | None = None
     adopted: bool = False
     revision: str | None = None
+    canary: bool = False  # the new version of a model in a rollout's canary phase (llmgw.decide.rollout)
 
     @property
     def endpoint(self) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from dataclasses import replace as _replace
 from enum import Enum
 
 from llmgw.catalog import Catalog, Model, ModelName, NodeId, Profile
@@ -29,6 +30,15 @@ class NewReplica:
     placement: Placement
     replaces: str | None = None
     reason: str = "scale up"
+    canary: bool = False  # the new version of a model in a canary rollout
+
+
+@dataclass(frozen=True)
+class CanaryWant:
+    """A model in the canary phase of a rollout (llmgw.decide.rollout), as one tick needs it."""
+
+    spec: Model  # the new version the canary runs (the catalog's model; the others keep the old)
+    borrowed: bool = False  # a stable replica was stopped to make room for the canary
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,11 @@ class Decisions:
     lost: tuple[tuple[str, str], ...] = ()  # replicas given up for dead with their node
     unplaced: Mapping[str, int] = field(default_factory=dict)
     rejections: tuple[Rejection, ...] = ()
+    # Rollouts under full capacity: models whose old replicas are being stopped before their
+    # replacement can be placed (max_unavailable at a time), with the reason in words.
+    unavailable_first: Mapping[str, str] = field(default_factory=dict)
+    borrowed: tuple[str, ...] = ()  # models whose canary took a stable replica's place this tick
+    no_canary_room: Mapping[str, str] = field(default_factory=dict)  # model → why no canary can run
 
 
 def _node_lost(inventory: Inventory, node_id: NodeId, now: float, grace: float) -> bool:
@@ -96,11 +111,17 @@ class _Tick:
     demand: Mapping[str, Demand]
     now: float
     settings: Settings
+    canaries: Mapping[str, CanaryWant] = field(default_factory=dict)
+    canary_notes: Mapping[str, str] = field(default_factory=dict)
     by_id: dict[str, Replica] = field(default_factory=dict)
     stop: dict[str, str] = field(default_factory=dict)  # replica id → why (text for events and the plan)
     lost: list[tuple[str, str]] = field(default_factory=list)
     replace: dict[str, Replace] = field(default_factory=dict)  # old id → why it must be replaced
     wanted: dict[str, int] = field(default_factory=dict)  # model → new replicas to place
+    targets: dict[str, int] = field(default_factory=dict)  # model → replicas it should have (slots)
+    unavailable_first: dict[str, str] = field(default_factory=dict)
+    borrowed: list[str] = field(default_factory=list)
+    no_canary_room: dict[str, str] = field(default_factory=dict)
     # A fingerprint hashes the whole model and profile: once per profile per tick, not per replica
     # (it was most of a steady tick's cost on a fleet of 600 replicas).
     fingerprints: dict[tuple[str, str], str] = field(default_factory=dict)
@@ -126,18 +147,25 @@ def decide(
     now: float,
     settings: Settings = Settings(),
     with_reasons: bool = False,
+    canaries: Mapping[str, CanaryWant] | None = None,
+    canary_notes: Mapping[str, str] | None = None,
 ) -> Decisions:
     """Stops, new replicas and losses that bring the fleet toward ``catalog``.
 
     ``with_reasons`` lists every rejected candidate of models that cannot be placed (for
-    `llmgw diff`); a tick leaves it off and explains one model on demand.
+    `llmgw diff`); a tick leaves it off and explains one model on demand. ``canaries``: models in
+    the canary phase of a rollout (``catalog`` has their stable version); ``canary_notes``: why
+    the canary replicas of other models must go (their rollout ended), per model.
     """
-    t = _Tick(catalog, inventory, replicas, last_used, demand, now, settings, by_id={r.id: r for r in replicas})
+    t = _Tick(catalog, inventory, replicas, last_used, demand, now, settings, canaries or {}, canary_notes or {},
+              by_id={r.id: r for r in replicas})
     _judge_running(t)
     replacements = _replacements(t)
     _scale(t)
     result, create = _place_new(t, replacements, with_reasons=with_reasons)
-    return Decisions(tuple(t.stop.items()), tuple(create), tuple(t.lost), result.unplaced, result.rejections)
+    create += _place_canaries(t, [c.placement for c in create])
+    return Decisions(tuple(t.stop.items()), tuple(create), tuple(t.lost), result.unplaced, result.rejections,
+                     dict(t.unavailable_first), tuple(t.borrowed), dict(t.no_canary_room))
 
 
 def _judge_running(t: _Tick) -> None:
@@ -153,6 +181,14 @@ def _judge_running(t: _Tick) -> None:
         gone = [n for n in r.nodes if _node_lost(t.inventory, n, t.now, t.settings.unreachable_grace)]
         if gone:
             t.lost.append((r.id, _lost_because(t.inventory, gone)))
+            continue
+        if r.canary:
+            # A canary is judged by its rollout, never replaced: it stays while its rollout is in
+            # the canary phase for the version it runs, and goes (without a replacement) otherwise.
+            want = t.canaries.get(r.model)
+            spec_profile = want.spec.profile(r.profile) if want is not None else None
+            if want is None or spec_profile is None or t.fingerprint(want.spec, spec_profile) != r.fingerprint:
+                t.stop[r.id] = t.canary_notes.get(r.model) or "canary of a rollout that ended"
             continue
         profile = model.profile(r.profile)
         if profile is None or t.fingerprint(model, profile) != r.fingerprint:
@@ -177,13 +213,22 @@ def _replacements(t: _Tick) -> dict[str, list[str]]:
     gone serves as an ordinary replica)."""
     replacing = {r.replaces: r for r in t.replicas if r.replaces and r.state.live}
     wanted: dict[str, list[str]] = defaultdict(list)
+    surging: dict[str, int] = defaultdict(int)  # per model: replacements started, not serving yet
     for old_id, why in t.replace.items():
         new = replacing.get(old_id)
         if new is None:
             wanted[t.by_id[old_id].model].append(old_id)
         elif new.state == ReplicaState.READY:
             t.stop[old_id] = f"replaced by {new.id} ({why.value})"
-    return wanted
+        else:
+            surging[new.model] += 1
+    # At most ``max_surge`` replacements beside old replicas at a time (a change reaches a model
+    # a few replicas at a time, not all at once); the others wait their turn.
+    for name, olds in wanted.items():
+        model = t.catalog.model(name)
+        room = max((model.rollout.max_surge if model else 1) - surging[name], 0)
+        del olds[room:]
+    return {name: olds for name, olds in wanted.items() if olds}
 
 
 def _scale(t: _Tick) -> None:
@@ -191,7 +236,7 @@ def _scale(t: _Tick) -> None:
     lost_ids = t.lost_ids
     by_model: dict[str, list[Replica]] = defaultdict(list)  # once, not a scan of the fleet per model
     for r in t.replicas:
-        if r.state.live and r.id not in t.stop and r.id not in lost_ids:
+        if r.state.live and r.id not in t.stop and r.id not in lost_ids and not r.canary:
             by_model[r.model].append(r)
     for model in t.catalog.models:
         mine = by_model.get(model.name, [])
@@ -203,7 +248,11 @@ def _scale(t: _Tick) -> None:
         ready = [r for r in slots if r.state == ReplicaState.READY]
         d = t.demand.get(model.name, Demand())
         s = model.scaling
-        target = min(max(count, s.min), s.max)
+        want = t.canaries.get(model.name)
+        # A canary that took a stable replica's place (no room to surge) holds that slot.
+        floor = s.min - 1 if want is not None and want.borrowed else s.min
+        target = min(max(count, floor), s.max)
+        t.targets[model.name] = target
         if d.held and count == 0:
             target = max(target, min(1, s.max))
         if ready and d.inflight > s.target_inflight * len(ready) and count == len(ready):
@@ -255,7 +304,107 @@ def _place_new(t: _Tick, replacements: dict[str, list[str]], *,
             create.append(NewReplica(p, replaces=old, reason=f"replaces {old}: {t.replace[old].value}"))
         else:
             create.append(NewReplica(p, reason=_reason(t.catalog.model(p.model), t.demand)))
+    _unavailable_first(t, {name: olds for name, olds in queue.items() if olds})
     return result, create
+
+
+def _unavailable_first(t: _Tick, unplaced: Mapping[str, list[str]]) -> None:
+    """4b. Old replicas whose replacement found no room (a full fleet, or ``max_surge: 0``): stop
+    up to ``max_unavailable`` of them first; their slots are filled with the new version once
+    their GPUs are free (scaling brings the model back to its count). Without this a change on
+    a fleet with no spare GPUs would never roll out."""
+    needy = dict(unplaced)
+    for old_id in t.replace:  # max_surge 0: never beside, always instead
+        r = t.by_id[old_id]
+        model = t.catalog.model(r.model)
+        if model is not None and model.rollout.max_surge == 0 and old_id not in t.stop:
+            needy.setdefault(r.model, [])
+            if old_id not in needy[r.model]:
+                needy[r.model].append(old_id)
+    for name, olds in needy.items():
+        model = t.catalog.model(name)
+        if model is None:
+            continue
+        limit = model.rollout.max_unavailable
+        mine = [r for r in t.replicas if r.model == name and r.state.live and not r.canary
+                and r.id not in t.lost_ids]
+        ready = sum(1 for r in mine if r.state == ReplicaState.READY and r.id not in t.stop)
+        missing = max(t.targets.get(name, 0) - ready, 0)
+        room = limit - missing
+        # Old replicas whose replacement is on its way already hold their own slot.
+        candidates = [o for o in olds if o not in t.stop]
+        candidates.sort(key=lambda o: t.by_id[o].state == ReplicaState.READY)  # not serving first
+        why = (f"no room to start a new replica beside the old: replaced {limit} at a time "
+               f"(max_unavailable {limit})") if model.rollout.max_surge else \
+            f"max_surge 0: replaced {limit} at a time (max_unavailable {limit})"
+        if limit == 0:
+            t.unavailable_first[name] = "no room to start a new replica beside the old, and max_unavailable 0: waiting"
+            continue
+        t.unavailable_first[name] = why
+        for old_id in candidates:
+            if room <= 0 and t.by_id[old_id].state == ReplicaState.READY:
+                break
+            if not _fits_instead(t, t.catalog, name, t.by_id[old_id]):
+                # Stopping it would leave the model a replica short for nothing (seen: a profile
+                # asking for a GPU class no node has).
+                t.unavailable_first[name] = "the new version does not fit even in an old replica's place: waiting"
+                break
+            t.stop[old_id] = f"{t.replace[old_id].value}; {why}"
+            if t.by_id[old_id].state == ReplicaState.READY:
+                room -= 1
+
+
+def _fits_instead(t: _Tick, catalog: Catalog, name: str, old: Replica, placed: Sequence[Placement] = ()) -> bool:
+    """Whether one replica of ``catalog``'s model ``name`` could be placed once ``old`` is gone."""
+    held = [p for p in holding(t.inventory, t.replicas, lost=t.lost_ids) if p is not old.placement]
+    result = place(catalog, t.inventory, held + list(placed), now=t.now, wanted={name: 1}, reasons=False)
+    return bool(result.placements)
+
+
+def _place_canaries(t: _Tick, placed: Sequence[Placement]) -> list[NewReplica]:
+    """5. One canary per model in the canary phase, beside the stable replicas; where there is no
+    room, a stable replica makes room (``max_unavailable``), never the only one (the canary would
+    have nothing to be compared with)."""
+    needed = [name for name, want in t.canaries.items()
+              if not any(r.canary and r.model == name and r.state.live and r.id not in t.stop
+                         and r.id not in t.lost_ids for r in t.replicas)]
+    if not needed:
+        return []
+    models: dict[str, Model] = {m.name: m for m in t.catalog.models}
+    for name in needed:
+        if name in models:
+            models[name] = _replace(models[name], source=t.canaries[name].spec.source,
+                                    task=t.canaries[name].spec.task, size_gb=t.canaries[name].spec.size_gb,
+                                    profiles=t.canaries[name].spec.profiles)
+    catalog = _replace(t.catalog, models=tuple(models.values()))
+    held = holding(t.inventory, t.replicas, lost=t.lost_ids) + list(placed)
+    wanted = {name: 1 for name in needed if name in models and models[name].rollout.max_surge > 0}
+    result = place(catalog, t.inventory, held, now=t.now, wanted=wanted, reasons=False) if wanted \
+        else PlacementResult()
+    create = [NewReplica(p, reason="canary of the new version", canary=True) for p in result.placements]
+    done = {p.model for p in result.placements}
+    for name in needed:
+        if name in done or name not in models:
+            continue
+        want = t.canaries[name]
+        policy = models[name].rollout
+        if want.borrowed:
+            continue  # a stable replica is stopping for it: placed once its GPUs are free
+        stable = sorted((r for r in t.replicas if r.model == name and r.state.live and not r.canary
+                         and r.id not in t.stop and r.id not in t.lost_ids),
+                        key=lambda r: (r.state == ReplicaState.READY, -_idle_for(r, t.last_used, t.now)))
+        if policy.max_unavailable < 1 or len(stable) < 2:
+            t.no_canary_room[name] = (
+                "no room for a canary beside the stable replicas and max_unavailable 0" if policy.max_unavailable < 1
+                else "no room for a canary beside the only replica")
+            continue
+        if not _fits_instead(t, catalog, name, stable[0], placed):
+            t.no_canary_room[name] = "the new version does not fit even in a stable replica's place"
+            continue
+        t.stop[stable[0].id] = ("making room for the canary of the new version "
+                                f"(no room to start it beside; max_unavailable {policy.max_unavailable})")
+        t.borrowed.append(name)
+    return create
 
 
 def _reason(model: Model | None, demand: Mapping[str, Demand]) -> str:

@@ -30,6 +30,7 @@ from llmgw.placement import unrunnable
 from llmgw.reconciler.config import ReconcilerConfig
 from llmgw.reconciler.lifecycle import Lifecycle
 from llmgw.reconciler.live import LiveInventory
+from llmgw.reconciler.rollouts import Plan, RolloutDriver
 from llmgw.state import Store
 from llmgw.tasks import cancel_and_wait
 
@@ -75,12 +76,15 @@ class Reconciler:
         self.lifecycle: Lifecycle | None = None
         self._nodes_for: Catalog | None = None
         self._saved: tuple[Replica, ...] | None = None
+        self.rollouts = RolloutDriver(store, clock=clock)
+        self._running: Catalog | None = None  # the catalog with each model on its serving version
 
     # --- lifecycle ------------------------------------------------------------------
     async def start(self, *, loop: bool = True) -> None:
         self._wake = asyncio.Event()
         self._session = aiohttp.ClientSession()
         self.lifecycle = Lifecycle(self.dispatcher, self._session, self.store, self.config, self.clock)
+        self.rollouts.load()
         for r in self.store.replicas():
             if r.state == ReplicaState.READY:
                 # Adopted from a previous life: probed once before it serves again, never restarted.
@@ -125,21 +129,37 @@ class Reconciler:
             inventory = await self.inventory.poll()
             now = self.clock()
             self._observe(inventory, now)
+            plan = self.rollouts.plan(catalog, self.replicas, self.usage.replica_stats(), now)
+            self._running = plan.catalog
+            self._settle_canaries(plan)
             decisions = decide(
-                catalog, inventory, list(self.replicas.values()),
+                plan.catalog, inventory, list(self.replicas.values()),
                 last_used=self.usage.last_used(), demand=self.usage.demand(), now=now,
                 settings=Settings(unreachable_grace=self.config.unreachable_grace),
+                canaries=plan.canaries, canary_notes=plan.notes,
             )
             self.last_decisions = decisions
-            self._publish_unrunnable(catalog, inventory)
-            self._apply_decisions(catalog, decisions, now)
+            self._publish_unrunnable(plan.catalog, inventory)
+            created = self._apply_decisions(plan, decisions, now)
+            self.rollouts.decided(decisions, created, now)
             # Withdrawn from the router before anything is stopped.
-            self.publish(catalog)
+            self.publish()
             await self._stop_stale_engines(inventory)
-            await self._advance_all(catalog, inventory)
+            await self._advance_all(plan, inventory)
             self._save()
-            self.publish(catalog)
+            self.rollouts.save()
+            self.publish()
             return decisions
+
+    def _settle_canaries(self, plan: Plan) -> None:
+        """A promoted canary is an ordinary replica of the version now serving."""
+        for rid, r in list(self.replicas.items()):
+            if not r.canary or r.model in plan.canaries:
+                continue
+            model = plan.catalog.model(r.model)
+            profile = model.profile(r.profile) if model else None
+            if model is not None and profile is not None and fingerprint(model, profile) == r.fingerprint:
+                self.replicas[rid] = replace(r, canary=False)
 
     async def _follow_nodes(self, catalog: Catalog) -> None:
         """Point the inventory and the dispatcher at the catalog's nodes before polling them."""
@@ -156,7 +176,10 @@ class Reconciler:
         for rid, r in list(self.replicas.items()):
             self.replicas[rid] = self.lifecycle.observe(r, inventory, now)
 
-    def _apply_decisions(self, catalog: Catalog, d: Decisions, now: float) -> None:
+    def _apply_decisions(self, plan: Plan, d: Decisions, now: float) -> dict[str, str]:
+        """Carry out the tick's decisions on the records; returns the canaries created (model → id)."""
+        catalog = plan.catalog
+        canaries: dict[str, str] = {}
         for rid, why in d.lost:
             r = self.replicas.pop(rid, None)
             if r is not None:
@@ -167,7 +190,8 @@ class Reconciler:
                 self.replicas[rid] = r.moved(ReplicaState.STOPPING, now, stop_reason=why)
                 self.store.add_event("replica-stopping", rid, f"{r.model}: {why}")
         for new in d.create:
-            model = catalog.model(new.placement.model)
+            want = plan.canaries.get(new.placement.model) if new.canary else None
+            model = want.spec if want is not None else catalog.model(new.placement.model)
             profile = model.profile(new.placement.profile) if model else None
             if model is None or profile is None:
                 continue
@@ -179,9 +203,13 @@ class Reconciler:
                 id=rid, model=model.name, profile=profile.name, placement=new.placement,
                 generation=generation, fingerprint=fingerprint(model, profile), shards=shards,
                 created_at=now, state_since=now, replaces=new.replaces, revision=catalog.revision,
+                canary=want is not None,
             )
+            if want is not None:
+                canaries[model.name] = rid
             where = ", ".join(f"{s.node} gpus {list(s.gpus)}" for s in new.placement.shards)
             self.store.add_event("replica-created", rid, f"{model.name}/{profile.name} on {where}: {new.reason}")
+        return canaries
 
     async def _stop_stale_engines(self, inventory: Inventory) -> None:
         """Stop engines no record claims: left behind by a replica given up with its node.
@@ -219,14 +247,16 @@ class Reconciler:
                              f"was started by controller {e.holder or '?'} (epoch {e.epoch}); left running, its GPUs "
                              "counted as taken")
 
-    async def _advance_all(self, catalog: Catalog, inventory: Inventory) -> None:
+    async def _advance_all(self, plan: Plan, inventory: Inventory) -> None:
         assert self.lifecycle is not None
         sem = asyncio.Semaphore(self.config.concurrency)
         lifecycle = self.lifecycle
+        # A canary runs the catalog's new version; every other replica its model's serving one.
+        desired = self.desired.catalog or plan.catalog
 
         async def one(r: Replica) -> Replica:
             async with sem:
-                return await lifecycle.advance(r, catalog, inventory)
+                return await lifecycle.advance(r, desired if r.canary else plan.catalog, inventory)
 
         # On a node being handed over from an earlier instance of this controller nothing is asked
         # of the node (it would refuse), and its replicas are kept (not failed, not lost) until the
@@ -251,9 +281,11 @@ class Reconciler:
 
     # --- the router's view ------------------------------------------------------------
     def endpoints(self, catalog: Catalog) -> list[Endpoint]:
+        """The ready replicas for the router; ``catalog``: each model on its serving version."""
         out = []
+        desired = self.desired.catalog or catalog
         for r in sorted(self.replicas.values(), key=lambda r: r.id):
-            model = catalog.model(r.model)
+            model = (desired if r.canary else catalog).model(r.model)
             profile = model.profile(r.profile) if model else None
             if r.state != ReplicaState.READY or model is None or profile is None or not r.endpoint:
                 continue
@@ -261,16 +293,18 @@ class Reconciler:
                 replica_id=r.id, model=model.name, names=model.names, url=r.endpoint.rstrip("/"),
                 engine=profile.engine, profile=profile.name, priority=profile.priority, task=model.task,
                 node=r.shards[0].node, ready_since=r.ready_since or 0.0,
+                canary=r.canary, canary_percent=self.rollouts.canary_percent(r.model),
             ))
         return out
 
     def publish(self, catalog: Catalog | None = None) -> None:
         """Send ready endpoints to the router, only when the list changed."""
-        catalog = catalog or self.desired.catalog
+        catalog = catalog or self._running or self.desired.catalog
         if self.sink is None or catalog is None:
             return
         eps = self.endpoints(catalog)
-        key = tuple((e.replica_id, e.url, e.names, e.priority, e.ready_since) for e in eps)
+        key = tuple((e.replica_id, e.url, e.names, e.priority, e.ready_since, e.canary, e.canary_percent)
+                    for e in eps)
         if key == self._published:
             return
         self._published = key

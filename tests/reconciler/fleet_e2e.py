@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmgw.contract import Demand, Endpoint, PromptCache
+from llmgw.contract import Demand, Endpoint, PromptCache, ReplicaStats
 from llmgw.control import Controller, ControllerConfig
 from llmgw.decide import ReplicaState
 from llmgw.reconciler import ReconcilerConfig
@@ -62,6 +62,9 @@ class Recorder:
         return dict(self.wanted)
 
     def prompt_cache(self) -> Mapping[str, PromptCache]:
+        return {}
+
+    def replica_stats(self) -> Mapping[str, Mapping[str, ReplicaStats]]:
         return {}
 
 

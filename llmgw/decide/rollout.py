@@ -1,0 +1,245 @@
+"""Rollouts (DESIGN §5): how a change of a model's version reaches its replicas. Pure.
+
+A model's *version* hashes what its engines are built from (source, task, profiles). When the
+catalog's version of a model differs from the one its replicas serve, a rollout begins:
+
+    canary ──(every step passes)──► promoting ──(no old replica left)──► done
+       └──(a check fails, the canary fails to start)──► rolled-back
+       └──(an operator aborts)──► aborted
+    replace: promoting at once.
+
+In the canary phase the model's stable replicas keep the old version (the *serving* spec, kept
+by the controller so it can still start them) and one canary replica of the new version takes
+``steps[i]`` percent of the traffic; after each ``interval`` the canary's error rate and p95
+latencies are compared with the stable group's over the same interval, from the router's own
+measurements. Promoting makes the new version the serving one, and the ordinary replacement
+(at most ``max_surge`` beside old ones, else ``max_unavailable`` stopped first) does the rest.
+A rolled-back or aborted rollout keeps the model on its serving version while git still asks
+for the new one; the next commit that changes the model starts a new rollout.
+
+This module decides; the reconciler keeps the records, measures and applies.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
+from typing import Any
+
+from llmgw.catalog import CanaryChecks, Model, RolloutPolicy
+from llmgw.contract import ReplicaStats
+
+
+class Phase(str, Enum):
+    CANARY = "canary"
+    PROMOTING = "promoting"
+    DONE = "done"
+    ROLLED_BACK = "rolled-back"
+    ABORTED = "aborted"
+
+    @property
+    def active(self) -> bool:
+        return self in (Phase.CANARY, Phase.PROMOTING)
+
+    @property
+    def kept_old(self) -> bool:
+        """The model stays on its serving version although git asks for ``target``."""
+        return self in (Phase.ROLLED_BACK, Phase.ABORTED)
+
+
+@functools.lru_cache(maxsize=4096)
+def model_version(model: Model) -> str:
+    """What a model's engines are built from, all profiles together (a replica's own fingerprint
+    covers its one profile)."""
+    data = {"source": model.source, "task": model.task, "size_gb": model.size_gb,
+            "profiles": [asdict(p) for p in model.profiles]}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def with_spec(model: Model, spec: Model) -> Model:
+    """``model`` as the catalog has it (names, scaling, routing, policy) running ``spec``'s engines."""
+    return replace(model, source=spec.source, task=spec.task, size_gb=spec.size_gb, profiles=spec.profiles)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One group's measurements over an analysis window."""
+
+    requests: int = 0
+    errors: int = 0
+    ttft_p95: float | None = None
+    itl_p95: float | None = None
+
+    @classmethod
+    def of(cls, stats: ReplicaStats) -> Figures:
+        return cls(stats.requests, stats.errors, stats.p95("ttft"), stats.p95("itl"))
+
+    @property
+    def error_rate(self) -> float | None:
+        return self.errors / self.requests if self.requests else None
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """The last judgement of a canary step, as shown to operators."""
+
+    at: float
+    seconds: float
+    canary: Figures
+    stable: Figures
+    verdict: str  # "pass" | "fail" | "wait"
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Analysis:
+        return cls(float(d["at"]), float(d["seconds"]), Figures(**d["canary"]), Figures(**d["stable"]),
+                   str(d["verdict"]), str(d["reason"]))
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One model's rollout from ``stable`` to ``target`` (versions), as the controller keeps it."""
+
+    model: str
+    target: str
+    stable: str
+    strategy: str
+    phase: Phase
+    started_at: float
+    revision: str | None = None
+    step: int = 0  # index into the policy's steps, in the canary phase
+    step_since: float = 0.0  # when the current step's window began
+    canary: str | None = None  # the canary replica's id while it lives
+    borrowed: bool = False  # the canary took a stable replica's place (no room to surge)
+    canary_failures: int = 0
+    reason: str = ""
+    ended_at: float | None = None
+    analysis: Analysis | None = None
+    history: tuple[str, ...] = ()  # one line per step judged, for status and the dashboard
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["phase"] = self.phase.value
+        d["analysis"] = self.analysis.to_json() if self.analysis else None
+        d["history"] = list(self.history)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Rollout:
+        fields = dict(d)
+        fields["phase"] = Phase(fields["phase"])
+        fields["analysis"] = Analysis.from_json(d["analysis"]) if d.get("analysis") else None
+        fields["history"] = tuple(d.get("history") or ())
+        return cls(**fields)
+
+    def percent(self, policy: RolloutPolicy) -> float:
+        """The canary's share of the model's traffic now (0 outside the canary phase)."""
+        if self.phase != Phase.CANARY or not policy.steps:
+            return 0.0
+        return policy.steps[min(self.step, len(policy.steps) - 1)]
+
+    def ended(self, phase: Phase, now: float, reason: str) -> Rollout:
+        return replace(self, phase=phase, ended_at=now, reason=reason, canary=None, borrowed=False)
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def judge(checks: CanaryChecks, canary: ReplicaStats, stable: ReplicaStats, *, seconds: float,
+          now: float) -> Analysis:
+    """Canary against stable over one window: pass, fail (with the reason in words) or wait for
+    traffic. Every failing check is named; the first is the headline."""
+    c, s = Figures.of(canary), Figures.of(stable)
+    over = f"over {_seconds(seconds)}, {c.requests} canary requests"
+    if c.requests < checks.min_requests or s.requests < checks.min_requests:
+        return Analysis(now, seconds, c, s, "wait",
+                        f"waiting for traffic: canary {c.requests}, stable {s.requests} of "
+                        f"{checks.min_requests} requests")
+    failed = []
+    c_rate, s_rate = (c.error_rate or 0.0) * 100, (s.error_rate or 0.0) * 100
+    if c_rate > s_rate + checks.error_rate:
+        failed.append(f"canary error rate {c_rate:.1f} % > stable {s_rate:.1f} % + {checks.error_rate:g} %")
+    for label, limit, cv, sv in (("time to first token", checks.ttft_p95, c.ttft_p95, s.ttft_p95),
+                                 ("inter-token latency", checks.itl_p95, c.itl_p95, s.itl_p95)):
+        # Compared only where both groups have samples (a whole answer has no inter-token latency).
+        if cv is not None and sv is not None and cv > limit * sv:
+            failed.append(f"canary p95 {label} {_ms(cv)} > {limit:g} x stable {_ms(sv)}")
+    if failed:
+        return Analysis(now, seconds, c, s, "fail", "; ".join(failed) + f" {over}")
+    return Analysis(now, seconds, c, s, "pass",
+                    f"canary error rate {c_rate:.1f} % (stable {s_rate:.1f} %), p95 time to first token "
+                    f"{_fmt(c.ttft_p95)} (stable {_fmt(s.ttft_p95)}) {over}")
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else _ms(v)
+
+
+@dataclass(frozen=True)
+class Windows:
+    """What the router measured since the current step began: the canary, the stable group."""
+
+    canary: ReplicaStats = field(default_factory=ReplicaStats)
+    stable: ReplicaStats = field(default_factory=ReplicaStats)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What advancing a rollout did: the new record, and events to record (kind, message)."""
+
+    rollout: Rollout
+    events: tuple[tuple[str, str], ...] = ()
+    new_step: bool = False  # a new window begins: the reconciler takes a new baseline
+
+
+def advance(r: Rollout, policy: RolloutPolicy, *, windows: Windows, canary_ready: bool, canary_failed: str | None,
+            now: float) -> Step:
+    """The canary phase's next move: judge the step when its interval is over, fail on a canary
+    that cannot start, promote after the last step."""
+    if r.phase != Phase.CANARY:
+        return Step(r)
+    if canary_failed is not None:
+        reason = f"canary failed: {canary_failed}"
+        return Step(r.ended(Phase.ROLLED_BACK, now, reason), (("rollout-rolled-back", f"{r.model}: {reason}"),))
+    if not canary_ready:
+        # The window starts when the canary serves: time spent fetching and loading is not judged.
+        return Step(replace(r, step_since=now)) if r.step_since != now else Step(r)
+    seconds = now - r.step_since
+    if seconds < policy.interval:
+        return Step(r)
+    a = judge(policy.checks, windows.canary, windows.stable, seconds=seconds, now=now)
+    if a.verdict == "wait":
+        return Step(replace(r, analysis=a))
+    percent = r.percent(policy)
+    line = f"step {r.step + 1}/{len(policy.steps)} ({percent:g} %): {a.verdict}: {a.reason}"
+    if a.verdict == "fail":
+        ended = replace(r.ended(Phase.ROLLED_BACK, now, a.reason), analysis=a, history=(*r.history, line))
+        return Step(ended, (("rollout-rolled-back", f"{r.model}: rolled back: {a.reason}"),))
+    if r.step + 1 < len(policy.steps):
+        nxt = replace(r, step=r.step + 1, step_since=now, analysis=a, history=(*r.history, line))
+        return Step(nxt, (("rollout-step", f"{r.model}: {line}; canary now takes "
+                                            f"{policy.steps[r.step + 1]:g} %"),), new_step=True)
+    return Step(promoted(replace(r, analysis=a, history=(*r.history, line)), now),
+                (("rollout-promoted", f"{r.model}: every step passed; promoting (the rest replaced)"),))
+
+
+def promoted(r: Rollout, now: float) -> Rollout:
+    """The new version becomes the serving one; the canary stays as an ordinary replica."""
+    return replace(r, phase=Phase.PROMOTING, step_since=now, borrowed=False)
+
+
+def duration_at_least(policy: RolloutPolicy) -> float:
+    """How long a canary rollout takes at the least: each step's interval (`llmgw diff` says it)."""
+    return policy.interval * len(policy.steps) if policy.strategy == "canary" else 0.0
