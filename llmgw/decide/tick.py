@@ -124,10 +124,11 @@ class _Tick:
     no_canary_room: dict[str, str] = field(default_factory=dict)
     # A fingerprint hashes the whole model and profile: once per profile per tick, not per replica
     # (it was most of a steady tick's cost on a fleet of 600 replicas).
-    fingerprints: dict[tuple[str, str], str] = field(default_factory=dict)
+    fingerprints: dict[tuple[str, str, bool], str] = field(default_factory=dict)
 
-    def fingerprint(self, model: Model, profile: Profile) -> str:
-        key = (model.name, profile.name)
+    def fingerprint(self, model: Model, profile: Profile, *, canary: bool = False) -> str:
+        # Keyed by name: the catalog's version, or (``canary``) the new version a canary runs.
+        key = (model.name, profile.name, canary)
         if key not in self.fingerprints:
             self.fingerprints[key] = fingerprint(model, profile)
         return self.fingerprints[key]
@@ -187,7 +188,8 @@ def _judge_running(t: _Tick) -> None:
             # the canary phase for the version it runs, and goes (without a replacement) otherwise.
             want = t.canaries.get(r.model)
             spec_profile = want.spec.profile(r.profile) if want is not None else None
-            if want is None or spec_profile is None or t.fingerprint(want.spec, spec_profile) != r.fingerprint:
+            if want is None or spec_profile is None \
+                    or t.fingerprint(want.spec, spec_profile, canary=True) != r.fingerprint:
                 t.stop[r.id] = t.canary_notes.get(r.model) or "canary of a rollout that ended"
             continue
         profile = model.profile(r.profile)
@@ -309,40 +311,34 @@ def _place_new(t: _Tick, replacements: dict[str, list[str]], *,
 
 
 def _unavailable_first(t: _Tick, unplaced: Mapping[str, list[str]]) -> None:
-    """4b. Old replicas whose replacement found no room (a full fleet, or ``max_surge: 0``): stop
-    up to ``max_unavailable`` of them first; their slots are filled with the new version once
-    their GPUs are free (scaling brings the model back to its count). Without this a change on
-    a fleet with no spare GPUs would never roll out."""
-    needy = dict(unplaced)
-    for old_id in t.replace:  # max_surge 0: never beside, always instead
-        r = t.by_id[old_id]
-        model = t.catalog.model(r.model)
-        if model is not None and model.rollout.max_surge == 0 and old_id not in t.stop:
-            needy.setdefault(r.model, [])
-            if old_id not in needy[r.model]:
-                needy[r.model].append(old_id)
-    for name, olds in needy.items():
+    """4b. Models whose replacement found no room (a full fleet, or ``max_surge: 0``): stop up to
+    ``max_unavailable`` old replicas first; their slots are filled with the new version once their
+    GPUs are free (scaling brings the model back to its count). Without this a change on a fleet
+    with no spare GPUs would never roll out."""
+    replacing = {r.replaces for r in t.replicas if r.replaces and r.state.live}
+    olds: dict[str, list[str]] = defaultdict(list)  # per model: old replicas no replacement is coming for
+    for old_id in t.replace:
+        if old_id not in t.stop and old_id not in replacing:
+            olds[t.by_id[old_id].model].append(old_id)
+    for name, candidates in olds.items():
         model = t.catalog.model(name)
-        if model is None:
+        if model is None or not (name in unplaced or model.rollout.max_surge == 0):
             continue
         limit = model.rollout.max_unavailable
-        mine = [r for r in t.replicas if r.model == name and r.state.live and not r.canary
-                and r.id not in t.lost_ids]
-        ready = sum(1 for r in mine if r.state == ReplicaState.READY and r.id not in t.stop)
-        missing = max(t.targets.get(name, 0) - ready, 0)
-        room = limit - missing
-        # Old replicas whose replacement is on its way already hold their own slot.
-        candidates = [o for o in olds if o not in t.stop]
+        if limit == 0:
+            t.unavailable_first[name] = "no room to start a new replica beside the old, and max_unavailable 0: waiting"
+            continue
+        ready = sum(1 for r in t.replicas if r.model == name and r.state == ReplicaState.READY and not r.canary
+                    and r.id not in t.stop and r.id not in t.lost_ids)
+        room = limit - max(t.targets.get(name, 0) - ready, 0)
         candidates.sort(key=lambda o: t.by_id[o].state == ReplicaState.READY)  # not serving first
         why = (f"no room to start a new replica beside the old: replaced {limit} at a time "
                f"(max_unavailable {limit})") if model.rollout.max_surge else \
             f"max_surge 0: replaced {limit} at a time (max_unavailable {limit})"
-        if limit == 0:
-            t.unavailable_first[name] = "no room to start a new replica beside the old, and max_unavailable 0: waiting"
-            continue
         t.unavailable_first[name] = why
         for old_id in candidates:
-            if room <= 0 and t.by_id[old_id].state == ReplicaState.READY:
+            serving = t.by_id[old_id].state == ReplicaState.READY
+            if room <= 0 and serving:
                 break
             if not _fits_instead(t, t.catalog, name, t.by_id[old_id]):
                 # Stopping it would leave the model a replica short for nothing (seen: a profile
@@ -350,8 +346,7 @@ def _unavailable_first(t: _Tick, unplaced: Mapping[str, list[str]]) -> None:
                 t.unavailable_first[name] = "the new version does not fit even in an old replica's place: waiting"
                 break
             t.stop[old_id] = f"{t.replace[old_id].value}; {why}"
-            if t.by_id[old_id].state == ReplicaState.READY:
-                room -= 1
+            room -= serving
 
 
 def _fits_instead(t: _Tick, catalog: Catalog, name: str, old: Replica, placed: Sequence[Placement] = ()) -> bool:
