@@ -53,6 +53,9 @@ class Decisions:
     unavailable_first: Mapping[str, str] = field(default_factory=dict)
     borrowed: tuple[str, ...] = ()  # models whose canary took a stable replica's place this tick
     no_canary_room: Mapping[str, str] = field(default_factory=dict)  # model → why no canary can run
+    # Stops that are a rollout's, not a removal: an old replica stopped first for its replacement,
+    # a stable one making room for a canary (the prune guard does not count them).
+    for_rollout: frozenset[str] = frozenset()
 
 
 def _node_lost(inventory: Inventory, node_id: NodeId, now: float, grace: float) -> bool:
@@ -120,6 +123,7 @@ class _Tick:
     wanted: dict[str, int] = field(default_factory=dict)  # model → new replicas to place
     targets: dict[str, int] = field(default_factory=dict)  # model → replicas it should have (slots)
     unavailable_first: dict[str, str] = field(default_factory=dict)
+    for_rollout: set[str] = field(default_factory=set)
     borrowed: list[str] = field(default_factory=list)
     no_canary_room: dict[str, str] = field(default_factory=dict)
     # A fingerprint hashes the whole model and profile: once per profile per tick, not per replica
@@ -166,7 +170,7 @@ def decide(
     result, create = _place_new(t, replacements, with_reasons=with_reasons)
     create += _place_canaries(t, [c.placement for c in create])
     return Decisions(tuple(t.stop.items()), tuple(create), tuple(t.lost), result.unplaced, result.rejections,
-                     dict(t.unavailable_first), tuple(t.borrowed), dict(t.no_canary_room))
+                     dict(t.unavailable_first), tuple(t.borrowed), dict(t.no_canary_room), frozenset(t.for_rollout))
 
 
 def _judge_running(t: _Tick) -> None:
@@ -346,6 +350,7 @@ def _unavailable_first(t: _Tick, unplaced: Mapping[str, list[str]]) -> None:
                 t.unavailable_first[name] = "the new version does not fit even in an old replica's place: waiting"
                 break
             t.stop[old_id] = f"{t.replace[old_id].value}; {why}"
+            t.for_rollout.add(old_id)
             room -= serving
 
 
@@ -398,6 +403,7 @@ def _place_canaries(t: _Tick, placed: Sequence[Placement]) -> list[NewReplica]:
             continue
         t.stop[stable[0].id] = ("making room for the canary of the new version "
                                 f"(no room to start it beside; max_unavailable {policy.max_unavailable})")
+        t.for_rollout.add(stable[0].id)
         t.borrowed.append(name)
     return create
 

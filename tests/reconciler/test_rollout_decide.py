@@ -188,3 +188,15 @@ def test_an_old_replica_is_not_stopped_for_a_version_that_would_not_fit_in_its_p
     huge = scaled(replace(NEW, profiles=(replace(NEW.profiles[0], gpus=4),)), 2, REPLACE)
     d = run([huge], inventory(node("a", gpus=2)), reps)
     assert d.stop == () and "does not fit" in d.unavailable_first["m"]
+
+
+def test_a_replica_stopped_first_for_its_replacement_is_not_a_prune() -> None:
+    from llmgw.plan.guard import judge_prune
+
+    old = scaled(M, 1, REPLACE)
+    reps = (replica("m-g0", old),)
+    d = run([scaled(NEW, 1, REPLACE)], inventory(node("a", gpus=1)), list(reps))
+    assert d.for_rollout == {"m-g0"} and d.stop[0][0] == "m-g0"
+    verdict = judge_prune(Catalog(models=(old,)), Catalog(models=(scaled(NEW, 1, REPLACE),)),
+                          inventory(node("a", gpus=1)), reps, now=100.0)
+    assert not verdict.held and verdict.replicas_stopped == 0
