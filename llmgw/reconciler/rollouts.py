@@ -150,8 +150,9 @@ class RolloutDriver:
             if ro is not None and ro.phase == Phase.PROMOTING and not self._outdated(rec.serving, mine) \
                     and all(x.state == ReplicaState.READY for x in mine if x.state.live):
                 rec.rollout = replace(ro, phase=Phase.DONE, ended_at=now, reason="every replica runs the new version")
+                took = now - ro.started_at
                 self.store.add_event("rollout-done", model.name,
-                                     f"{model.name}: rollout to {_rev(ro.revision)} done in {now - ro.started_at:.0f} s")
+                                     f"{model.name}: rollout to {_rev(ro.revision)} done in {took:.0f} s")
             ro = rec.rollout
             if ro is not None and ro.phase == Phase.CANARY:
                 canaries[model.name] = CanaryWant(spec=model, borrowed=ro.borrowed)
@@ -195,9 +196,12 @@ class RolloutDriver:
             if r.phase == Phase.PROMOTING:
                 rec.serving = model
             return rec
-        if not stable:
-            rec.previous, rec.serving = rec.serving, model  # nothing runs: the new version applies at once
-            rec.rollout = None
+        if not stable or not self._outdated(model, stable):
+            # Nothing runs, or nothing running would change (e.g. a profile added that no replica
+            # uses): the new version applies at once, without a rollout.
+            rec.previous, rec.serving = rec.serving, model
+            if r is not None and r.phase.active:
+                rec.rollout = r.ended(Phase.DONE, now, "nothing running had to change")
             return rec
         policy = model.rollout
         canary = policy.strategy == "canary" and not catalog_skips_analysis(catalog)
