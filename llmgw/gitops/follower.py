@@ -24,7 +24,7 @@ from llmgw.gitops.desired import DesiredState
 from llmgw.gitops.repo import CommitInfo, GitMirror
 from llmgw.gitops.status import History, PendingPrune, Rejection, Rewrite, SyncState, SyncStatus
 from llmgw.inventory import Inventory
-from llmgw.plan.guard import PruneVerdict, allows_prune, judge_prune
+from llmgw.plan.guard import PruneVerdict, allows_prune, judge_prune, with_trailers
 from llmgw.state import Applied, Store
 from llmgw.tasks import cancel_and_wait
 
@@ -285,6 +285,9 @@ class GitOpsFollower:
 
     def _apply(self, info: CommitInfo, catalog: Catalog, *, note: str = "") -> None:
         now = self.clock()
+        catalog = with_trailers(catalog, info.message)
+        if catalog.skip_analysis:
+            note = "; ".join(n for n in (note, "canary analysis skipped by trailer Llmgw-Skip-Analysis") if n)
         # Stored before subscribers hear of it: a crash in between restarts on this revision.
         self.store.set_applied(Applied(info.sha, now, self._source))
         self._clear_judgement()
@@ -357,6 +360,11 @@ class GitOpsFollower:
                     else:
                         self.mirror.ensure()
                     result = validate_files(self.mirror.read(sha), revision=sha)
+                    if result.catalog is not None:
+                        # As applied: a rollout this commit starts after the restart skips its
+                        # analysis too, if the commit said so.
+                        result = dataclasses.replace(
+                            result, catalog=with_trailers(result.catalog, self.mirror.info(sha).message))
                     break
                 except GitError as exc:
                     log.warning("cannot restore applied revision %s from the %s: %s", sha[:12], attempt, exc)

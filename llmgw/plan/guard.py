@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmgw.catalog import Catalog
 from llmgw.decide.replica import Replica, ReplicaState
@@ -21,6 +21,7 @@ from llmgw.decide.tick import decide
 from llmgw.inventory import Inventory, follow_nodes
 
 ALLOW_TRAILER = re.compile(r"^Llmgw-Allow-Prune:\s*yes\s*$", re.IGNORECASE | re.MULTILINE)
+SKIP_ANALYSIS_TRAILER = re.compile(r"^Llmgw-Skip-Analysis:\s*yes\s*$", re.IGNORECASE | re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,17 @@ def allows_prune(message: str) -> bool:
     return bool(ALLOW_TRAILER.search(message))
 
 
+def skips_analysis(message: str) -> bool:
+    """The commit message carries the trailer ``Llmgw-Skip-Analysis: yes``: the canary rollouts it
+    starts go straight to promoting (an emergency fix), max_surge/max_unavailable still apply."""
+    return bool(SKIP_ANALYSIS_TRAILER.search(message))
+
+
+def with_trailers(catalog: Catalog, message: str) -> Catalog:
+    """``catalog`` as its commit's trailers amend it (only ``Llmgw-Skip-Analysis`` does)."""
+    return replace(catalog, skip_analysis=True) if skips_analysis(message) else catalog
+
+
 def stops_under(catalog: Catalog, inventory: Inventory, replicas: tuple[Replica, ...], now: float,
                 last_used: Mapping[str, float] | None = None) -> dict[str, str]:
     """Replicas ``decide()`` would stop or give up for lost if ``catalog`` were the desired state.
@@ -50,7 +62,8 @@ def stops_under(catalog: Catalog, inventory: Inventory, replicas: tuple[Replica,
     fleet = Inventory(follow_nodes(inventory.nodes, catalog.nodes), inventory.taken_at)
     used = dict(last_used) if last_used is not None else {r.id: now for r in replicas}
     d = decide(catalog, fleet, replicas, last_used=used, demand={}, now=now)
-    return {**dict(d.lost), **dict(d.stop)}
+    # An old replica stopped first for its replacement (a full fleet) is a rollout, not a prune.
+    return {**dict(d.lost), **{rid: why for rid, why in d.stop if rid not in d.for_rollout}}
 
 
 def judge_prune(old: Catalog | None, new: Catalog, inventory: Inventory, replicas: tuple[Replica, ...], *,
