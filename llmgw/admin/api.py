@@ -23,6 +23,7 @@ from llmgw.decide import holding
 from llmgw.errors import CatalogError, DispatchError, GitError, LlmgwError, PushRejected
 from llmgw.inventory import NodeState
 from llmgw.placement import explain
+from llmgw.reconciler.rollouts import RolloutError
 from llmgw.serving import read_plain
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ async def summary(request: web.Request) -> web.Response:
     c = ctl(request)
     return web.json_response(views.summary_view(
         c.catalog, c.inventory(), c.replicas(), c.sync_status.to_json(),
-        c.unplaced()))
+        c.unplaced(), c.rollouts()))
 
 
 async def get_sync(request: web.Request) -> web.Response:
@@ -260,6 +261,53 @@ async def _write(request: web.Request, change: Any, *, status: int) -> web.Respo
     c.trigger_sync()
     return web.json_response({"commit": sha, "message": "committed and pushed; the controller applies it "
                               "on its next fetch"}, status=status)
+
+
+# --- rollouts ---------------------------------------------------------------------------
+async def rollouts(request: web.Request) -> web.Response:
+    return web.json_response(views.rollouts_view(ctl(request).rollouts()))
+
+
+def _rolled_model(request: web.Request) -> str | web.Response:
+    """The model a rollout route names (an alias too), or a 404 saying it is not in the catalog."""
+    name = request.match_info["model"]
+    catalog = ctl(request).catalog
+    model = catalog.resolve(name) if catalog is not None else None
+    if model is None:
+        return error(404, f'model "{name}" is not in the catalog')
+    return model.name
+
+
+async def rollout(request: web.Request) -> web.Response:
+    name = _rolled_model(request)
+    if isinstance(name, web.Response):
+        return name
+    found = ctl(request).rollout(name)
+    if found is None:
+        return error(404, f'model "{name}" has had no rollout (it runs the version the catalog has)')
+    return web.json_response(views.rollout_view(found))
+
+
+async def rollout_promote(request: web.Request) -> web.Response:
+    return await _rollout_action(request, "promote")
+
+
+async def rollout_abort(request: web.Request) -> web.Response:
+    return await _rollout_action(request, "abort")
+
+
+async def _rollout_action(request: web.Request, verb: str) -> web.Response:
+    name = _rolled_model(request)
+    if isinstance(name, web.Response):
+        return name
+    c = ctl(request)
+    act = c.rollout_promote if verb == "promote" else c.rollout_abort
+    try:
+        done = act(name, _actor(request))
+    except RolloutError as exc:
+        # Known model, nothing to act on (no canary, already done): the state conflicts, 409.
+        return error(409, str(exc))
+    return web.json_response(views.rollout_view(done))
 
 
 async def collect_weights(request: web.Request) -> web.Response:

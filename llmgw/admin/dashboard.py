@@ -39,6 +39,8 @@ _ENV.filters["short"] = lambda sha: (sha or "")[:12]
 # The CLI's words for it, so `llmgw nodes` and this page never describe a node differently.
 _ENV.filters["confinement"] = confinement_label
 _ENV.filters["problems"] = node_problems
+_ENV.filters["pct"] = lambda v: "—" if v is None else f"{v * 100:.1f} %"
+_ENV.filters["ms"] = lambda v: "—" if v is None else f"{v * 1000:.0f} ms"
 
 
 async def dashboard(request: web.Request) -> web.Response:
@@ -58,6 +60,7 @@ async def dashboard(request: web.Request) -> web.Response:
         nodes=views.nodes_view(inventory, replicas, now),
         models=views.models_view(catalog, replicas, unplaced, c.prompt_cache()),
         replicas=views.replicas_view(replicas, catalog, inventory, c.last_used(), now),
+        rollouts=views.rollouts_view(c.rollouts()),
         events=list(reversed(c.events(limit=30))),
         unplaced_reasons=_unplaced_reasons(c, unplaced),
         chart=await _usage_chart(c, now),

@@ -61,7 +61,7 @@ SCHEMAS: dict[str, Any] = {
     "Summary": _obj({
         "sync": _ref("Sync"), "models": INT, "nodes": INT, "nodes_by_state": _s("object"), "nodes_ready": INT,
         "gpus_total": INT, "gpus_unhealthy": INT, "replicas": INT, "replicas_by_state": _s("object"),
-        "replicas_ready": INT, "unplaced": _s("object"),
+        "replicas_ready": INT, "unplaced": _s("object"), "rollouts": _arr(_ref("Rollout")),
     }),
     "Node": _obj({
         "id": STR, "address": STR, "port": INT, "transport": STR, "pool": STR, "state": STR, "hostname": NSTR,
@@ -101,6 +101,17 @@ SCHEMAS: dict[str, Any] = {
                      "candidates": _arr(_obj({"profile": STR, "node": STR, "fits": BOOL, "reasons": _arr(STR)})),
                      "text": _arr(STR)}),
     "Commit": _obj({"commit": STR, "message": STR}),
+    "Figures": _obj({"requests": INT, "errors": INT, "error_rate": NNUM, "ttft_p95": NNUM, "itl_p95": NNUM}),
+    "Rollout": _obj({
+        "model": STR, "phase": _s("string", enum=["canary", "promoting", "done", "rolled-back", "aborted"]),
+        "strategy": STR, "revision": NSTR, "target": STR, "stable": STR, "serving_version": STR, "step": INT,
+        "steps": _arr(NUM), "percent": NUM, "interval": NNUM, "started_at": NUM, "step_since": NUM,
+        "ended_at": NNUM, "reason": STR, "canary": NSTR, "borrowed": BOOL, "canary_failures": INT,
+        "history": _arr(STR),
+        "analysis": {**_obj({"at": NUM, "seconds": NUM, "verdict": _s("string", enum=["pass", "fail", "wait"]),
+                             "reason": STR, "canary": _ref("Figures"), "stable": _ref("Figures")}),
+                     "nullable": True},
+    }),
 }
 
 
@@ -166,6 +177,16 @@ def openapi_document(*, feed: bool = True) -> dict[str, Any]:
             "Remove a model (a commit, pushed)", _json(_ref("Commit")), params=[_p("name")],
             errors={"404": "unknown model", "422": "invalid", "501": "cannot push: push to git",
                     "502": "git failed"})},
+        f"{v}/rollouts": {"get": _op("Each model's last rollout (canary analysis, phase, reason)",
+                                     _json(_arr(_ref("Rollout"))))},
+        v + "/rollouts/{model}": {"get": _op("One model's last rollout", _json(_ref("Rollout")),
+                                             errors={"404": "unknown model, or no rollout"}, params=[_p("model")])},
+        v + "/rollouts/{model}/promote": {"post": _op(
+            "Promote the canary now (analysis skipped), or a rolled-back version", _json(_ref("Rollout")),
+            errors={"404": "unknown model", "409": "nothing to promote"}, params=[_p("model")])},
+        v + "/rollouts/{model}/abort": {"post": _op(
+            "Abort the rollout in progress: the model goes back to the version it ran", _json(_ref("Rollout")),
+            errors={"404": "unknown model", "409": "no rollout in progress"}, params=[_p("model")])},
         f"{v}/replicas": {"get": _op("Replicas", _json(_arr(_ref("Replica"))), params=[_q("model", STR)])},
         f"{v}/explain-placement": {"get": _op(
             "Why a model runs where it runs, or cannot run", _json(_ref("Explain")),

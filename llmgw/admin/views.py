@@ -165,8 +165,10 @@ def replicas_view(
 
 def summary_view(
     catalog: Catalog | None, inventory: Inventory, replicas: Sequence[Replica], sync: dict[str, Any],
-    unplaced: Mapping[str, int],
+    unplaced: Mapping[str, int], rollouts: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
+    """``rollouts``: the models whose last rollout is under way or did not go through (a finished
+    one is history, not news for `llmgw status`)."""
     nodes = list(inventory.nodes.values())
     states: dict[str, int] = {}
     for n in nodes:
@@ -187,4 +189,36 @@ def summary_view(
         "replicas_by_state": rstates,
         "replicas_ready": rstates.get(ReplicaState.READY.value, 0),
         "unplaced": dict(unplaced),
+        "rollouts": [rollout_view(r) for r in rollouts if r.get("phase") != "done"],
     }
+
+
+ROLLOUT_FIELDS = ("model", "phase", "strategy", "revision", "target", "stable", "serving_version", "step", "steps",
+                  "percent", "interval", "started_at", "step_since", "ended_at", "reason", "canary", "borrowed",
+                  "canary_failures", "history")
+
+
+def _figures(f: Mapping[str, Any]) -> dict[str, Any]:
+    requests, errors = int(f.get("requests") or 0), int(f.get("errors") or 0)
+    return {"requests": requests, "errors": errors, "error_rate": errors / requests if requests else None,
+            "ttft_p95": f.get("ttft_p95"), "itl_p95": f.get("itl_p95")}
+
+
+def rollout_view(r: Mapping[str, Any]) -> dict[str, Any]:
+    """One model's last rollout (llmgw.reconciler.rollouts status), with each group's error rate.
+
+    ``step`` counts from 1 as operators read it ("step 2 of 3"); ``percent`` is the canary's share
+    of the model's traffic now (0 outside the canary phase)."""
+    out = {k: r.get(k) for k in ROLLOUT_FIELDS}
+    out["step"] = int(r.get("step") or 0) + 1
+    out["steps"] = list(r.get("steps") or [])
+    out["history"] = list(r.get("history") or [])
+    a = r.get("analysis")
+    out["analysis"] = None if not a else {
+        "at": a["at"], "seconds": a["seconds"], "verdict": a["verdict"], "reason": a["reason"],
+        "canary": _figures(a["canary"]), "stable": _figures(a["stable"])}
+    return out
+
+
+def rollouts_view(rollouts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [rollout_view(r) for r in rollouts]

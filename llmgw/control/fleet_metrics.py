@@ -14,6 +14,7 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from llmgw.decide import holding
+from llmgw.decide.rollout import Phase
 from llmgw.inventory import NodeState
 from llmgw.placement.capacity import free_capacity
 
@@ -82,3 +83,29 @@ class FleetCollector(Collector):
             rt = GaugeMetricFamily("llmgw_catalog_rejected_timestamp_seconds", "When the last rejected commit was seen")
             rt.add_metric([], sync.rejected.time)
             yield rt
+
+        yield from _rollout_metrics(c.rollouts())
+
+
+def _rollout_metrics(rollouts: list[dict]) -> Iterator[GaugeMetricFamily]:
+    """Each model's last rollout: its phase (1 for the current one, 0 for the others, so an alert
+    can say ``== 1``), the canary's share of traffic, and whether it was rolled back (the model
+    then runs its last good version while git asks for another: worth a page, not a log line)."""
+    phase = GaugeMetricFamily("llmgw_rollout_phase", "Phase of each model's last rollout (1 = current)",
+                              labels=["model", "phase"])
+    percent = GaugeMetricFamily("llmgw_rollout_canary_percent", "Percent of a model's traffic on its canary",
+                                labels=["model"])
+    rolled = GaugeMetricFamily("llmgw_rollout_rolled_back",
+                               "1 while a model's last rollout is rolled back (it keeps its last good version)",
+                               labels=["model"])
+    total = GaugeMetricFamily("llmgw_rollouts_rolled_back", "Models whose last rollout was rolled back")
+    for r in rollouts:
+        for p in Phase:
+            phase.add_metric([r["model"], p.value], 1 if r["phase"] == p.value else 0)
+        percent.add_metric([r["model"]], r["percent"])
+        rolled.add_metric([r["model"]], 1 if r["phase"] == Phase.ROLLED_BACK.value else 0)
+    total.add_metric([], sum(1 for r in rollouts if r["phase"] == Phase.ROLLED_BACK.value))
+    yield phase
+    yield percent
+    yield rolled
+    yield total

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
@@ -25,6 +25,7 @@ from llmgw.state import Event
 
 if TYPE_CHECKING:
     from llmgw.control.controller import Controller
+    from llmgw.reconciler.rollouts import RolloutDriver
 
 
 class FleetOps:
@@ -84,6 +85,36 @@ class FleetOps:
     async def poll(self) -> Inventory:
         """Ask every node now (e.g. before judging what to delete)."""
         return await self._c.inventory.poll()
+
+    # --- rollouts (llmgw.reconciler.rollouts) ------------------------------------------------
+    def rollouts(self) -> list[dict[str, Any]]:
+        """Every model's last rollout (phase, step, canary share, the last analysis)."""
+        return self._c.reconciler.rollouts.status()
+
+    def rollout(self, model: str) -> dict[str, Any] | None:
+        return next((r for r in self.rollouts() if r["model"] == model), None)
+
+    def rollout_promote(self, model: str, actor: str) -> dict[str, Any]:
+        """Promote ``model``'s canary (or its rolled-back version) now; RolloutError when there is
+        nothing to promote."""
+        return self._rollout_act(model, lambda d: d.promote(model, actor))
+
+    def rollout_abort(self, model: str, actor: str) -> dict[str, Any]:
+        """Stop ``model``'s rollout in progress; RolloutError when there is none."""
+        return self._rollout_act(model, lambda d: d.abort(model, actor))
+
+    def _rollout_act(self, model: str, act: Callable[[RolloutDriver], object]) -> dict[str, Any]:
+        # Synchronous on the controller's loop, as cordon and drain are: a tick changes the records
+        # only between its awaits, from planning to noting what it decided, with no await in that
+        # stretch, so an operator's change lands before or after it, never inside. Saved at once
+        # (a controller killed before its next tick still remembers it), then the tick acts on it.
+        driver = self._c.reconciler.rollouts
+        act(driver)
+        driver.save()
+        self._c.reconciler.notify()
+        shown = self.rollout(model)
+        assert shown is not None  # the action left a rollout record
+        return shown
 
     def set_node_state(self, node_id: str, state: NodeState) -> None:
         """Cordon, drain or uncordon; the reconciler acts on it at once. KeyError for an unknown node."""
