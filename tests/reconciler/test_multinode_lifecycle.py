@@ -114,3 +114,43 @@ def test_workers_first_head_once_they_answer_and_a_failed_shard_restarts_the_who
         store.close()
 
     asyncio.run(main())
+
+
+def test_vllm_ranks_meet_at_the_heads_fabric_address_workers_first_with_the_fabric_env(tmp_path: Path) -> None:
+    profile = Profile(name="pp", priority=0, engine="vllm", gpus=1, nodes=2, fabric="lan")
+    model = Model(name=ModelName("big"), source="hf://org/big", size_gb=10, profiles=(profile,))
+    rid = "big-g3"
+    placement = Placement(ModelName("big"), "pp", (Shard(NodeId("n1"), 0, (0,)), Shard(NodeId("n2"), 1, (0,))),
+                          size_gb=10, weights=model.cache_name)
+    r = Replica(id=rid, model=ModelName("big"), profile="pp", placement=placement, generation=3,
+                fingerprint=fingerprint(model, profile),
+                shards=tuple(ShardStatus(NodeId(n), i, (0,), shard_agent_id(rid, i))
+                             for i, n in enumerate(("n1", "n2"))))
+
+    async def main() -> None:
+        d = RecordingDispatcher()
+        for i, n in enumerate(("n1", "n2", "n3"), start=1):
+            d.add_node(n, engine_names=("vllm",), advertise_address=f"127.0.0.{i}")
+        store = Store(tmp_path / "llmgw.db").open()
+        catalog = Catalog(models=(model,))
+        async with aiohttp.ClientSession() as session:
+            life = Lifecycle(d, session, store, ReconcilerConfig(), lambda: 5.0)
+            state = await life.advance(r, catalog, inventory(d, listening=set(), now=5.0))
+            # Every rank loads the weights: fetched on both nodes.
+            assert sorted(c.node_id for c in d.calls_of("fetch")) == ["n1", "n2"]
+            [worker] = d.calls_of("start")
+            assert worker.node_id == "n2" and worker.request["weights"] == model.weights_ref
+            args = worker.request["args"]
+            # The head's address is its agent's fabric_address, known before the head runs.
+            assert args[args.index("--master-addr") + 1] == "127.0.0.1" and "--headless" in args
+            assert worker.request["env"] == {"VLLM_HOST_IP": "{fabric_address}",
+                                             "NCCL_SOCKET_IFNAME": "={fabric_interface}",
+                                             "GLOO_SOCKET_IFNAME": "{fabric_interface}"}
+            # A vLLM worker answers by running (it has no port of its own to listen on).
+            state = await life.advance(state, catalog, inventory(d, listening=set(), now=5.0))
+            head = d.calls_of("start")[-1]
+            assert head.node_id == "n1" and "--headless" not in head.request["args"]
+            assert state.shards[0].pid is not None
+        store.close()
+
+    asyncio.run(main())
