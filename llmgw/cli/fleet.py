@@ -18,6 +18,8 @@ from rich.table import Table
 from llmgw.admin.labels import confinement_label, node_problems
 from llmgw.cli.client import ApiError, Client, add_options, resolve_client
 from llmgw.cli.output import fail, print_json
+from llmgw.cli.rollout import add_parser as add_rollout_parser
+from llmgw.cli.rollout import one_line as rollout_line
 
 Command = Callable[[argparse.Namespace, Client, Console], int]
 
@@ -84,6 +86,8 @@ def status(args: argparse.Namespace, client: Client, console: Console) -> int:
                   + _e(", ".join(f"{k} {v}" for k, v in sorted(s["replicas_by_state"].items()))))
     for model, n in sorted(s["unplaced"].items()):
         console.print(f"[red]unplaced[/]  {_e(model)}: {n} replica(s) (llmgw explain {_e(model)})")
+    for r in s.get("rollouts", []):  # a controller from before rollouts has none
+        console.print(f"[bold]rollout[/]   {rollout_line(r)}")
     return 0
 
 
@@ -328,6 +332,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         return p
 
     add("status", status, "sync state and fleet summary")
+    add_rollout_parser(sub, c, _run)
     add("nodes", nodes, "nodes with GPUs, disk and state")
     p = add("models", models, "list, add or remove models (adding/removing writes a git commit)")
     msub = p.add_subparsers(dest="models_action")
