@@ -7,15 +7,18 @@ import json
 
 import pytest
 
-from tests.admin.conftest import running  # noqa: F401 - the fixture: a controller with its admin API
-from tests.admin.conftest import TOKEN, Running
+from tests.admin.conftest import (
+    TOKEN,
+    Running,
+    running,  # noqa: F401 - the fixture: a controller with its admin API
+)
 from tests.admin.test_rollout_api import _rolled_back, canary_ready, chat_spec
 
 pytestmark = pytest.mark.slow
 
 
-def cli(run_cli, running: Running, *args: str) -> tuple[int, str]:  # noqa: ANN001 - the fixture
-    return run_cli(*args, "--url", running.url, "--token", TOKEN)
+def cli(run_cli, server: Running, *args: str) -> tuple[int, str]:  # noqa: ANN001 - the fixture
+    return run_cli(*args, "--url", server.url, "--token", TOKEN)
 
 
 def test_nothing_to_show_or_do_is_said_with_exit_codes(run_cli, running: Running) -> None:  # noqa: F811
