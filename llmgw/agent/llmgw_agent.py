@@ -2785,16 +2785,20 @@ def engine_view(cfg: NodeConfig, record: JsonDict) -> JsonDict:
         "log_tail": tail_lines(record.get("log") or ""),
         # A worker answers once its port accepts connections: the head is started only then.
         "listening": alive and engine_kind(str(record.get("engine")), cfg.engines.get(str(record.get("engine")), ()))
-        == RPC_SERVER and _is_int(record.get("port")) and listening(record["port"]),
+        == RPC_SERVER and _is_int(record.get("port")) and listening(cfg.fabric_address, record["port"]),
     }
 
 
 TCP_LISTEN = "0A"
 
 
-def listening(port: int) -> bool:
-    """Whether a socket of this node listens on ``port``, from the kernel's tables (a connect would
-    be taken by an rpc-server as a client, and it serves one client at a time)."""
+def listening(address: str, port: int) -> bool:
+    """Whether a socket of this node listens on ``address``:``port``, from the kernel's tables (a
+    connect would be taken by an rpc-server as a client, and it serves one client at a time)."""
+    try:
+        wanted = ipaddress.ip_address(address)
+    except ValueError:
+        return False
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table, encoding="ascii") as fh:
@@ -2803,9 +2807,22 @@ def listening(port: int) -> bool:
             continue
         for row in rows:
             fields = row.split()
-            if len(fields) > 3 and fields[3] == TCP_LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+            if len(fields) <= 3 or fields[3] != TCP_LISTEN:
+                continue
+            local, _, hexport = fields[1].rpartition(":")
+            if int(hexport, 16) == port and _proc_address(local) == wanted:
                 return True
     return False
+
+
+def _proc_address(hexaddr: str) -> Any:
+    """An address as /proc/net/tcp{,6} writes it: 32-bit words in host (little-endian) order."""
+    raw = bytes.fromhex(hexaddr)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    try:
+        return ipaddress.ip_address(words)
+    except ValueError:
+        return None
 
 
 def prune_engine_records(cfg: NodeConfig, now: float) -> None:

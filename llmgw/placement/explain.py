@@ -107,12 +107,32 @@ def unrunnable(catalog: Catalog, inventory: Inventory, names: Iterable[str]) -> 
     for name in names:
         model = catalog.resolve(name)
         candidates = _candidates(model, idle) if model is not None else ()
-        if any(c.fits for c in candidates):
+        if model is not None and any(_runnable(p, candidates) for p in model.profiles):
             continue
         if not candidates:
             out[name] = "no node of this controller can run it (it manages none)"
             continue
-        shown = [f"{c.profile} on {c.node}: {'; '.join(c.reasons)}" for c in candidates[:3]]
-        more = f" (and {len(candidates) - 3} more)" if len(candidates) > 3 else ""
+        assert model is not None
+        # A profile across nodes whose nodes each fit but are too few says so first: its fitting
+        # candidates have no reason of their own to show.
+        few = [f"{p.name} spans {p.nodes} nodes, only {n} could take a shard" for p in model.profiles
+               if p.sharded for n in (_able(p, candidates),) if n]
+        rejected = [c for c in candidates if not c.fits]
+        shown = few + [f"{c.profile} on {c.node}: {'; '.join(c.reasons)}" for c in rejected[:3]]
+        more = f" (and {len(rejected) - 3} more)" if len(rejected) > 3 else ""
         out[name] = "no node can run it: " + " | ".join(shown) + more
     return out
+
+
+def _runnable(profile: Profile, candidates: tuple[Candidate, ...]) -> bool:
+    """Whether ``profile`` has nodes enough for a whole replica: a head, and as many other nodes
+    able to take a worker as it has workers (one fitting node is not a replica of three)."""
+    mine = [c for c in candidates if c.profile == profile.name]
+    heads = [c.node for c in mine if c.fits]
+    workers = {c.node for c in mine if (c.fits if c.worker is None else not c.worker)}
+    return any(len(workers - {h}) >= profile.nodes - 1 for h in heads)
+
+
+def _able(profile: Profile, candidates: tuple[Candidate, ...]) -> int:
+    """Nodes that could take some shard of ``profile`` (as its head or as a worker)."""
+    return len({c.node for c in candidates if c.profile == profile.name and (c.fits or c.worker == ())})

@@ -7,6 +7,7 @@ checked is the agent's part. tests/e2e/test_multinode_llamacpp.py runs the real 
 
 from __future__ import annotations
 
+import socket
 import sys
 
 import pytest
@@ -112,3 +113,23 @@ def test_fabric_placeholders_in_env_are_the_nodes_own(rpc_node: Node) -> None:
     line = engine(rpc_node, "e")["log_tail"][-1]
     assert '"argv": ["127.0.0.1"]' in line and '"value": "=fab0@127.0.0.1"' in line, line
     assert started["endpoint"].startswith("http://")
+
+
+def test_listening_is_read_for_the_fabric_address_and_port_alone(agent_module) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert agent_module.listening("127.0.0.1", port)
+        # Another address on the same port (the worker's fabric address would be elsewhere) is not it.
+        assert not agent_module.listening("127.0.0.2", port)
+        assert not agent_module.listening("::1", port)
+    assert not agent_module.listening("127.0.0.1", port)
+    if socket.has_ipv6:
+        with socket.socket(socket.AF_INET6) as s6:
+            try:
+                s6.bind(("::1", 0))
+            except OSError:
+                return  # no IPv6 loopback on this machine
+            s6.listen()
+            assert agent_module.listening("::1", s6.getsockname()[1])

@@ -68,3 +68,15 @@ def test_explain_shows_each_shard_by_rank_with_what_its_node_holds() -> None:
     assert "  split on a: as head rejected: needs 50 GB free local disk for the weights, has 1; as worker fits" \
         in idle
     assert "  split on c: as head fits; as worker fits" in idle
+
+
+def test_a_model_across_more_nodes_than_can_take_a_shard_is_unrunnable_and_says_why() -> None:
+    from llmgw.placement import unrunnable
+
+    m = model("smol", split(), size_gb=1)
+    # Two fabric nodes that each fit, and one off the fabric: no replica of three can come.
+    inv = inventory(lan("a"), lan("b"), node("c", gpus=0, ram_gb=16))
+    assert unrunnable(catalog(m), inv, ["smol"]) == {
+        "smol": "no node can run it: split spans 3 nodes, only 2 could take a shard | "
+                "split on c: fabric lan wanted, node has none"}
+    assert unrunnable(catalog(m), inventory(lan("a"), lan("b"), lan("c", disk_gb=0)), ["smol"]) == {}
