@@ -206,7 +206,8 @@ def openapi_document(*, feed: bool = True) -> dict[str, Any]:
         f"{v}/inventory": {"get": _op("The fleet snapshot `llmgw diff --snapshot` reads", _json(_obj({
             "taken_at": NNUM, "inventory": _s("object"), "replicas": _arr(_s("object"))})))},
         f"{v}/plan": {"get": _op("Dry run of a fetched revision against the live fleet", _json(_obj({
-            "base": STR, "head": STR, "summary": STR, "changed": BOOL, "changes": _arr(_s("object")),
+            "base": STR, "head": STR, "summary": STR, "rollouts_summary": NSTR, "changed": BOOL,
+            "changes": _arr(_s("object")),
             "problems": _arr(_ref("Problem")), "plan": {"type": "object", "nullable": True}})),
             errors={"404": "unknown revision", "409": "nothing fetched yet"}, params=[_q("rev", STR)])},
         f"{v}/metrics": {"get": _op("Fleet metrics (Prometheus text)", {

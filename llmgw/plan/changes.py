@@ -52,6 +52,9 @@ def model_fields(m: Model) -> dict[str, Any]:
         "scaling.target_inflight": m.scaling.target_inflight, "fallbacks": list(m.fallbacks),
         "routing": m.routing,
     }
+    # The rollout block, so a review sees a change of how changes roll out (not part of the version).
+    out.update(_flatten(asdict(m.rollout), "rollout."))
+    out["rollout.interval"] = format_duration(m.rollout.interval)
     for p in m.profiles:
         d = asdict(p)
         d.pop("name")
@@ -118,8 +121,10 @@ def _entity_changes(kind: str, old: dict[str, dict[str, Any]], new: dict[str, di
 
 
 def _added(fields: dict[str, Any]) -> tuple[FieldChange, ...]:
-    """The fields of something new, leaving out the empty ones a reviewer need not read."""
-    return tuple(FieldChange(k, None, v) for k, v in fields.items() if v not in (None, [], {}, ""))
+    """The fields of something new, leaving out the empty ones a reviewer need not read, and the
+    rollout policy (a new model has nothing to roll out; the policy shows when it changes)."""
+    return tuple(FieldChange(k, None, v) for k, v in fields.items()
+                 if v not in (None, [], {}, "") and not k.startswith("rollout."))
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

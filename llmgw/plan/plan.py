@@ -18,6 +18,7 @@ from llmgw.decide.tick import decide
 from llmgw.inventory import Inventory, follow_nodes
 from llmgw.placement import Placement, Rejection
 from llmgw.plan.guard import PruneVerdict, judge_prune
+from llmgw.plan.rollouts import RolloutPlan, plan_rollouts
 
 GB = 1024**3
 
@@ -76,6 +77,7 @@ class Plan:
     without_ready: tuple[tuple[str, str], ...] = ()  # (model, why)
     prune: PruneVerdict | None = None
     still_unplaced: dict[str, int] = field(default_factory=dict)  # unplaceable before the change too
+    rollouts: tuple[RolloutPlan, ...] = ()  # models whose running version changes, and how
 
     def count(self, action: str) -> int:
         return sum(1 for s in self.steps if s.action == action)
@@ -181,4 +183,5 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
         node_use=tuple(u for u in use if u.gpus_before != u.gpus_after or u.disk_before_gb != u.disk_after_gb),
         without_ready=tuple(without),
         prune=prune,
+        rollouts=plan_rollouts(base, head, inv, replicas, now=now),
     )

@@ -8,6 +8,7 @@ from typing import Any
 
 from llmgw import safetext
 from llmgw.catalog import Problem
+from llmgw.catalog.durations import format_duration
 from llmgw.placement.explain import shard_lines, shard_text
 from llmgw.plan.changes import Change, _show
 from llmgw.plan.plan import NodeUse, Plan, Step
@@ -48,6 +49,24 @@ def _plan_summary(report: DiffReport) -> str:
         parts.append(f"{plan.count('replace')} to replace")
     parts += [f"{plan.count('stop')} to stop", f"{unplaced} unplaceable"]
     return "Plan: " + ", ".join(parts) + "."
+
+
+def rollouts_line(plan: Plan | None) -> str | None:
+    """'Rollouts: 1 canary (at least 3m), 1 replace, 1 without room to surge (max_unavailable at a
+    time).' when the change rolls out a model that runs, else None (a line beside the summary)."""
+    if plan is None or not plan.rollouts:
+        return None
+    canary = [r for r in plan.rollouts if r.strategy == "canary"]
+    parts = []
+    if canary:
+        longest = max(r.at_least for r in canary)
+        parts.append(f"{len(canary)} canary (at least {format_duration(longest)})")
+    if len(canary) < len(plan.rollouts):
+        parts.append(f"{len(plan.rollouts) - len(canary)} replace")
+    tight = sum(1 for r in plan.rollouts if not (r.room_to_surge and r.max_surge > 0))
+    if tight:
+        parts.append(f"{tight} without room to surge (max_unavailable at a time)")
+    return "Rollouts: " + ", ".join(parts) + "."
 
 
 NO_CANDIDATE = "no node in nodes.yaml to try"
@@ -148,10 +167,15 @@ def render_text(r: DiffReport) -> str:
             out.append(f"  {u.node}: GPUs free {free.gpus_text()}" + (f", disk free {disk}" if disk else ""))
         for model, why in p.without_ready:
             out.append(f"  no ready replica during the change: {model} ({why})")
+        for ro in p.rollouts:
+            out.append(f"  rollout {ro.text()}")
     out.append("")
     prune = prune_line(p)
     if prune:
         out += [prune, ""]
+    rollouts = rollouts_line(p)
+    if rollouts:
+        out.append(rollouts)
     out.append(summary_line(r))
     # Every line is ours around catalog text; escaping whole lines reaches every piece of that text.
     return "\n".join(map(safetext.visible, out)) + "\n"
@@ -170,6 +194,9 @@ def _code(text: Any) -> str:
 
 def render_markdown(r: DiffReport) -> str:
     out = [f"### llmgw diff {_code(r.base)} → {_code(r.head)}", "", f"**{summary_line(r)}**", ""]
+    rollouts = rollouts_line(r.plan)
+    if rollouts:
+        out += [_md(rollouts), ""]
     prune = prune_line(r.plan, esc=_md)
     if prune:
         out += [f"> :warning: {prune}", ""]
@@ -223,6 +250,10 @@ def render_markdown(r: DiffReport) -> str:
             out.append("")
         for model, why in p.without_ready:
             out.append(f"- :hourglass: no ready replica during the change: **{_md(model)}** ({_md(why)})")
+        if p.rollouts:
+            out += ([""] if out[-1] else []) + ["| rollout | strategy | how long | room |", "|---|---|---|---|"]
+            out += [f"| {_md(ro.model)} | {_md(ro.policy_text)} | {ro.at_least_text} | {_md(ro.how)} |"
+                    for ro in p.rollouts]
     text = "\n".join(out).rstrip() + "\n"
     if len(text) > MARKDOWN_LIMIT:
         note = "\n\n_…truncated: the full plan is longer than a PR comment allows; run `llmgw diff` locally._\n"
@@ -270,6 +301,7 @@ def render_json(r: DiffReport) -> dict[str, Any]:
         "base": r.base,
         "head": r.head,
         "summary": summary_line(r),
+        "rollouts_summary": rollouts_line(p),
         "changed": r.changed,
         "changes": [{"kind": c.kind, "name": c.name, "op": c.op,
                      "fields": [{"path": f.path, "before": f.before, "after": f.after} for f in c.fields]}
@@ -288,6 +320,7 @@ def render_json(r: DiffReport) -> dict[str, Any]:
             "node_use": [{**u.__dict__, **FreeUse.of(u).__dict__} for u in p.node_use],
             "without_ready": [{"model": m, "why": w} for m, w in p.without_ready],
             "still_unplaced": dict(sorted(p.still_unplaced.items())),
+            "rollouts": [ro.to_json() for ro in p.rollouts],
             "prune_guard": None if p.prune is None else {
                 "held": p.prune.held, "reasons": list(p.prune.reasons),
                 "replicas_stopped": p.prune.replicas_stopped, "replicas_ready": p.prune.replicas_ready,

@@ -1,0 +1,96 @@
+"""The rollout a change will get, for `llmgw diff` (DESIGN §5, Rollouts). Pure.
+
+A model whose version (llmgw.decide.rollout.model_version) changes while replicas of it run is
+rolled out by its policy: a canary judged step by step, or replacement. Either way new replicas
+start beside the old ones only where the fleet has room (a GPU fleet is usually full); where it
+has none, ``max_unavailable`` old replicas are stopped first. A reviewer should know which before
+merging: on a full fleet the change costs capacity while it rolls out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from llmgw.catalog import Catalog, Model
+from llmgw.catalog.durations import format_duration
+from llmgw.decide.replica import Replica
+from llmgw.decide.rollout import duration_at_least, model_version
+from llmgw.decide.tick import holding
+from llmgw.inventory import Inventory
+from llmgw.placement import place
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    model: str
+    strategy: str  # "canary" | "replace"
+    steps: tuple[float, ...]
+    interval: float
+    at_least: float  # seconds: every step's interval (0 for replace)
+    replicas: int  # of the old version running now
+    room_to_surge: bool  # one more replica of the new version fits beside the running ones
+    max_surge: int
+    max_unavailable: int
+
+    @property
+    def how(self) -> str:
+        """How the new version reaches the replicas, in words."""
+        if self.max_unavailable < 1 and (not self.room_to_surge or self.max_surge < 1):
+            return "no room to start a new replica beside the old and max_unavailable 0: waits for free GPUs"
+        if self.room_to_surge and self.max_surge > 0:
+            return f"room to surge: new replicas start beside the old, {self.max_surge} at a time"
+        why = "max_surge 0" if self.max_surge < 1 else "no room to surge"
+        if self.strategy == "canary" and self.replicas < 2:
+            return f"{why} and a single replica: replaced without analysis, {self.max_unavailable} at a time"
+        canary = " (the canary takes a stable replica's place)" if self.strategy == "canary" else ""
+        return f"{why}: {self.max_unavailable} old replica(s) stopped at a time before the new start{canary}"
+
+    @property
+    def policy_text(self) -> str:
+        if self.strategy != "canary":
+            return "replace"
+        steps = ", ".join(f"{s:g} %" for s in self.steps)
+        return f"canary, steps {steps}, {format_duration(self.interval)} each"
+
+    @property
+    def at_least_text(self) -> str:
+        return f"at least {format_duration(self.at_least)}" if self.strategy == "canary" else "-"
+
+    def text(self) -> str:
+        longest = f", {self.at_least_text}" if self.strategy == "canary" else ""
+        return f"{self.model}: {self.policy_text}{longest}; {self.how}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "strategy": self.strategy, "steps": list(self.steps), "interval": self.interval,
+                "at_least_seconds": self.at_least, "replicas": self.replicas, "room_to_surge": self.room_to_surge,
+                "max_surge": self.max_surge, "max_unavailable": self.max_unavailable, "how": self.how,
+                "text": self.text()}
+
+
+def plan_rollouts(base: Catalog | None, head: Catalog, inventory: Inventory, replicas: list[Replica], *,
+                  now: float) -> tuple[RolloutPlan, ...]:
+    """Per model whose version ``head`` changes and which has live replicas: its rollout.
+
+    Room is judged by placing one extra replica of the new version on ``inventory`` with what
+    holds GPUs now, as the tick places a canary or a replacement beside the old ones."""
+    if base is None:
+        return ()
+    held = holding(inventory, replicas)
+    out = []
+    for model in head.models:
+        old = base.model(model.name)
+        running = [r for r in replicas if r.model == model.name and r.state.live and not r.canary]
+        if old is None or not running or model_version(old) == model_version(model):
+            continue
+        out.append(_one(head, model, inventory, held, len(running), now=now))
+    return tuple(out)
+
+
+def _one(head: Catalog, model: Model, inventory: Inventory, held: list, running: int, *, now: float) -> RolloutPlan:
+    room = bool(place(head, inventory, held, now=now, wanted={model.name: 1}, reasons=False).placements)
+    p = model.rollout
+    if head.skip_analysis:  # the commit's trailer Llmgw-Skip-Analysis: replaced at once
+        p = replace(p, strategy="replace")
+    return RolloutPlan(model.name, p.strategy, tuple(p.steps) if p.strategy == "canary" else (), p.interval,
+                       duration_at_least(p), running, room, p.max_surge, p.max_unavailable)
