@@ -183,5 +183,5 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
         node_use=tuple(u for u in use if u.gpus_before != u.gpus_after or u.disk_before_gb != u.disk_after_gb),
         without_ready=tuple(without),
         prune=prune,
-        rollouts=plan_rollouts(base, head, inv, replicas, now=now),
+        rollouts=plan_rollouts(base, head, inv, replicas, now=now, starts=[n.placement for n in d.create]),
     )

@@ -9,6 +9,7 @@ merging: on a full fleet the change costs capacity while it rolls out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,7 +19,7 @@ from llmgw.decide.replica import Replica
 from llmgw.decide.rollout import duration_at_least, model_version
 from llmgw.decide.tick import holding
 from llmgw.inventory import Inventory
-from llmgw.placement import place
+from llmgw.placement import Placement, place
 
 
 @dataclass(frozen=True)
@@ -69,20 +70,23 @@ class RolloutPlan:
 
 
 def plan_rollouts(base: Catalog | None, head: Catalog, inventory: Inventory, replicas: list[Replica], *,
-                  now: float) -> tuple[RolloutPlan, ...]:
+                  now: float, starts: Sequence[Placement] = ()) -> tuple[RolloutPlan, ...]:
     """Per model whose version ``head`` changes and which has live replicas: its rollout.
 
     Room is judged by placing one extra replica of the new version on ``inventory`` with what
-    holds GPUs now, as the tick places a canary or a replacement beside the old ones."""
+    holds GPUs now, as the tick places a canary or a replacement beside the old ones, and with
+    ``starts``: the new replicas of other models the same change places (a model added in the
+    same commit may take the last free GPU)."""
     if base is None:
         return ()
-    held = holding(inventory, replicas)
+    holds = holding(inventory, replicas)
     out = []
     for model in head.models:
         old = base.model(model.name)
         running = [r for r in replicas if r.model == model.name and r.state.live and not r.canary]
         if old is None or not running or model_version(old) == model_version(model):
             continue
+        held = holds + [p for p in starts if p.model != model.name]
         out.append(_one(head, model, inventory, held, len(running), now=now))
     return tuple(out)
 

@@ -98,6 +98,16 @@ def test_a_full_fleet_goes_max_unavailable_at_a_time(run_cli, repo: Path, snapsh
     code, out = diff(run_cli, repo, snapshots["room"], files)
     (ro,) = json.loads(out)["plan"]["rollouts"]
     assert ro["room_to_surge"] is True
+    # The same commit adds a model wanting every free GPU: the replacement is placed first (as the
+    # tick does), the new model gets the rest, and the rollout's room agrees with the steps.
+    fill = CHAT.replace("name: chat", "name: fill").replace("aliases: [gpt-4o-mini]\n", "").replace(
+        "min: 1", "min: 3").replace("max: 2", "max: 3")
+    code, out = diff(run_cli, repo, snapshots["room"], {**files, "models/fill.yaml": fill})
+    data = json.loads(out)
+    (ro,) = data["plan"]["rollouts"]
+    assert ro["room_to_surge"] is True and data["plan"]["unplaceable"]["fill"]["replicas"] == 1
+    assert [(s["action"], s["model"], s["shards"]) for s in data["plan"]["steps"]][0] == (
+        "replace", "chat", [{"node": "n2", "gpus": [1]}])
 
 
 def test_a_canary_of_a_single_replica_on_a_full_fleet_and_max_unavailable_zero(
