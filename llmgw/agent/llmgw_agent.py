@@ -2449,7 +2449,11 @@ def parse_start(cfg: NodeConfig, request: JsonDict) -> StartSpec:
     engine = _field(request, "engine")
     if not isinstance(engine, str) or engine not in cfg.engines:
         allowed = ", ".join(sorted(cfg.engines)) or "none"
-        raise AgentError(f"start: engine {engine!r} is not allowed on this node; allowed: {allowed}")
+        # A refusal by the node's config (not a malformed request): the replica fails with the
+        # setting named and backs off, and a replica across nodes stops its other shards (a worker
+        # node without rpc-server in its engines would otherwise be asked again every tick).
+        raise Refused(f"start: engine {engine!r} is not allowed on this node; allowed: {allowed}",
+                      setting="engines")
     args = _optional(request, "args", [])
     if not isinstance(args, list) or not all(isinstance(a, str) and "\0" not in a for a in args):
         raise AgentError("start: args must be a list of strings")

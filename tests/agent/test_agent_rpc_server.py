@@ -133,3 +133,10 @@ def test_listening_is_read_for_the_fabric_address_and_port_alone(agent_module) -
                 return  # no IPv6 loopback on this machine
             s6.listen()
             assert agent_module.listening("::1", s6.getsockname()[1])
+
+
+def test_a_node_without_rpc_server_refuses_a_worker_naming_its_engines(node: Node) -> None:
+    code, answer = node.run("start", {"replica_id": "w", "engine": "rpc-server", "args": WORKER_ARGS})
+    # A refusal (the replica fails, backs off and stops its other shards), not a request error.
+    assert code != 0 and answer.get("refused") == {"setting": "engines"}, answer
+    assert "engine 'rpc-server' is not allowed on this node" in answer["error"]
