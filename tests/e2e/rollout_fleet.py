@@ -65,11 +65,12 @@ class Controller:
     lives: int = 0
 
     @classmethod
-    def create(cls, tmp: Path, fleet: SshdFleet, files: dict[str, str], *, tick: str = "300ms") -> Controller:
+    def create(cls, tmp: Path, fleet: SshdFleet, files: dict[str, str], *, gpus: int = 2,
+               tick: str = "300ms") -> Controller:
         repo = tmp / "catalog"
         repo.mkdir()
         git(repo, "init", "-q", "-b", "main")
-        commit_files(repo, {"llmgw.yaml": "pools:\n  - name: default\n", "nodes.yaml": nodes_yaml(fleet),
+        commit_files(repo, {"llmgw.yaml": "pools:\n  - name: default\n", "nodes.yaml": nodes_yaml(fleet, gpus=gpus),
                             **files}, "Initial catalog")
         config, admin = controller_config(tmp, "data", repo, fleet, TOKEN)
         raw = json.loads(config.read_text())
@@ -149,8 +150,8 @@ def close(ctl: Controller | None, fleet: SshdFleet) -> None:
 def default_tokens(endpoint: str, model: str) -> int:
     """How many tokens one engine answers when a request names no max_tokens (its
     --max-tokens-default): a version's args seen from outside, engine by engine."""
-    client = openai.OpenAI(base_url=endpoint + "/v1", api_key="x", max_retries=0, timeout=30)
-    answer = client.chat.completions.create(model=model, messages=HELLO)
+    with openai.OpenAI(base_url=endpoint + "/v1", api_key="x", max_retries=0, timeout=30) as client:
+        answer = client.chat.completions.create(model=model, messages=HELLO)
     assert answer.usage is not None
     return answer.usage.completion_tokens
 
@@ -184,7 +185,7 @@ class Load:
 
     def __enter__(self) -> Load:
         for i in range(self.clients):
-            t = threading.Thread(target=self._client, args=(i,), daemon=True, name=f"load-{i}")
+            t = threading.Thread(target=self._client, daemon=True, name=f"load-{i}")
             t.start()
             self._threads.append(t)
         return self
@@ -194,7 +195,7 @@ class Load:
         for t in self._threads:
             t.join(60)
 
-    def _client(self, i: int) -> None:
+    def _client(self) -> None:
         client = openai.OpenAI(base_url=self.base_url + "/v1", api_key="sk-load", max_retries=0, timeout=60)
         n = 0
         while not self._stop.is_set():
@@ -203,9 +204,10 @@ class Load:
             error = None
             try:
                 if self.stream_every and n % self.stream_every == 0:
-                    stream = client.chat.completions.create(model=self.model, messages=HELLO, stream=True,
-                                                            max_tokens=self.max_tokens)
-                    if not any(c.choices and c.choices[0].delta.content for c in stream):
+                    with client.chat.completions.create(model=self.model, messages=HELLO, stream=True,
+                                                        max_tokens=self.max_tokens) as stream:
+                        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                    if not text:
                         error = "a stream with no content"
                 else:
                     answer = client.chat.completions.create(model=self.model, messages=HELLO,
