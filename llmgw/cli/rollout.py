@@ -1,4 +1,4 @@
-"""`llmgw rollout status|promote|abort`: the operator's side of rollouts (llmgw.decide.rollout).
+"""`llmgw rollout status`, `llmgw rollout promote`, `llmgw rollout abort`: the operator's side of rollouts.
 
 A rollout is started by a commit, never by a command: these only look at one, cut its analysis
 short (promote) or stop it (abort). Both are recorded as events with the caller's name.
