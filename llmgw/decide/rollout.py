@@ -118,7 +118,6 @@ class Rollout:
     step_since: float = 0.0  # when the current step's window began
     canary: str | None = None  # the canary replica's id while it lives
     borrowed: bool = False  # the canary took a stable replica's place (no room to surge)
-    canary_failures: int = 0
     reason: str = ""
     ended_at: float | None = None
     analysis: Analysis | None = None

@@ -152,14 +152,23 @@ class Reconciler:
             return decisions
 
     def _settle_canaries(self, plan: Plan) -> None:
-        """A promoted canary is an ordinary replica of the version now serving."""
+        """A promoted canary is an ordinary replica of the version now serving: the replacement of
+        one old replica (it beside them was a surge), unless it took a stable replica's place."""
         for rid, r in list(self.replicas.items()):
             if not r.canary or r.model in plan.canaries:
                 continue
             model = plan.catalog.model(r.model)
             profile = model.profile(r.profile) if model else None
-            if model is not None and profile is not None and fingerprint(model, profile) == r.fingerprint:
-                self.replicas[rid] = replace(r, canary=False)
+            if model is None or profile is None or fingerprint(model, profile) != r.fingerprint:
+                continue  # a canary of a rollout that ended: decide() stops it
+            # Without this the model had one replica too many, and scaling stopped one of the
+            # three at random (seen: the canary that had just passed), then replaced both old ones.
+            replaced = {x.replaces for x in self.replicas.values() if x.replaces and x.state.live}
+            stable = [x for x in self.replicas.values() if x.model == r.model and x.state.live and not x.canary]
+            old = [x for x in stable if x.id not in replaced and x.state != ReplicaState.STOPPING
+                   and ((p := model.profile(x.profile)) is None or fingerprint(model, p) != x.fingerprint)]
+            surplus = len(stable) >= model.scaling.min
+            self.replicas[rid] = replace(r, canary=False, replaces=old[0].id if old and surplus else None)
 
     async def _follow_nodes(self, catalog: Catalog) -> None:
         """Point the inventory and the dispatcher at the catalog's nodes before polling them."""

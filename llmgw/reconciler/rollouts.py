@@ -191,6 +191,8 @@ class RolloutDriver:
         if target == serving:
             # Same spec object or an equal one: keep the catalog's (its non-engine fields may have changed).
             rec.serving = model
+            if r is not None and r.phase.kept_old:
+                rec.rollout = None  # git went back to what runs: "rolled back" no longer describes it
             return rec
         if r is not None and r.target == target and (r.phase.active or r.phase.kept_old):
             if r.phase == Phase.PROMOTING:
