@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -140,3 +141,12 @@ def test_a_node_without_rpc_server_refuses_a_worker_naming_its_engines(node: Nod
     # A refusal (the replica fails, backs off and stops its other shards), not a request error.
     assert code != 0 and answer.get("refused") == {"setting": "engines"}, answer
     assert "engine 'rpc-server' is not allowed on this node" in answer["error"]
+
+
+def test_fabric_interface_is_found_from_the_fabric_address(agent_module, rpc_node: Node) -> None:
+    cfg = agent_module.load_config(str(rpc_node.config))
+    assert cfg.fabric_address == "127.0.0.1" and cfg.fabric_interface is None
+    assert agent_module.fabric_interface(cfg) == "lo"  # the kernel's interface holding 127.0.0.1
+    # An address no interface holds: refused, naming the setting that fixes it.
+    with pytest.raises(agent_module.Refused, match="fabric_interface"):
+        agent_module.fabric_interface(replace(cfg, fabric_address="192.0.2.77"))
