@@ -105,4 +105,5 @@ def test_a_v2_data_dir_gains_the_usage_ledger_and_keeps_its_state(tmp_path: Path
     finally:
         store.close()
     assert Store(path).open().rollout_records() == {}  # the rollouts table (v4) is there too
-    assert sqlite3.connect(path).execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (str(SCHEMA_VERSION),)
+    version = sqlite3.connect(path).execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    assert version == (str(SCHEMA_VERSION),)
