@@ -1,20 +1,20 @@
 """Rollouts through the admin API of a controller on 2 real sshd nodes (sim engines): a canary
 started by a real commit, seen in the API, the metrics and the dashboard, promoted and aborted
-through the API with the caller's name; a rolled-back one (its record put in place: a failing
-canary is the e2e tests' business) shown with its figures and its reason, escaped."""
+through the API with the caller's name; a rolled-back one (a real canary whose record is then
+marked as a failed check leaves it) shown with its figures and its reason, escaped, and promoted."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from llmgw.decide import ReplicaState
-from llmgw.decide.rollout import Analysis, Figures, Phase, Rollout
+from llmgw.decide.rollout import Analysis, Figures, Phase
 from tests.admin.conftest import TOKEN, Running
 from tests.reconciler.fleet_e2e import ready, sim_model
 
@@ -92,8 +92,8 @@ def test_a_canary_is_shown_then_promoted_through_the_api(running: Running) -> No
     # The promoted canary serves as an ordinary replica; the old version's replica goes.
     running.wait(lambda: (rollout_of(running) or {}).get("phase") == "done", timeout=60, what="rollout done")
     running.wait(lambda: old.id not in c.reconciler.replicas, timeout=30, what="old replica stopped")
-    now = {x.id: x for x in ready(c, "chat")}
-    assert canary.id in now and not now[canary.id].canary
+    (now,) = ready(c, "chat")  # the canary took over from the old replica: still one, as min says
+    assert now.id == canary.id and not now.canary
     status, summary = api(running, "GET", "/api/v1/summary")
     assert summary["rollouts"] == []  # a finished rollout is history, not news
 
@@ -101,6 +101,7 @@ def test_a_canary_is_shown_then_promoted_through_the_api(running: Running) -> No
 def test_an_abort_through_the_api_stops_the_canary_and_keeps_the_version(running: Running) -> None:
     c = running.controller
     stable = {x.id for x in ready(c, "chat")}
+    assert len(stable) == 1
     running.repo.commit({"models/chat.yaml": chat_spec(running, "--ttft", "0.02")}, "Chat: another try")
     c.follower.trigger()
     running.wait(lambda: canary_ready(running), timeout=60, what="canary ready")
@@ -117,26 +118,33 @@ def test_an_abort_through_the_api_stops_the_canary_and_keeps_the_version(running
     assert (rollout_of(running) or {}).get("phase") == "aborted"
 
 
-def _rolled_back(running: Running, reason: str) -> None:
-    """A rolled-back rollout's record, as the driver leaves one after a failed check."""
+def _rolled_back(running: Running, reason: str, ttft: str) -> str:
+    """A real canary (a commit with ``--ttft ttft``), then its record as the driver leaves it after
+    a failed check (the figures made up: a failing canary is the e2e tests' business); the sha."""
     c = running.controller
+    sha = running.repo.commit({"models/chat.yaml": chat_spec(running, "--ttft", ttft)}, "Chat: " + ttft)
+    c.follower.trigger()
+    running.wait(lambda: canary_ready(running), timeout=60, what="canary ready")
 
-    async def put() -> None:
+    async def put() -> None:  # on the controller's loop, between two ticks
         rec = c.reconciler.rollouts.records["chat"]
+        assert rec.rollout is not None and rec.rollout.phase == Phase.CANARY
         analysis = Analysis(at=1000.0, seconds=60.0, canary=Figures(140, 17, 0.25, 0.05),
                             stable=Figures(400, 2, 0.1, 0.02), verdict="fail", reason=reason)
-        rec.rollout = Rollout("chat", "f" * 16, rec.rollout.stable if rec.rollout else "e" * 16, "canary",
-                              Phase.ROLLED_BACK, started_at=900.0, revision="c" * 40, ended_at=1000.0,
-                              reason=reason, analysis=analysis, history=(f"step 1/1 (50 %): fail: {reason}",))
+        rec.rollout = replace(rec.rollout.ended(Phase.ROLLED_BACK, c.reconciler.clock(), reason), analysis=analysis,
+                              history=(f"step 1/1 (50 %): fail: {reason}",))
 
     running.call(put())
+    running.wait(lambda: not any(x.canary for x in c.reconciler.snapshot()), timeout=30, what="canary stopped")
+    return sha
 
 
 def test_a_rolled_back_rollout_shows_its_figures_and_reason_escaped(running: Running) -> None:
     reason = "canary error rate 12.1 % > stable 0.5 % + 2 % <script>alert(1)</script> over 60 s"
-    _rolled_back(running, reason)
+    sha = _rolled_back(running, reason, "0.03")
     r = rollout_of(running)
-    assert r is not None and r["phase"] == "rolled-back" and r["reason"] == reason
+    assert r is not None and r["phase"] == "rolled-back" and r["reason"] == reason and r["revision"] == sha
+    assert r["serving_version"] == r["stable"] != r["target"]  # the last good version keeps serving
     a = r["analysis"]
     assert a["verdict"] == "fail" and a["seconds"] == 60
     assert a["canary"] == {"requests": 140, "errors": 17, "error_rate": 17 / 140, "ttft_p95": 0.25, "itl_p95": 0.05}
@@ -156,7 +164,9 @@ def test_a_rolled_back_rollout_shows_its_figures_and_reason_escaped(running: Run
     assert "errors 12.1 % vs 0.5 %" in section and "p95 TTFT 250 ms vs 100 ms" in section
     assert "p95 ITL 50 ms vs 20 ms" in section
 
-    # Its target is not what git asks for now: nothing to promote, said so.
+    # Git still asks for it: an operator may push it through; then there is nothing to abort.
+    status, body = api(running, "POST", "/api/v1/rollouts/chat/promote", actor="erin")
+    assert status == 200 and body["phase"] == "promoting" and body["reason"] == "promoted by erin"
+    running.wait(lambda: (rollout_of(running) or {}).get("phase") == "done", timeout=60, what="rollout done")
     status, body = api(running, "POST", "/api/v1/rollouts/chat/promote")
-    assert status == 409 and "no canary or rolled-back rollout to promote" in body["error"]
-    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), running.loop).result(5)
+    assert status == 409 and body == {"error": "chat has no canary or rolled-back rollout to promote"}

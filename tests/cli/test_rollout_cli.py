@@ -66,11 +66,11 @@ def test_status_of_a_canary_then_an_abort_by_name(run_cli, running: Running) -> 
 
 def test_a_rolled_back_model_is_one_line_of_status_with_its_reason_as_text(run_cli, running: Running) -> None:  # noqa: F811
     reason = "canary error rate 30.0 % > stable 0.0 % + 2 % [bold red]ok[/] \x1b]8;;http://x\x07 over 60 s"
-    _rolled_back(running, reason)
+    sha = _rolled_back(running, reason, "0.04")
     code, out = cli(run_cli, running, "status")
     assert code == 0
     (line,) = [x for x in out.splitlines() if x.startswith("rollout")]
-    assert line == ("rollout   chat: rolled back cccccccccccc, keeps its last good version: canary error rate "
+    assert line == (f"rollout   chat: rolled back {sha[:12]}, keeps its last good version: canary error rate "
                     "30.0 % > stable 0.0 % + 2 % [bold red]ok[/] \\x1b]8;;http://x\\x07 over 60 s (a new commit to "
                     "it starts a new rollout; `llmgw rollout promote` forces it)")
     code, out = cli(run_cli, running, "rollout", "status")
