@@ -1,9 +1,10 @@
 """The rollout a change will get, for `llmgw diff` (DESIGN §5, Rollouts). Pure.
 
-A model whose version (llmgw.decide.rollout.model_version) changes while replicas of it run is
-rolled out by its policy: a canary judged step by step, or replacement. Either way new replicas
-start beside the old ones only where the fleet has room (a GPU fleet is usually full); where it
-has none, ``max_unavailable`` old replicas are stopped first. A reviewer should know which before
+A model whose change reaches replicas of it that run (their fingerprint changes: the controller's
+test for starting a rollout, llmgw.reconciler.rollouts) is rolled out by its policy: a canary
+judged step by step, or replacement. Either way new replicas start beside the old ones only
+where the fleet has room (a GPU fleet is usually full); where it has none, ``max_unavailable``
+old replicas are stopped first. A reviewer should know which before
 merging: on a full fleet the change costs capacity while it rolls out.
 """
 
@@ -15,8 +16,8 @@ from typing import Any
 
 from llmgw.catalog import Catalog, Model
 from llmgw.catalog.durations import format_duration
-from llmgw.decide.replica import Replica
-from llmgw.decide.rollout import duration_at_least, model_version
+from llmgw.decide.replica import Replica, fingerprint
+from llmgw.decide.rollout import duration_at_least
 from llmgw.decide.tick import holding
 from llmgw.inventory import Inventory
 from llmgw.placement import Placement, place
@@ -82,13 +83,22 @@ def plan_rollouts(base: Catalog | None, head: Catalog, inventory: Inventory, rep
     holds = holding(inventory, replicas)
     out = []
     for model in head.models:
-        old = base.model(model.name)
         running = [r for r in replicas if r.model == model.name and r.state.live and not r.canary]
-        if old is None or not running or model_version(old) == model_version(model):
+        if base.model(model.name) is None or not _outdated(model, running):
             continue
         held = holds + [p for p in starts if p.model != model.name]
         out.append(_one(head, model, inventory, held, len(running), now=now))
     return tuple(out)
+
+
+def _outdated(model: Model, running: list[Replica]) -> bool:
+    """Some running replica would change under ``model`` (as the controller decides to start a
+    rollout: a profile no replica uses changes nothing running, and applies without one)."""
+    for r in running:
+        profile = model.profile(r.profile)
+        if profile is None or fingerprint(model, profile) != r.fingerprint:
+            return True
+    return False
 
 
 def _one(head: Catalog, model: Model, inventory: Inventory, held: list, running: int, *, now: float) -> RolloutPlan:

@@ -125,8 +125,10 @@ def test_a_canary_of_a_single_replica_on_a_full_fleet_and_max_unavailable_zero(
 
 def test_no_rollout_for_what_does_not_change_a_running_version(run_cli, repo: Path,
                                                                 snapshots: dict[str, Path]) -> None:
-    # The policy alone, the scaling, a new model: nothing running changes version.
-    files = {"models/chat.yaml": CHAT.replace("profiles:", CANARY + "profiles:").replace("max: 2", "max: 3"),
+    # The policy alone, the scaling, a profile no replica uses, a new model: nothing running changes.
+    spare = "  - name: spare\n    priority: 9\n    engine: sim\n    gpus: 2\n    gpu_class: [sim]\n"
+    files = {"models/chat.yaml": CHAT.replace("profiles:", CANARY + "profiles:").replace("max: 2", "max: 3")
+             + spare,
              "models/qwen.yaml": CHAT.replace("name: chat", "name: qwen").replace("aliases: [gpt-4o-mini]\n", "")
              + ARGS}
     code, out = diff(run_cli, repo, snapshots["room"], files)
