@@ -287,8 +287,8 @@ def sim(core: str, model: str, *extra: str) -> tuple[subprocess.Popen, str]:
 
 
 def accuracy(tmp: Path, requests: int, clients: int) -> dict:
-    from llmgw.router.limits import reservation
     from llmgw.state import Store
+    from llmgw.tenancy.asked import reservation
 
     procs: list[subprocess.Popen] = []
     try:
@@ -400,6 +400,7 @@ def cost(tmp: Path, duration: float, rounds: int) -> dict:
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
                       f'wrk.headers["Authorization"] = "Bearer {key("alpha", "whole")}"\nwrk.body = {json.dumps(b)}\n')
     runs: dict[str, list[dict]] = {"off": [], "local": [], "on": []}
+    routers: dict[str, subprocess.Popen] = {}
     try:
         redis, redis_url = start_redis(tmp, LOAD_CORE)
         engine_proc, engine = sim(LOAD_CORE, "chat")
@@ -410,6 +411,7 @@ def cost(tmp: Path, duration: float, rounds: int) -> dict:
             r = spawn([sys.executable, __file__, "--serve", "router", "--port", str(port), "--engine", engine,
                        "--redis", url], SUT_CORE, env={"PYTHONPATH": str(REPO)}, log=tmp / f"cost-{name}.log")
             procs.append(r)
+            routers[name] = r
             wait_port(port, r, 15)
             targets[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
             wrk(targets[name], script, 8, 1.0)  # warm-up
@@ -418,22 +420,41 @@ def cost(tmp: Path, duration: float, rounds: int) -> dict:
             # Idle routers cost nothing: one at a time is measured, each round in another order
             # (whoever goes first in a round is not always the same one).
             for name in order[i % 3:] + order[:i % 3]:
-                runs[name].append(wrk(targets[name], script, 32, duration))
+                cpu = cpu_seconds(routers[name].pid)
+                run = wrk(targets[name], script, 32, duration)
+                # The router's own CPU per request answered: what limits cost it, whatever else
+                # the machine runs meanwhile (requests/s on a shared box moves by a third between
+                # rounds; CPU time per request far less).
+                answered = run["rps"] * max(1, round(duration))  # wrk's -d, as router_bench.wrk rounds it
+                run["cpu_us"] = (cpu_seconds(routers[name].pid) - cpu) / max(1.0, answered) * 1e6
+                runs[name].append(run)
     finally:
         for p in reversed(procs):
             stop(p)
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms")}
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50_ms", "p99_ms", "cpu_us")}
            for name, rs in runs.items()}
     for name, m in med.items():
         each = ", ".join(f"{r['rps']:.0f}" for r in runs[name])
         print(f"limits {name:5s}: {m['rps']:.0f} req/s (median of {rounds}: {each}), p50 {m['p50_ms']:.2f} ms, "
-              f"p99 {m['p99_ms']:.2f} ms", flush=True)
+              f"p99 {m['p99_ms']:.2f} ms, router CPU {m['cpu_us']:.0f} us a request", flush=True)
     return {"rps_limits_off": med["off"]["rps"], "rps_limits_local": med["local"]["rps"],
             "rps_limits_on": med["on"]["rps"], "p99_ms_limits_off": med["off"]["p99_ms"],
             "p99_ms_limits_on": med["on"]["p99_ms"], "rounds": rounds,
             "local_vs_off": round(med["local"]["rps"] / med["off"]["rps"], 3),
             "on_vs_off": round(med["on"]["rps"] / med["off"]["rps"], 3),
+            "cpu_us_per_request_limits_off": round(med["off"]["cpu_us"], 1),
+            "cpu_us_per_request_limits_local": round(med["local"]["cpu_us"], 1),
+            "cpu_us_per_request_limits_on": round(med["on"]["cpu_us"], 1),
+            # Requests a CPU second serves with limits on, as a share of off's (the rps ratio's
+            # counterpart that the machine's other load moves less).
+            "cpu_on_vs_off": round(med["off"]["cpu_us"] / med["on"]["cpu_us"], 3),
             "cost_errors": sum(r["non2xx"] for rs in runs.values() for r in rs)}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds process ``pid`` has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:

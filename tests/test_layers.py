@@ -28,6 +28,9 @@ def loaded_by(module: str) -> set[str]:
     ("llmgw.catalog", ("aiohttp", "sqlite3", "paramiko", "git", "watchfiles", "prometheus_client")),
     ("llmgw.router.main", ("sqlite3", "paramiko", "git", "watchfiles")),
     ("llmgw.contract", ("aiohttp", "sqlite3", "paramiko", "git", "watchfiles", "prometheus_client")),
+    # The tenants' rules and the in-memory limiter (issue 29): no event loop, no Redis client.
+    ("llmgw.tenancy.memory", ("asyncio", "aiohttp", "redis", "sqlite3", "paramiko", "git", "watchfiles",
+                              "prometheus_client")),
 ])
 def test_importing_a_layer_loads_nothing_below_it(module: str, io: tuple[str, ...]) -> None:
     loaded = loaded_by(module)

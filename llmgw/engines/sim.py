@@ -433,7 +433,7 @@ def _completion_limit(body: dict[str, Any], *, chat: bool) -> int | None:
     Chat: ``max_completion_tokens or max_tokens`` (a 0 falls through, as Python's ``or`` does);
     completions: ``max_tokens`` alone. Other engines' fields (llama.cpp's ``n_predict``) are
     ignored, as vLLM ignores them: a router that reserves one field while vLLM reads another is
-    caught here, by what the simulator writes (llmgw.router.limits)."""
+    caught here, by what the simulator writes (llmgw.tenancy.asked)."""
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     for name in names:
         v = body.get(name)

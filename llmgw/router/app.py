@@ -27,7 +27,6 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -43,18 +42,6 @@ from llmgw.router.config import RouterConfig
 from llmgw.router.demand import DemandBook
 from llmgw.router.feed import route_catalog
 from llmgw.router.keys import ApiKey, KeyRing
-from llmgw.router.limits import (
-    ANSWER_FIELDS,
-    COMPLETION_FIELDS,
-    BadLimitField,
-    Limiter,
-    Refusal,
-    Ticket,
-    asked_for,
-    capped_fields,
-    prompt_estimate,
-    reserve_for,
-)
 from llmgw.router.load import poll_loads
 from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
 from llmgw.router.parse import (
@@ -72,12 +59,25 @@ from llmgw.router.prefix import MAX_BLOCKS, PrefixIndex, PromptKey, prompt_key
 from llmgw.router.proxy import CLIENT_GONE, Tap, forward_stream, forward_whole, rewrite_model
 from llmgw.router.retry import RetryBudget, RetryTicket, next_step
 from llmgw.router.routes import RouteCatalog, RouteModel
-from llmgw.router.shared_limits import SharedLimits, SharedTicket
 from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, choose
 from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
-from llmgw.router.usage import Usage, UsageOutbox, ask_for_usage, reported_usage, wants_usage, with_fields
+from llmgw.router.usage import ask_for_usage, reported_usage, wants_usage, with_fields
 from llmgw.serving import body_encoding_refused, connection_cap, listen
 from llmgw.tasks import cancel_and_wait
+from llmgw.tenancy.admission import Limits
+from llmgw.tenancy.asked import (
+    ANSWER_FIELDS,
+    COMPLETION_FIELDS,
+    BadLimitField,
+    asked_for,
+    capped_fields,
+    prompt_estimate,
+    reserve_for,
+)
+from llmgw.tenancy.memory import LocalLimits
+from llmgw.tenancy.rules import Refusal
+from llmgw.tenancy.shared import SharedLimits
+from llmgw.tenancy.usage import NO_ACCOUNT, Account, Usage, UsageBook
 
 log = logging.getLogger(__name__)
 
@@ -87,19 +87,6 @@ CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/
 # member read or set here and missing from this list would be invisible, or written twice.
 READS = frozenset({"model", "stream", "stream_options", "prompt", *COMPLETION_FIELDS, *ANSWER_FIELDS})
 _PROMPT_KIND = {CHAT: "chat", COMPLETIONS: "prompt"}  # which prompt text the worker renders
-
-
-@dataclass(frozen=True)
-class Account:
-    """Whom a request is counted against: the key's name ("" when open) and its tenant's ticket."""
-
-    key: str
-    ticket: Ticket | SharedTicket | None = None
-    prompt_estimate: int = 0
-    reserved: int = 0
-
-
-NO_ACCOUNT = Account("")
 
 
 class Router:
@@ -135,15 +122,15 @@ class Router:
         # model -> [prompt tokens, cached] from engine-wide counters (vLLM's /metrics): every router
         # reading one engine sees the same totals, so these stay out of the reports routers sum.
         self._polled_counts: dict[str, list[int]] = {}
-        self._usage: dict[tuple[str, str], Usage] = {}  # (key name, model served) -> use since start
+        self._usage = UsageBook()  # per (key name, model served) since start, and by minute for the ledger
         # What this process measured of each replica since it started, for canary analysis: the
         # controller takes differences, so a restarted router is a new instance, never a reset.
         self.instance_id = uuid.uuid4().hex
         self._stats: dict[str, ReplicaStats] = {}
         # The same counts by minute, until the controller's ledger has them (llmgw.contract).
-        self.usage_outbox = UsageOutbox()
-        self._limiter = Limiter()  # tenants' limits, from the catalog (llmgw.yaml)
-        self._shared: SharedLimits | None = None  # the same limits counted in Redis, when configured
+        self.usage_outbox = self._usage.outbox
+        # Tenants' limits, from the catalog (llmgw.yaml): counted here, or in Redis when configured.
+        self._limits: Limits = LocalLimits()
         self._limits_errors = Counter(
             "llmgw_router_limits_errors", "Calls to the Redis that shares tenants' limits that failed for another "
             "reason than Redis being away (a script error, a reply not understood), by error; the requests that "
@@ -182,10 +169,9 @@ class Router:
         for m in routes.models:
             fallbacks = (routes.model(f) for f in m.fallbacks)
             chains[m.name] = (m, *(f for f in fallbacks if f is not None))
-        limiter = Limiter(routes.tenants)
-        limiter.carry_over(self._limiter)  # a new commit must not hand every tenant a fresh budget
         self._warn_unknown_tenant_keys(routes)
-        self.routes, self._chains, self.has_catalog, self._limiter = routes, chains, True, limiter
+        self._limits.set_tenants(routes.tenants)  # what each tenant used goes on: no fresh budgets
+        self.routes, self._chains, self.has_catalog = routes, chains, True
         self._changes.notify()
 
     def set_spent(self, figures: Mapping[tuple[str, str], tuple[float, int]], routers: int = 1) -> None:
@@ -193,22 +179,23 @@ class Router:
         (period start, tokens)), and how many routers share the limits: budgets go on from there
         (a router restarted mid-period does not hand a tenant a fresh one; degraded mode grants
         only this router's share of what is left)."""
-        self._limiter.set_spent(figures, routers=routers)
+        self._limits.set_spent(figures, routers=routers)
 
     def use_limits_redis(self, url: str) -> None:
         """Count tenants' limits in the Redis at ``url`` (as the controller says), or locally ("")."""
-        current = self._shared.url if self._shared is not None else ""
-        if url == current:
+        if url == self._limits.url:
             return
-        old, self._shared = self._shared, self._shared_limits(url) if url else None
-        if old is not None:
+        old = self._limits
+        self._limits = self._shared_limits(url) if url else LocalLimits(old.limiter)
+        if old.url:  # shared: what it holds in Redis goes back
             task = asyncio.get_running_loop().create_task(old.close())
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
     def _shared_limits(self, url: str) -> SharedLimits:
         errors = self._limits_errors
-        return SharedLimits(url, clock=self._clock, wall=self._wall, on_error=lambda e: errors.labels(e).inc())
+        return SharedLimits(url, limiter=self._limits.limiter, clock=self._clock, wall=self._wall,
+                            on_error=lambda e: errors.labels(e).inc())
 
     def _warn_unknown_tenant_keys(self, routes: RouteCatalog) -> None:
         """A tenant naming a key this router does not have limits nobody: a typo would leave the
@@ -281,7 +268,7 @@ class Router:
     def usage(self) -> dict[tuple[str, str], Usage]:
         """Tokens and requests per (API key name, model served) since this router started; the key
         is "" when the router is open (no keys configured)."""
-        return {k: Usage(**u.to_json()) for k, u in self._usage.items()}
+        return self._usage.snapshot()
 
     def inflight(self) -> int:
         return sum(u.inflight for u in self.table.upstreams.values())
@@ -295,7 +282,7 @@ class Router:
                                   keepalive_timeout=c.keepalive_timeout, max_idle=c.max_idle)
         self._load_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32))
         if c.limits_redis:
-            self._shared = self._shared_limits(c.limits_redis)
+            self._limits = self._shared_limits(c.limits_redis)
         self._poller = asyncio.create_task(self._background(), name="router-background")
 
     async def _background(self) -> None:
@@ -348,9 +335,8 @@ class Router:
         if self._load_session is not None:
             await self._load_session.close()
             self._load_session = None
-        if self._shared is not None:
-            await self._shared.close()
-            self._shared = None
+        limits, self._limits = self._limits, LocalLimits(self._limits.limiter)
+        await limits.close()
         await self._parser.close()
 
     def app(self) -> web.Application:
@@ -496,20 +482,14 @@ class Router:
         or budget for every model is refused before its body is read or parsed (the body's size
         alone says the least it reserves), so a hostile tenant's big bodies cost the router
         nothing once it is over its limits. The same answer the full check would give."""
-        if key is None or self._limiter.tenant(key.name) is None:
+        limits = self._limits
+        if key is None or limits.tenant(key.name) is None:
             return None
         if length is not None and length > self.config.body_limit:
             return None  # too large, whoever sends it: the 413 that follows says so
         least = prompt_estimate(length or 0)  # what any request with this body reserves at least
-        if self._shared is not None:
-            refused = self._shared.precheck(self._limiter, key.name, least, self._wall())
-        else:
-            refused = self._limiter.precheck(key.name, least, self._wall())
-        if refused is None:
-            return None
-        if refused.fits_never:
-            return respond.bad_request(refused.message, "exceeds_budget")
-        return respond.rate_limited(refused.message, refused.retry_after, refused.headers)
+        refused = limits.precheck(key.name, least, self._wall())
+        return None if refused is None else _refused(refused)
 
     def _buffers_full(self, exc: BuffersFull) -> web.Response:
         if exc.share:  # this key's own share: its to slow down, nobody else's
@@ -545,33 +525,24 @@ class Router:
                 model.name, t0)
         ticket = None
         reserve = 0
-        if key is not None and self._limiter.tenant(key.name) is not None:  # only a tenant's key is limited
+        limits = self._limits
+        if key is not None and limits.tenant(key.name) is not None:  # only a tenant's key is limited
             try:
                 ask = asked_for(body)
             except BadLimitField as exc:
                 return self._refuse(respond.bad_request(str(exc), "invalid_value"), model.name, t0)
             reserve = reserve_for(ask, raw)
             chain = tuple(m.name for m in self._chains.get(model.name, (model,)))
-            if self._shared is not None:
-                admitted = await self._shared.admit(self._limiter, key.name, chain, reserve, self._wall())
-            else:
-                admitted = self._limiter.admit(key.name, chain, reserve, self._wall())
+            admitted = await limits.admit(key.name, chain, reserve, self._wall())
             if isinstance(admitted, Refusal):
-                if admitted.unavailable:  # fail closed: N routers on their own would be N times the limit
-                    return self._refuse(respond.error(503, admitted.message, kind="service_unavailable",
-                                                      code="limits_unavailable", retry_after=1), model.name, t0)
-                if admitted.fits_never:
-                    return self._refuse(respond.bad_request(admitted.message, "exceeds_budget"), model.name, t0)
-                return self._refuse(respond.rate_limited(admitted.message, admitted.retry_after, admitted.headers),
-                                    model.name, t0)
+                return self._refuse(_refused(admitted), model.name, t0)
             ticket = admitted
             if ticket is not None and path != EMBEDDINGS:
                 # What is reserved is what the engine may write: every completion-limit field an
                 # engine may read is sent as the reserved limit (engines differ in which one they
                 # read, and a 0 is "unset" to vLLM: the default is reserved and sent), and a budget
-                # is a cap even for a request that sets none (limits.capped_fields).
-                fields = capped_fields(ask, chat=path == CHAT, cap_unasked=Limiter.has_budget(
-                    self._limiter.scopes_of(key.name, chain) or ()))
+                # is a cap even for a request that sets none (tenancy.asked.capped_fields).
+                fields = capped_fields(ask, chat=path == CHAT, cap_unasked=limits.caps_unasked(key.name, chain))
                 if fields:
                     raw = with_fields(raw, body, fields)
                     body = {**body, **fields}
@@ -790,38 +761,22 @@ class Router:
     def _answer_tap(self, model: str, account: Account, llama: bool) -> Tap:
         """What is counted from an answer's end: usage per key and model, and (llama.cpp, which
         says in every answer how much of the prompt it took from its cache) prompt-cache hits."""
-        key = account.key
-
         def tap(tail: bytes, events: int, complete: bool) -> None:
-            delta = Usage(requests=1, errors=0 if complete else 1)
             timings = llama_timings(tail) if llama and complete else None
             reported = None if not complete else reported_usage(tail) or (
                 (timings.prompt, timings.predicted) if timings is not None else None)
-            if reported is not None:
-                delta.prompt_tokens, delta.completion_tokens = reported
-                if account.ticket is not None:
-                    account.ticket.settle(reported[0] + reported[1])
-            elif tail:  # cut short, or an engine that reports nothing: what was produced (usage.py)
-                delta.completion_tokens, delta.counted_from_stream = events, 1
-                if account.ticket is not None:  # a stream begun: the engine read the prompt, the estimate counts
-                    account.ticket.settle(account.prompt_estimate + events)
-            self._count_usage(key, model, delta)
+            limits = self._limits
+            # Cut short, or an engine that reports nothing: what was produced (router/usage.py).
+            # By minute on the limits' clock (Redis's when shared), as admission is: a router whose
+            # own clock is off would report its use in another budget period.
+            self._usage.answered(account, model, complete=complete, reported=reported,
+                                 streamed=events if tail else None, minute=int(self._wall() + limits.offset) // 60 * 60,
+                                 tenant=limits.tenant(account.key) or "")
             if timings is not None:
                 counts = self._counts(model)
                 counts[2] += timings.prompt
                 counts[3] += timings.cached
         return tap
-
-    def _count_usage(self, key: str, model: str, delta: Usage) -> None:
-        entry = self._usage.get((key, model))
-        if entry is None:
-            entry = self._usage[(key, model)] = Usage()
-        entry.add(delta)
-        # On the shared limits' clock (Redis's) when there is one, as admission is: a router whose
-        # own clock is off would report its use in another budget period.
-        offset = self._shared.offset if self._shared is not None else 0.0
-        minute = int(self._wall() + offset) // 60 * 60
-        self.usage_outbox.add(minute, self._limiter.tenant(key) or "", key, model, delta)
 
     def _engine_counts(self, up: Upstream, queries: float, hits: float) -> None:
         """From the load poller: an engine's prefix-cache counters moved (vLLM)."""
@@ -888,13 +843,25 @@ class Router:
 
     # --- metrics -------------------------------------------------------------------------
     def _gauges(self) -> GaugeSnapshot:
-        tenant = self._limiter.tenant
-        usage = {(tenant(key) or "", key, model): u for (key, model), u in self._usage.items()}
+        tenant = self._limits.tenant
+        usage = {(tenant(key) or "", key, model): u for (key, model), u in self._usage.totals.items()}
         snap = gauges(self.table, self._demand.held, self._clock(), self.prompt_cache(), usage)
-        snap.limits_degraded = self._shared is not None and self._shared.degraded
+        snap.limits_degraded = self._limits.degraded
         parser = self._parser
         snap.parsing, snap.parse_waiting, snap.parsed_off_loop = parser.parsing, parser.waiting, parser.offloaded
         return snap
+
+
+def _refused(refused: Refusal) -> web.Response:
+    """A tenant's request refused, in OpenAI's format: 400 when waiting cannot help, 503 when the
+    limits could not be checked (fail closed: N routers each on its own would be N times every
+    limit), else 429 with Retry-After and the x-ratelimit headers."""
+    if refused.unavailable:
+        return respond.error(503, refused.message, kind="service_unavailable", code="limits_unavailable",
+                             retry_after=1)
+    if refused.fits_never:
+        return respond.bad_request(refused.message, "exceeds_budget")
+    return respond.rate_limited(refused.message, refused.retry_after, refused.headers)
 
 
 def _model_entry(name: str, model: RouteModel, ready: bool) -> dict[str, object]:

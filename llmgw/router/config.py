@@ -49,5 +49,5 @@ class RouterConfig:
     # more than a small GPU's KV cache holds; ~1.5 MB of router memory per replica.
     prefix_index_blocks: int = 16384
     # Tenants' limits counted in this Redis (redis://[:password@]host:port/db), shared by every
-    # router given the same URL; empty: each router counts on its own (llmgw.router.shared_limits).
+    # router given the same URL; empty: each router counts on its own (llmgw.tenancy.shared).
     limits_redis: str = ""

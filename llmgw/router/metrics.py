@@ -31,7 +31,7 @@ TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 if TYPE_CHECKING:
     from llmgw.contract import PromptCache
     from llmgw.router.table import EndpointTable
-    from llmgw.router.usage import Usage
+    from llmgw.tenancy.usage import Usage
 
 UNKNOWN = "unknown"
 

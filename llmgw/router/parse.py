@@ -375,7 +375,7 @@ class _Encoded:
 
 
 def _prompts(value: Any) -> int:
-    # The same rule as admission's (llmgw.router.limits): a list of strings or of token lists
+    # The same rule as admission's (llmgw.tenancy.asked): a list of strings or of token lists
     # is a batch, each prompt answered on its own.
     if type(value) is list and value and type(value[0]) in (str, list):
         return len(value)

@@ -12,20 +12,17 @@ Where the numbers come from, per kind of answer:
   stream, and prompt tokens are unknown (counted as 0, the request marked as counted from the
   stream). What was produced is counted; what the engine would have reported is not invented.
 
-Pure: bytes and numbers in, numbers out; the router owns the ledger and the I/O. The
-:class:`UsageOutbox` keeps what was counted until the controller has it (``llmgw.contract``).
+Pure: bytes in, numbers out. What the figures are counted against, and the outbox that keeps
+them until the controller has them, are :mod:`llmgw.tenancy.usage`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
-from dataclasses import dataclass, fields
 from typing import Any
 
 from llmgw import jsonbody
-from llmgw.contract import MAX_USAGE_ROWS, UsageBatch, UsageRow
 from llmgw.router.answer import last_object
 
 _USAGE = b'"usage"'
@@ -33,69 +30,6 @@ _USAGE = b'"usage"'
 _USAGE_KEY = re.compile(rb'"usage"\s*:\s*\{')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,12})')
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,12})')
-
-
-@dataclass
-class Usage:
-    """One key's use of one model since the router started (mutable: the router adds to it)."""
-
-    requests: int = 0
-    errors: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    counted_from_stream: int = 0  # requests whose tokens were counted from the stream, not reported
-
-    def to_json(self) -> dict[str, int]:
-        return {"requests": self.requests, "errors": self.errors, "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens, "counted_from_stream": self.counted_from_stream}
-
-    def add(self, other: Usage) -> None:
-        for f in _FIELDS:
-            setattr(self, f, getattr(self, f) + getattr(other, f))
-
-
-_FIELDS = tuple(f.name for f in fields(Usage))
-
-
-class UsageOutbox:
-    """Usage counted and not yet acknowledged by the controller, as numbered batches.
-
-    ``take()`` freezes what was counted into batch ``seq`` and gives that same batch again until
-    ``acked(seq)``: what is counted meanwhile waits for the next one, so a batch the controller
-    recorded but whose answer was lost is recorded once (the controller keeps each instance's
-    last seq). ``instance`` is new with every router process, which makes (instance, seq) unique.
-    """
-
-    def __init__(self, instance: str | None = None) -> None:
-        self.instance = instance or secrets.token_hex(8)
-        self._seq = 0
-        self._open: dict[tuple[int, str, str, str], Usage] = {}
-        self._sent: UsageBatch | None = None
-
-    def add(self, minute: int, tenant: str, key: str, model: str, delta: Usage) -> None:
-        entry = self._open.get((minute, tenant, key, model))
-        if entry is None:
-            entry = self._open[(minute, tenant, key, model)] = Usage()
-        entry.add(delta)
-
-    def take(self) -> UsageBatch | None:
-        """The batch to send: the one not acknowledged yet, else what was counted since (or None)."""
-        if self._sent is None and self._open:
-            self._seq += 1
-            # Oldest first, at most MAX_USAGE_ROWS: the rest goes in the batches after.
-            taken = sorted(self._open)[:MAX_USAGE_ROWS]
-            rows = tuple(UsageRow(m, t, k, mo, **self._open.pop((m, t, k, mo)).to_json()) for m, t, k, mo in taken)
-            self._sent = UsageBatch(self.instance, self._seq, rows)
-        return self._sent
-
-    def acked(self, seq: int) -> None:
-        if self._sent is not None and self._sent.seq == seq:
-            self._sent = None
-
-    @property
-    def pending(self) -> int:
-        """Rows not yet acknowledged."""
-        return len(self._open) + (len(self._sent.rows) if self._sent is not None else 0)
 
 
 def reported_usage(tail: bytes) -> tuple[int, int] | None:

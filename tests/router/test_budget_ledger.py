@@ -22,8 +22,9 @@ from llmgw.control.feed import FeedHub
 from llmgw.control.usage import BookedLedger, BudgetBook
 from llmgw.engines.testing import SimProcess, free_port
 from llmgw.router import KeyRing, Router, RouterConfig, hash_key
-from llmgw.router.limits import Limiter, Refusal, Ticket
 from llmgw.state import Store
+from llmgw.tenancy.memory import Limiter, Ticket
+from llmgw.tenancy.rules import Refusal
 from tests.router.conftest import TOKEN, endpoint, serving
 from tests.router.fake_controller import make_app, model
 from tests.router.test_feed import following, until
@@ -250,7 +251,7 @@ async def test_a_redis_restarted_without_its_data_starts_from_the_ledger(chat_si
             assert served + sum(after) <= DAY.tokens, (served, after)
             assert sum(after) < 100  # at most one request (a reservation: 50 + its prompt)
             for r in routers:
-                assert r._shared is not None and not r._shared.degraded  # noqa: SLF001 - Redis answered
+                assert r._limits.url and not r._limits.degraded  # noqa: SLF001 - Redis answered
             # The router that had not used Redis before it went away asked the new one: it says so too.
             import redis as redis_client
 
@@ -288,7 +289,7 @@ async def test_with_redis_away_three_routers_grant_no_more_than_what_was_left(ch
             redis.wait(5)
             served = [await spend(base, max_tokens=20) for base in bases]
             for r in routers:
-                assert r._shared is not None and r._shared.degraded  # noqa: SLF001
+                assert r._limits.url and r._limits.degraded  # noqa: SLF001
         left = budget.tokens - used
         assert sum(served) <= left and all(s <= left // 3 for s in served), (served, left)
         assert sum(served) > left // 2  # and the routers did grant their shares

@@ -14,7 +14,8 @@ from llmgw.catalog.model import Budget, Catalog, Limits, Settings, Tenant
 from llmgw.contract import catalog_view
 from llmgw.engines.testing import SimProcess
 from llmgw.router import KeyRing, Router, RouterConfig, catalog_from_view, hash_key
-from llmgw.router.limits import Limiter, Refusal, Ticket, duration, next_period, period_start
+from llmgw.tenancy.memory import Limiter, Ticket
+from llmgw.tenancy.rules import Refusal, duration, next_period, period_start
 from tests.router.conftest import endpoint, serving, sim_metric
 from tests.router.fake_controller import model
 from tests.router.test_feed import until
@@ -284,7 +285,7 @@ def test_lowering_a_budget_keeps_what_was_used_and_what_is_in_flight() -> None:
 
 
 def test_huge_or_odd_max_tokens_are_read_as_engines_read_them_and_never_overflow() -> None:
-    from llmgw.router.limits import MAX_RESERVATION, reservation
+    from llmgw.tenancy.asked import MAX_RESERVATION, reservation
 
     assert reservation({"max_tokens": 10 ** 400}, 0) == MAX_RESERVATION
     assert reservation({"max_tokens": "300"}, 0) == 300 and reservation({"max_tokens": 300.0}, 0) == 300
@@ -348,7 +349,7 @@ def test_an_unknown_tenant_key_is_logged_once_not_at_every_snapshot(caplog: pyte
 # --- issue 24: every completion-limit field an engine honours -----------------------------------
 
 def test_a_request_reserves_the_largest_limit_any_engine_reads_and_its_answers() -> None:
-    from llmgw.router.limits import BadLimitField, asked_for, capped_fields, reservation
+    from llmgw.tenancy.asked import BadLimitField, asked_for, capped_fields, reservation
 
     # vLLM and SGLang: max_completion_tokens or max_tokens (0 falls through); llama.cpp: n_predict first.
     assert reservation({"max_completion_tokens": 1, "max_tokens": 50_000}, 0) == 50_000
@@ -563,7 +564,7 @@ async def test_a_spent_budget_or_full_concurrency_is_refused_before_the_body(cha
         with pytest.raises(openai.RateLimitError):
             for _ in range(20):
                 await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=200)
-        scope = router._limiter.tenant_scope("team-key")  # noqa: SLF001
+        scope = router._limits.limiter.tenant_scope("team-key")  # noqa: SLF001
         assert scope is not None
         left = 1_000 - scope.spent()  # less than one more request's reservation
         assert left < 250
@@ -573,7 +574,7 @@ async def test_a_spent_budget_or_full_concurrency_is_refused_before_the_body(cha
         await c.close()
     router = keyed_router(chat_sim, Limits(concurrent=1))
     async with serving(router) as base:
-        running = router._limiter.admit("team-key", ("chat",), 1, 0.0)  # noqa: SLF001 - a request in flight
+        running = router._limits.limiter.admit("team-key", ("chat",), 1, 0.0)  # noqa: SLF001 - a request in flight
         assert isinstance(running, Ticket)
         assert await half_a_body(base, "sk-team", 2_000, wait=10) == (True, 429)
         running.release()
@@ -589,7 +590,7 @@ async def test_a_stream_dropped_before_its_first_token_is_charged_its_reservatio
     charged nothing: a tenant could have engines read any number of prompts for free."""
     import json
 
-    from llmgw.router.limits import reservation
+    from llmgw.tenancy.asked import reservation
 
     with SimProcess("chat", "--ttft", "600") as sim:
         router = keyed_router(sim, Limits(budget=Budget(tokens=100_000, per="day")))
@@ -598,7 +599,7 @@ async def test_a_stream_dropped_before_its_first_token_is_charged_its_reservatio
         raw = json.dumps(body).encode()
         async with serving(router) as base:
             port = int(base.rsplit(":", 1)[1])
-            scope = router._limiter.tenant_scope("team-key")  # noqa: SLF001
+            scope = router._limits.limiter.tenant_scope("team-key")  # noqa: SLF001
             assert scope is not None
             for i in range(2):
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -615,7 +616,7 @@ async def test_a_stream_dropped_before_its_first_token_is_charged_its_reservatio
 async def test_an_engine_error_after_the_prompt_was_sent_is_charged_its_prompt() -> None:
     """An engine that answers an error (or a stream that fails) was still sent the prompt: at
     least the prompt estimate is charged, never nothing."""
-    from llmgw.router.limits import prompt_estimate
+    from llmgw.tenancy.asked import prompt_estimate
     from tests.router.test_deliveries import engine
 
     async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -636,7 +637,7 @@ async def test_an_engine_error_after_the_prompt_was_sent_is_charged_its_prompt()
                 with pytest.raises(openai.BadRequestError):
                     await team.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=5, stream=stream)
             await team.close()
-        scope = router._limiter.tenant_scope("team-key")  # noqa: SLF001
+        scope = router._limits.limiter.tenant_scope("team-key")  # noqa: SLF001
         assert scope is not None and scope.inflight == 0
         assert scope.used >= 2 * prompt_estimate(60)
 
@@ -650,7 +651,7 @@ def test_the_prompt_estimate_is_never_below_what_a_tokenizer_may_count() -> None
     otherwise; an id list counts at least its ids."""
     import json
 
-    from llmgw.router.limits import prompt_estimate
+    from llmgw.tenancy.asked import prompt_estimate
 
     words = json.dumps({"messages": [{"role": "user", "content": "a " * 1000}]}).encode()
     assert prompt_estimate(words) >= 1000

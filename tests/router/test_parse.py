@@ -12,9 +12,9 @@ import pytest
 
 from llmgw import jsonbody
 from llmgw.router.app import READS
-from llmgw.router.limits import asked_for
 from llmgw.router.parse import BULK_BYTES, MAX_PIECES, BadBody, is_small, parse_body, summarise
 from llmgw.router.prefix import prompt_key
+from llmgw.tenancy.asked import asked_for
 
 CHARS = 64 * 512
 

@@ -18,8 +18,9 @@ import pytest
 from llmgw.catalog.model import Budget, Catalog, Limits, Settings, Tenant
 from llmgw.engines.testing import SimProcess, free_port
 from llmgw.router import KeyRing, Router, RouterConfig, hash_key
-from llmgw.router.limits import Limiter, Refusal, Ticket, period_start
-from llmgw.router.shared_limits import SharedLimits, SharedTicket, redacted
+from llmgw.tenancy.memory import Limiter, Ticket
+from llmgw.tenancy.rules import Refusal, period_start
+from llmgw.tenancy.shared import SharedLimits, SharedTicket, redacted
 from tests.router.conftest import endpoint, serving, sim_metric
 from tests.router.fake_controller import model
 from tests.router.test_deliveries import engine, write_completion
@@ -234,7 +235,7 @@ async def test_what_a_dead_router_held_goes_back_when_its_lease_runs_out(redis_u
     """A router that stops calling Redis (killed, or cut off) with an allowance and a request in
     flight: once its lease has run out, the next call of another router gives back what it held;
     if it comes back, its own give-back takes nothing from the other's holdings."""
-    from llmgw.router import shared_limits
+    from llmgw.tenancy import shared as shared_limits
 
     monkeypatch.setattr(shared_limits, "LEASE", 0.5)
     url, _ = redis_url
@@ -247,8 +248,8 @@ async def test_what_a_dead_router_held_goes_back_when_its_lease_runs_out(redis_u
     def counts() -> tuple[int, int]:
         return int(db.hget(budget_key(budget), "reserved") or 0), int(db.get("llmgw:limits:team:inflight") or 0)
 
-    a, b = SharedLimits(url), SharedLimits(url)
-    ticket_a = await a.admit(limiter, "team-key", ("chat",), 10, time.time())
+    a, b = SharedLimits(url, limiter=limiter), SharedLimits(url, limiter=limiter)
+    ticket_a = await a.admit("team-key", ("chat",), 10, time.time())
     assert isinstance(ticket_a, SharedTicket)
     assert counts() == (50, 5)  # a twentieth of each limit, held by a
     if a._sync is not None:  # a says nothing more: no sync, no heartbeat
@@ -258,7 +259,7 @@ async def test_what_a_dead_router_held_goes_back_when_its_lease_runs_out(redis_u
         a._beat.cancel()
         a._beat = None
     await asyncio.sleep(0.7)
-    ticket_b = await b.admit(limiter, "team-key", ("chat",), 10, time.time())
+    ticket_b = await b.admit("team-key", ("chat",), 10, time.time())
     assert isinstance(ticket_b, SharedTicket)
     assert counts() == (50, 5)  # a's given back, b's taken
     ticket_a.settle(7)
@@ -282,14 +283,14 @@ async def test_a_grant_redis_ran_after_the_router_gave_up_on_it_is_not_held_for_
 
     import redis
 
-    from llmgw.router import shared_limits
+    from llmgw.tenancy import shared as shared_limits
 
     monkeypatch.setattr(shared_limits, "LEASE", 1.0)
     monkeypatch.setattr(shared_limits, "RETRY_AFTER", 0.3)
     url, _ = redis_url
     limiter = Limiter((Tenant("team", ("team-key",), Limits(concurrent=1)),))
-    a, b = SharedLimits(url), SharedLimits(url)
-    first = await a.admit(limiter, "team-key", ("chat",), 10, time.time())  # the script is loaded
+    a, b = SharedLimits(url, limiter=limiter), SharedLimits(url, limiter=limiter)
+    first = await a.admit("team-key", ("chat",), 10, time.time())  # the script is loaded
     assert isinstance(first, SharedTicket)
     first.release()
     await asyncio.sleep(0.6)  # given back
@@ -302,7 +303,7 @@ async def test_a_grant_redis_ran_after_the_router_gave_up_on_it_is_not_held_for_
     slow = threading.Thread(target=busy)
     slow.start()
     await asyncio.sleep(0.05)
-    alone = await a.admit(limiter, "team-key", ("chat",), 10, time.time())
+    alone = await a.admit("team-key", ("chat",), 10, time.time())
     assert a.degraded and isinstance(alone, Ticket)  # admitted in memory
     alone.release()
     slow.join()
@@ -310,11 +311,11 @@ async def test_a_grant_redis_ran_after_the_router_gave_up_on_it_is_not_held_for_
         assert int(db.get("llmgw:limits:team:inflight") or 0) == 1  # run by Redis, unknown to the router
         for _ in range(8):  # a goes on asking Redis, past the lease of the instance that asked
             await asyncio.sleep(0.2)
-            ticket = await a.admit(limiter, "team-key", ("chat",), 10, time.time())
+            ticket = await a.admit("team-key", ("chat",), 10, time.time())
             if not isinstance(ticket, Refusal):
                 ticket.release()
         await asyncio.sleep(0.6)
-        again = await b.admit(limiter, "team-key", ("chat",), 10, time.time())
+        again = await b.admit("team-key", ("chat",), 10, time.time())
         assert isinstance(again, SharedTicket), again
         again.release()
         await b.close()
@@ -407,17 +408,17 @@ async def test_a_script_error_is_refused_loudly_not_taken_for_redis_away(chat_si
 
 
 async def test_a_reply_the_router_does_not_understand_is_not_read_as_a_grant(redis_url, monkeypatch) -> None:  # noqa: ANN001
-    from llmgw.router import shared_limits
+    from llmgw.tenancy import shared as shared_limits
 
     url, _ = redis_url
     limiter = Limiter((Tenant("team", ("team-key",), Limits(requests_per_minute=100)),))
     monkeypatch.setattr(shared_limits, "_STEPS", "return '{\"t\": 1, \"r\": [[0, [[5, 0]]]]}'")
-    shared = SharedLimits(url)
-    got = await shared.admit(limiter, "team-key", ("chat",), 1, time.time())
+    shared = SharedLimits(url, limiter=limiter)
+    got = await shared.admit("team-key", ("chat",), 1, time.time())
     assert isinstance(got, Refusal) and got.unavailable and not shared.degraded
     monkeypatch.setattr(shared_limits, "_STEPS", "return 'not json'")
-    shared2 = SharedLimits(url)
-    got = await shared2.admit(limiter, "team-key", ("chat",), 1, time.time())
+    shared2 = SharedLimits(url, limiter=limiter)
+    got = await shared2.admit("team-key", ("chat",), 1, time.time())
     assert isinstance(got, Refusal) and got.unavailable and not shared2.degraded
     await shared.close()
     await shared2.close()

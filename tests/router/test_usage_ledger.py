@@ -17,8 +17,8 @@ from llmgw.contract import MAX_USAGE_ROWS, REPORT_PATH, UsageBatch, UsageRow
 from llmgw.control.feed import FeedHub
 from llmgw.engines.testing import SimProcess, free_port
 from llmgw.router import KeyRing, Router, RouterConfig, hash_key
-from llmgw.router.usage import Usage, UsageOutbox
 from llmgw.state import Store
+from llmgw.tenancy.usage import Usage, UsageOutbox
 from tests.router.conftest import TOKEN, client, endpoint, serving
 from tests.router.fake_controller import make_app, model
 from tests.router.test_feed import following, until

@@ -1,6 +1,6 @@
 """Tenants' limits shared by several router processes, in Redis (issue 18).
 
-The same rules as :mod:`llmgw.router.limits` (buckets that refill continuously, requests in
+The same rules as :mod:`llmgw.tenancy.rules` applies in memory (buckets that refill continuously, requests in
 flight, a budget per period with reservations settled from real usage), kept in Redis, where
 one Lua script makes every check-and-take atomic for all routers. Keys:
 ``llmgw:limits:<tenant>[/<model>]:{rpm,tpm,inflight,budget:<period start>}``.
@@ -27,7 +27,7 @@ stalls past its lease with requests in flight may see their reservations granted
 
 Degraded mode: when Redis does not answer within :data:`TIMEOUT` (a connection refused or
 reset, a timeout: Redis away), the router applies the limits with its own in-memory
-:class:`~llmgw.router.limits.Limiter`, says so in ``llmgw_router_limits_degraded`` and in its
+:class:`~llmgw.tenancy.memory.Limiter`, says so in ``llmgw_router_limits_degraded`` and in its
 log, and tries Redis again after :data:`RETRY_AFTER`. It never lets a tenant through unlimited,
 and never grants a fresh budget: each budget goes on from what was known to be spent (the
 ledger's figure, or what Redis last said, whichever is more), and this router grants only its
@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmgw.redact import redact
-from llmgw.router.limits import Limiter, Refusal, Scope, Ticket, next_period, period_start, refusal
+from llmgw.tenancy.memory import Limiter, ScopedLimits, Ticket
+from llmgw.tenancy.rules import Counts, Kind, Refusal, Scope, next_period, period_start, refused, takes
 
 log = logging.getLogger(__name__)
 
@@ -243,8 +244,6 @@ end
 return '{"t":' .. string.format('%%.6f', clock) .. ',"r":' .. (#out == 0 and '[]' or cjson.encode(out)) .. '}'
 """ % (EXPIRE, EXPIRE)
 
-# A step queued for the next call, and (a grant) who waits for its answer.
-Counts = tuple[int, int, int, int]  # requests, tokens, budget tokens, slots
 ERROR_LOG_EVERY = 60.0  # seconds between tracebacks of the same kind of failed call (each is counted)
 # Seconds a refusal from Redis is answered again before a body is read (``precheck``): what the
 # refusal said to wait, and for limits above CHUNK_SHARE never longer than this (allowances other
@@ -302,11 +301,7 @@ class Allowance:
     def request(self, reserve: int) -> Counts:
         """What one request of ``reserve`` tokens takes of each limit: requests, tokens, budget, slots.
         (Tokens per minute: at most the whole bucket; a bigger request leaves a debt, as in memory.)"""
-        lim = self.scope.limits
-        return (1 if lim.requests_per_minute else 0,
-                min(reserve, lim.tokens_per_minute) if lim.tokens_per_minute else 0,
-                reserve if lim.budget else 0,
-                1 if lim.concurrent else 0)
+        return takes(self.scope.limits, reserve)
 
     def fits(self, reserve: int) -> bool:
         r = self.request(reserve)
@@ -408,14 +403,15 @@ class SharedTicket:
         self._owner.ended()
 
 
-class SharedLimits:
+class SharedLimits(ScopedLimits):
     """The limits of a :class:`Limiter` (its tenants and scopes), counted in Redis at ``url``."""
 
-    def __init__(self, url: str, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, url: str, *, limiter: Limiter | None = None, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, on_error: Callable[[str], None] | None = None) -> None:
         import redis.asyncio as redis  # only routers configured with Redis load the client
         import redis.exceptions as errors
 
+        super().__init__(limiter)
         self.url = url
         # Redis away: what degraded mode is for. Anything else is a bug, refused loudly (_broken).
         self._away: tuple[type[Exception], ...] = (errors.ConnectionError, errors.TimeoutError, TimeoutError,
@@ -447,10 +443,11 @@ class SharedLimits:
         self._beat: asyncio.TimerHandle | None = None
         self._retired: list[Allowance] = []  # of an ended period or old limits, to give back
 
-    async def admit(self, limiter: Limiter, key: str, models: tuple[str, ...], reserve: int,
+    async def admit(self, key: str, models: tuple[str, ...], reserve: int,
                     now: float) -> Ticket | SharedTicket | Refusal | None:
         """As :meth:`Limiter.admit`, counted in Redis; in memory while Redis cannot be reached;
         a 503 refusal (``unavailable``) when a call failed for another reason."""
+        limiter = self.limiter  # the catalog's when the request came (a new one may come meanwhile)
         scopes = limiter.scopes_of(key, models)
         if scopes is None:
             return None
@@ -474,11 +471,12 @@ class SharedLimits:
             return self._alone(limiter, key, models, reserve, now)
         return got
 
-    def precheck(self, limiter: Limiter, key: str, reserve: int, now: float) -> Refusal | None:
+    def precheck(self, key: str, reserve: int, now: float) -> Refusal | None:
         """As :meth:`Limiter.precheck`, before the body is read: in degraded mode from the local
         counts; else from what Redis last refused this tenant (it is not asked: that is a round
         trip a hostile tenant's every request would cost), so a tenant over its limits is refused
         without its body being read or parsed."""
+        limiter = self.limiter
         now += self.offset
         if self._clock() < self._down_until:
             if not limiter.degraded:
@@ -814,25 +812,17 @@ class SharedLimits:
         await self._redis.aclose()
 
 
+_KINDS: dict[str, Kind] = {"concurrent": "concurrent", "requests": "requests", "tokens": "tokens", "budget": "budget"}
+
+
 def _refusal(s: Scope, r: list[str], reserve: int, now: float) -> Refusal:
-    """The refusal the Lua script described: which scope, which limit, what is left."""
-    kind, wait = r[2], float(r[3])
-    lim = s.limits
-    if kind == "concurrent":
-        why = f"{r[6]} requests of tenant `{s.name}` are in flight, its limit (concurrent: {lim.concurrent})"
-    elif kind == "requests":
-        why = f"tenant `{s.name}` reached its limit of {lim.requests_per_minute} requests per minute"
-    elif kind == "tokens":
-        why = f"tenant `{s.name}` reached its limit of {lim.tokens_per_minute} tokens per minute " \
-              f"(this request reserves {reserve})"
-    else:
-        assert lim.budget is not None
-        resets = next_period(lim.budget, now)
-        wait = resets - now
-        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(resets))
-        why = (f"tenant `{s.name}` has used {r[6]} of its {lim.budget.tokens}-token budget per {lim.budget.per} "
-               f"(this request reserves {reserve}; {r[7]} are reserved by requests in flight or held by routers); "
-               f"it resets at {when}")
+    """The refusal the Lua script described (which scope, which limit, what is left), worded by
+    the rules as the in-memory limiter words its own."""
+    kind = _KINDS[r[2]]  # one of them: checked when the reply was read
+
     def left(v: str) -> float | None:  # "nil": that bucket was not read (the script stopped before it)
         return None if v == "nil" else float(v)
-    return refusal(lim, why, wait, left(r[4]), left(r[5]))
+    b = s.limits.budget
+    return refused(s, kind, reserve=reserve, wait=float(r[3]), inflight=int(r[6]), used=int(r[6]),
+                   reserved=int(r[7]), resets=next_period(b, now) if b is not None else 0.0, now=now,
+                   held=True, requests_left=left(r[4]), tokens_left=left(r[5]))
