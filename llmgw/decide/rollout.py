@@ -25,13 +25,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any
 
 from llmgw.catalog import CanaryChecks, Model, RolloutPolicy
-from llmgw.contract import ReplicaStats
+from llmgw.contract import LATENCY_BOUNDS, ReplicaStats
 
 
 class Phase(str, Enum):
@@ -156,10 +157,51 @@ def _ms(s: float) -> str:
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
+# A check fails only when chance alone would explain what the canary did less than once in a
+# hundred windows: compared as point estimates, a canary exactly as good as the stable replicas was
+# rolled back for one error in 20 requests (18 % of good changes) or for two slow whole answers
+# among 20 samples (36 %) — found by review.
+SIGNIFICANCE = 0.01
+# Latency differences below this are no client's concern (a 1 ms stable against a 3 ms canary
+# is "3x" and nothing else); Flagger and Argo judge latency against absolute bounds for this.
+LATENCY_FLOOR = 0.025
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p): how likely ``k`` or more events of ``n`` are by chance."""
+    if k <= 0 or p >= 1.0:
+        return 1.0
+    if p <= 0.0 or k > n:
+        return 0.0
+    if k <= n * p:
+        return 1.0  # at or below the mean: no evidence at all (and the sum below would be long)
+    logp, logq = math.log(p), math.log1p(-p)
+    head = math.lgamma(n + 1)
+    total = 0.0
+    for i in range(k, n + 1):
+        term = math.exp(head - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * logp + (n - i) * logq)
+        total += term
+        if term < total * 1e-12:
+            break  # past the mean the terms only shrink
+    return min(total, 1.0)
+
+
+def _above(counts: list[int], threshold: float) -> int:
+    """Samples in buckets wholly above ``threshold`` (a bucket's lower bound is the one before it)."""
+    last = len(LATENCY_BOUNDS)
+    return sum(n for i, n in enumerate(counts) if i > 0 and LATENCY_BOUNDS[min(i, last) - 1] >= threshold)
+
+
 def judge(checks: CanaryChecks, canary: ReplicaStats, stable: ReplicaStats, *, seconds: float,
           now: float) -> Analysis:
     """Canary against stable over one window: pass, fail (with the reason in words) or wait for
-    traffic. Every failing check is named; the first is the headline."""
+    traffic. Every failing check is named; the first is the headline.
+
+    Errors: the canary's rate must exceed the stable's plus ``error_rate`` points, and by more than
+    chance would at that rate. Latency: the canary's p95 must exceed ``limit`` x the stable's
+    (plus :data:`LATENCY_FLOOR`), and more of its samples must lie beyond that than the 5 % a
+    canary like the stable replicas would put there by chance.
+    """
     c, s = Figures.of(canary), Figures.of(stable)
     over = f"over {_seconds(seconds)}, {c.requests} canary requests"
     if c.requests < checks.min_requests or s.requests < checks.min_requests:
@@ -168,13 +210,20 @@ def judge(checks: CanaryChecks, canary: ReplicaStats, stable: ReplicaStats, *, s
                         f"{checks.min_requests} requests")
     failed = []
     c_rate, s_rate = (c.error_rate or 0.0) * 100, (s.error_rate or 0.0) * 100
-    if c_rate > s_rate + checks.error_rate:
+    allowed = min((s_rate + checks.error_rate) / 100, 1.0)
+    if c_rate > s_rate + checks.error_rate and binomial_tail(c.errors, c.requests, allowed) < SIGNIFICANCE:
         failed.append(f"canary error rate {c_rate:.1f} % > stable {s_rate:.1f} % + {checks.error_rate:g} %")
-    for label, limit, cv, sv in (("time to first token", checks.ttft_p95, c.ttft_p95, s.ttft_p95),
-                                 ("inter-token latency", checks.itl_p95, c.itl_p95, s.itl_p95)):
+    for label, which, limit, cv, sv in (("time to first token", "ttft", checks.ttft_p95, c.ttft_p95, s.ttft_p95),
+                                        ("inter-token latency", "itl", checks.itl_p95, c.itl_p95, s.itl_p95)):
         # Compared only where both groups have samples (a whole answer has no inter-token latency).
-        if cv is not None and sv is not None and cv > limit * sv:
-            failed.append(f"canary p95 {label} {_ms(cv)} > {limit:g} x stable {_ms(sv)}")
+        if cv is None or sv is None:
+            continue
+        bound = limit * sv + LATENCY_FLOOR
+        counts = canary.ttft if which == "ttft" else canary.itl
+        slow, samples = _above(counts, bound), sum(counts)
+        if cv > bound and binomial_tail(slow, samples, 0.05) < SIGNIFICANCE:
+            failed.append(f"canary p95 {label} {_ms(cv)} > {limit:g} x stable {_ms(sv)} "
+                          f"({slow} of {samples} slower than {_ms(bound)})")
     if failed:
         return Analysis(now, seconds, c, s, "fail", "; ".join(failed) + f" {over}")
     return Analysis(now, seconds, c, s, "pass",
