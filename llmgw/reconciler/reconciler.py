@@ -242,7 +242,9 @@ class Reconciler:
                     self._report_foreign(node.id, e)
                 else:
                     stale.append((node.id, e.replica_id))
-        for node_id, agent_id in stale:
+        # Head first (DESIGN §5): the surviving shards of a replica given up with a node come here
+        # in nodes.yaml order, where a worker's node may come before its head's.
+        for node_id, agent_id in sorted(stale, key=lambda e: _rank_of(e[1])):
             if await self.lifecycle.stop_engine(node_id, agent_id):
                 self.store.add_event("stale-engine-stopped", agent_id,
                                      f"engine {agent_id} on {node_id} belongs to no replica (stale); stopped")
@@ -339,10 +341,13 @@ class Reconciler:
         """Stop every replica's engines now (for `llmgw up`, whose engines end with it)."""
         assert self.lifecycle is not None
         async with self._tick_lock:
-            await asyncio.gather(*(self.lifecycle.stop_engine(s.node, s.agent_id)
-                                   for r in self.replicas.values() for s in r.shards))
+            # Replicas side by side, each head first, then its workers (DESIGN §5): a head whose
+            # workers go first fails its clients' requests, and a llama.cpp head aborts.
+            await asyncio.gather(*(self._stop_in_rank_order([(s.node, s.agent_id) for s in r.shards])
+                                   for r in self.replicas.values()))
             # A start cut short by shutdown may have run on the node without its answer reaching
             # us: ask each node what it runs under our labels, so nothing is left behind.
+            leftovers: list[tuple[str, str]] = []
             for node_id, node in self.inventory.snapshot().nodes.items():
                 try:
                     engines = [parse_engine(e) for e in (await self.dispatcher.status(node_id)).get("engines") or []]
@@ -352,16 +357,29 @@ class Reconciler:
                 # Ours only: an engine another controller started (the node stamped its lease) is not
                 # this one's to stop, even at shutdown (seen: `up` stopping a takeover's engines).
                 lease = node.report.lease if node.report is not None else None
-                await asyncio.gather(*(self.lifecycle.stop_engine(node_id, e.replica_id) for e in engines
-                                       if e.alive and e.label("llmgw.replica") is not None
-                                       and engine_is_ours(e, lease, holder=self.holder)))
+                leftovers += [(node_id, e.replica_id) for e in engines
+                              if e.alive and e.label("llmgw.replica") is not None
+                              and engine_is_ours(e, lease, holder=self.holder)]
+            await self._stop_in_rank_order(leftovers)
             self.replicas.clear()
             self._save()
 
             self._published = None
             self.publish()
 
+    async def _stop_in_rank_order(self, engines: list[tuple[str, str]]) -> None:
+        """Stop (node, agent id) pairs one at a time, rank 0 (the head) first."""
+        assert self.lifecycle is not None
+        for node_id, agent_id in sorted(engines, key=lambda e: _rank_of(e[1])):
+            await self.lifecycle.stop_engine(node_id, agent_id)
+
     def snapshot(self) -> list[Replica]:
         return sorted(self.replicas.values(), key=lambda r: r.id)
+
+
+def _rank_of(agent_id: str) -> int:
+    """The rank in a shard's agent id (:func:`shard_agent_id`: ``<replica>.r<rank>``); 0 otherwise."""
+    _, sep, rank = agent_id.rpartition(".r")
+    return int(rank) if sep and rank.isascii() and rank.isdigit() else 0
 
 
