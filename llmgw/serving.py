@@ -70,9 +70,6 @@ class _RateLimited:
         return skipped
 
 
-_bad_requests = _RateLimited()
-
-
 class _Handler(RequestHandler):
     """aiohttp's connection handler, with its own error answers in the OpenAI format.
 
@@ -81,11 +78,13 @@ class _Handler(RequestHandler):
     traceback: a client sending junk in a loop filled the log.
     """
 
-    __slots__ = ("_openai_errors",)
+    __slots__ = ("_openai_errors", "_bad_requests")
 
-    def __init__(self, server: web.Server, *, openai_errors: bool, **kwargs: Any) -> None:
+    def __init__(self, server: web.Server, *, openai_errors: bool, bad_requests: _RateLimited,
+                 **kwargs: Any) -> None:
         super().__init__(server, **kwargs)
         self._openai_errors = openai_errors  # else the admin API's {"error": "..."}
+        self._bad_requests = bad_requests  # the listener's: one per server, not one per process
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -101,7 +100,7 @@ class _Handler(RequestHandler):
             text = "The request is not valid HTTP/1.1" + (f": {reason[0][:200].rstrip(':')}" if reason else ".")
             code, kind = "bad_http", "invalid_request_error"
         key = f"{status} {type(exc).__name__}"
-        skipped = _bad_requests.allow(key, self._loop.time())
+        skipped = self._bad_requests.allow(key, self._loop.time())
         if skipped is not None:
             more = f" ({skipped} more like it not logged)" if skipped else ""
             # A traceback only for our own failures; a client's bad bytes are one line.
@@ -121,6 +120,7 @@ class _CappedSite(web.TCPSite):
         super().__init__(runner, host, port, reuse_address=True, backlog=BACKLOG)
         self.max_connections = max_connections
         self.openai_errors = openai_errors
+        self.bad_requests = _RateLimited()  # what its connections log of clients' bad bytes
 
     async def start(self) -> None:
         await web.BaseSite.start(self)
@@ -134,7 +134,8 @@ class _CappedSite(web.TCPSite):
             if len(server.connections) >= cap:
                 return _Busy()
             # What web.Server() builds, with our handler class; _kwargs are the runner's options.
-            return _Handler(server, loop=loop, openai_errors=self.openai_errors, **server._kwargs)
+            return _Handler(server, loop=loop, openai_errors=self.openai_errors, bad_requests=self.bad_requests,
+                            **server._kwargs)
 
         self._server = await loop.create_server(
             factory, self._host, self._port, backlog=self._backlog, reuse_address=True)
