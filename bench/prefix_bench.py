@@ -31,9 +31,9 @@ TTFT at least 5x lower; unique prompts, prefix mean TTFT within 1.1x of least-ou
     python bench/prefix_bench.py [--quick] [--rounds N] [--seed S] [--clients 1,2]
                                  [--workloads conversations,shared,unique] [--cache-ram MIB]
 
-``--quick`` (about a minute on 2 cores) uses shorter prompts and fewer requests; the full run
-about ten minutes. The last line is one JSON object with every figure; exit 1 when a goal is
-not met.
+``--quick`` (about a minute on 2 cores) runs the conversation workload alone, with shorter
+prompts; the full run, every workload, about fifteen minutes. The last line is one JSON object
+with every figure; exit 1 when a goal is not met.
 """
 
 from __future__ import annotations
@@ -86,10 +86,10 @@ class Sizes:
     unique_words: int
 
 
-QUICK = Sizes(conversations=4, turns=5, opening_words=150, user_words=20, answer_tokens=12,
-              handbook_words=160, shared_requests=14, unique_requests=16, unique_words=60)
-FULL = Sizes(conversations=4, turns=8, opening_words=400, user_words=30, answer_tokens=24,
-             handbook_words=920, shared_requests=36, unique_requests=30, unique_words=200)
+QUICK = Sizes(conversations=4, turns=4, opening_words=160, user_words=8, answer_tokens=6,
+              handbook_words=240, shared_requests=24, unique_requests=20, unique_words=120)
+FULL = Sizes(conversations=6, turns=8, opening_words=400, user_words=16, answer_tokens=16,
+             handbook_words=920, shared_requests=36, unique_requests=30, unique_words=240)
 
 
 @dataclass
@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="repeat every run; figures are medians of rounds")
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--clients", default="1,2", help="comma-separated client counts to run")
-    p.add_argument("--workloads", default="conversations,shared,unique")
+    p.add_argument("--workloads", default=None,
+                   help="comma-separated, of conversations,shared,unique (default: all; --quick: conversations)")
     p.add_argument("--cache-ram", type=int, default=None, help="MiB per server (default: sized per workload)")
     a = p.parse_args(argv)
     binary, gguf = llama_server(), smollm2()
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sizes = QUICK if a.quick else FULL
     clients = [int(c) for c in a.clients.split(",")]
-    chosen = a.workloads.split(",")
+    chosen = (a.workloads or ("conversations" if a.quick else "conversations,shared,unique")).split(",")
     loads = workloads(sizes, a.seed, a.cache_ram)
     if unknown := set(chosen) - set(loads):
         p.error(f"--workloads: unknown {sorted(unknown)}; known: {', '.join(loads)}")
