@@ -233,7 +233,15 @@ class Store:
         """Per model: the spec its stable replicas serve and its rollout (llmgw.reconciler.rollouts)."""
         with self._lock:
             rows = self.db.execute("SELECT model, record FROM rollouts").fetchall()
-        return {m: json.loads(r) for m, r in rows}
+        out = {}
+        for m, r in rows:
+            try:
+                out[m] = json.loads(r)
+            except ValueError:
+                # One torn or hand-edited row must not stop the controller: that model is taken as
+                # serving what the catalog says, as on a first start.
+                log.warning("rollout record of %s is not JSON; ignored", m)
+        return out
 
     def save_rollout_records(self, records: Mapping[str, Mapping[str, Any]]) -> None:
         """The rollout records, replacing all there were, in one transaction."""

@@ -33,6 +33,13 @@ class NewReplica:
     canary: bool = False  # the new version of a model in a canary rollout
 
 
+# Why a canary cannot run (Decisions.no_canary_room): the rollout acts on which.
+ONLY_REPLICA = "no room for a canary beside the only replica"
+NO_UNAVAILABLE = "no room for a canary beside the stable replicas and max_unavailable 0"
+FITS_NOWHERE = "the new version does not fit even in a stable replica's place"
+ALREADY_SHORT = "no room for a canary, and the model is already short of max_unavailable replicas"
+
+
 @dataclass(frozen=True)
 class CanaryWant:
     """A model in the canary phase of a rollout (llmgw.decide.rollout), as one tick needs it."""
@@ -116,6 +123,7 @@ class _Tick:
     settings: Settings
     canaries: Mapping[str, CanaryWant] = field(default_factory=dict)
     canary_notes: Mapping[str, str] = field(default_factory=dict)
+    pinned: Collection[str] = ()
     by_id: dict[str, Replica] = field(default_factory=dict)
     stop: dict[str, str] = field(default_factory=dict)  # replica id → why (text for events and the plan)
     lost: list[tuple[str, str]] = field(default_factory=list)
@@ -154,16 +162,19 @@ def decide(
     with_reasons: bool = False,
     canaries: Mapping[str, CanaryWant] | None = None,
     canary_notes: Mapping[str, str] | None = None,
+    pinned: Collection[str] = (),
 ) -> Decisions:
     """Stops, new replicas and losses that bring the fleet toward ``catalog``.
 
     ``with_reasons`` lists every rejected candidate of models that cannot be placed (for
     `llmgw diff`); a tick leaves it off and explains one model on demand. ``canaries``: models in
     the canary phase of a rollout (``catalog`` has their stable version); ``canary_notes``: why
-    the canary replicas of other models must go (their rollout ended), per model.
+    the canary replicas of other models must go (their rollout ended), per model. ``pinned``:
+    models whose running replicas are kept whatever their fingerprint (the version they run is
+    not known to the controller, and a canary of the catalog's is judged first).
     """
     t = _Tick(catalog, inventory, replicas, last_used, demand, now, settings, canaries or {}, canary_notes or {},
-              by_id={r.id: r for r in replicas})
+              pinned, by_id={r.id: r for r in replicas})
     _judge_running(t)
     replacements = _replacements(t)
     _scale(t)
@@ -195,10 +206,14 @@ def _judge_running(t: _Tick) -> None:
             if want is None or spec_profile is None \
                     or t.fingerprint(want.spec, spec_profile, canary=True) != r.fingerprint:
                 t.stop[r.id] = t.canary_notes.get(r.model) or "canary of a rollout that ended"
+            elif any(_draining(t.inventory, n) for n in r.nodes):
+                # A drain must empty the node: the rollout places another canary elsewhere.
+                t.stop[r.id] = "its node is draining: the canary is placed elsewhere"
             continue
         profile = model.profile(r.profile)
         if profile is None or t.fingerprint(model, profile) != r.fingerprint:
-            t.replace[r.id] = Replace.PROFILE_CHANGED
+            if r.model not in t.pinned:
+                t.replace[r.id] = Replace.PROFILE_CHANGED
         elif any(_draining(t.inventory, n) for n in r.nodes):
             t.replace[r.id] = Replace.NODE_DRAINING
 
@@ -273,11 +288,14 @@ def _scale(t: _Tick) -> None:
         # model's load would not fit on one replica fewer: a replica just added for load is
         # not "idle" before the router has sent it anything.
         fits_fewer = d.inflight <= s.target_inflight * max(len(ready) - 1, 0)
-        if s.idle_after is not None and not d.held and count > s.min and fits_fewer:
+        # While a canary is judged its model keeps a stable replica: idled to none, every request
+        # would go to the unjudged canary, and the analysis would wait for stable traffic forever.
+        keep = max(s.min, 1) if want is not None else s.min
+        if s.idle_after is not None and not d.held and count > keep and fits_fewer:
             idle = sorted((r for r in ready if _idle_for(r, t.last_used, t.now) >= s.idle_after
                            and r.id not in t.replace),
                           key=lambda r: -_idle_for(r, t.last_used, t.now))
-            for r in idle[: count - s.min]:
+            for r in idle[: count - keep]:
                 t.stop[r.id] = (f"idle for {int(_idle_for(r, t.last_used, t.now))}s "
                                 f"(idle_after {int(s.idle_after)}s)")
                 target = min(target, count - 1)
@@ -393,13 +411,19 @@ def _place_canaries(t: _Tick, placed: Sequence[Placement]) -> list[NewReplica]:
         stable = sorted((r for r in t.replicas if r.model == name and r.state.live and not r.canary
                          and r.id not in t.stop and r.id not in t.lost_ids),
                         key=lambda r: (r.state == ReplicaState.READY, -_idle_for(r, t.last_used, t.now)))
-        if policy.max_unavailable < 1 or len(stable) < 2:
-            t.no_canary_room[name] = (
-                "no room for a canary beside the stable replicas and max_unavailable 0" if policy.max_unavailable < 1
-                else "no room for a canary beside the only replica")
-            continue
-        if not _fits_instead(t, catalog, name, stable[0], placed):
-            t.no_canary_room[name] = "the new version does not fit even in a stable replica's place"
+        ready = sum(1 for r in stable if r.state == ReplicaState.READY)
+        missing = max(t.targets.get(name, 0) - ready, 0)
+        if not stable or not _fits_instead(t, catalog, name, stable[0], placed):
+            t.no_canary_room[name] = FITS_NOWHERE
+        elif policy.max_unavailable < 1:
+            t.no_canary_room[name] = NO_UNAVAILABLE
+        elif len(stable) < 2:
+            t.no_canary_room[name] = ONLY_REPLICA
+        elif missing + (stable[0].state == ReplicaState.READY) > policy.max_unavailable:
+            # Replicas already missing count against max_unavailable (review: a model of 3 with
+            # one slot empty lost a second one to its canary).
+            t.no_canary_room[name] = ALREADY_SHORT
+        if name in t.no_canary_room:
             continue
         t.stop[stable[0].id] = ("making room for the canary of the new version "
                                 f"(no room to start it beside; max_unavailable {policy.max_unavailable})")

@@ -17,7 +17,7 @@ from typing import Any
 from llmgw.catalog import Catalog, Model
 from llmgw.catalog.durations import format_duration
 from llmgw.decide.replica import Replica, fingerprint
-from llmgw.decide.rollout import duration_at_least
+from llmgw.decide.rollout import duration_at_least, model_version
 from llmgw.decide.tick import holding
 from llmgw.inventory import Inventory
 from llmgw.placement import Placement, place
@@ -84,7 +84,10 @@ def plan_rollouts(base: Catalog | None, head: Catalog, inventory: Inventory, rep
     out = []
     for model in head.models:
         running = [r for r in replicas if r.model == model.name and r.state.live and not r.canary]
-        if base.model(model.name) is None or not _outdated(model, running):
+        before = base.model(model.name)
+        # The head must change the model's engines: a commit that leaves them as the base has them
+        # starts nothing (a model rolled back stays so when a later commit changes only its scaling).
+        if before is None or model_version(before) == model_version(model) or not _outdated(model, running):
             continue
         held = holds + [p for p in starts if p.model != model.name]
         out.append(_one(head, model, inventory, held, len(running), now=now))

@@ -136,7 +136,7 @@ class Reconciler:
                 plan.catalog, inventory, list(self.replicas.values()),
                 last_used=self.usage.last_used(), demand=self.usage.demand(), now=now,
                 settings=Settings(unreachable_grace=self.config.unreachable_grace),
-                canaries=plan.canaries, canary_notes=plan.notes,
+                canaries=plan.canaries, canary_notes=plan.notes, pinned=plan.pinned,
             )
             self.last_decisions = decisions
             self._publish_unrunnable(plan.catalog, inventory)

@@ -22,12 +22,13 @@ from llmgw.catalog.spec import model_from_json, model_to_json
 from llmgw.contract import ReplicaStats
 from llmgw.decide.replica import Replica, ReplicaState, fingerprint
 from llmgw.decide.rollout import Phase, Rollout, Windows, advance, model_version, promoted, with_spec
-from llmgw.decide.tick import CanaryWant, Decisions
+from llmgw.decide.tick import FITS_NOWHERE, ONLY_REPLICA, CanaryWant, Decisions
 from llmgw.errors import LlmgwError
 
 log = logging.getLogger(__name__)
 
 MAX_SOURCES = 1_000  # router processes remembered (a restarted router is a new one)
+UNKNOWN = "unknown"  # a rollout's stable version when the controller never knew it
 
 
 class RolloutError(LlmgwError):
@@ -92,6 +93,7 @@ class Plan:
     catalog: Catalog
     canaries: Mapping[str, CanaryWant]
     notes: Mapping[str, str]
+    pinned: frozenset[str] = frozenset()  # models whose running version is not known: kept as they are
 
 
 class RolloutDriver:
@@ -142,6 +144,7 @@ class RolloutDriver:
         models: list[Model] = []
         canaries: dict[str, CanaryWant] = {}
         notes: dict[str, str] = {}
+        pinned: set[str] = set()
         for model in catalog.models:
             mine = by_model.get(model.name, [])
             rec = self._begin(catalog, model, mine, now)
@@ -158,11 +161,13 @@ class RolloutDriver:
                 canaries[model.name] = CanaryWant(spec=model, borrowed=ro.borrowed)
             elif ro is not None and ro.phase != Phase.DONE:
                 notes[model.name] = f"rollout {ro.phase.value}" + (f": {ro.reason}" if ro.reason else "")
+            if ro is not None and ro.stable == UNKNOWN and (ro.phase == Phase.CANARY or ro.phase.kept_old):
+                pinned.add(model.name)
             same = rec.serving is model or model_version(rec.serving) == model_version(model)
             models.append(model if same else with_spec(model, rec.serving))
         running = catalog if all(a is b for a, b in zip(models, catalog.models, strict=True)) \
             else replace(catalog, models=tuple(models))
-        return Plan(running, canaries, notes)
+        return Plan(running, canaries, notes, frozenset(pinned))
 
     def _begin(self, catalog: Catalog, model: Model, mine: list[Replica], now: float) -> ModelRecord:
         """The model's record, with a new rollout when git asks for a version that neither serves
@@ -171,16 +176,33 @@ class RolloutDriver:
         stable = [r for r in mine if r.state.live and not r.canary]
         if rec is None:
             # First sight: the version its replicas run is the catalog's unless they disagree, and
-            # then it is not known (a controller upgraded from before rollouts were kept).
+            # then it is not known (a controller upgraded from before rollouts were kept, or its
+            # record was unreadable). Its policy still applies: a canary of the catalog's version
+            # is judged while the running replicas are kept as they are (pinned), never a version
+            # perhaps just rolled back pushed to every replica (review).
             rec = self.records[model.name] = ModelRecord(serving=model)
             if self._outdated(model, stable):
-                rec.rollout = Rollout(model.name, model_version(model), "unknown", "replace", Phase.PROMOTING,
-                                      started_at=now, revision=catalog.revision,
-                                      reason="the version its replicas run is not known: replaced")
-                self.store.add_event("rollout-started", model.name, f"{model.name}: {rec.rollout.reason}")
+                canary = model.rollout.strategy == "canary" and not catalog_skips_analysis(catalog)
+                rec.rollout = Rollout(model.name, model_version(model), UNKNOWN, model.rollout.strategy,
+                                      Phase.CANARY if canary else Phase.PROMOTING, started_at=now,
+                                      revision=catalog.revision, step_since=now,
+                                      reason="the version its replicas run is not known")
+                self.store.add_event("rollout-started", model.name,
+                                     f"{model.name}: {rec.rollout.reason}: " + ("a canary of the catalog's is judged"
+                                                                                 if canary else "replaced"))
             return rec
         target, serving = model_version(model), model_version(rec.serving)
         r = rec.rollout
+        if r is not None and r.phase == Phase.PROMOTING and r.target != target and rec.previous is not None \
+                and target == model_version(rec.previous):
+            # A revert mid-promotion: back to the version before, at once, as an abort goes (the
+            # version being reverted must not go on replacing replicas while the revert is judged).
+            rec.serving, rec.previous = model, rec.serving
+            rec.rollout = Rollout(model.name, target, r.target, "replace", Phase.PROMOTING, started_at=now,
+                                  revision=catalog.revision, step_since=now,
+                                  reason=f"revert of {_rev(r.revision)} mid-promotion: back to the version before")
+            self.store.add_event("rollout-aborted", model.name, f"{model.name}: {rec.rollout.reason}")
+            return rec
         if r is not None and r.phase.active and r.target != target:
             back = target == (r.stable if r.phase == Phase.CANARY else serving)
             why = ("the catalog went back to the running version" if back
@@ -225,7 +247,10 @@ class RolloutDriver:
         r = rec.rollout
         if r is None or r.phase != Phase.CANARY:
             return r
-        canary = next((x for x in mine if x.canary and x.state.live), None)
+        # The canary of THIS version: one of a superseded commit may still be stopping (review: a
+        # quick fix was rolled back for the failures of the canary it replaced).
+        canary = next((x for x in mine if x.canary and x.state.live and (p := model.profile(x.profile)) is not None
+                       and fingerprint(model, p) == x.fingerprint), None)
         if canary is None and r.canary is not None:
             r = replace(r, canary=None)  # lost with its node, or stopped: another is placed
         if ready_now := (canary is not None and canary.state == ReplicaState.READY):
@@ -295,7 +320,11 @@ class RolloutDriver:
             model = self.desired.model(name)
             if model is None:
                 continue
-            if model.rollout.max_unavailable < 1:
+            if why == FITS_NOWHERE:
+                rec.rollout = rec.rollout.ended(Phase.ROLLED_BACK, now, f"the canary cannot be placed: {why}")
+                self.store.add_event("rollout-rolled-back", name, f"{name}: {rec.rollout.reason}")
+                continue
+            if why != ONLY_REPLICA:
                 rec.rollout = replace(rec.rollout, reason=why + ": waiting")
                 continue
             # One replica and no spare GPU: a canary would have nothing to be compared with, and
@@ -331,7 +360,11 @@ class RolloutDriver:
         now = self.clock()
         if r is None or not r.phase.active:
             raise RolloutError(f"{name} has no rollout in progress to abort")
-        if r.phase == Phase.PROMOTING and rec.previous is not None:
+        if r.phase == Phase.PROMOTING:
+            if rec.previous is None:
+                # Nothing to go back to (the version before was never known): "aborted" would be a lie.
+                raise RolloutError(f"{name}: the version before this rollout is not known; push the one you "
+                                   "want instead")
             rec.serving = rec.previous
         rec.rollout = r.ended(Phase.ABORTED, now, f"aborted by {actor}")
         self.store.add_event("rollout-aborted", name, f"{name}: rollout to {_rev(r.revision)} aborted by {actor}")
