@@ -24,7 +24,7 @@ from llmgw.gitops.desired import DesiredState
 from llmgw.gitops.repo import CommitInfo, GitMirror
 from llmgw.gitops.status import History, PendingPrune, Rejection, Rewrite, SyncState, SyncStatus
 from llmgw.inventory import Inventory
-from llmgw.plan.guard import PruneVerdict, allows_prune, judge_prune, with_trailers
+from llmgw.plan.guard import PruneVerdict, allows_prune, judge_prune, skips_analysis, with_trailers
 from llmgw.state import Applied, Store
 from llmgw.tasks import cancel_and_wait
 
@@ -286,6 +286,15 @@ class GitOpsFollower:
     def _apply(self, info: CommitInfo, catalog: Catalog, *, note: str = "") -> None:
         now = self.clock()
         catalog = with_trailers(catalog, info.message)
+        previous = self._status.applied_sha
+        if catalog.skip_analysis and previous and previous != info.sha:
+            # The trailer speaks for its own commit: one fetch that brings an earlier change without
+            # it (someone else's, wanting its canary) does not wave that change through (review).
+            messages = self.mirror.messages(previous, info.sha)
+            if messages is None or not all(skips_analysis(m) for m in messages):
+                catalog = dataclasses.replace(catalog, skip_analysis=False)
+                note = "; ".join(n for n in (note, "trailer Llmgw-Skip-Analysis ignored: commits without it "
+                                                   "arrived with it") if n)
         if catalog.skip_analysis:
             note = "; ".join(n for n in (note, "canary analysis skipped by trailer Llmgw-Skip-Analysis") if n)
         # Stored before subscribers hear of it: a crash in between restarts on this revision.

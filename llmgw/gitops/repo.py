@@ -107,6 +107,16 @@ class GitMirror:
     def read(self, sha: str) -> dict[str, RawFile]:
         return read_tree(self.path, sha, subdir=self.subdir)
 
+    def messages(self, old: str, new: str) -> list[str] | None:
+        """The messages of the commits in ``old..new``, or None when there are too many to read
+        (or ``old`` is not an ancestor): the caller then takes the safe side."""
+        if not self._is_ancestor(old, new):
+            return None
+        raw, complete = run_git_capped(["log", f"--max-count={MAX_RANGE_COMMITS + 1}", "--format=%B%x00",
+                                        f"{old}..{new}"], cwd=self.path, cap=MAX_INFO_BYTES * 16)
+        found = [m.strip() for m in raw.decode("utf-8", "replace").split("\x00")[:-1]]
+        return found if complete and len(found) <= MAX_RANGE_COMMITS else None
+
     def info(self, sha: str) -> CommitInfo:
         """Who wrote ``sha`` and what they said, bounded: a commit's author sizes its message, and a
         100 MB one would be held (and stored in events) whole. A message cut short loses its
@@ -120,6 +130,7 @@ class GitMirror:
 
 
 MAX_INFO_BYTES = 64 * 1024
+MAX_RANGE_COMMITS = 1_000
 MAX_SUBJECT = 500
 
 
