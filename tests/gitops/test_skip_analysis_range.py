@@ -1,4 +1,4 @@
-"""the trailer Llmgw-Skip-Analysis read off the applied commit only.
+"""The trailer Llmgw-Skip-Analysis speaks only for the commits that carry it (a review finding).
 
 Real git: a bare remote, a person's clone, the real follower (the project's tests/gitops set-up).
 """
