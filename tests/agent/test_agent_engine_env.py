@@ -1,0 +1,58 @@
+"""What an engine finds in its environment besides its argv: vLLM's own needs set by the agent
+(offline, no usage report, the node's address), the owner's engine_env over them, and a TMPDIR the
+engine user can write (vLLM puts its IPC sockets there)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from tests.agent.helpers import Node, wait_for
+
+# Reports its environment and where a temporary file lands: tempfile falls back to the cwd,
+# silently, when TMPDIR is not writable, which would hide the very failure looked for here.
+PRINT_ENV = (
+    "import json, os, tempfile\n"
+    "try:\n"
+    "    fd, made = tempfile.mkstemp(dir=os.environ['TMPDIR']); os.close(fd); os.unlink(made)\n"
+    "except OSError as exc:\n"
+    "    made = 'error: ' + str(exc)\n"
+    "print('ENV ' + json.dumps({'env': dict(os.environ), 'tmpfile': made}), flush=True)\n"
+)
+
+
+def _started_env(node: Node, engine: str, replica: str) -> dict[str, Any]:
+    node.ok("start", {"replica_id": replica, "engine": engine})
+    log = node.state / "logs" / "engines" / f"{replica}.log"
+    line = wait_for(lambda: next((x for x in log.read_text().splitlines() if x.startswith("ENV ")), None))
+    node.ok("stop", {"replica_id": replica, "grace_seconds": 1})
+    return json.loads(line[4:])
+
+
+def test_a_vllm_engine_runs_offline_without_usage_reports_on_the_nodes_address(node: Node) -> None:
+    node.write_config(engines={**node.settings["engines"], "vllm": [sys.executable, "-c", PRINT_ENV]},
+                      engine_env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    seen = _started_env(node, "vllm", "v")
+    env = seen["env"]
+    # The agent fetched the weights: a hub lookup from the engine is a hang on a closed network.
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
+    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
+    assert env["VLLM_HOST_IP"] == "127.0.0.1"  # the node's fabric address (its advertise address here)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # the owner's sizing reaches the engine
+    area = env["HOME"]
+    assert env["TMPDIR"].startswith(area + "/") and seen["tmpfile"].startswith(env["TMPDIR"] + "/"), seen
+
+
+def test_the_owners_engine_env_wins_over_the_agents_vllm_defaults(node: Node) -> None:
+    node.write_config(engines={**node.settings["engines"], "vllm": [sys.executable, "-c", PRINT_ENV]},
+                      engine_env={"HF_HUB_OFFLINE": "0", "VLLM_HOST_IP": "10.1.2.3"})
+    env = _started_env(node, "vllm", "o")["env"]
+    assert env["HF_HUB_OFFLINE"] == "0" and env["VLLM_HOST_IP"] == "10.1.2.3"
+
+
+def test_another_engine_gets_no_vllm_settings_and_a_writable_tmpdir_too(node: Node) -> None:
+    node.write_config(engines={**node.settings["engines"], "printenv": [sys.executable, "-c", PRINT_ENV]})
+    seen = _started_env(node, "printenv", "p")
+    assert not [k for k in seen["env"] if k.startswith("VLLM_")], seen["env"]
+    assert seen["tmpfile"].startswith(seen["env"]["TMPDIR"] + "/"), seen
