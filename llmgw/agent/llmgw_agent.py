@@ -184,7 +184,9 @@ class NodeConfig:
     sandbox_hide: Tuple[str, ...] = ()
     # A replica across nodes (DESIGN §5): the address and interface of the network between nodes,
     # where a llama.cpp worker's rpc-server listens (RPC has no authentication: never a wildcard),
-    # and the peers a llama.cpp head on this node may send its layers to (--rpc).
+    # and the networks this node's engines may exchange with across nodes besides its own fabric
+    # address (PEER_FLAGS: a llama.cpp head's --rpc, vLLM's --master-addr, SGLang's
+    # --dist-init-addr). One setting for every engine, named rpc_peers since issue 27.
     fabric_address: str = ""
     fabric_interface: Optional[str] = None
     rpc_peers: Tuple[Any, ...] = ()  # ipaddress networks
