@@ -2406,7 +2406,9 @@ def sandbox_argv(cfg: NodeConfig, conf: Confinement, argv: List[str], *, area: s
         out += ["--dev-bind", device, device]
     hidden = _hidden_paths(cfg)
     for path in hidden:
-        out += ["--tmpfs", path]
+        # The sandbox's /tmp is the engine's TMPDIR: its own tmpfs, gone with it, writable by the
+        # engine user (bwrap makes a tmpfs 0755 root's; Python's tempfile then quietly used the cwd).
+        out += (["--perms", "1777"] if path == "/tmp" else []) + ["--tmpfs", path]
     config = os.path.realpath(cfg.path)
     if not any(_inside(config, h) for h in hidden):
         out += ["--ro-bind", "/dev/null", config]  # the node's config is the owner's business only
@@ -2517,11 +2519,11 @@ def engine_environment(cfg: NodeConfig, conf: Confinement, spec: "StartSpec", ar
                                                                                                       {}).items())
     env.update(spec.env)
     env.update(cfg.engine_env)  # the owner's word wins over a request's
-    # TMPDIR is the area's own tmp/ in the sandbox too: its /tmp is a tmpfs of root's that the
-    # engine user cannot write, and Python's tempfile then falls back to the cwd unannounced
-    # (vLLM's IPC sockets landed in the area's top directory).
+    # In the sandbox, TMPDIR is its own /tmp (sandbox_argv): a short path, as vLLM's IPC sockets need
+    # (a unix socket's path is at most 107 bytes; under a deep state_dir the area's tmp/ is longer).
     env.update(HOME=area, USER=conf.user, LOGNAME=conf.user, XDG_CACHE_HOME=os.path.join(area, ".cache"),
-               TMPDIR=os.path.join(area, "tmp"), CUDA_VISIBLE_DEVICES=",".join(str(g) for g in spec.gpus))
+               TMPDIR="/tmp" if conf.sandbox == "bwrap" else os.path.join(area, "tmp"),
+               CUDA_VISIBLE_DEVICES=",".join(str(g) for g in spec.gpus))
     return env
 
 
