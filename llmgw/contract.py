@@ -135,7 +135,8 @@ def latency_bucket(seconds: float) -> int:
 class ReplicaStats:
     """What one router saw of one replica since it started (cumulative; the controller takes
     differences over an analysis interval): requests sent, of those errors (a failed attempt,
-    an engine error other than 429, a stream the engine cut), and histograms of time to first
+    an engine's 4xx or 5xx, 429 included, a stream the engine cut or ended before its end marker,
+    an error event in a stream), and histograms of time to first
     token (a whole answer: its time) and of each stream's mean inter-token latency."""
 
     requests: int = 0

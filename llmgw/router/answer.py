@@ -4,11 +4,14 @@ The answer's bytes go to the client as they arrive (:mod:`llmgw.router.proxy`); 
 wants something from them (llama.cpp's prompt-cache timings here) gets its end handed over once
 it is complete: the whole body, or the last few chunks of a stream, where engines put their
 totals. Only those bytes are searched, and only for engines known to write what is looked for,
-so the request path of every other answer pays nothing. Pure; nothing here does I/O.
+so the request path of every other answer pays nothing; except that every stream's last chunks
+are searched once for an error event (:func:`stream_error`: a failed replica's figure for its
+canary analysis). Pure; nothing here does I/O.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -57,3 +60,37 @@ def llama_timings(tail: bytes) -> LlamaTimings | None:
     if cached is None or computed is None:
         return None
     return LlamaTimings(int(cached.group(1)), int(computed.group(1)), int(predicted.group(1)) if predicted else 0)
+
+
+_ERROR = b'"error"'
+
+
+def stream_error(tail: bytes) -> bool:
+    """Whether a stream's end carries an error event: a ``data:`` event whose JSON object has a
+    truthy top-level ``error``, which the openai SDK raises as ``APIError`` on a 200 stream.
+
+    vLLM writes one when a generation fails after the stream began, then ends the stream as
+    usual (vllm/entrypoints/openai/serving_chat.py, chat_completion_stream_generator: ``except
+    Exception as e: data = self.create_streaming_error_response(...)``, ``yield f"data:
+    {data}\\n\\n"``, then ``yield "data: [DONE]\\n\\n"``; serving_engine.py dumps its
+    ErrorResponse as ``{"error": {"message", "type", "param", "code"}}``, older releases with
+    ``"object": "error"`` too); SGLang does the same, TGI writes the error as a string. So it is the
+    last data event before the marker, in the tail. Only an event the bytes search finds the key
+    in is parsed: every other answer pays one ``in`` over its last chunks. The key cannot be
+    faked by generated text (its quotes are escaped there); a string value ``"error"`` can, and
+    the parse tells them apart.
+    """
+    i = tail.find(_ERROR)
+    while i >= 0:
+        start = tail.rfind(b"\n", 0, i) + 1
+        end = tail.find(b"\n", i)
+        line = tail[start:] if end < 0 else tail[start:end]
+        if line.startswith(b"data:"):
+            try:
+                event = json.loads(line[5:])
+            except ValueError:  # an event cut by the tail's start, or not JSON
+                event = None
+            if type(event) is dict and event.get("error"):
+                return True
+        i = tail.find(_ERROR, len(tail) if end < 0 else end)
+    return False

@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from llmgw.catalog import Catalog
 from llmgw.contract import Demand, Endpoint, PromptCache, ReplicaStats
 from llmgw.router import respond
-from llmgw.router.answer import llama_timings
+from llmgw.router.answer import llama_timings, stream_error
 from llmgw.router.changes import Changes
 from llmgw.router.config import RouterConfig
 from llmgw.router.demand import DemandBook
@@ -645,7 +645,7 @@ class Router:
         self._last_used[rid] = self._wall()
         status: int | None = None
         counted = self._answer_tap(served, account, up.endpoint.engine == "llama.cpp")
-        whole = tapped = failed = False
+        whole = tapped = failed = broken = False
         ticket = account.ticket
         clock = self._clock
         # This attempt's own start: time the request waited for a replica is not the replica's.
@@ -654,8 +654,11 @@ class Router:
         events = 0
 
         def tap(tail: bytes, n: int, complete: bool) -> None:
-            nonlocal whole, tapped, events
+            nonlocal whole, tapped, events, broken
             whole, tapped, events = complete, True, n
+            # A 200 stream whose engine failed after it began says so in an error event near its
+            # end (vLLM's; answer.stream_error): searched for in the tail only, once per stream.
+            broken = stream and stream_error(tail)
             counted(tail, n, complete)
 
         def gone() -> None:
@@ -706,22 +709,29 @@ class Router:
             if status is not None:
                 self.metrics.request(label, status, rid, end - t0)
             self._observe(rid, failed=failed, status=status, whole=whole, tapped=tapped, start=start,
-                          first=first, end=end, events=events)
+                          first=first, end=end, events=events, broken=broken)
 
     def _observe(self, rid: str, *, failed: bool, status: int | None, whole: bool, tapped: bool, start: float,
-                 first: float | None, end: float, events: int) -> None:
+                 first: float | None, end: float, events: int, broken: bool) -> None:
         """One attempt's outcome in its replica's :class:`ReplicaStats` (what a canary is judged by).
 
-        An error: the attempt failed (any reason), the engine answered 5xx or a 4xx other than 429
-        (a rate limit is the engine protecting itself, not a broken version), or cut a stream. Not
-        counted at all: the client went away before the answer was whole (not the replica's
-        doing), nor a replica no longer in the table. Latencies only for answers served (2xx), so
-        fast refusals cannot make a broken version look fast (its error rate judges it): time to
-        the first chunk of a stream (else the whole answer's time) from this attempt's start, and
-        a stream's mean time between its content events.
+        An error: the attempt failed (any reason), the engine answered 4xx or 5xx, cut a stream
+        (broke it, or ended it before its end marker) or said in the stream that it failed
+        (``broken``: an error event, whether or not the client stayed to read the rest). A 429
+        from the engine too: a version that refuses what the stable one serves is a broken
+        version, and a fleet that is simply overloaded refuses in both groups alike, which the
+        analysis compares; the router's own 429s (tenants' limits) never reach here, as they
+        never reach a replica. Not counted at all: the client went away before the answer was
+        whole (not the replica's doing), nor a replica no longer in the table. Latencies only for
+        answers served (2xx), so fast refusals cannot make a broken version look fast (its error
+        rate judges it): time to the first chunk of a stream (else the whole answer's time) from
+        this attempt's start, and a stream's mean time between its content events.
         """
         stats = self._stats.get(rid)  # made with the table (set_endpoints): a replica gone is not counted
         if stats is None:
+            return
+        if broken:
+            stats.observe(error=True)
             return
         if not failed:
             if status is None or (status == CLIENT_GONE and not whole):
@@ -734,7 +744,7 @@ class Router:
                 itl = (end - first) / (events - 1) if first is not None and events >= 2 else None
                 stats.observe(error=False, ttft=ttft, itl=itl)
                 return
-            failed = status >= 500 or status != 429 and status >= 400
+            failed = status >= 400
         stats.observe(error=failed)
 
     # --- prefix affinity (llmgw.router.prefix) -------------------------------------------

@@ -45,7 +45,8 @@ _DECODER = json.JSONDecoder()
 # Status recorded when the client went away before the answer was complete (nginx's convention).
 CLIENT_GONE = 499
 SSE_DONE = b"data: [DONE]"  # an OpenAI stream's last event
-_DONE_LINE = b"\n" + SSE_DONE
+_DONE_ALONE = (SSE_DONE, b"data:[DONE]")  # a stream with nothing before its marker
+_DONE_LINES = tuple(b"\n" + done for done in _DONE_ALONE)
 
 
 def rewrite_model(raw: bytes, body: dict[str, Any], asked: str, served: str) -> bytes:
@@ -179,6 +180,7 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
             tail: deque[bytes] | None = None if tap is None else deque(maxlen=TAIL_CHUNKS)
             events = 0
             complete = False
+            before = b""  # the chunk before this one: the end marker may be split over two reads
             try:
                 while chunk:
                     if tail is not None:
@@ -188,7 +190,8 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
                     # The engine's end marker makes the answer whole, whatever happens to the
                     # body's last bytes: a client that got it may hang up at once (the sync
                     # openai client does), and its usage, just before, is the engine's count.
-                    complete = complete or _ends_stream(chunk)
+                    complete = complete or _ends_stream(chunk, before)
+                    before = chunk
                     try:
                         chunk = await conn.read_chunk()
                     except UpstreamFailed as exc:
@@ -197,7 +200,15 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
                             status = 502
                         break
                 else:
-                    complete = True
+                    if not complete:
+                        # A body that ends cleanly before the end marker is cut all the same (an
+                        # engine or a proxy in front of it that gave up): the client is told, as
+                        # for a connection that breaks, and the replica is charged with an error.
+                        # Every engine the router fronts ends its OpenAI streams with the marker
+                        # (vLLM, SGLang, the simulator; llama.cpp's server checked in
+                        # tests/router/test_replica_stats_errors.py).
+                        await out.write(_sse_error("the engine ended the stream before its end marker"))
+                        status = 502
                 await out.write_eof()
             finally:
                 if tap is not None:
@@ -211,10 +222,14 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
         conn.release()
 
 
-def _ends_stream(chunk: bytes) -> bool:
-    # A line of its own: text the model generates sits in a JSON string, where a newline is escaped.
+def _ends_stream(chunk: bytes, before: bytes) -> bool:
+    """Whether ``chunk`` (read after ``before``) ends with the end marker, as ``data: [DONE]``
+    or ``data:[DONE]`` (SSE's space is optional), on a line of its own: text the model generates
+    sits in a JSON string, where a newline is escaped."""
     end = chunk[-32:].rstrip()
-    return end.endswith(_DONE_LINE) or (end == SSE_DONE and len(chunk) <= 32)
+    if len(end) < 32:  # the marker may have begun in the read before (a short last read)
+        end = (before[-32:] + end).lstrip()
+    return end.endswith(_DONE_LINES) or end in _DONE_ALONE
 
 
 def _sse_error(message: str) -> bytes:

@@ -7,10 +7,11 @@ Where the numbers come from, per kind of answer:
   which vLLM, SGLang, llama.cpp's server and the simulator honour) and reads it from the
   stream's end; when the client did not ask for it, that event is taken out of the stream, so
   the client sees exactly what it asked for.
-- **Streams that end early** (the client left, the engine failed, or an engine sent no usage
-  event): completion tokens are the stream's content events, one token each as these engines
-  stream, and prompt tokens are unknown (counted as 0, the request marked as counted from the
-  stream). What was produced is counted; what the engine would have reported is not invented.
+- **Streams that end early** (the client left, the engine failed or ended the body before
+  ``data: [DONE]``, or an engine sent no usage event): completion tokens are the stream's
+  content events, one token each as these engines stream, and prompt tokens are unknown
+  (counted as 0, the request marked as counted from the stream). What was produced is
+  counted; what the engine would have reported is not invented.
 
 Pure: bytes in, numbers out. What the figures are counted against, and the outbox that keeps
 them until the controller has them, are :mod:`llmgw.tenancy.usage`.
@@ -97,8 +98,16 @@ def with_fields(raw: bytes, body: dict[str, Any], fields: dict[str, Any]) -> byt
             return raw
         i = raw.find(b"{")
         if i >= 0 and not raw[:i].strip(b" \t\r\n\xef\xbb\xbf"):  # UTF-8 (a BOM at most) before the brace
-            return raw[:i + 1] + json.dumps(missing, separators=(",", ":")).encode()[1:-1] + b"," + raw[i + 1:]
+            return raw[:i + 1] + _members(missing) + raw[i + 1:]
     return jsonbody.dumps({**body, **fields})
+
+
+def _members(fields: dict[str, Any]) -> bytes:
+    """``"name":value,`` for each of ``fields``. A completion limit is a plain int with a plain name,
+    written without the JSON encoder (this runs on every limited request); anything else is encoded."""
+    if all(type(v) is int and n.isascii() and n.isidentifier() for n, v in fields.items()):
+        return b"".join(b'"%s":%d,' % (n.encode(), v) for n, v in fields.items())
+    return json.dumps(fields, separators=(",", ":")).encode()[1:-1] + b","
 
 
 def strip_usage_events(chunk: bytes) -> bytes:
