@@ -65,9 +65,6 @@ MODEL = "smol"
 WORDS = ("river stone cloud paper green light market winter signal garden copper harbor lantern meadow "
          "orbit pencil quartz saddle timber velvet").split()
 POLICIES = ("prefix", "least-outstanding")
-# What the README recommends for llama.cpp behind prefix routing: a new prompt that shares only a
-# start with a slot's prompt must not take that slot over unsaved (llama.cpp's default 0.1 does).
-ENGINE_ARGS = ("--slot-prompt-similarity", "0")
 KV_BYTES_PER_TOKEN = 23_000  # SmolLM2-135M, f16 KV: what llama.cpp's --cache-ram holds per prompt token
 
 
@@ -245,8 +242,9 @@ def workloads(sizes: Sizes, seed: int, cache_ram: int | None) -> dict[str, tuple
     # them) at their longest: llama.cpp copies the slot's prompt into the cache before it takes
     # the next one out (README, "Routing by prompt prefix"), so the slot adds no room.
     conv_ram = cache_ram or cache_ram_mib(last_turn * (sizes.conversations // 2) + last_turn // 2)
-    # About two tenants' handbooks per replica (the slot's and one more) of six.
-    shared_ram = cache_ram or cache_ram_mib(int(sizes.handbook_words * 1.1 * 1.5))
+    # About two of the six tenants' prompts per replica (~1.08 tokens per word): the slot's and
+    # one more, as prefix routing gives each replica three.
+    shared_ram = cache_ram or cache_ram_mib(int(sizes.handbook_words * 1.08 * 2.2))
     rng = random.Random(seed)
     books = [f"Handbook of tenant {t}. " + text(f"tenant-{t}", sizes.handbook_words) for t in range(6)]
     shared = [(books[rng.randrange(6)], f"Question {i}: which word comes first?") for i in range(sizes.shared_requests)]
@@ -291,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_index += 1
                 for policy in policies[shift:] + policies[:shift]:  # rotating order
                     servers = LlamaServers(binary, gguf, Path(tmp), extra=(
-                        "--cache-ram", str(cache_ram), "--ctx-size", "4096", "--metrics", *ENGINE_ARGS))
+                        "--cache-ram", str(cache_ram), "--ctx-size", "4096", "--metrics"))
                     try:
                         results = asyncio.run(replay(policy, make(), servers.urls, clients=n))
                     finally:
