@@ -2401,7 +2401,10 @@ def sandbox_argv(cfg: NodeConfig, conf: Confinement, argv: List[str], *, area: s
     (read-only) and the engine's area (writable unless ``writable`` is false: an rpc-server has
     nothing to write) bound back, its own pid/ipc/uts namespaces."""
     assert conf.bwrap is not None
-    out = [conf.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/dev/shm"]
+    # /dev/shm is the engine's own, writable by its user (1777 as on a host; bwrap's default is
+    # root's 0755): vLLM's engine core and API server share memory there (Python's shared_memory).
+    out = [conf.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777",
+           "--tmpfs", "/dev/shm"]
     for device in _gpu_devices(gpus):
         out += ["--dev-bind", device, device]
     hidden = _hidden_paths(cfg)

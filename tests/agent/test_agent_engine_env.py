@@ -30,7 +30,13 @@ PRINT_ENV = (
     "    os.unlink(sock_path); bound = 'ok'\n"
     "except OSError as exc:\n"
     "    bound = 'error: ' + str(exc)\n"
-    "print('ENV ' + json.dumps({'env': dict(os.environ), 'tmpfile': made, 'socket': bound}), flush=True)\n"
+    "from multiprocessing import shared_memory\n"
+    "try:\n"
+    "    shm = shared_memory.SharedMemory(create=True, size=4096); shm.close(); shm.unlink(); shared = 'ok'\n"
+    "except OSError as exc:\n"
+    "    shared = 'error: ' + str(exc)\n"
+    "print('ENV ' + json.dumps({'env': dict(os.environ), 'tmpfile': made, 'socket': bound, 'shm': shared}),"
+    " flush=True)\n"
 )
 
 
@@ -69,7 +75,7 @@ def test_another_engine_gets_no_vllm_settings_and_a_writable_tmpdir_too(node: No
     assert seen["tmpfile"].startswith(seen["env"]["TMPDIR"] + "/"), seen
 
 
-def test_a_sandboxed_engines_tmp_is_its_own_writable_tmpfs(node: Node) -> None:
+def test_a_sandboxed_engines_tmp_and_shm_are_its_own_writable_tmpfs(node: Node) -> None:
     """The node's deep state_dir made vLLM's socket paths too long (seen: a pytest tmp dir); in the
     sandbox the engine's /tmp is short, its own, and gone when it ends."""
     if not BWRAP:
@@ -77,4 +83,7 @@ def test_a_sandboxed_engines_tmp_is_its_own_writable_tmpfs(node: Node) -> None:
     node.write_config(engines={**node.settings["engines"], "printenv": [sys.executable, "-c", PRINT_ENV]})
     seen = _started_env(node, "printenv", "t")
     assert seen["env"]["TMPDIR"] == "/tmp" and seen["socket"] == "ok", seen
+    # vLLM's engine core and its API server share memory through /dev/shm (Python's
+    # shared_memory): the sandbox's own /dev/shm must be the engine user's to write too.
+    assert seen["shm"] == "ok", seen
     assert not Path(seen["tmpfile"]).exists()
