@@ -6,12 +6,13 @@
                  the completion-limit fields it is sent with
     memory       the scopes of every tenant and their counts in this router (Limiter, Ticket),
                  and LocalLimits, the limits of a router that shares them with nobody
-    shared       SharedLimits: the same scopes counted in Redis for every router (a Lua script
-                 applies the rules atomically), degraded to memory while Redis is away
+    shared       SharedLimits: the same scopes counted in Redis for every router, degraded to
+                 memory while Redis is away; it moves state, and
+    script       the Lua script that applies the rules there atomically, and its arguments
     admission    the Limits protocol the router uses, whichever of the two it has
     usage        what each key used (UsageBook, filled from the router's answer tap), and the
                  outbox that keeps it until the controller's ledger has it
 
-Imports point one way: the router imports this package, never the reverse. ``rules`` and
-``asked`` import no I/O library (an import-linter contract).
+Imports point one way: the router imports this package, never the reverse. ``rules``,
+``asked`` and ``script`` import no I/O library (an import-linter contract).
 """
