@@ -146,8 +146,10 @@ def capped_fields(a: Asked, *, chat: bool, cap_unasked: bool) -> dict[str, int] 
     if a.completion is None and not a.fields and not cap_unasked:
         return None
     limit = DEFAULT_COMPLETION_TOKENS if a.completion is None else a.completion
-    names = CHAT_LIMIT_FIELDS if chat else COMPLETIONS_LIMIT_FIELDS
-    return {f: limit for f in (*names, *(f for f in a.fields if f not in names))}
+    fields = dict.fromkeys(CHAT_LIMIT_FIELDS if chat else COMPLETIONS_LIMIT_FIELDS, limit)
+    for f in a.fields:
+        fields.setdefault(f, limit)
+    return fields
 
 
 def completion_asked(body: Mapping[str, object]) -> int | None:

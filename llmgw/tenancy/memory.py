@@ -68,6 +68,7 @@ class Limiter:
         self.degraded = False  # budgets granted from this router's share (see degrade())
         # Asked on every request with a key: found once per key and model chain.
         self._scopes_of: dict[tuple[str, tuple[str, ...]], tuple[Scope, ...] | None] = {}
+        self._budgeted: dict[tuple[str, tuple[str, ...]], bool] = {}  # as often, and as bounded
         for t in tenants:
             for k in t.keys:
                 self._tenant_of.setdefault(k, t.name)
@@ -97,6 +98,7 @@ class Limiter:
             prev.limits = s.limits
             self._scopes[k] = prev
         self._scopes_of.clear()
+        self._budgeted.clear()
         self.set_spent(old._ledger, routers=old.routers)
 
     def set_spent(self, figures: Mapping[tuple[str, str], tuple[float, int]], *, routers: int) -> None:
@@ -168,6 +170,15 @@ class Limiter:
         self._scopes_of[(key, models)] = scopes
         return scopes
 
+    def budgeted(self, key: str, models: tuple[str, ...]) -> bool:
+        """Whether a request with ``key`` for ``models`` falls in a scope with a budget."""
+        known = self._budgeted.get((key, models))
+        if known is None:
+            if len(self._budgeted) > 4096:
+                self._budgeted.clear()
+            known = self._budgeted[(key, models)] = self.has_budget(self.scopes_of(key, models) or ())
+        return known
+
     def tenant_scope(self, key: str) -> Scope | None:
         """The scope of the key's tenant as a whole (every model falls in it); None: not limited."""
         tenant = self._tenant_of.get(key)
@@ -212,7 +223,7 @@ class ScopedLimits:
     def caps_unasked(self, key: str, models: tuple[str, ...]) -> bool:
         # A budget is a cap even for a request that sets none: unasked, an engine writes up to
         # its context, many reservations past the budget (asked.capped_fields).
-        return Limiter.has_budget(self.limiter.scopes_of(key, models) or ())
+        return self.limiter.budgeted(key, models)
 
 
 class LocalLimits(ScopedLimits):

@@ -8,13 +8,14 @@ import json
 
 import aiohttp
 import openai
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.catalog.model import Catalog
 from llmgw.engines.testing import SimProcess
 from llmgw.router import KeyRing, Router, RouterConfig, hash_key
-from llmgw.router.usage import ask_for_usage, content_events, reported_usage, strip_usage_events
+from llmgw.router.usage import ask_for_usage, content_events, reported_usage, strip_usage_events, with_fields
 from tests.router.conftest import client, endpoint, serving
 from tests.router.fake_controller import model
 from tests.router.test_deliveries import engine
@@ -180,3 +181,24 @@ def test_only_whole_usage_events_are_stripped_whatever_the_read_boundaries() -> 
     # The word "usage" as a value (a token of prompt_logprobs) is not the usage object.
     whole = b'{"usage":{"prompt_tokens":7,"completion_tokens":3},"prompt_logprobs":[{"1":{"decoded_token":"usage"}}]}'
     assert reported_usage(whole) == (7, 3)
+
+
+@pytest.mark.parametrize(("raw", "fast"), [
+    (b'{"model": "chat", "max_tokens": 16, "messages": []}', True),  # the usual body: the others written in
+    (b'\xef\xbb\xbf {"model": "chat", "max_tokens": 16}', True),  # a BOM and a space before the brace
+    (b'{"model": "chat", "max_tokens": "16"}', False),  # a string: written again as a number
+    (b'{"model": "chat", "max_tokens": 1, "max_tokens": 16}', False),  # twice: a parser may keep the first
+    (b'{"model": "chat", "max_tokens": 16, "messages": [{"content": "\\u0022n_predict\\u0022"}]}', False),
+    (b'{"model": "chat", "max_tokens": 16, "messages": [{"content": "say \\"n_predict\\""}]}', True),  # text
+    (b'{"model": "chat", "max_tokens": 500}', False),  # another number than the one reserved
+])
+def test_with_fields_sends_every_limit_field_once_with_the_reserved_number(raw: bytes, fast: bool) -> None:
+    """Every limited request goes through this: whatever the body, the engine reads each field as
+    the router reserved it, exactly once; the usual body keeps its bytes after the brace."""
+    body = json.loads(raw)
+    fields = {"max_tokens": 16, "max_completion_tokens": 16, "n_predict": 16, "stream_options": {"a": [1]}}
+    out = with_fields(raw, body, fields)
+    assert json.loads(out) == {**body, **fields}
+    assert len(json.loads(out, object_pairs_hook=lambda kv: kv)) == len({**body, **fields})  # no key twice
+    rest = raw[raw.index(b"{") + 1:]
+    assert out.endswith(rest) == fast
