@@ -2895,21 +2895,45 @@ def _orphans(record: JsonDict) -> bool:
 
 
 def terminate_group(pgid: int, grace: float, *, spare_leader: bool = False) -> None:
-    """SIGTERM, then SIGKILL after grace. A sandboxed engine's leader is bwrap, which SIGTERM
-    would kill at once, losing the engine's exit code while the engine still runs: then TERM
-    goes to the members only (the namespace's init ignores it; the engine gets it), and the
-    leader follows its child out."""
+    """SIGTERM to the engine's main process alone, then SIGKILL to its whole group after grace
+    (systemd's KillMode=mixed). The main process ends its own workers in its own order: real
+    vLLM's API server, sent TERM alone, ends the streams in flight with an abort or an error event
+    and then exits, while TERM to every process at once killed its engine core first and the API
+    server closed those streams mid-answer. A sandboxed engine's leader is bwrap,
+    which SIGTERM would kill at once, losing the engine's exit code while the engine still runs:
+    then TERM goes to the engine under bwrap (under the namespace's init), and the leader follows
+    its child out. ``spare_leader`` false with a live leader: the leader is the engine itself."""
     if spare_leader:
-        for pid in group_members(pgid):
-            if pid != pgid:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-    else:
+        members = group_members(pgid)
+        for pid in _engine_main(pgid, members) or [p for p in members if p != pgid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    elif (proc_stat(pgid) or ("Z",))[0] != "Z":
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pgid, signal.SIGTERM)
+    else:  # the engine is gone and its workers remain (orphans): they are all there is to ask
         _signal_group(pgid, signal.SIGTERM)
     if _wait_group_gone(pgid, grace):
         return
     _signal_group(pgid, signal.SIGKILL)
     _wait_group_gone(pgid, KILL_WAIT)
+
+
+def _engine_main(bwrap: int, members: List[int]) -> List[int]:
+    """The engine's own process under a bwrap leader: the child of bwrap's pid-namespace init (a
+    second bwrap) when there is one, else bwrap's child."""
+    parents = {pid: _parent_of(pid) for pid in members}
+    inits = [pid for pid, parent in parents.items() if parent == bwrap and _comm(pid) == "bwrap"]
+    tops = set(inits) or {bwrap}
+    return [pid for pid, parent in parents.items() if parent in tops and pid not in inits]
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
 
 
 def _signal_group(pgid: int, sig: int) -> None:
