@@ -191,7 +191,10 @@ class Limiter:
         s = self.tenant_scope(key)
         if s is None:
             return None
-        return rules.never_fits((s,), reserve) or rules.check(s, reserve, now, routers=self.routers)
+        b = s.limits.budget
+        if b is not None and reserve > b.tokens:
+            return rules.never_fits((s,), reserve)
+        return rules.check(s, reserve, now, routers=self.routers)
 
     @staticmethod
     def never_fits(scopes: tuple[Scope, ...], reserve: int) -> Refusal | None:

@@ -48,17 +48,21 @@ def takes(limits: Limits, reserve: int) -> Counts:
 
 @dataclass(slots=True)
 class Bucket:
-    """``capacity`` units, refilled at ``capacity`` per minute."""
+    """``capacity`` units, refilled at ``capacity`` per minute. A new one is full (its level is
+    read before any refill: a refusal for another limit states what is left of this one)."""
 
     capacity: float
-    level: float = math.nan
-    at: float = 0.0
+    level: float = math.inf  # full: capacity, once __post_init__ has run
+    at: float = -math.inf    # never refilled: the first refill finds it full
+
+    def __post_init__(self) -> None:
+        if self.level > self.capacity:
+            self.level = self.capacity
 
     def refill(self, now: float) -> float:
-        if math.isnan(self.level):
-            self.level, self.at = self.capacity, now
-        elif now > self.at:
-            self.level = min(self.capacity, self.level + (now - self.at) * self.capacity / 60.0)
+        if now > self.at:
+            level = self.level + (now - self.at) * self.capacity / 60.0
+            self.level = level if level < self.capacity else self.capacity
             self.at = now
         return self.level
 
@@ -156,7 +160,7 @@ def check(s: Scope, reserve: int, now: float, *, routers: int = 1) -> Refusal | 
             return _refused(s, "requests", reserve=reserve, wait=s.requests.wait(1))
     if s.tokens is not None:
         s.tokens.refill(now)
-        need = min(reserve, s.tokens.capacity)
+        need = reserve if reserve < s.tokens.capacity else s.tokens.capacity  # at most the whole bucket
         if s.tokens.level < need:
             return _refused(s, "tokens", reserve=reserve, wait=s.tokens.wait(need))
     b = lim.budget
@@ -169,7 +173,8 @@ def check(s: Scope, reserve: int, now: float, *, routers: int = 1) -> Refusal | 
             if s.share is not None:  # degraded across the reset: a share of the new period
                 s.base = s.ledger_used(start)
                 s.share = max(0, b.tokens - s.base) // routers
-        spent = s.spent()
+        # s.spent(), written out: this runs twice on every request with a budget.
+        spent = s.used if s.share is not None else max(s.used, s.ledger[1] if s.ledger[0] == s.period else 0)
         if spent + s.reserved + reserve > (b.tokens if s.share is None else s.share):
             alone = "" if s.share is None else (
                 f"; while the routers cannot share limits (Redis away) this router may grant {s.share} of "

@@ -168,3 +168,22 @@ async def run(limits: TenantLimits, tenant: Tenant, case: str, steps: list[Admit
     for t in tickets:
         t.release()
     assert not limits.degraded
+
+
+def test_a_bucket_new_with_a_catalog_is_full_in_a_refusal_of_another_limit() -> None:
+    """A new catalog changing a tenant's requests per minute while its requests in flight fill its
+    concurrency: the new bucket had never been read, and the concurrency refusal's headers read
+    its level (NaN): a ValueError, a 500 instead of a 429."""
+    from llmgw.tenancy.memory import Limiter
+
+    old = Limiter([Tenant("team", ("k",), Limits(requests_per_minute=5, concurrent=1))])
+    running = old.admit("k", ("m",), 0, 100.0)
+    assert running is not None and not isinstance(running, Refusal)
+    new = Limiter([Tenant("team", ("k",), Limits(requests_per_minute=10, concurrent=1))])
+    new.carry_over(old)
+    refused = new.admit("k", ("m",), 0, 101.0)
+    assert isinstance(refused, Refusal) and "(concurrent: 1)" in refused.message
+    assert refused.headers["x-ratelimit-remaining-requests"] == "10"  # a new bucket is full
+    assert refused.headers["x-ratelimit-reset-requests"] == "0ms"
+    running.release()
+    assert not isinstance(new.admit("k", ("m",), 0, 101.0), Refusal)
