@@ -34,7 +34,11 @@ class CatalogError(LlmgwError):
 
 
 class GitError(LlmgwError):
-    """A git operation on the catalog repository failed."""
+    """A git operation on the catalog repository failed; ``code``: git's exit status, when it ran."""
+
+    def __init__(self, message: str, *, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class BranchMissing(GitError):

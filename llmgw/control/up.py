@@ -14,7 +14,6 @@ import os
 import re
 import secrets
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,8 @@ from llmgw.catalog import RawFile, read_directory, validate_files
 from llmgw.catalog.schema import SCHEMA_DIR
 from llmgw.control.config import ControllerConfig, Listen, ServerConfig
 from llmgw.control.datadir import hold_data_dir
-from llmgw.errors import CatalogError, ConfigError
+from llmgw.errors import CatalogError, ConfigError, GitError
+from llmgw.gitops.gitcli import run_git
 from llmgw.reconciler import ReconcilerConfig
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "catalog"
@@ -63,14 +63,14 @@ class UpLayout:
 
 
 def _git(cwd: Path, *args: str, check: bool = True) -> str | None:
-    """git's output; None when it failed and ``check`` is off (``git config --get`` of a missing key)."""
-    proc = subprocess.run(["git", *args], cwd=cwd, env={**os.environ, **GIT_ENV}, capture_output=True, text=True,
-                          timeout=30, check=False)
-    if proc.returncode != 0:
+    """git's output, through the one git boundary (llmgw.gitops.gitcli: timeout, redaction, no
+    prompt); None when it failed and ``check`` is off (``git config --get`` of a missing key)."""
+    try:
+        return run_git(list(args), cwd=cwd, env=GIT_ENV).strip()
+    except GitError as exc:
         if not check:
             return None
-        raise ConfigError(f"git {args[0]} in {cwd} failed: {proc.stderr.strip()}")
-    return proc.stdout.strip()
+        raise ConfigError(f"git {args[0]} in {cwd} failed: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ def _failed(args: list[str], code: int, output: bytes) -> GitError:
     # git's reason is on its fatal:/error: lines; the rest is advice.
     remote = [ln for ln in lines if ln.startswith("remote:")][:2]  # the host's own words, not its advice
     reason = [ln for ln in lines if ln.startswith(("fatal:", "error:", "! [")) or ln in remote] or lines[-3:]
-    return GitError(f"git {args[0]} failed: {' '.join(reason) or f'exit {code}'}")
+    return GitError(f"git {args[0]} failed: {' '.join(reason) or f'exit {code}'}", code=code)
 
 
 def run_git_capped(args: list[str], *, cwd: Path | str | None, cap: int,

@@ -73,9 +73,15 @@ class GitMirror:
         try:
             run_git(["fetch", "-q", "--no-tags", "origin", refspec], cwd=self.path, timeout=timeout,
                     env=origin_env(self.url, self.env))
-        except GitError as exc:
-            if "couldn't find remote ref" in str(exc):
-                raise BranchMissing(f"the remote has no branch {self.branch!r} (deleted or renamed?)") from None
+        except GitError:
+            # Asked again by exit status, not by the words of the failure (which git may translate
+            # or reword): ls-remote --exit-code exits 2 when the remote answered without the ref.
+            try:
+                run_git(["ls-remote", "--exit-code", "origin", f"refs/heads/{self.branch}"], cwd=self.path,
+                        timeout=timeout, env=origin_env(self.url, self.env))
+            except GitError as probe:
+                if probe.code == 2:
+                    raise BranchMissing(f"the remote has no branch {self.branch!r} (deleted or renamed?)") from None
             raise
         return self.head()
 

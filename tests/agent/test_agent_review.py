@@ -7,6 +7,7 @@ hole is open and passes once it is closed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -169,9 +170,12 @@ def test_prepare_area_does_not_chown_through_a_tmp_swapped_for_a_symlink(
             os.symlink(victim, area / "tmp")
 
     monkeypatch.setattr(os, "chown", racing_chown)
-    with pytest.raises(Exception):  # noqa: B017 - a refusal of any kind is fine; the chown is not
+    # A refusal is fine, and so is an area made without following the swapped link (tmp is chowned
+    # by descriptor before the area is the engine user's); chowning the victim is not. (This block
+    # used to sit in pytest.raises(Exception) and end with its own RuntimeError, which satisfied it
+    # whatever prepare_area did.)
+    with contextlib.suppress(OSError):
         agent_module.prepare_area(cfg, conf, "r")
-        raise RuntimeError("prepare_area did not notice")
     assert victim.stat().st_uid == 0, "root chowned a file outside the area to the engine user"
 
 
