@@ -106,6 +106,42 @@ class Replica:
         return cls(placement=placement, shards=shards, state=ReplicaState(d["state"]), **fields)
 
 
+@dataclass(frozen=True)
+class Backoff:
+    """How failed replicas are retried: ``base`` doubling up to ``cap`` seconds; a replica that
+    served ``reset_after`` seconds before failing starts its count afresh; ``crash_loop_after``
+    failures in a row are called a crash loop."""
+
+    base: float
+    cap: float
+    reset_after: float
+    crash_loop_after: int
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What one more failure of a replica makes of it."""
+
+    count: int  # failures in a row, this one included
+    delay: float  # seconds until it is started again
+    crash_loop: bool
+    ran: float  # seconds it had served before this failure (0 if it was not serving)
+    forgot: bool  # it had served long enough that earlier failures no longer count
+
+
+def next_failure(r: Replica, now: float, policy: Backoff) -> Failure:
+    """The count, delay and crash-loop verdict after ``r`` fails at ``now``.
+
+    A replica that served for ``reset_after`` before failing starts its count afresh, as Kubernetes
+    resets a container's back-off after 10 minutes of running (seen: the count never forgot, so
+    five crashes weeks apart were a "crash loop" at the longest backoff)."""
+    ran = now - r.ready_since if r.state == ReplicaState.READY and r.ready_since is not None else 0.0
+    forgot = r.failures > 0 and ran >= policy.reset_after
+    count = 1 if forgot else r.failures + 1
+    delay = min(policy.base * 2 ** (count - 1), policy.cap)
+    return Failure(count, delay, count >= policy.crash_loop_after, ran, forgot)
+
+
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from llmgw.catalog import Catalog, Model, Profile
-from llmgw.decide.replica import Replica, ReplicaState, ShardStatus
+from llmgw.decide.replica import Backoff, Replica, ReplicaState, ShardStatus, next_failure
 from llmgw.dispatch.base import Dispatcher
 from llmgw.engines.argv import RPC_SERVER, engine_args, holds_weights, shard_engine, shard_env
 from llmgw.engines.argv import Shard as EngineShard
@@ -251,21 +251,15 @@ class Lifecycle:
         return True
 
     def _failed(self, r: Replica, now: float, error: str, *, permanent: bool = False) -> Replica:
-        # A replica that served for crash_reset_after before failing starts its count afresh, as
-        # Kubernetes resets a container's back-off after 10 minutes of running (seen: the count
-        # never forgot, so five crashes weeks apart were a "crash loop" at the longest backoff).
-        ran = now - r.ready_since if r.state == S.READY and r.ready_since is not None else 0.0
-        forgot = r.failures > 0 and ran >= self.config.crash_reset_after
-        failures = 1 if forgot else r.failures + 1
-        delay = min(self.config.backoff_base * 2 ** (failures - 1), self.config.backoff_cap)
-        crash_loop = failures >= self.config.crash_loop_after
-        message = (f"crash loop ({failures} failures): " if crash_loop else "") + error
-        after = f" after {ran:.0f}s ready, so the count starts again" if forgot else ""
+        c = self.config
+        f = next_failure(r, now, Backoff(c.backoff_base, c.backoff_cap, c.crash_reset_after, c.crash_loop_after))
+        message = (f"crash loop ({f.count} failures): " if f.crash_loop else "") + error
+        after = f" after {f.ran:.0f}s ready, so the count starts again" if f.forgot else ""
         self.store.add_event("replica-failed", r.id,
-                             f"{r.model}: {message}; failure {failures}{after}; "
-                             + ("not retried" if permanent else f"retry in {delay:g}s"))
-        return r.moved(S.FAILED, now, error=message, failures=failures,
-                       retry_at=None if permanent else now + delay)
+                             f"{r.model}: {message}; failure {f.count}{after}; "
+                             + ("not retried" if permanent else f"retry in {f.delay:g}s"))
+        return r.moved(S.FAILED, now, error=message, failures=f.count,
+                       retry_at=None if permanent else now + f.delay)
 
 
 def _answers(inventory: Inventory, shard: ShardStatus, engine: str) -> bool:
