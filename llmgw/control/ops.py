@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
@@ -21,15 +21,38 @@ from llmgw.gitops.gitcli import read_tree
 from llmgw.gitops.status import SyncStatus
 from llmgw.inventory import Inventory, NodeState
 from llmgw.plan import FleetSnapshot
-from llmgw.state import Event
+from llmgw.state import Event, Store
 
 if TYPE_CHECKING:
-    from llmgw.control.controller import Controller
+    from llmgw.dispatch.fence import FencedDispatcher
+    from llmgw.gitops import DesiredState, GitOpsFollower
+    from llmgw.gitops.writer import CommitWriter
+    from llmgw.reconciler.live import LiveInventory
+    from llmgw.reconciler.reconciler import Reconciler
     from llmgw.reconciler.rollouts import RolloutDriver
 
 
+class ControlPlane(Protocol):
+    """The parts of a controller the façade reads and drives (`llmgw.control.controller.Controller`
+    is one): typed by what is used, so the façade does not import the controller that builds it."""
+
+    desired: DesiredState
+    follower: GitOpsFollower
+    inventory: LiveInventory
+    reconciler: Reconciler
+    store: Store
+    writer: CommitWriter
+    fleet: FencedDispatcher
+    registry: CollectorRegistry
+
+    @property
+    def controller_id(self) -> str: ...
+
+    async def takeover(self, node_id: str, *, stop_foreign: bool = False) -> dict[str, Any]: ...
+
+
 class FleetOps:
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: ControlPlane) -> None:
         self._c = controller
 
     # --- reading ----------------------------------------------------------------------------
