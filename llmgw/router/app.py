@@ -57,10 +57,10 @@ from llmgw.router.parse import (
 )
 from llmgw.router.prefix import MAX_BLOCKS, PrefixIndex, PromptKey, prompt_key
 from llmgw.router.proxy import CLIENT_GONE, Tap, forward_stream, forward_whole, rewrite_model
-from llmgw.router.retry import RetryBudget, RetryTicket, next_step
+from llmgw.router.retry import RetryBudget, RetryTicket, Step, next_step
 from llmgw.router.routes import RouteCatalog, RouteModel
 from llmgw.router.table import EMPTY, EndpointTable, Upstream, build_table, choose
-from llmgw.router.upstream import Origin, UpstreamFailed, UpstreamPool
+from llmgw.router.upstream import Origin, Reason, UpstreamFailed, UpstreamPool
 from llmgw.router.usage import ask_for_usage, reported_usage, wants_usage, with_fields
 from llmgw.serving import body_encoding_refused, connection_cap, listen
 from llmgw.tasks import cancel_and_wait
@@ -624,14 +624,14 @@ class Router:
                                 self.config.cooldown)
                 up.cooldown_until = now + self.config.cooldown
                 up.failures += 1
-                if exc.reason in ("connect", "disconnect"):
+                if exc.reason in (Reason.CONNECT, Reason.DISCONNECT):
                     up.forget_prompts()  # an engine that refuses or drops connections may be a new process
-                deliveries += exc.reason != "connect"
+                deliveries += exc.reason != Reason.CONNECT
                 step = next_step(exc.reason, deliveries=deliveries, attempts=len(tried), retries=self.config.retries)
-                if step == "spend" and not ticket.spend():
+                if step is Step.SPEND and not ticket.spend():
                     self.metrics.retry_denied(model.name)
-                    step = "stop"
-                if step == "stop":
+                    step = Step.STOP
+                if step is Step.STOP:
                     return self._refuse(self._failed(model, chain, failure, len(tried)), model.name, t0)
                 self.metrics.retry(model.name, exc.reason)
 
@@ -691,7 +691,7 @@ class Router:
         except BaseException as exc:
             if isinstance(exc, UpstreamFailed):
                 failed = True
-                if exc.reason not in ("connect", "status") and ticket is not None:
+                if exc.reason not in (Reason.CONNECT, Reason.STATUS) and ticket is not None:
                     # Sent, then cut off: the engine read the prompt. Charged unless a retry's
                     # answer settles what was really used.
                     ticket.charge_at_least(account.prompt_estimate)

@@ -30,7 +30,7 @@ from llmgw import jsonbody
 from llmgw.router.answer import TAIL_CHUNKS
 from llmgw.router.parse import BadBody as BadBody  # re-exported: where callers have found it
 from llmgw.router.parse import parse_body as parse_body
-from llmgw.router.upstream import Conn, Origin, UpstreamFailed, UpstreamPool
+from llmgw.router.upstream import Conn, Origin, Reason, UpstreamFailed, UpstreamPool
 from llmgw.router.usage import content_events, strip_usage_events
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
@@ -126,7 +126,7 @@ async def _open(pool: UpstreamPool, origin: Origin, head: bytes, data: bytes) ->
             text = ""
         finally:
             conn.release()
-        raise UpstreamFailed("status", f"{origin.label} answered {conn.status} {text}".rstrip())
+        raise UpstreamFailed(Reason.STATUS, f"{origin.label} answered {conn.status} {text}".rstrip())
     return conn
 
 

@@ -9,6 +9,9 @@ gRPC's retry throttling, at most a share of the requests in flight may be retryi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+from llmgw.router.upstream import Reason
 
 MAX_DELIVERIES = 2  # a client request reaches engines at most twice
 
@@ -56,15 +59,22 @@ class RetryTicket:
         return True
 
 
-def next_step(reason: str, *, deliveries: int, attempts: int, retries: int) -> str:
-    """After a failed attempt: "retry" (free: it never reached an engine), "spend" (retry, if the
-    budget allows), or "stop". ``deliveries`` counts attempts that reached an engine, this one
-    included; ``attempts`` every attempt so far."""
-    if reason == "timeout":
-        return "stop"  # the engine may still be generating: a second one would double the work
-    if reason == "connect":
+class Step(StrEnum):
+    """What follows a failed attempt."""
+
+    RETRY = "retry"  # free: it never reached an engine
+    SPEND = "spend"  # retry, if the retry budget allows
+    STOP = "stop"
+
+
+def next_step(reason: Reason, *, deliveries: int, attempts: int, retries: int) -> Step:
+    """After a failed attempt, the next :class:`Step`. ``deliveries`` counts attempts that
+    reached an engine, this one included; ``attempts`` every attempt so far."""
+    if reason == Reason.TIMEOUT:
+        return Step.STOP  # the engine may still be generating: a second one would double the work
+    if reason == Reason.CONNECT:
         # Never reached an engine; bounded all the same, so a dead fleet answers fast.
-        return "retry" if attempts <= retries + 2 else "stop"
+        return Step.RETRY if attempts <= retries + 2 else Step.STOP
     if deliveries >= MAX_DELIVERIES or deliveries > retries:
-        return "stop"
-    return "spend"
+        return Step.STOP
+    return Step.SPEND

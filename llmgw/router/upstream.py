@@ -27,6 +27,7 @@ import asyncio
 import re
 import ssl as _ssl
 from collections import deque
+from enum import StrEnum
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -124,12 +125,22 @@ def parse_head(raw: bytes) -> Head | str:
     return Head(int(status_line.group(2)), headers, length, chunked, keep_alive)
 
 
+class Reason(StrEnum):
+    """Why an attempt failed; the retry decision (:func:`llmgw.router.retry.next_step`) reads it,
+    and its value is the ``reason`` label of ``llmgw_router_retries`` (so the strings never change)."""
+
+    CONNECT = "connect"  # provably never reached the engine: free to send again
+    TIMEOUT = "timeout"  # nothing came for the read timeout: the engine may still be generating
+    DISCONNECT = "disconnect"  # the connection closed or broke after the request was written
+    STATUS = "status"  # the engine answered 502/503/504 before anything reached the client
+
+
 class UpstreamFailed(LlmgwError):
     """The engine failed (or a timeout passed) — whether before or during the answer."""
 
-    def __init__(self, reason: str, message: str, *, timeout: bool = False) -> None:
+    def __init__(self, reason: Reason, message: str, *, timeout: bool = False) -> None:
         super().__init__(message)
-        self.reason = reason  # connect | timeout | disconnect | status — a metric label
+        self.reason = reason
         self.timeout = timeout
 
 
@@ -205,7 +216,7 @@ class Conn(asyncio.Protocol):
         elif self._state != _DONE:
             when = ("after the request was sent, before answering (it may have worked on it)"
                     if not self.received else "mid-answer")
-            self._fail(UpstreamFailed("disconnect", f"{self.origin.label} closed the connection {when}"
+            self._fail(UpstreamFailed(Reason.DISCONNECT, f"{self.origin.label} closed the connection {when}"
                                       + (f": {exc}" if exc else "")))
 
     def data_received(self, data: bytes) -> None:
@@ -234,11 +245,11 @@ class Conn(asyncio.Protocol):
             if end < 0:
                 self._searched = len(buf)
                 if len(buf) > MAX_HEAD:
-                    self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a response head over "
+                    self._fail(UpstreamFailed(Reason.DISCONNECT, f"{self.origin.label} sent a response head over "
                                                             f"{MAX_HEAD // 1024} KiB"))
                 return
             if end > MAX_HEAD:
-                self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a response head over "
+                self._fail(UpstreamFailed(Reason.DISCONNECT, f"{self.origin.label} sent a response head over "
                                                         f"{MAX_HEAD // 1024} KiB"))
                 return
             head = parse_head(bytes(buf[:end]))
@@ -246,13 +257,13 @@ class Conn(asyncio.Protocol):
             self._buf = bytearray()
             self._searched = 0
             if isinstance(head, str):
-                self._fail(UpstreamFailed("disconnect", f"{self.origin.label} {head}"))
+                self._fail(UpstreamFailed(Reason.DISCONNECT, f"{self.origin.label} {head}"))
                 return
             if not 100 <= head.status < 200:
                 break
             self._buf += rest  # 100 Continue and friends: the real head follows
         else:
-            self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent more than "
+            self._fail(UpstreamFailed(Reason.DISCONNECT, f"{self.origin.label} sent more than "
                                                     f"{MAX_INFORMATIONAL} informational (1xx) heads"))
             return
         status = head.status
@@ -309,7 +320,7 @@ class Conn(asyncio.Protocol):
                 if len(buf) - pos < 2:
                     break
                 if buf[pos:pos + 2] != b"\r\n":  # the chunk is not the size it said: out of step
-                    self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a chunk longer than its "
+                    self._fail(UpstreamFailed(Reason.DISCONNECT, f"{self.origin.label} sent a chunk longer than its "
                                                             "size line said"))
                     return
                 pos += 2
@@ -318,12 +329,12 @@ class Conn(asyncio.Protocol):
                 nl = buf.find(b"\r\n", pos)
                 if nl < 0:
                     if len(buf) - pos > MAX_CHUNK_LINE:
-                        self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a chunk line over "
+                        self._fail(UpstreamFailed(Reason.DISCONNECT, f"{self.origin.label} sent a chunk line over "
                                                                 f"{MAX_CHUNK_LINE} bytes"))
                         return
                     break
                 if nl - pos > MAX_CHUNK_LINE:
-                    self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a chunk line over "
+                    self._fail(UpstreamFailed(Reason.DISCONNECT, f"{self.origin.label} sent a chunk line over "
                                                             f"{MAX_CHUNK_LINE} bytes"))
                     return
                 line = bytes(buf[pos:nl])
@@ -334,7 +345,7 @@ class Conn(asyncio.Protocol):
                         break
                     self._trailers += len(line) + 2
                     if self._trailers > MAX_HEAD:
-                        self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent trailers over "
+                        self._fail(UpstreamFailed(Reason.DISCONNECT, f"{self.origin.label} sent trailers over "
                                                                 f"{MAX_HEAD // 1024} KiB"))
                         return
                     continue
@@ -342,7 +353,7 @@ class Conn(asyncio.Protocol):
                 # int(, 16) also takes "-5", "+5" and "5_0"; a negative size walked the parser
                 # backwards over the same line forever, freezing the event loop.
                 if not digits or not _HEX_DIGITS.issuperset(digits) or len(digits) > MAX_CHUNK_DIGITS:
-                    self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent a malformed chunk"))
+                    self._fail(UpstreamFailed(Reason.DISCONNECT, f"{self.origin.label} sent a malformed chunk"))
                     return
                 size = int(digits, 16)
                 if size == 0:
@@ -388,7 +399,7 @@ class Conn(asyncio.Protocol):
         if self.closed or self.transport.is_closing():
             # The engine closed it between connect and now; writing would be silently dropped and
             # the exchange would wait read_timeout for an answer that cannot come.
-            self._error = UpstreamFailed("connect", f"{self.origin.label} closed the connection before "
+            self._error = UpstreamFailed(Reason.CONNECT, f"{self.origin.label} closed the connection before "
                                                     "the request was sent")
             self.unsent = True
             return
@@ -407,7 +418,7 @@ class Conn(asyncio.Protocol):
         else:
             self._timer = None
             what = "an answer" if self.status == 0 else "the rest of its answer"
-            self._fail(UpstreamFailed("timeout", f"{self.origin.label} sent nothing for {limit:g} s while "
+            self._fail(UpstreamFailed(Reason.TIMEOUT, f"{self.origin.label} sent nothing for {limit:g} s while "
                                                  f"the router waited for {what}", timeout=True))
 
     async def wait_head(self) -> None:
@@ -438,7 +449,7 @@ class Conn(asyncio.Protocol):
         while chunk := await self.read_chunk():
             size += len(chunk)
             if size > limit:
-                self._fail(UpstreamFailed("disconnect", f"{self.origin.label} sent an answer over "
+                self._fail(UpstreamFailed(Reason.DISCONNECT, f"{self.origin.label} sent an answer over "
                                                         f"{limit // (1024 * 1024)} MiB; it is not buffered"))
                 raise self._error  # type: ignore[misc]
             parts.append(chunk)
@@ -537,10 +548,10 @@ class UpstreamPool:
                 self.connect_timeout)
         except TimeoutError as exc:
             # "connect", not "timeout": nothing was sent, so trying another replica costs no work.
-            raise UpstreamFailed("connect", f"{origin.label}: no connection within {self.connect_timeout:g} s",
+            raise UpstreamFailed(Reason.CONNECT, f"{origin.label}: no connection within {self.connect_timeout:g} s",
                                  timeout=True) from exc
         except OSError as exc:
-            raise UpstreamFailed("connect", f"cannot connect to {origin.label}: {exc.strerror or exc}") from exc
+            raise UpstreamFailed(Reason.CONNECT, f"cannot connect to {origin.label}: {exc.strerror or exc}") from exc
         self._all.add(conn)
         return conn
 
