@@ -220,6 +220,7 @@ def figures(results: list[Result], *, later_turns: bool) -> dict[str, float]:
     cached, computed = sum(r.cached for r in results), sum(r.computed for r in results)
     out["engine_hit_ratio"] = round(cached / (cached + computed), 3) if cached + computed else 0.0
     out["requests"] = len(results)
+    out["longest_prompt_tokens"] = max((r.cached + r.computed for r in results), default=0)
     return out
 
 
