@@ -11,21 +11,28 @@ In one run, against one simulated engine with zero artificial latency and one lo
 
 and llmgw twice more, with a chat request carrying a 1.5 KB system prompt (23 blocks of the
 prefix index) to two replicas of that engine: ``llmgw-long`` least-outstanding, ``llmgw-prefix``
-with ``routing: prefix`` (rendering, hashing, the index lookup and update on every request).
-The prefix policy must meet the same goal: the index must not cost the hot path its speed.
+with ``routing: prefix`` (rendering, hashing, the index lookup and update on every request). The
+same long body also goes through bare (``bare-long``) and LiteLLM (``litellm-long``): every ratio
+divides two figures of the same request body. The prefix policy must meet the same goal: the index
+must not cost the hot path its speed.
 
 The system under test runs pinned to core 0; the engine, wrk and this script share core 1, so
-requests/s is "what one core of proxy does". Figures: added latency p50/p99 over direct at one
-connection and at 32, requests/s at 32, and streamed time to first byte (this script's own
-client over one keep-alive connection: time from sending a streamed chat request to the first
-``data:`` line). Goal (issue 6): llmgw ≥ 40x LiteLLM's and ≥ 70 % of the bare pass-through's
-requests/s; added p50 at one connection ≤ 1/10 of LiteLLM's; added streamed TTFB < 1.5 ms.
+requests/s is "what one core of proxy does". Every system is started at once and warmed up alike,
+then measured in rounds, each round measuring every target once in an order rotated by one per
+round (so none is always first or last on a box whose load moves). Figures are medians over the
+rounds; a ratio is the median of its per-round ratios (both sides from the same round). Figures:
+added latency p50/p99 over direct at one connection and at 32, requests/s at 32, and streamed time
+to first byte (this script's own client over one keep-alive connection: time from sending a
+streamed chat request to the first ``data:`` line). Goal (issue 6): llmgw ≥ 40x LiteLLM's and
+≥ 70 % of the bare pass-through's requests/s with either policy; added p50 at one connection
+≤ 1/10 of LiteLLM's; added streamed TTFB < 1.5 ms.
 
-    python bench/router_bench.py [--quick] [--duration S] [--skip-litellm]
+    python bench/router_bench.py [--quick] [--rounds N] [--duration S] [--skip-litellm] [--only A,B]
 
 The last line is one JSON object with every figure. LiteLLM is installed on first use into
 ``$LLMGW_LITELLM_VENV`` (default /tmp/llmgw-litellm-venv); ``--quick`` skips it only when that
-install does not finish in time, and says so in the JSON.
+install does not finish in time, and says so in the JSON; without LiteLLM the goal is not met.
+Exit status 1 when the goal is not met.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -291,28 +299,144 @@ def write_script(tmp: Path, body: str = BODY, name: str = "post") -> Path:
     return script
 
 
-def measure(name: str, port: int, script: Path, duration: float, warmup: float, ttfb_count: int) -> dict:
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    wrk(url, script, 8, warmup)
-    c1 = wrk(url, script, 1, duration)
-    c32 = wrk(url, script, 32, duration)
-    t = asyncio.run(ttfb(port, ttfb_count))
-    res = {"c1_p50_ms": c1["p50_ms"], "c1_p99_ms": c1["p99_ms"], "c1_rps": c1["rps"],
-           "c32_p50_ms": c32["p50_ms"], "c32_p99_ms": c32["p99_ms"], "c32_rps": c32["rps"], "ttfb_ms": t,
-           "errors": c1["non2xx"] + c32["non2xx"]}
-    print(f"{name:8s} c1 p50 {c1['p50_ms']:.3f} ms p99 {c1['p99_ms']:.3f} ms | c32 {c32['rps']:.0f} req/s "
-          f"p50 {c32['p50_ms']:.2f} ms p99 {c32['p99_ms']:.2f} ms | ttfb {t:.3f} ms"
-          + (f" | ERRORS {res['errors']} {c32['socket_errors']}" if res["errors"] else ""), flush=True)
+@dataclass(frozen=True)
+class Target:
+    """One measured path: a system under test (its port) fed one request body."""
+
+    name: str
+    port: int
+    script: Path
+
+
+# The ratios the goal reads, each over two targets measured in the same round on the same body.
+RATIOS = {
+    "llmgw_vs_bare_rps": ("llmgw", "bare"),
+    "llmgw_vs_litellm_rps": ("llmgw", "litellm"),
+    "prefix_vs_least_outstanding_rps": ("llmgw-prefix", "llmgw-long"),
+    "prefix_vs_bare_rps": ("llmgw-prefix", "bare-long"),
+    "prefix_vs_litellm_rps": ("llmgw-prefix", "litellm-long"),
+    "least_outstanding_long_vs_bare_rps": ("llmgw-long", "bare-long"),
+}
+
+
+def rotated(items: list[Target], round_index: int) -> list[Target]:
+    """The measuring order of one round: each round starts one further along, so no system is
+    always measured first (or last, or right after the same neighbour) on a box whose load moves."""
+    k = round_index % len(items)
+    return items[k:] + items[:k]
+
+
+def measure(target: Target, *, duration: float, ttfb_count: int, latency: bool) -> dict:
+    """One round of one target: -c32 rate and latency, and (``latency``) -c1 latency and streamed TTFB."""
+    url = f"http://127.0.0.1:{target.port}/v1/chat/completions"
+    c32 = wrk(url, target.script, 32, duration)
+    res = {"c32_p50_ms": c32["p50_ms"], "c32_p99_ms": c32["p99_ms"], "c32_rps": c32["rps"],
+           "errors": c32["non2xx"], "socket_errors": c32["socket_errors"]}
+    if latency:
+        c1 = wrk(url, target.script, 1, duration)
+        res.update(c1_p50_ms=c1["p50_ms"], c1_p99_ms=c1["p99_ms"], c1_rps=c1["rps"],
+                   ttfb_ms=asyncio.run(ttfb(target.port, ttfb_count)), errors=res["errors"] + c1["non2xx"])
     return res
+
+
+def warm_up(targets: list[Target], seconds: float) -> None:
+    """The same warm-up for every target, one after another at -c8: connections, lazy imports, the
+    first slow requests of LiteLLM, the prefix index's first entries are paid before any round
+    (together they would share core 0, and the slowest starter would get the least of it)."""
+    for t in targets:
+        wrk(f"http://127.0.0.1:{t.port}/v1/chat/completions", t.script, 8, seconds)
+
+
+def summarize(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per target, the median of each figure over the rounds (errors summed), and the per-round rates."""
+    out: dict[str, dict] = {}
+    for name in rounds[0]:
+        runs = [r[name] for r in rounds]
+        fig = {k: statistics.median(run[k] for run in runs) for k in runs[0] if k not in ("errors", "socket_errors")}
+        fig["errors"] = sum(run["errors"] for run in runs)
+        fig["socket_errors"] = [run["socket_errors"] for run in runs if run["socket_errors"]]
+        fig["c32_rps_rounds"] = [round(run["c32_rps"], 1) for run in runs]
+        out[name] = fig
+    return out
+
+
+def paired_ratios(rounds: list[dict[str, dict]]) -> dict[str, list[float]]:
+    """Each ratio of RATIOS per round (both sides from that round): its median is the figure. A round
+    where the denominator served nothing is left out (its ratio would be infinite: never a flattering
+    omission)."""
+    out: dict[str, list[float]] = {}
+    for key, (num, den) in RATIOS.items():
+        if num in rounds[0] and den in rounds[0]:
+            out[key] = [r[num]["c32_rps"] / r[den]["c32_rps"] for r in rounds if r[den]["c32_rps"]]
+    return out
+
+
+@dataclass(frozen=True)
+class Started:
+    name: str
+    port: int
+    proc: subprocess.Popen
+    timeout: float
+
+
+def start_systems(tmp: Path, engine_port: int, only: set[str], litellm: Path | None,
+                  procs: list[subprocess.Popen]) -> list[Started]:
+    """Every system under test started at once on core 0 (they stay up across rounds; idle, they
+    cost the others nothing that matters); each process is added to ``procs`` as it starts."""
+    engine = f"http://127.0.0.1:{engine_port}"
+    out: list[Started] = []
+    if litellm is not None:
+        port = free_port()
+        out.append(Started("litellm", port, start_litellm(tmp, port, engine, litellm), 90))
+        procs.append(out[-1].proc)
+    for name in ("nginx", "llmgw", "bare", "llmgw-long", "llmgw-prefix"):
+        if name not in only and not (name == "bare" and "bare-long" in only):
+            continue  # bare serves the bare-long target too
+        port = free_port()
+        if name == "nginx":
+            proc = start_nginx(tmp, port, engine_port)
+        else:
+            extra = [] if not name.startswith("llmgw-") else [
+                "--replicas", "2", "--routing", "prefix" if name == "llmgw-prefix" else "least-outstanding"]
+            proc = spawn([sys.executable, __file__, "--serve", name.split("-")[0], "--port", str(port),
+                          "--engine", engine, *extra], SUT_CORE, env={"PYTHONPATH": str(REPO)})
+        out.append(Started(name, port, proc, 30))
+        procs.append(proc)
+    return out
+
+
+def listening(started: list[Started]) -> dict[str, int]:
+    """name -> port, once each of ``started`` listens."""
+    for s in started:
+        wait_port(s.port, s.proc, s.timeout)
+    return {s.name: s.port for s in started}
+
+
+# Which server each target is sent to: the long-body targets of bare and LiteLLM reuse their servers.
+SHORT = ("direct", "nginx", "llmgw", "bare", "litellm")
+LONG = {"llmgw-long": "llmgw-long", "llmgw-prefix": "llmgw-prefix", "bare-long": "bare", "litellm-long": "litellm"}
+
+
+def targets_of(ports: dict[str, int], only: set[str], short: Path, long: Path) -> list[Target]:
+    """The short body to direct, nginx, llmgw, bare and LiteLLM; the long one (a 1.5 KB system prompt)
+    to llmgw with either policy on two replicas, and to bare and LiteLLM again, so every ratio of the
+    prefix policy divides figures of the same body."""
+    out = [Target(name, ports[name], short) for name in SHORT if name in only and name in ports]
+    return out + [Target(name, ports[server], long) for name, server in LONG.items()
+                  if name in only and server in ports]
+
+
+ALL = (*SHORT, *LONG)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="short runs (under a minute)")
-    p.add_argument("--duration", type=float, default=None, help="seconds per wrk run (default 15, quick 2)")
+    p.add_argument("--quick", action="store_true", help="3 short rounds of the goal's targets (under a minute)")
+    p.add_argument("--duration", type=float, default=None, help="seconds per wrk run (default 5, quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds, each measuring every system once in a "
+                                                            "rotated order (default 5, quick 3)")
     p.add_argument("--skip-litellm", action="store_true")
-    p.add_argument("--only", default=None, help="comma-separated subset of direct,nginx,llmgw,bare,litellm,"
-                                                 "llmgw-long,llmgw-prefix")
+    p.add_argument("--only", default=None, help="comma-separated subset of " + ",".join(ALL))
     p.add_argument("--serve", choices=("llmgw", "bare"), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--engine", help=argparse.SUPPRESS)
@@ -328,109 +452,107 @@ def main(argv: list[str] | None = None) -> int:
     if not have_tools(("wrk", "nginx", "taskset"), "nginx wrk util-linux"):
         return 2
     started = time.monotonic()
-    duration = a.duration or (2.0 if a.quick else 15.0)
+    duration = a.duration or (1.0 if a.quick else 5.0)
+    rounds = a.rounds or (3 if a.quick else 5)
     warmup = 1.0 if a.quick else 3.0
-    ttfb_count = 100 if a.quick else 400
-    only = (set(a.only.split(",")) if a.only else
-            {"direct", "nginx", "llmgw", "bare", "litellm", "llmgw-long", "llmgw-prefix"})
+    ttfb_count = 30 if a.quick else 200
+    # --quick measures what the goal reads (and direct, the baseline of "added"); nginx and llmgw's
+    # least-outstanding policy on the long body are figures beside it, measured in a full run.
+    only = set(a.only.split(",")) if a.only else set(ALL) - ({"nginx", "llmgw-long"} if a.quick else set())
+    latency = {"direct", "llmgw", "litellm"} | (set() if a.quick else {"nginx", "bare"})
     os.sched_setaffinity(0, {int(LOAD_CORE)})
     procs: list[subprocess.Popen] = []
-    results: dict[str, dict] = {}
+    per_round: list[dict[str, dict]] = []
     litellm_note = "skipped (--skip-litellm)" if a.skip_litellm else "not measured"
     with tempfile.TemporaryDirectory(prefix="llmgw-router-bench-") as tmpdir:
         tmp = Path(tmpdir)
-        script = write_script(tmp)
-        long_script = write_script(tmp, LONG_BODY, "long")
         try:
             engine_port = free_port()
-            engine = f"http://127.0.0.1:{engine_port}"
             sim = spawn([sys.executable, "-m", "llmgw.engines.sim", "--model", MODEL, "--port", str(engine_port)],
                         LOAD_CORE, env={"PYTHONPATH": str(REPO)})
             procs.append(sim)
-            wait_port(engine_port, sim, 15)
-            targets: list[tuple[str, int, subprocess.Popen | None]] = [("direct", engine_port, None)]
-            for name in ("nginx", "llmgw", "bare", "llmgw-long", "llmgw-prefix"):
-                if name not in only:
-                    continue
-                port = free_port()
-                if name == "nginx":
-                    proc = start_nginx(tmp, port, engine_port)
-                else:
-                    extra = [] if not name.startswith("llmgw-") else [
-                        "--replicas", "2", "--routing", "prefix" if name == "llmgw-prefix" else "least-outstanding"]
-                    proc = spawn([sys.executable, __file__, "--serve", name.split("-")[0], "--port", str(port),
-                                  "--engine", engine, *extra], SUT_CORE, env={"PYTHONPATH": str(REPO)})
-                procs.append(proc)
-                wait_port(port, proc, 15)
-                targets.append((name, port, proc))
-            if "litellm" in only and not a.skip_litellm:
+            exe = None
+            if {"litellm", "litellm-long"} & only and not a.skip_litellm:
                 exe, litellm_note = ensure_litellm(started + 25 if a.quick else None)
-                if exe is not None:
-                    port = free_port()
-                    proc = start_litellm(tmp, port, engine, exe)
-                    procs.append(proc)
-                    wait_port(port, proc, 90)
-                    targets.append(("litellm", port, proc))
-            for name, port, proc in targets:
-                if name == "litellm":
-                    # Its first requests are slow (lazy imports, client set-up): warm it up properly.
-                    wrk(f"http://127.0.0.1:{port}/v1/chat/completions", script, 4, 3.0)
-                results[name] = measure(name, port, long_script if name.startswith("llmgw-") else script, duration,
-                                        warmup, ttfb_count)
-                if proc is not None and name != "direct":
-                    stop(proc)  # one system under test on core 0 at a time
+            wait_port(engine_port, sim, 15)
+            systems = start_systems(tmp, engine_port, only, exe, procs)
+            short, long = write_script(tmp), write_script(tmp, LONG_BODY, "long")
+            # The others warm up while LiteLLM boots (8-10 s); then LiteLLM gets the same warm-up.
+            ports = {"direct": engine_port, **listening([s for s in systems if s.name != "litellm"])}
+            targets = targets_of(ports, only, short, long)
+            print(f"{time.monotonic() - started:5.1f} s: {len(targets)} targets up; warm-up", flush=True)
+            warm_up(targets, warmup)
+            ports.update(listening([s for s in systems if s.name == "litellm"]))
+            targets = targets_of(ports, only, short, long)
+            warm_up([t for t in targets if t.port == ports.get("litellm")], warmup)
+            for r in range(rounds):
+                order = rotated(targets, r)
+                print(f"{time.monotonic() - started:5.1f} s round {r + 1}/{rounds}: {' '.join(t.name for t in order)}",
+                      flush=True)
+                per_round.append({t.name: measure(t, duration=duration, ttfb_count=ttfb_count,
+                                                  latency=t.name in latency)
+                                  for t in order})
         finally:
             for proc in reversed(procs):
                 stop(proc)
-    return report(results, litellm_note, a.quick, time.monotonic() - started)
+    return report(per_round, litellm_note, a.quick, time.monotonic() - started)
 
 
-def report(results: dict[str, dict], litellm_note: str, quick: bool, elapsed: float) -> int:
-    direct = results["direct"]
-    out: dict[str, object] = {"bench": "router", "quick": quick, "event_loop": event_loop_name()}
+def report(per_round: list[dict[str, dict]], litellm_note: str, quick: bool, elapsed: float) -> int:
+    results = summarize(per_round)
+    ratio = {key: statistics.median(values) for key, values in paired_ratios(per_round).items() if values}
+    out: dict[str, object] = {"bench": "router", "quick": quick, "event_loop": event_loop_name(),
+                              "rounds": len(per_round), "statistic": "median over rounds; ratios: median of "
+                              "per-round ratios (both sides measured in the same round, on the same body)"}
+    added: dict[str, float] = {}
+    direct = results.get("direct", {})
     for name, r in results.items():
+        print(f"{name:13s} c32 {r['c32_rps']:7.0f} req/s (rounds {r['c32_rps_rounds']}) p50 {r['c32_p50_ms']:.2f} ms"
+              + (f" | c1 p50 {r['c1_p50_ms']:.3f} ms | ttfb {r['ttfb_ms']:.3f} ms" if "c1_p50_ms" in r else "")
+              + (f" | ERRORS {r['errors']} {r['socket_errors']}" if r["errors"] else ""), flush=True)
         out[f"{name}_rps_c32"] = round(r["c32_rps"], 1)
+        out[f"{name}_rps_c32_rounds"] = r["c32_rps_rounds"]
+        out[f"{name}_errors"] = r["errors"]
+        if "c1_p50_ms" not in r:
+            continue
         out[f"{name}_ttfb_ms"] = round(r["ttfb_ms"], 3)
         out[f"{name}_p50_c1_ms"] = round(r["c1_p50_ms"], 3)
-        out[f"{name}_errors"] = r["errors"]
-        if name != "direct":
-            out[f"{name}_added_p50_c1_ms"] = round(r["c1_p50_ms"] - direct["c1_p50_ms"], 3)
-            out[f"{name}_added_p99_c1_ms"] = round(r["c1_p99_ms"] - direct["c1_p99_ms"], 3)
-            out[f"{name}_added_p50_c32_ms"] = round(r["c32_p50_ms"] - direct["c32_p50_ms"], 3)
-            out[f"{name}_added_p99_c32_ms"] = round(r["c32_p99_ms"] - direct["c32_p99_ms"], 3)
-            out[f"{name}_added_ttfb_ms"] = round(r["ttfb_ms"] - direct["ttfb_ms"], 3)
+        if name == "direct" or "c1_p50_ms" not in direct:
+            continue
+        for key, field in (("p50_c1", "c1_p50_ms"), ("p99_c1", "c1_p99_ms"), ("p50_c32", "c32_p50_ms"),
+                           ("p99_c32", "c32_p99_ms"), ("ttfb", "ttfb_ms")):
+            added[f"{name}_{key}"] = r[field] - direct[field]
+            out[f"{name}_added_{key}_ms"] = round(added[f"{name}_{key}"], 3)
+    for key, values in paired_ratios(per_round).items():
+        out[key] = round(ratio[key], 3) if key in ratio else None
+        out[f"{key}_rounds"] = [round(v, 3) for v in values]
     out["litellm"] = litellm_note
     checks: dict[str, bool] = {}
     if "llmgw" in results:
-        me = results["llmgw"]
-        if "bare" in results:
-            out["llmgw_vs_bare_rps"] = round(me["c32_rps"] / results["bare"]["c32_rps"], 3)
-            checks["rps >= 0.7 x bare"] = out["llmgw_vs_bare_rps"] >= 0.7
-        if "litellm" in results:
-            out["llmgw_vs_litellm_rps"] = round(me["c32_rps"] / results["litellm"]["c32_rps"], 1)
-            checks["rps >= 40 x litellm"] = out["llmgw_vs_litellm_rps"] >= 40
-            checks["added p50 c1 <= litellm/10"] = (out["llmgw_added_p50_c1_ms"]
-                                                    <= out["litellm_added_p50_c1_ms"] / 10)
-        checks["added ttfb < 1.5 ms"] = out["llmgw_added_ttfb_ms"] < 1.5
-        checks["no errors"] = me["errors"] == 0
+        if "llmgw_vs_bare_rps" in ratio:
+            checks["rps >= 0.7 x bare"] = ratio["llmgw_vs_bare_rps"] >= 0.7
+        if "llmgw_vs_litellm_rps" in ratio:
+            checks["rps >= 40 x litellm"] = ratio["llmgw_vs_litellm_rps"] >= 40
+        if "litellm_p50_c1" in added and "llmgw_p50_c1" in added:
+            checks["added p50 c1 <= litellm/10"] = added["llmgw_p50_c1"] <= added["litellm_p50_c1"] / 10
+        if "llmgw_ttfb" in added:
+            checks["added ttfb < 1.5 ms"] = added["llmgw_ttfb"] < 1.5
+        checks["no errors"] = results["llmgw"]["errors"] == 0
     if "llmgw-prefix" in results:
-        pre = results["llmgw-prefix"]
-        checks["prefix policy: no errors"] = pre["errors"] == 0
-        if "llmgw-long" in results:
-            out["prefix_vs_least_outstanding_rps"] = round(pre["c32_rps"] / results["llmgw-long"]["c32_rps"], 3)
-        if "bare" in results:
-            out["prefix_vs_bare_rps"] = round(pre["c32_rps"] / results["bare"]["c32_rps"], 3)
-            checks["prefix policy: rps >= 0.7 x bare"] = out["prefix_vs_bare_rps"] >= 0.7
-        if "litellm" in results:
-            out["prefix_vs_litellm_rps"] = round(pre["c32_rps"] / results["litellm"]["c32_rps"], 1)
-            checks["prefix policy: rps >= 40 x litellm"] = out["prefix_vs_litellm_rps"] >= 40
+        checks["prefix policy: no errors"] = results["llmgw-prefix"]["errors"] == 0
+        if "prefix_vs_bare_rps" in ratio:
+            checks["prefix policy: rps >= 0.7 x bare (same body)"] = ratio["prefix_vs_bare_rps"] >= 0.7
+        if "prefix_vs_litellm_rps" in ratio:
+            checks["prefix policy: rps >= 40 x litellm (same body)"] = ratio["prefix_vs_litellm_rps"] >= 40
     out["checks"] = checks
     out["elapsed_s"] = round(elapsed, 1)
     out["goal"] = ("llmgw on one core: >= 40x LiteLLM's and >= 70% of a bare aiohttp pass-through's req/s at -c32, "
-                   "with either routing policy; added p50 at -c1 <= 1/10 of LiteLLM's; added streamed TTFB < 1.5 ms")
+                   "with either routing policy (each ratio on one body); added p50 at -c1 <= 1/10 of LiteLLM's; "
+                   "added streamed TTFB < 1.5 ms")
+    # Not met without its peer: a run that could not measure LiteLLM has not shown the goal.
     out["met"] = bool(checks) and all(checks.values()) and "litellm" in results
     print(json.dumps(out))
-    return 0
+    return 0 if out["met"] else 1
 
 
 if __name__ == "__main__":
