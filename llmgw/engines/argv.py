@@ -228,7 +228,18 @@ def llamacpp_args(model: Model, profile: Profile, shard: Shard | None = None) ->
         args += ["--rpc", ",".join(shard.workers)]
     if model.task == "embedding":
         args.append("--embeddings")
+    if model.routing == "prefix" and not _sets(profile.args, "--slot-prompt-similarity", "-sps"):
+        # Routed by prefix, a replica holds several conversations that often share a system
+        # prompt; with llama.cpp's default (0.1) a new one takes the slot of another sharing that
+        # prompt without saving it first, and the other's history is lost (measured: cache_n stuck
+        # at the 257-token system prompt while the prompt grew; 330, 413 with 0). README, prefix.
+        args += ["--slot-prompt-similarity", "0"]
     return (*args, *profile.args)
+
+
+def _sets(args: tuple[str, ...], *flags: str) -> bool:
+    """The profile's own args name one of ``flags`` (``--flag v`` or ``--flag=v``): theirs wins."""
+    return any(a in flags or a.split("=", 1)[0] in flags for a in args)
 
 
 # rpc-server — checked against ggml-org/llama.cpp tools/rpc/rpc-server.cpp's usage: -H/--host,

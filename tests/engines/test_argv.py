@@ -63,8 +63,8 @@ def test_vllm_tensor_parallel() -> None:
 
 def test_vllm_sharded_rank0_and_rank1() -> None:
     p = profile(gpus=8, nodes=2, args=("--max-model-len", "16384"))
-    common = ("serve", "{weights}", "--served-model-name", "llama-8b", *BASE, *VLLM_FIXED, "--tensor-parallel-size", "8",
-              "--pipeline-parallel-size", "2", "--nnodes", "2")
+    common = ("serve", "{weights}", "--served-model-name", "llama-8b", *BASE, *VLLM_FIXED,
+              "--tensor-parallel-size", "8", "--pipeline-parallel-size", "2", "--nnodes", "2")
     rank0 = args_for(p, Shard(rank=0, node_count=2, rank0_address="10.0.0.11", dist_port=29600))
     assert rank0 == (*common, "--node-rank", "0", "--master-addr", "10.0.0.11", "--master-port", "29600",
                      "--max-model-len", "16384")
@@ -120,6 +120,19 @@ def test_llamacpp_gpu_offloads_every_layer_and_embeds() -> None:
                     task="embedding") == (
         "-m", "{weights}/bge small.gguf", "--alias", "llama-8b", *BASE, "--metrics", "--n-gpu-layers", "999",
         "--embeddings")
+
+
+def test_llamacpp_routed_by_prefix_keeps_each_conversation_in_its_slot_unless_the_profile_says() -> None:
+    from dataclasses import replace
+
+    from llmgw.engines.argv import engine_args
+
+    p = profile("llama.cpp", gpus=0)
+    m = replace(model(p, source=GGUF_URL), routing="prefix")
+    assert engine_args(m, p)[-2:] == ("--slot-prompt-similarity", "0")
+    own = profile("llama.cpp", gpus=0, args=("--slot-prompt-similarity=0.5",))
+    assert engine_args(replace(m, profiles=(own,)), own).count("--slot-prompt-similarity") == 0
+    assert "--slot-prompt-similarity" not in args_for(p, source=GGUF_URL)  # least-outstanding: llama.cpp's own
 
 
 def test_llamacpp_operator_path_is_the_file_itself() -> None:
