@@ -24,17 +24,24 @@ and (not with ``--quick``) the same against a router parsing every body on its e
 
 Every request carries a unique ``user`` field, and each engine logs the ``user`` of each request
 it accepted (the simulator's ``--request-log``), so deliveries are counted per client request and
-per engine, not inferred from totals. A request is *lost* when its client got no answer at all: no
-status, or a stream cut with neither ``[DONE]`` nor an error event (a disconnect the client made
-itself is not lost). The same mix runs once as a warm-up before the router's RSS is read, so
-"flat" compares two rounds of the same work, not a cold process with a warm one.
+per engine, not inferred from totals. A request is *left* only when its client hung up on it
+itself (a streaming client after its third event, a whole-answer client after 50 ms without an
+answer); it is *lost* when its client got no answer at all: no status, or a stream that ended,
+before the client hung up, with neither ``[DONE]`` nor an error event. An error answer (a status,
+or an error event, which wins over a ``[DONE]`` after it) is not lost, but it must be explained by
+the engine killed on purpose: the request reached that engine, or was answered between its stop
+and a few seconds after its death; otherwise a router refusing everything would pass. The same
+mix runs once as a warm-up, with nothing killed (so no error and nothing lost there), before the
+router's RSS is read, so "flat" compares two rounds of the same work, not a cold process with a
+warm one. The victim's latency alone is measured half before and half after the attack.
 
     python bench/soak_bench.py [--quick] [--duration S]
 
-Goals: 0 requests lost; at most one delivery of a request per engine (and two in all); router
-RSS after the soak within 10 % of before; the admin API answering throughout (p99 < 1 s); the
-hostile tenant raises the victim's p99 latency by at most 2x. The
-issue names no peer for this one: the peers' rates are measured by bench/router_bench.py.
+Goals: 0 requests lost; every error answer explained; at most one delivery of a request per
+engine (and two in all); router RSS after the soak within 10 % of before; the admin API answering
+throughout (p99 < 1 s); the hostile tenant raises the victim's p99 latency by at most 2x (and its
+bodies were sent and refused). Exit status 1 when a goal is not met. The issue names no peer for
+this one: the peers' rates are measured by bench/router_bench.py.
 """
 
 from __future__ import annotations
@@ -69,6 +76,9 @@ FD_LIMIT = 1024
 VICTIM_KEY, HOSTILE_KEY = "sk-victim", "sk-hostile"
 HOSTILE_MB = 30
 VICTIMS = 8
+# How long after the engine's death an error answer is still put down to it: the router learns
+# the engine is gone from failed connects and the controller's next report.
+KILL_GRACE = 5.0
 
 
 @dataclass
@@ -83,11 +93,20 @@ class Tally:
     admin_failures: int = 0
     idle_open: int = 0
     killed: int = 0
+    stopped_at: float | None = None  # when the engine was stopped (SIGSTOP), then killed
+    killed_at: float | None = None
+    answered_errors: list[tuple[float, str]] = field(default_factory=list)  # (when, user)
 
     def lose(self, what: str) -> None:
         self.lost += 1
         if len(self.lost_examples) < 5:
             self.lost_examples.append(what)
+
+    def error(self, user: str) -> None:
+        """An answer that says the request failed (a status, or an SSE error event): not lost, but
+        it must be explained by the engine killed on purpose (see :func:`unexplained_errors`)."""
+        self.errors += 1
+        self.answered_errors.append((time.monotonic(), user))
 
 
 def free_port() -> int:
@@ -178,9 +197,9 @@ class Soak:
                                         headers={"Content-Type": "application/json"}) as r:
                     if r.status != 200:
                         await r.read()
-                        self.tally.errors += 1
+                        self.tally.error(user)
                         continue
-                    seen, done, failed = 0, False, False
+                    seen, done, failed, cancelled = 0, False, False, False
                     async for line in r.content:
                         if line.startswith(b"data: [DONE]"):
                             done = True
@@ -189,15 +208,18 @@ class Soak:
                         elif line.startswith(b"data:"):
                             seen += 1
                             if leave and seen >= 3:
+                                cancelled = True  # the client hangs up: the only stream counted as left
                                 break
-                    if leave and not done and not failed:
+                    # An error event wins over a [DONE] after it (vLLM ends a failed stream with both);
+                    # a stream that ended any other way before the client hung up was cut: lost.
+                    if failed:
+                        self.tally.error(user)
+                    elif cancelled:
                         self.tally.left += 1
                     elif done:
                         self.tally.complete += 1
-                    elif failed:
-                        self.tally.errors += 1
                     else:
-                        self.tally.lose(f"{user}: stream ended without [DONE] or an error")
+                        self.tally.lose(f"{user}: stream ended after {seen} events without [DONE] or an error")
             except (aiohttp.ClientError, TimeoutError) as exc:
                 self.tally.lose(f"{user}: {type(exc).__name__}: {exc}")
 
@@ -214,18 +236,21 @@ class Soak:
                     if r.status == 200 and answer.get("choices"):
                         self.tally.complete += 1
                     elif "error" in answer:
-                        self.tally.errors += 1
+                        self.tally.error(user)
                     else:
                         self.tally.lose(f"{user}: {r.status} without choices or error")
 
+            task = asyncio.ensure_future(ask())
             try:
-                if leave:
-                    try:
-                        await asyncio.wait_for(ask(), 0.05)
-                    except TimeoutError:
-                        self.tally.left += 1
+                finished, _ = await asyncio.wait({task}, timeout=0.05 if leave else None)
+                if finished:
+                    task.result()
                 else:
-                    await ask()
+                    # Left only when this client gave up on an unanswered request itself; a timeout
+                    # or failure inside the request is the router's doing (lost), not a leaving.
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    self.tally.left += 1
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 self.tally.lose(f"{user}: {type(exc).__name__}: {exc}")
 
@@ -248,12 +273,16 @@ class Soak:
                         got += piece
                         await asyncio.sleep(0.01)
                 writer.close()
-                if b"data: [DONE]" in got:
+                status = got.split(b"\r\n", 1)[0]
+                if not status.startswith(b"HTTP/1.1 200 ") and b'"error"' in got:
+                    self.tally.error(user)  # refused whole, with a status and an error body
+                elif b'data: {"error"' in got:
+                    self.tally.error(user)  # an error event wins over a [DONE] after it
+                elif b"data: [DONE]" in got:
                     self.tally.complete += 1
-                elif b'"error"' in got:
-                    self.tally.errors += 1
                 else:
-                    self.tally.lose(f"{user}: slow stream ended without [DONE] or an error ({len(got)} bytes)")
+                    self.tally.lose(f"{user}: slow stream ended without [DONE] or an error ({len(got)} bytes, "
+                                    f"{status[:40]!r})")
             except (OSError, TimeoutError) as exc:
                 self.tally.lose(f"{user}: slow client: {type(exc).__name__}: {exc}")
                 sock.close()
@@ -310,8 +339,10 @@ class Soak:
                 # Stopped first, its log copied, then killed: the engine's area is made fresh when
                 # it is started again, and the deliveries it logged must still be counted.
                 os.kill(pid, signal.SIGSTOP)
+                self.tally.stopped_at = time.monotonic()
                 shutil.copyfile(proc / "cwd" / "requests.log", self.saved / "killed-engine.requests.log")
                 os.kill(pid, signal.SIGKILL)
+                self.tally.killed_at = time.monotonic()
                 self.tally.killed += 1
                 return
 
@@ -350,6 +381,17 @@ def deliveries(data_dir: Path, prefix: str) -> tuple[int, int, int]:
                 per_engine[(str(log), line)] += 1
                 total[line] += 1
     return max(per_engine.values(), default=0), max(total.values(), default=0), len(total)
+
+
+def unexplained_errors(tally: Tally, killed_log: Path) -> list[str]:
+    """The users of requests answered with an error that the engine killed on purpose does not
+    explain: neither delivered to it (its request log) nor answered between its stop and
+    ``KILL_GRACE`` s after its death. Without this, a router that refused everything would lose
+    nothing and pass."""
+    killed = set(killed_log.read_text().splitlines()) if killed_log.exists() else set()
+    start = tally.stopped_at if tally.stopped_at is not None else float("inf")
+    end = tally.killed_at + KILL_GRACE if tally.killed_at is not None else float("-inf")
+    return [user for when, user in tally.answered_errors if user not in killed and not start <= when <= end]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -476,15 +518,18 @@ class Hostile:
                 "victim_attacked_p99_ms": round(p99b, 1), "victim_failures": self.alone.failures +
                 self.attacked.failures, "p99_ratio": round(p99b / p99a, 2) if p99a and p99b else None,
                 "hostile_bodies_mb": round(self.sent.get("bytes", 0) / 2**20, 1),
-                "hostile_answers": self.sent.get("statuses", {})}
+                "hostile_answers": self.sent.get("statuses", {}),
+                "hostile_bodies_refused": sum(n for status, n in self.sent.get("statuses", {}).items()
+                                              if 400 <= int(status) < 500)}
 
 
 def hostile_phase(admin: str, token: str, tmp: Path, seconds: float, workers: int) -> Hostile:
-    """The victim alone for ``seconds``, then as long again beside the hostile sender."""
+    """The victim alone for ``seconds`` (half before the attack, half after it: a load that drifts
+    over the run falls on both sides alike), and for ``seconds`` beside the hostile sender."""
     proc, base = start_router(admin, token, keys_file(tmp), tmp / f"router-{workers}.log", workers)
     try:
         asyncio.run(victims(base, 0.5))  # warm: connections, the engines' first answers
-        alone = asyncio.run(victims(base, seconds))
+        before = asyncio.run(victims(base, seconds / 2))
         sender = subprocess.Popen([sys.executable, __file__, "--hostile", base, str(seconds)],
                                   stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         assert sender.stdout is not None
@@ -492,6 +537,7 @@ def hostile_phase(admin: str, token: str, tmp: Path, seconds: float, workers: in
         attacked = asyncio.run(victims(base, seconds))
         out, _ = sender.communicate(timeout=180)
         sent = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+        after = asyncio.run(victims(base, seconds / 2))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -499,10 +545,11 @@ def hostile_phase(admin: str, token: str, tmp: Path, seconds: float, workers: in
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    alone = Latencies(before.ms + after.ms, before.failures + after.failures)
     h = Hostile(workers, alone, attacked, sent)
     f = h.figures()
     print(f"hostile tenant, parse workers {workers}: victim p50/p99 {f['victim_alone_p50_ms']}/"
-          f"{f['victim_alone_p99_ms']} ms alone ({f['victim_alone_requests']} requests), "
+          f"{f['victim_alone_p99_ms']} ms alone ({f['victim_alone_requests']} requests, before and after), "
           f"{f['victim_attacked_p50_ms']}/{f['victim_attacked_p99_ms']} ms beside {f['hostile_bodies_mb']} MB "
           f"bodies from 2 connections ({f['victim_attacked_requests']} requests; hostile answers "
           f"{f['hostile_answers']}): p99 x{f['p99_ratio']}", file=sys.stderr)
@@ -555,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(2.0)  # idle connections closed, handlers gone
         rss_after = rss_kib(proc.pid)
         per_engine, per_request, delivered = deliveries(tmp, "soak")
+        warm_per_engine, warm_per_request, _ = deliveries(tmp, "warm")
+        unexplained = unexplained_errors(tally, tmp / "killed-engine.requests.log")
         log_bytes = log.stat().st_size
         alive = proc.poll() is None
         # The router as it is, then (a full run) one parsing every body on its event loop, as before.
@@ -571,12 +620,32 @@ def main(argv: list[str] | None = None) -> int:
     growth = (rss_after - rss_before) / rss_before if rss_before else float("inf")
     admin_p99 = pct(tally.admin_ms, 0.99)
     isolated = hostile[0].figures()
+    # The attack happened: at least one body per hostile connection was read and refused (a sender
+    # that failed to send would leave the victim alone, and the ratio would flatter).
     hostile_met = (isolated["p99_ratio"] is not None and isolated["p99_ratio"] <= 2.0
-                   and isolated["victim_failures"] == 0 and isolated["victim_attacked_requests"] > 0)
-    met = (tally.lost == 0 and tally.killed == 1 and per_engine <= 1 and per_request <= 2 and growth <= 0.10 and alive
-           and tally.admin_failures == 0 and admin_p99 < 1000 and proc.returncode == 0 and hostile_met)
-    for example in tally.lost_examples:
+                   and isolated["victim_failures"] == 0 and isolated["victim_attacked_requests"] > 0
+                   and isolated["hostile_bodies_refused"] >= 2
+                   and sum(isolated["hostile_answers"].values()) == isolated["hostile_bodies_refused"])
+    checks = {
+        "0 lost": tally.lost == 0,
+        "0 lost and 0 errors in the warm-up (nothing killed)": warm.lost == 0 and warm.errors == 0,
+        "every error answered is explained by the engine killed": not unexplained,
+        "one engine killed half way": tally.killed == 1,
+        "<= 1 delivery per engine, <= 2 per request": per_engine <= 1 and per_request <= 2,
+        "<= 1 delivery per request in the warm-up": warm_per_engine <= 1 and warm_per_request <= 1,
+        "router RSS within 10 %": growth <= 0.10,
+        "admin answering, p99 < 1 s": tally.admin_failures == 0 and admin_p99 < 1000,
+        "llmgw up alive, clean exit": alive and proc.returncode == 0,
+        "hostile tenant: victim p99 <= 2x, no victim failure, the attack ran": hostile_met,
+    }
+    met = all(checks.values())
+    for example in [*tally.lost_examples, *(f"warm-up: {x}" for x in warm.lost_examples)]:
         print(f"lost: {example}", file=sys.stderr)
+    for user in unexplained[:5]:
+        print(f"error answered, not explained by the killed engine: {user}", file=sys.stderr)
+    for name, ok in checks.items():
+        print(f"  {'ok  ' if ok else 'FAIL'} {name}", file=sys.stderr)
+    after_kill = [round(t - tally.killed_at, 2) for t, _ in tally.answered_errors] if tally.killed_at else []
     if not alive:
         print(log.read_text()[-3000:], file=sys.stderr)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -591,7 +660,11 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         "bench": "soak", "quick": args.quick, "seconds": round(soak_seconds, 1), "mix": mix,
         "requests": tally.sent, "complete": tally.complete, "errors_answered": tally.errors,
+        "errors_unexplained": len(unexplained),
+        "errors_s_after_kill": [min(after_kill), max(after_kill)] if after_kill else None,
         "left_by_client": tally.left, "lost": tally.lost, "delivered": delivered,
+        "warmup": {"requests": warm.sent, "complete": warm.complete, "errors_answered": warm.errors,
+                   "left_by_client": warm.left, "lost": warm.lost, "max_deliveries_per_request": warm_per_request},
         "max_deliveries_per_engine": per_engine, "max_deliveries_per_request": per_request,
         "rss_before_mib": round(rss_before / 1024, 1), "rss_after_mib": round(rss_after / 1024, 1),
         "rss_growth": round(growth, 4),
@@ -602,8 +675,10 @@ def main(argv: list[str] | None = None) -> int:
         "clean_exit": proc.returncode == 0,
         "hostile": isolated, "hostile_inline_parse": hostile[1].figures() if len(hostile) > 1 else None,
         "victim_p99_ratio": isolated["p99_ratio"],
-        "goal": "0 lost; <=1 delivery per engine, <=2 per request; RSS within 10%; admin p99 < 1 s, no failures; "
-                "a hostile tenant's 30 MB bodies raise the victim's p99 by <= 2x",
+        "checks": checks,
+        "goal": "0 lost (left = only what the client itself hung up on); every error answer explained by the "
+                "engine killed; <=1 delivery per engine, <=2 per request; RSS within 10%; admin p99 < 1 s, no "
+                "failures; a hostile tenant's 30 MB bodies raise the victim's p99 by <= 2x",
         "met": met,
     }))
     return 0 if met else 1
