@@ -9,6 +9,8 @@ minutes, so its expected push → applied latency without a webhook is ~90 s (ha
 interval), which no run here can measure; it is reported as that constant.
 
     python bench/gitops_bench.py [--quick]
+
+The last line is one JSON object (DESIGN §8); exit status 1 when the goal is not met.
 """
 
 from __future__ import annotations
@@ -95,10 +97,10 @@ async def bench(rounds: int) -> list[float]:
     return latencies
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="10 pushes instead of 20 (under a minute)")
+    args = parser.parse_args(argv)
     rounds = 10 if args.quick else 20
     lat = asyncio.run(bench(rounds))
     median = statistics.median(lat)
@@ -116,7 +118,7 @@ def main() -> int:
     }
     print(f"push → applied through the webhook: median {median * 1000:.0f} ms over {rounds} pushes")
     print(json.dumps(report))
-    return 0
+    return 0 if report["met"] else 1
 
 
 if __name__ == "__main__":
