@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from llmgw.contract import Endpoint
+from llmgw.router.engines import engine_profile
 from llmgw.router.prefix import PrefixIndex, PromptKey, rendezvous
 from llmgw.router.routes import RouteModel
 from llmgw.router.upstream import Origin
@@ -44,17 +45,14 @@ class Upstream:
     """One ready replica and the router's live knowledge of it (mutable, owned by the event loop)."""
 
     __slots__ = ("endpoint", "replica_id", "model", "url", "origin", "heads", "weight", "inflight", "external",
-                 "cooldown_until", "failures", "prefixes", "prefix_totals")
+                 "cooldown_until", "failures", "prefixes", "prefix_totals", "engine")
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.replica_id = endpoint.replica_id
         self.url = endpoint.url.rstrip("/")
+        self.engine = engine_profile(endpoint.engine)  # its quirks, looked up once (llmgw.router.engines)
         # Parsed once, with each path's request head prebuilt: nothing is formatted per request.
-        # llama-server (cpp-httplib) closes idle keep-alive connections while its HTTP threads are
-        # busy (seen here: 5 of 6 dropped during one long prefill). A request sent on one is lost
-        # in that race and may not be resent (it may have arrived), so it gets a new connection
-        # each time: ~0.1 ms on a LAN against prefills of 10 ms and more.
-        self.origin = Origin(self.url, reuse=endpoint.engine != "llama.cpp")
+        self.origin = Origin(self.url, reuse=self.engine.reuse_connections)
         self.heads = {p: self.origin.head(p) for p in API_PATHS}
         self.inflight = 0          # this router's requests on it right now
         self.external = 0          # requests on the engine that are not this router's (from /metrics)
@@ -70,6 +68,7 @@ class Upstream:
             self.forget_prompts()  # the engine was started again: its cache is empty
             self.prefix_totals = None
         self.endpoint = endpoint
+        self.engine = engine_profile(endpoint.engine)
         self.model = endpoint.model
         # A weight of 0 (or less) means "only when nothing else is free": it never wins a tie.
         self.weight = endpoint.weight if endpoint.weight > 0 else 1e-9

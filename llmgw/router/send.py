@@ -1,0 +1,125 @@
+"""One attempt: a request sent to one chosen replica, its answer passed to the client, and what
+it did counted (in flight, last use, the request metric, the tenant's ticket, the replica's
+stats). Whether to try again elsewhere is the caller's (:mod:`llmgw.router.attempts`): a failure
+before the client saw anything comes out as :class:`~llmgw.router.upstream.UpstreamFailed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from llmgw.router.account import Accounting
+from llmgw.router.answer import stream_error
+from llmgw.router.metrics import RouterMetrics
+from llmgw.router.proxy import CLIENT_GONE, forward_stream, forward_whole
+from llmgw.router.table import Upstream
+from llmgw.router.upstream import Reason, UpstreamFailed, UpstreamPool
+from llmgw.tenancy.usage import NO_ACCOUNT, Account
+
+
+@dataclass(slots=True, kw_only=True)
+class Attempt:
+    """What one attempt sends where."""
+
+    request: web.Request  # the client's, which a stream is written to
+    up: Upstream  # the replica chosen
+    path: str  # the API path (/v1/chat/completions, ...)
+    data: bytes  # the body the engine gets (model renamed for a fallback, usage asked for)
+    served: str  # the model the replica serves (the one asked, or a fallback)
+    stream: bool
+    label: str  # the model the request resolved to: the metrics' label
+    t0: float  # when the router got the request (monotonic)
+    account: Account = NO_ACCOUNT  # whose request, and the tenant's ticket if limited
+    strip_usage: bool = False  # the router asked for the stream's usage event: taken out again
+
+
+class Sender:
+    """Sends attempts through the engines' connection pool (``pool`` is set by ``Router.start()``)."""
+
+    def __init__(self, accounting: Accounting, metrics: RouterMetrics, *, clock: Callable[[], float],
+                 wall: Callable[[], float]) -> None:
+        self.pool: UpstreamPool | None = None
+        self._accounting = accounting
+        self._metrics = metrics
+        self._clock = clock
+        self._wall = wall
+
+    async def send(self, a: Attempt) -> web.StreamResponse:
+        """The answer, passed on; :class:`UpstreamFailed` when it failed before the client saw any of it."""
+        pool = self.pool
+        assert pool is not None, "Router.start() was not awaited"
+        up, stream, account, books = a.up, a.stream, a.account, self._accounting
+        rid = up.replica_id
+        last_used = books.last_used
+        up.inflight += 1
+        last_used[rid] = self._wall()
+        status: int | None = None
+        counted = books.answer_tap(a.served, account, up.engine)
+        whole = tapped = failed = broken = False
+        ticket = account.ticket
+        clock = self._clock
+        # This attempt's own start: time the request waited for a replica is not the replica's.
+        start = clock()
+        first: float | None = None  # when a stream's first chunk came
+        events = 0
+
+        def tap(tail: bytes, n: int, complete: bool) -> None:
+            nonlocal whole, tapped, events, broken
+            whole, tapped, events = complete, True, n
+            # A 200 stream whose engine failed after it began says so in an error event near its
+            # end (vLLM's; answer.stream_error): searched for in the tail only, once per stream.
+            broken = stream and stream_error(tail)
+            counted(tail, n, complete)
+
+        def gone() -> None:
+            # The client went away before any answer was counted (a whole one not yet read, a
+            # stream before its first chunk, or before its response began): the engine has the
+            # prompt and may be writing, how much is not known, so the whole reservation is
+            # charged (a stream that began counts what it got).
+            if ticket is not None:
+                ticket.settle(account.reserved)
+            tap(b"", 0, False)
+        try:
+            if stream:
+                metrics, label, t0 = self._metrics, a.label, a.t0
+
+                def on_first() -> None:
+                    nonlocal first
+                    first = clock()
+                    metrics.first_token(label, first - t0)
+
+                resp, status = await forward_stream(pool, up.origin, up.heads[a.path], a.data, a.served, a.request,
+                                                    on_first, tap, a.strip_usage)
+                if status == CLIENT_GONE and not tapped:
+                    gone()
+            else:
+                resp = await forward_whole(pool, up.origin, up.heads[a.path], a.data, a.served, tap)
+                status = resp.status
+            if ticket is not None:  # an engine's error, or an answer without usage: its prompt counts
+                ticket.charge_at_least(account.prompt_estimate)
+            return resp
+        except BaseException as exc:
+            if isinstance(exc, UpstreamFailed):
+                failed = True
+                if exc.reason not in (Reason.CONNECT, Reason.STATUS) and ticket is not None:
+                    # Sent, then cut off: the engine read the prompt. Charged unless a retry's
+                    # answer settles what was really used.
+                    ticket.charge_at_least(account.prompt_estimate)
+            else:
+                # Cancelled: the client went away, before the answer's end or (a client that
+                # hangs up at the end marker) after it, which is an answer served.
+                status = 200 if whole else CLIENT_GONE
+                if not tapped:
+                    gone()
+            raise
+        finally:
+            up.inflight -= 1
+            last_used[rid] = self._wall()
+            end = clock()
+            if status is not None:
+                self._metrics.request(a.label, status, rid, end - a.t0)
+            books.observe(rid, failed=failed, status=status, whole=whole, tapped=tapped, start=start,
+                          first=first, end=end, events=events, broken=broken)
