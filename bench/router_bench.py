@@ -231,17 +231,21 @@ def start_litellm(tmp: Path, port: int, engine: str, exe: Path) -> subprocess.Po
 # --- load generation ---------------------------------------------------------------------------
 
 def wrk(url: str, script: Path, connections: int, duration: float) -> dict[str, float]:
+    # --timeout 10s for every target: LiteLLM's -c32 tail passes wrk's default 2 s on a busy box, and
+    # a slow answer is a slow answer, not an error; a stall of 10 s is one.
     out = subprocess.run(["taskset", "-c", LOAD_CORE, "wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s",
-                          "--latency", "-s", str(script), url],
+                          "--timeout", "10s", "--latency", "-s", str(script), url],
                          capture_output=True, text=True, timeout=duration + 60, check=True).stdout
     lat = {m.group(1): _ms(m.group(2), m.group(3))
            for m in re.finditer(r"^\s+(50|75|90|99)%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)}
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    socket_errors = re.search(r"Socket errors: (.*)", out)
-    return {"rps": rps, "p50_ms": lat["50"], "p99_ms": lat["99"],
-            "non2xx": int(errors.group(1)) if errors else 0, "socket_errors": socket_errors.group(1) if socket_errors
-            else ""}
+    socket_errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    # A timeout or a broken connection is an error like a 5xx: a system that stalls must not look
+    # merely slow (and a peer that stalls must not make llmgw look fast).
+    return {"rps": rps, "p50_ms": lat.get("50", float("nan")), "p99_ms": lat.get("99", float("nan")),
+            "non2xx": int(errors.group(1)) if errors else 0,
+            "socket_errors": sum(int(x) for x in socket_errors.groups()) if socket_errors else 0}
 
 
 def have_tools(tools: tuple[str, ...], packages: str) -> bool:
@@ -331,11 +335,12 @@ def measure(target: Target, *, duration: float, ttfb_count: int, latency: bool) 
     url = f"http://127.0.0.1:{target.port}/v1/chat/completions"
     c32 = wrk(url, target.script, 32, duration)
     res = {"c32_p50_ms": c32["p50_ms"], "c32_p99_ms": c32["p99_ms"], "c32_rps": c32["rps"],
-           "errors": c32["non2xx"], "socket_errors": c32["socket_errors"]}
+           "errors": c32["non2xx"] + c32["socket_errors"]}
     if latency:
         c1 = wrk(url, target.script, 1, duration)
         res.update(c1_p50_ms=c1["p50_ms"], c1_p99_ms=c1["p99_ms"], c1_rps=c1["rps"],
-                   ttfb_ms=asyncio.run(ttfb(target.port, ttfb_count)), errors=res["errors"] + c1["non2xx"])
+                   ttfb_ms=asyncio.run(ttfb(target.port, ttfb_count)),
+                   errors=res["errors"] + c1["non2xx"] + c1["socket_errors"])
     return res
 
 
@@ -352,22 +357,22 @@ def summarize(rounds: list[dict[str, dict]]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for name in rounds[0]:
         runs = [r[name] for r in rounds]
-        fig = {k: statistics.median(run[k] for run in runs) for k in runs[0] if k not in ("errors", "socket_errors")}
+        fig = {k: statistics.median(run[k] for run in runs) for k in runs[0] if k != "errors"}
         fig["errors"] = sum(run["errors"] for run in runs)
-        fig["socket_errors"] = [run["socket_errors"] for run in runs if run["socket_errors"]]
+        fig["served_every_round"] = all(run["c32_rps"] > 0 for run in runs)
         fig["c32_rps_rounds"] = [round(run["c32_rps"], 1) for run in runs]
         out[name] = fig
     return out
 
 
-def paired_ratios(rounds: list[dict[str, dict]]) -> dict[str, list[float]]:
-    """Each ratio of RATIOS per round (both sides from that round): its median is the figure. A round
-    where the denominator served nothing is left out (its ratio would be infinite: never a flattering
-    omission)."""
-    out: dict[str, list[float]] = {}
+def paired_ratios(rounds: list[dict[str, dict]]) -> dict[str, list[float | None]]:
+    """Each ratio of RATIOS per round (both sides from that round): its median is the figure. A
+    round where the denominator served nothing has no ratio (None), and then the ratio has not been
+    measured: leaving the round out would let a stalled peer's one lucky round decide."""
+    out: dict[str, list[float | None]] = {}
     for key, (num, den) in RATIOS.items():
         if num in rounds[0] and den in rounds[0]:
-            out[key] = [r[num]["c32_rps"] / r[den]["c32_rps"] for r in rounds if r[den]["c32_rps"]]
+            out[key] = [r[num]["c32_rps"] / r[den]["c32_rps"] if r[den]["c32_rps"] else None for r in rounds]
     return out
 
 
@@ -500,7 +505,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(per_round: list[dict[str, dict]], litellm_note: str, quick: bool, elapsed: float) -> int:
     results = summarize(per_round)
-    ratio = {key: statistics.median(values) for key, values in paired_ratios(per_round).items() if values}
+    paired = paired_ratios(per_round)
+    # Only a ratio measured in every round counts (see paired_ratios).
+    ratio = {key: statistics.median(v for v in values if v is not None) for key, values in paired.items()
+             if values and None not in values}
     out: dict[str, object] = {"bench": "router", "quick": quick, "event_loop": event_loop_name(),
                               "rounds": len(per_round), "statistic": "median over rounds; ratios: median of "
                               "per-round ratios (both sides measured in the same round, on the same body)"}
@@ -509,7 +517,7 @@ def report(per_round: list[dict[str, dict]], litellm_note: str, quick: bool, ela
     for name, r in results.items():
         print(f"{name:13s} c32 {r['c32_rps']:7.0f} req/s (rounds {r['c32_rps_rounds']}) p50 {r['c32_p50_ms']:.2f} ms"
               + (f" | c1 p50 {r['c1_p50_ms']:.3f} ms | ttfb {r['ttfb_ms']:.3f} ms" if "c1_p50_ms" in r else "")
-              + (f" | ERRORS {r['errors']} {r['socket_errors']}" if r["errors"] else ""), flush=True)
+              + (f" | ERRORS {r['errors']}" if r["errors"] else ""), flush=True)
         out[f"{name}_rps_c32"] = round(r["c32_rps"], 1)
         out[f"{name}_rps_c32_rounds"] = r["c32_rps_rounds"]
         out[f"{name}_errors"] = r["errors"]
@@ -523,9 +531,9 @@ def report(per_round: list[dict[str, dict]], litellm_note: str, quick: bool, ela
                            ("p99_c32", "c32_p99_ms"), ("ttfb", "ttfb_ms")):
             added[f"{name}_{key}"] = r[field] - direct[field]
             out[f"{name}_added_{key}_ms"] = round(added[f"{name}_{key}"], 3)
-    for key, values in paired_ratios(per_round).items():
+    for key, values in paired.items():
         out[key] = round(ratio[key], 3) if key in ratio else None
-        out[f"{key}_rounds"] = [round(v, 3) for v in values]
+        out[f"{key}_rounds"] = [None if v is None else round(v, 3) for v in values]
     out["litellm"] = litellm_note
     checks: dict[str, bool] = {}
     if "llmgw" in results:
@@ -544,6 +552,13 @@ def report(per_round: list[dict[str, dict]], litellm_note: str, quick: bool, ela
             checks["prefix policy: rps >= 0.7 x bare (same body)"] = ratio["prefix_vs_bare_rps"] >= 0.7
         if "prefix_vs_litellm_rps" in ratio:
             checks["prefix policy: rps >= 40 x litellm (same body)"] = ratio["prefix_vs_litellm_rps"] >= 40
+    # Every target, peers included, served every round without an error or a timeout: a run where
+    # the peer stalled has not measured the goal, whichever way its figures lean.
+    checks["every target served every round, no errors or timeouts"] = all(
+        r["served_every_round"] and r["errors"] == 0 for r in results.values())
+    for key in paired:
+        if key not in ratio and any(key.startswith(p) for p in ("llmgw_vs_", "prefix_vs_bare", "prefix_vs_litellm")):
+            checks[f"{key} measured in every round"] = False
     out["checks"] = checks
     out["elapsed_s"] = round(elapsed, 1)
     out["goal"] = ("llmgw on one core: >= 40x LiteLLM's and >= 70% of a bare aiohttp pass-through's req/s at -c32, "

@@ -63,6 +63,29 @@ def test_the_router_bench_order_rotates() -> None:
         assert sorted(order[position] for order in orders) == sorted(t.name for t in targets)
 
 
+def router_round(litellm_rps: float) -> dict[str, dict]:
+    """One round of router_bench's figures in which llmgw meets every goal against LiteLLM's rate."""
+    def target(rps: float, c1_ms: float | None = None) -> dict:
+        fig = {"c32_rps": rps, "c32_p50_ms": 5.0, "c32_p99_ms": 9.0, "errors": 0}
+        if c1_ms is not None:
+            fig.update(c1_p50_ms=c1_ms, c1_p99_ms=c1_ms * 2, c1_rps=1000 / c1_ms, ttfb_ms=c1_ms)
+        return fig
+
+    return {"direct": target(9000, 0.1), "llmgw": target(4000, 0.5), "bare": target(4200),
+            "litellm": target(litellm_rps, 30.0), "llmgw-prefix": target(3500), "bare-long": target(3600),
+            "litellm-long": target(litellm_rps)}
+
+
+def test_a_round_where_the_peer_served_nothing_leaves_the_router_goal_unmet(capsys: pytest.CaptureFixture[str]) -> None:
+    """Dropping that round (as the first rewrite did) let the peer's one lucky round decide."""
+    router_bench = load("router_bench")
+    assert router_bench.report([router_round(50), router_round(50), router_round(50)], "installed", True, 1.0) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["met"] is True
+    assert router_bench.report([router_round(0), router_round(50), router_round(0)], "installed", True, 1.0) == 1
+    verdict = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert verdict["met"] is False and verdict["llmgw_vs_litellm_rps"] is None
+
+
 # --- the soak's tally ----------------------------------------------------------------------------
 
 def test_an_error_the_killed_engine_does_not_explain_fails_the_soak(tmp_path: Path) -> None:
