@@ -35,7 +35,7 @@ from llmgw.contract import Demand, Endpoint, PromptCache, ReplicaStats
 from llmgw.router import respond
 from llmgw.router.account import Accounting
 from llmgw.router.admit import Admission
-from llmgw.router.attempts import Attempts, Routed, refuse
+from llmgw.router.attempts import Attempts, refuse
 from llmgw.router.changes import Changes
 from llmgw.router.config import RouterConfig
 from llmgw.router.current import Current
@@ -47,10 +47,11 @@ from llmgw.router.intake import Intake
 from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.load import poll_loads
 from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
+from llmgw.router.parse import Parsed
 from llmgw.router.paths import CHAT, COMPLETIONS, EMBEDDINGS
 from llmgw.router.retry import RetryBudget
 from llmgw.router.routes import RouteCatalog, RouteModel
-from llmgw.router.send import Sender
+from llmgw.router.send import Routed, Sender
 from llmgw.router.table import EndpointTable, Upstream, build_table
 from llmgw.router.upstream import Origin, UpstreamPool
 from llmgw.serving import connection_cap, listen
@@ -396,13 +397,15 @@ class Router:
             if refused is not None:
                 return self._refuse(refused, UNKNOWN, t0)
         intake = self._intake
-        refused = intake.refuse_early(request)
+        length = request.content_length
+        refused = intake.refuse_early(request, length)
         if refused is not None:
             return self._refuse(refused, UNKNOWN, t0)
         hold = intake.hold(request, key)
         try:
-            raw = await intake.read(request, hold)
-            if isinstance(raw, web.Response):
+            # Tested against the value, not web.Response: an ABC, whose isinstance costs several calls.
+            raw = await intake.read(request, hold, length)
+            if not isinstance(raw, bytes):
                 return self._refuse(raw, UNKNOWN, t0)
             return await self._handle_body(request, path, raw, key, t0=t0, who=hold.who)
         finally:
@@ -412,7 +415,7 @@ class Router:
                            t0: float, who: str = "") -> web.StreamResponse:
         """Parse, resolve the model, check the key may use it on this path, admit, route."""
         parsed = await self._intake.parse(raw, path, who)
-        if isinstance(parsed, web.Response):
+        if not isinstance(parsed, Parsed):
             return self._refuse(parsed, UNKNOWN, t0)
         body, asked = parsed.body, parsed.model
         current = self._current
@@ -423,7 +426,7 @@ class Router:
         if refused is not None:
             return self._refuse(refused, model.name, t0)
         admitted = await self._admission.admit(key, current.chain(model), path=path, raw=raw, body=body)
-        if isinstance(admitted, web.Response):
+        if not isinstance(admitted, tuple):
             return self._refuse(admitted, model.name, t0)
         raw, body, account = admitted
         routed = Routed(request=request, path=path, raw=raw, body=body, asked=asked, model=model,

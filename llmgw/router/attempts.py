@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -34,29 +33,12 @@ from llmgw.router.prefix import PrefixIndex, PromptKey, prompt_key
 from llmgw.router.proxy import rewrite_model
 from llmgw.router.retry import RetryTicket, Step, next_step
 from llmgw.router.routes import RouteModel
-from llmgw.router.send import Attempt, Sender
+from llmgw.router.send import Routed, Sender
 from llmgw.router.table import Upstream, choose
 from llmgw.router.upstream import Reason, UpstreamFailed
 from llmgw.router.usage import ask_for_usage, wants_usage
-from llmgw.tenancy.usage import Account
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, kw_only=True)
-class Routed:
-    """A request ready to route: read, parsed, resolved to a model, admitted."""
-
-    request: web.Request
-    path: str
-    raw: bytes  # the body as the client sent it (limit fields set when a tenant's budget caps it)
-    body: dict  # parsed (a big body's unread members as text: llmgw.router.parse)
-    asked: str  # the model name the client used (an alias, maybe)
-    model: RouteModel  # what it resolved to
-    stream: bool
-    t0: float  # when the router got it (monotonic)
-    account: Account
-    prompt_text: str | None = None  # the prompt already rendered by the parse worker (a big body)
 
 
 def refuse(metrics: RouterMetrics, resp: web.Response, label: str, seconds: float) -> web.Response:
@@ -117,16 +99,15 @@ class Attempts:
             ask = strip_usage and up.engine.ask_usage  # (llmgw.router.engines: llama.cpp's timings)
             if ask:
                 data = ask_for_usage(data, body if target.name == asked else {**body, "model": target.name})
-            attempt = Attempt(request=r.request, up=up, path=r.path, data=data, served=target.name, stream=r.stream,
-                              label=model.name, t0=r.t0, account=r.account, strip_usage=ask)
+            send = self._sender.send
             try:
                 if target is model:
-                    return await self._sender.send(attempt)
+                    return await send(r, up, data=data, served=target.name, strip_usage=ask)
                 self._metrics.fallback(model.name, target.name)
                 if table.has(model.name):  # its replicas failed: no wake-up needed
-                    return await self._sender.send(attempt)
+                    return await send(r, up, data=data, served=target.name, strip_usage=ask)
                 with self._demand.standing_in(model.name):
-                    return await self._sender.send(attempt)
+                    return await send(r, up, data=data, served=target.name, strip_usage=ask)
             except UpstreamFailed as exc:
                 failure = exc
                 tried += (up,)

@@ -47,11 +47,10 @@ class Intake:
                                  prompt_chars=config.prefix_block_chars * MAX_BLOCKS,
                                  per_sender=config.key_parse_bodies)
 
-    def refuse_early(self, request: web.Request) -> web.Response | None:
-        """What the request's head alone says is refused: a declared length over the limit, an
-        encoded body."""
+    def refuse_early(self, request: web.Request, length: int | None) -> web.Response | None:
+        """What the request's head alone says is refused: a declared length (``length``) over the
+        limit, an encoded body."""
         limit = self._config.body_limit
-        length = request.content_length
         if length is not None and length > limit:
             return respond.too_large(limit)
         refused_encoding = body_encoding_refused(request)
@@ -67,12 +66,12 @@ class Intake:
         request is done."""
         return Hold(self.buffers, key.name if key is not None else f"address {request.remote}")
 
-    async def read(self, request: web.Request, hold: Hold) -> bytes | web.Response:
-        """The body, or the refusal."""
+    async def read(self, request: web.Request, hold: Hold, length: int | None) -> bytes | web.Response:
+        """The body (of the declared ``length``, if any), or the refusal."""
         config = self._config
         limit = config.body_limit
         try:
-            hold.cover(request.content_length or 0)
+            hold.cover(length or 0)
             async with asyncio.timeout(config.body_timeout):
                 return await read_body(request.content, limit, hold)
         except BodyTooLarge:

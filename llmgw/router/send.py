@@ -1,4 +1,4 @@
-"""One attempt: a request sent to one chosen replica, its answer passed to the client, and what
+"""An attempt: a request sent to one chosen replica, its answer passed to the client, and what
 it did counted (in flight, last use, the request metric, the tenant's ticket, the replica's
 stats). Whether to try again elsewhere is the caller's (:mod:`llmgw.router.attempts`): a failure
 before the client saw anything comes out as :class:`~llmgw.router.upstream.UpstreamFailed`.
@@ -15,25 +15,27 @@ from llmgw.router.account import Accounting
 from llmgw.router.answer import stream_error
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.proxy import CLIENT_GONE, forward_stream, forward_whole
+from llmgw.router.routes import RouteModel
 from llmgw.router.table import Upstream
 from llmgw.router.upstream import Reason, UpstreamFailed, UpstreamPool
-from llmgw.tenancy.usage import NO_ACCOUNT, Account
+from llmgw.tenancy.usage import Account
 
 
 @dataclass(slots=True, kw_only=True)
-class Attempt:
-    """What one attempt sends where."""
+class Routed:
+    """A request ready to route: read, parsed, resolved to a model, admitted. Each attempt sends
+    it to one replica (:meth:`Sender.send`)."""
 
     request: web.Request  # the client's, which a stream is written to
-    up: Upstream  # the replica chosen
     path: str  # the API path (/v1/chat/completions, ...)
-    data: bytes  # the body the engine gets (model renamed for a fallback, usage asked for)
-    served: str  # the model the replica serves (the one asked, or a fallback)
+    raw: bytes  # the body as the client sent it (limit fields set when a tenant's budget caps it)
+    body: dict  # parsed (a big body's unread members as text: llmgw.router.parse)
+    asked: str  # the model name the client used (an alias, maybe)
+    model: RouteModel  # what it resolved to; its name is the metrics' label
     stream: bool
-    label: str  # the model the request resolved to: the metrics' label
-    t0: float  # when the router got the request (monotonic)
-    account: Account = NO_ACCOUNT  # whose request, and the tenant's ticket if limited
-    strip_usage: bool = False  # the router asked for the stream's usage event: taken out again
+    t0: float  # when the router got it (monotonic)
+    account: Account  # whose request, and the tenant's ticket if limited
+    prompt_text: str | None = None  # the prompt already rendered by the parse worker (a big body)
 
 
 class Sender:
@@ -47,17 +49,21 @@ class Sender:
         self._clock = clock
         self._wall = wall
 
-    async def send(self, a: Attempt) -> web.StreamResponse:
-        """The answer, passed on; :class:`UpstreamFailed` when it failed before the client saw any of it."""
+    async def send(self, r: Routed, up: Upstream, *, data: bytes, served: str,
+                   strip_usage: bool) -> web.StreamResponse:
+        """One attempt: ``data`` (the body the engine gets) sent to ``up``, which serves the model
+        ``served`` (the one asked, or a fallback); ``strip_usage``: the router asked for the
+        stream's usage event, which is taken out again. The answer, passed on; :class:`UpstreamFailed`
+        when it failed before the client saw any of it."""
         pool = self.pool
         assert pool is not None, "Router.start() was not awaited"
-        up, stream, account, books = a.up, a.stream, a.account, self._accounting
+        stream, account, books, label = r.stream, r.account, self._accounting, r.model.name
         rid = up.replica_id
         last_used = books.last_used
         up.inflight += 1
         last_used[rid] = self._wall()
         status: int | None = None
-        counted = books.answer_tap(a.served, account, up.engine)
+        counted = books.answer_tap(served, account, up.engine)
         whole = tapped = failed = broken = False
         ticket = account.ticket
         clock = self._clock
@@ -84,19 +90,19 @@ class Sender:
             tap(b"", 0, False)
         try:
             if stream:
-                metrics, label, t0 = self._metrics, a.label, a.t0
+                metrics, t0 = self._metrics, r.t0
 
                 def on_first() -> None:
                     nonlocal first
                     first = clock()
                     metrics.first_token(label, first - t0)
 
-                resp, status = await forward_stream(pool, up.origin, up.heads[a.path], a.data, a.served, a.request,
-                                                    on_first, tap, a.strip_usage)
+                resp, status = await forward_stream(pool, up.origin, up.heads[r.path], data, served, r.request,
+                                                    on_first, tap, strip_usage)
                 if status == CLIENT_GONE and not tapped:
                     gone()
             else:
-                resp = await forward_whole(pool, up.origin, up.heads[a.path], a.data, a.served, tap)
+                resp = await forward_whole(pool, up.origin, up.heads[r.path], data, served, tap)
                 status = resp.status
             if ticket is not None:  # an engine's error, or an answer without usage: its prompt counts
                 ticket.charge_at_least(account.prompt_estimate)
@@ -120,6 +126,6 @@ class Sender:
             last_used[rid] = self._wall()
             end = clock()
             if status is not None:
-                self._metrics.request(a.label, status, rid, end - a.t0)
+                self._metrics.request(label, status, rid, end - r.t0)
             books.observe(rid, failed=failed, status=status, whole=whole, tapped=tapped, start=start,
                           first=first, end=end, events=events, broken=broken)
