@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -29,6 +31,7 @@ from llmgw.state import Applied, Store
 from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The prune guard's judgement of applied → new against the live fleet (the controller's).
 Judge = Callable[[Catalog | None, Catalog], PruneVerdict]
@@ -102,6 +105,10 @@ class GitOpsFollower:
         self._judged: str | None = None  # the head last judged, so a bad commit is judged once
         self._history_note = ""  # "rewound from … to …", for the event of the commit then applied
         self._lock = asyncio.Lock()
+        # Held by the thread doing the follower's blocking work (git, judging, applying): a
+        # cancelled await leaves that thread running, and close() waits for it, so nothing writes
+        # to a store that was closed meanwhile (seen: a segfault in 1 of 7 bench runs).
+        self._busy = threading.Lock()
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -112,7 +119,7 @@ class GitOpsFollower:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
-        await asyncio.to_thread(self.restore)
+        await self._threaded(self.restore)
         self._tasks.append(asyncio.create_task(self._run(), name="gitops-follow"))
         if self.watch_path is not None:
             self._tasks.append(asyncio.create_task(self._watch(self.watch_path), name="gitops-watch"))
@@ -122,6 +129,18 @@ class GitOpsFollower:
             self._stop.set()
         await cancel_and_wait(*self._tasks)
         self._tasks.clear()
+        await asyncio.to_thread(self._drained)
+
+    def _drained(self) -> None:
+        with self._busy:
+            pass
+
+    async def _threaded(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn`` in a worker thread, as the one piece of blocking work in progress (see _busy)."""
+        def run() -> T:
+            with self._busy:
+                return fn(*args, **kwargs)
+        return await asyncio.to_thread(run)
 
     def trigger(self) -> None:
         """Fetch now. Safe from any thread; many triggers before the fetch coalesce into one."""
@@ -184,7 +203,7 @@ class GitOpsFollower:
         """Fetch and judge the branch head once; the resulting status."""
         async with self._lock:
             try:
-                head = await asyncio.to_thread(self.mirror.fetch)
+                head = await self._threaded(self.mirror.fetch)
             except BranchMissing as exc:
                 self._fetch_failed(str(exc), state=SyncState.BRANCH_MISSING)
                 return self._status
@@ -193,7 +212,7 @@ class GitOpsFollower:
                 return self._status
             previous = self._status.head_sha or self._same_source_applied()
             if previous and previous != head:
-                kind = await asyncio.to_thread(self.mirror.history, previous, head)
+                kind = await self._threaded(self.mirror.history, previous, head)
                 if kind in (History.REWIND, History.FORCE_PUSH):
                     self._rewritten(Rewrite(kind, previous, head, self.clock()))
             self._set(head_sha=head, fetched_at=self.clock(), last_error=None)
@@ -205,7 +224,7 @@ class GitOpsFollower:
                 self._judged = None
                 self.store.set_judged(None)
             elif head != self._judged:
-                await asyncio.to_thread(self._judge, head)
+                await self._threaded(self._judge, head)
             self._history_note = ""  # it belongs to this head's judgement only
             self._set(state=self._state())
             return self._status
@@ -216,7 +235,7 @@ class GitOpsFollower:
             pending = self._status.pending
             if pending is None:
                 raise LlmgwError("no commit is waiting for confirmation")
-            await asyncio.to_thread(self._apply_sha, pending.sha, confirmed=True)
+            await self._threaded(self._apply_sha, pending.sha, confirmed=True)
             return self._status
 
     # --- decisions --------------------------------------------------------------------
