@@ -3,8 +3,8 @@
 A generation request goes through small stages, each in its own module::
 
     authenticate ──► admit early ──► intake ──► resolve ──► admit ──► choose, send, retry ──► account
-    (keys)           (admit.py)      (read and   (routes)    (tenants'  (attempts.py, send.py,   (account.py)
-                                      parse)                  limits)    hold.py: scale from zero)
+    (auth.py)        (admit.py)      (intake.py: (routes)    (admit.py: (attempts.py, send.py;  (account.py)
+                                      read, parse)            tenants)   hold.py: scale from zero)
 
 What differs per engine is :mod:`llmgw.router.engines`, looked up once per replica.
 
@@ -36,6 +36,7 @@ from llmgw.router import respond
 from llmgw.router.account import Accounting
 from llmgw.router.admit import Admission
 from llmgw.router.attempts import Attempts, refuse
+from llmgw.router.auth import authenticate
 from llmgw.router.changes import Changes
 from llmgw.router.config import RouterConfig
 from llmgw.router.current import Current
@@ -316,7 +317,7 @@ class Router:
     # --- read-only endpoints -------------------------------------------------------------
     async def list_models(self, request: web.Request) -> web.Response:
         """Every model and alias in the catalog (those the key may use), with whether it is ready."""
-        key, refused = self._authenticate(request)
+        key, refused = authenticate(self.keys, request)
         if refused is not None:
             return refused
         table = self.table
@@ -325,7 +326,7 @@ class Router:
         return respond.json_response({"object": "list", "data": data})
 
     async def get_model(self, request: web.Request) -> web.Response:
-        key, refused = self._authenticate(request)
+        key, refused = authenticate(self.keys, request)
         if refused is not None:
             return refused
         name = request.match_info["model"]
@@ -365,17 +366,6 @@ class Router:
                 "table_version": self.table.version, "inflight": self.inflight()}
         return respond.json_response(body, status=200 if self.has_catalog else 503)
 
-    def _authenticate(self, request: web.Request) -> tuple[ApiKey | None, web.Response | None]:
-        if self.keys.open:
-            return None, None
-        header = request.headers.get("Authorization")
-        key = self.keys.authenticate(header)
-        if key is None:
-            why = "No API key was given" if not header else "The API key is not valid"
-            return None, respond.unauthorized(f"{why}: send `Authorization: Bearer <key>` with a key "
-                                              "configured for this router.")
-        return key, None
-
     # --- generation: the stages in order ------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, CHAT)
@@ -391,7 +381,7 @@ class Router:
         t0 = self._clock()
         key = None
         if self.keys.keys:
-            key, refused = self._authenticate(request)
+            key, refused = authenticate(self.keys, request)
             if refused is None:
                 refused = self._admission.early(key, request.content_length)
             if refused is not None:
@@ -403,20 +393,19 @@ class Router:
             return self._refuse(refused, UNKNOWN, t0)
         hold = intake.hold(request, key)
         try:
-            # Tested against the value, not web.Response: an ABC, whose isinstance costs several calls.
-            raw = await intake.read(request, hold, length)
-            if not isinstance(raw, bytes):
-                return self._refuse(raw, UNKNOWN, t0)
-            return await self._handle_body(request, path, raw, key, t0=t0, who=hold.who)
+            # Told apart by the value's type, not web.Response's: an ABC, whose isinstance costs calls.
+            taken = await intake.take(request, hold, length, path)
+            if not isinstance(taken, tuple):
+                return self._refuse(taken, UNKNOWN, t0)
+            return await self._handle_body(request, path, taken, key, t0=t0)
         finally:
             hold.release()
 
-    async def _handle_body(self, request: web.Request, path: str, raw: bytes, key: ApiKey | None, *,
-                           t0: float, who: str = "") -> web.StreamResponse:
-        """Parse, resolve the model, check the key may use it on this path, admit, route."""
-        parsed = await self._intake.parse(raw, path, who)
-        if not isinstance(parsed, Parsed):
-            return self._refuse(parsed, UNKNOWN, t0)
+    async def _handle_body(self, request: web.Request, path: str, taken: tuple[bytes, Parsed], key: ApiKey | None,
+                           *, t0: float) -> web.StreamResponse:
+        """Resolve the model, check the key may use it on this path, admit; then choose, send and
+        retry (:mod:`llmgw.router.attempts`), tracked for the drain."""
+        raw, parsed = taken
         body, asked = parsed.body, parsed.model
         current = self._current
         model = current.routes.resolve(asked)
@@ -432,14 +421,6 @@ class Router:
         routed = Routed(request=request, path=path, raw=raw, body=body, asked=asked, model=model,
                         stream=parsed.stream and path != EMBEDDINGS, t0=t0, account=account,
                         prompt_text=parsed.prompt)
-        try:
-            return await self._route(routed)
-        finally:
-            if account.ticket is not None:
-                account.ticket.release()
-
-    async def _route(self, routed: Routed) -> web.StreamResponse:
-        """Choose, send and retry (:mod:`llmgw.router.attempts`), tracked for the drain."""
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
@@ -448,6 +429,8 @@ class Router:
                 return await self._attempts.run(routed, ticket)
         finally:
             self._handlers.discard(task)
+            if account.ticket is not None:
+                account.ticket.release()
 
     def _refuse(self, resp: web.Response, label: str, t0: float) -> web.Response:
         return refuse(self.metrics, resp, label, self._clock() - t0)

@@ -66,14 +66,16 @@ class Intake:
         request is done."""
         return Hold(self.buffers, key.name if key is not None else f"address {request.remote}")
 
-    async def read(self, request: web.Request, hold: Hold, length: int | None) -> bytes | web.Response:
-        """The body (of the declared ``length``, if any), or the refusal."""
+    async def take(self, request: web.Request, hold: Hold, length: int | None,
+                   path: str) -> tuple[bytes, Parsed] | web.Response:
+        """The body (of the declared ``length``, if any) as sent and parsed for ``path``, or the
+        refusal. One coroutine for both: each await of another costs every request."""
         config = self._config
         limit = config.body_limit
         try:
             hold.cover(length or 0)
             async with asyncio.timeout(config.body_timeout):
-                return await read_body(request.content, limit, hold)
+                raw = await read_body(request.content, limit, hold)
         except BodyTooLarge:
             return respond.too_large(limit)
         except TimeoutError:
@@ -84,17 +86,14 @@ class Intake:
             return respond.unavailable(str(exc), config.retry_after)
         except RequestPayloadError as exc:  # a broken chunked body: the client's, never a 500
             return respond.bad_request(f"The request body could not be read: {exc}")
-
-    async def parse(self, raw: bytes, path: str, who: str) -> Parsed | web.Response:
-        """The body parsed (its model and stream flag read), or the refusal."""
         try:
-            return await self.parser.parse(raw, _PROMPT_KIND.get(path), who)
+            return raw, await self.parser.parse(raw, _PROMPT_KIND.get(path), hold.who)
         except BadBody as exc:
             return respond.bad_request(str(exc), exc.code)
         except TooManyBodies as exc:
-            return respond.rate_limited(str(exc), self._config.retry_after, {})
+            return respond.rate_limited(str(exc), config.retry_after, {})
         except ParserBusy as exc:
-            return respond.unavailable(str(exc), self._config.retry_after)
+            return respond.unavailable(str(exc), config.retry_after)
 
     async def close(self) -> None:
         await self.parser.close()
