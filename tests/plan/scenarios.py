@@ -96,3 +96,19 @@ def fleet(base_catalog) -> FleetSnapshot:  # noqa: ANN001 - a Catalog
 
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def base_repo(path: Path) -> Path:
+    """A git repository at ``path`` holding BASE as its one commit, tagged ``base`` (fixed dates:
+    the same shas in every run)."""
+    from tests.conftest import git
+
+    path.mkdir()
+    git(path, "init", "-q", "-b", "main", env=FIXED_DATES)
+    for rel, text in BASE.items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_text(text)
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "Base catalog", env=FIXED_DATES)
+    git(path, "tag", "base")
+    return path

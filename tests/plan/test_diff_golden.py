@@ -15,7 +15,7 @@ import pytest
 
 from llmgw.catalog import read_directory, validate_files
 from tests.conftest import git
-from tests.plan.scenarios import BASE, CHAT, EMBED, FIXED_DATES, fleet, model
+from tests.plan.scenarios import CHAT, EMBED, FIXED_DATES, base_repo, fleet, model
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -51,16 +51,7 @@ SCENARIOS = [
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("diff") / "catalog"
-    path.mkdir()
-    git(path, "init", "-q", "-b", "main", env=FIXED_DATES)
-    for rel, text in BASE.items():
-        (path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (path / rel).write_text(text)
-    git(path, "add", "-A")
-    git(path, "commit", "-q", "-m", "Base catalog", env=FIXED_DATES)
-    git(path, "tag", "base")
-    return path
+    return base_repo(tmp_path_factory.mktemp("diff") / "catalog")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from llmgw.catalog import read_directory, validate_files
 from llmgw.inventory import Inventory, NodeState
 from tests.conftest import git
-from tests.plan.scenarios import BASE, CHAT, FIXED_DATES, fleet
+from tests.plan.scenarios import CHAT, FIXED_DATES, base_repo, fleet
 
 CANARY = "rollout:\n  strategy: canary\n  steps: [5, 25, 50]\n  interval: 2m\n"
 ARGS = '    args: ["--ttft", "0.05"]\n'
@@ -21,16 +21,7 @@ ARGS = '    args: ["--ttft", "0.05"]\n'
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("diff-rollout") / "catalog"
-    path.mkdir()
-    git(path, "init", "-q", "-b", "main", env=FIXED_DATES)
-    for rel, text in BASE.items():
-        (path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (path / rel).write_text(text)
-    git(path, "add", "-A")
-    git(path, "commit", "-q", "-m", "Base catalog", env=FIXED_DATES)
-    git(path, "tag", "base")
-    return path
+    return base_repo(tmp_path_factory.mktemp("diff-rollout") / "catalog")
 
 
 @pytest.fixture(scope="module")

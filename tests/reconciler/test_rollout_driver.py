@@ -4,7 +4,6 @@ cumulative measurements, promote or roll back, and survive a controller restart.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -21,13 +20,6 @@ from tests.reconciler.test_rollout_decide import CANARY, NEW, REPLACE, scaled, s
 
 OLD = scaled(M, 2)
 TARGET = scaled(NEW, 2)
-
-
-@pytest.fixture
-def store(tmp_path: Path):
-    s = Store(tmp_path / "state.db").open()
-    yield s
-    s.close()
 
 
 def driver(store: Store) -> RolloutDriver:

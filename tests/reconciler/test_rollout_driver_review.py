@@ -6,9 +6,6 @@ Each docstring names the finding and how it was seen; the test asserts what shou
 from __future__ import annotations
 
 from dataclasses import replace as dc_replace
-from pathlib import Path
-
-import pytest
 
 from llmgw.catalog import Catalog
 from llmgw.decide.replica import ReplicaState
@@ -19,24 +16,7 @@ from llmgw.state import Store
 from tests.placement.fleet import inventory, node
 from tests.reconciler.test_decide import replica as make_replica
 from tests.reconciler.test_rollout_decide import NEW, scaled
-from tests.reconciler.test_rollout_driver import OLD, TARGET, run_canary
-
-
-@pytest.fixture
-def store(tmp_path: Path):
-    s = Store(tmp_path / "state.db").open()
-    yield s
-    s.close()
-
-
-def driver(store: Store) -> RolloutDriver:
-    d = RolloutDriver(store, clock=lambda: 0.0)
-    d.load()
-    return d
-
-
-def fleet(*reps):
-    return {r.id: r for r in reps}
+from tests.reconciler.test_rollout_driver import OLD, TARGET, driver, fleet, run_canary
 
 
 def test_a_git_revert_during_promotion_stops_promoting_the_reverted_version(store: Store) -> None:
