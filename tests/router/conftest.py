@@ -14,6 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from aiohttp import web
 
 from llmgw.contract import Endpoint
 from llmgw.engines.testing import PACKAGE_ROOT, SimProcess, free_port
@@ -27,6 +28,19 @@ def endpoint(model: str, url: str, rid: str | None = None, *, names: tuple[str, 
              weight: float = 1.0, task: str = "chat") -> Endpoint:
     return Endpoint(replica_id=rid or f"{model}-g1", model=model, names=names or (model,), url=url, engine="sim",
                     profile="sim", priority=priority, task=task, weight=weight)
+
+
+@asynccontextmanager
+async def serving_app(app: web.Application) -> AsyncIterator[str]:
+    """A real HTTP server for ``app`` (a scripted engine) on a free loopback port; yields its URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 @asynccontextmanager

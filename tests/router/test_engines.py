@@ -23,7 +23,7 @@ from llmgw.contract import PromptCache
 from llmgw.router import Router
 from llmgw.router.engines import engine_profile
 from llmgw.router.table import Upstream
-from tests.router.conftest import client, endpoint, serving
+from tests.router.conftest import client, endpoint, serving, serving_app
 from tests.router.fake_controller import model
 
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -62,15 +62,8 @@ async def recording_engine(sent: list[dict]) -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving_app(app) as url:
+        yield url
 
 
 @pytest.mark.parametrize(("engine", "reuse", "ask"), [

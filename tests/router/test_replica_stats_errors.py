@@ -40,7 +40,7 @@ from llmgw.engines.testing import LlamaServers, SimProcess
 from llmgw.router import KeyRing, Router, RouterConfig, hash_key
 from llmgw.router.proxy import _ends_stream
 from tests.e2e.test_llamacpp_fleet import BINARY, GGUF, requires_engine
-from tests.router.conftest import client, endpoint, serving
+from tests.router.conftest import client, endpoint, serving, serving_app
 from tests.router.fake_controller import model
 
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -101,15 +101,8 @@ async def engine(mode: str) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving_app(app) as url:
+        yield url
 
 
 async def _run(mode: str, n: int = 10) -> tuple[int, int, int, int]:
@@ -192,14 +185,8 @@ async def refusing_engine() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", refuse)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-    finally:
-        await runner.cleanup()
+    async with serving_app(app) as url:
+        yield url
 
 
 @pytest.mark.slow
