@@ -47,6 +47,7 @@ def apply_load(u: Upstream, mine: int, load: Load, prefix_counts: PrefixCounts |
     # The engine's count includes this router's requests of the moment it was read; taking the
     # larger of before/after never invents outside load.
     u.external = max(0, load.running + load.waiting - max(mine, u.inflight))
+    u.engine_load = (int(load.running), int(load.waiting))
     if load.prefix_queries is None or load.prefix_hits is None:
         return
     totals = (load.prefix_queries, load.prefix_hits)

@@ -114,8 +114,8 @@ class RouterMetrics:
 class GaugeSnapshot:
     """What the collector reports at scrape time; filled by the router."""
 
-    __slots__ = ("inflight", "held", "ready", "cooling", "table_version", "prompt_cache", "usage", "limits_degraded",
-                 "parsing", "parse_waiting", "parsed_off_loop")
+    __slots__ = ("inflight", "engine_load", "held", "ready", "cooling", "table_version", "prompt_cache", "usage",
+                 "limits_degraded", "parsing", "parse_waiting", "parsed_off_loop")
 
     def __init__(self) -> None:
         self.prompt_cache: Mapping[str, PromptCache] = {}
@@ -125,6 +125,7 @@ class GaugeSnapshot:
         self.parse_waiting = 0  # and waiting for it
         self.parsed_off_loop = 0  # since start
         self.inflight: dict[tuple[str, str], int] = {}  # (model, replica) → requests
+        self.engine_load: dict[tuple[str, str], tuple[int, int]] = {}  # (model, replica) → (running, waiting)
         self.held: dict[str, int] = {}
         self.ready: dict[str, int] = {}
         self.cooling: dict[str, int] = {}
@@ -143,6 +144,8 @@ def gauges(table: EndpointTable, held: Mapping[str, int], now: float,
         snap.cooling[model] = sum(1 for u in ups if u.cooldown_until > now)
         for u in ups:
             snap.inflight[(model, u.replica_id)] = u.inflight
+            if u.engine_load is not None:
+                snap.engine_load[(model, u.replica_id)] = u.engine_load
     snap.held = dict(held)
     snap.table_version = table.version
     return snap
@@ -159,6 +162,14 @@ class _GaugeCollector(Collector):
         for (model, replica), n in sorted(snap.inflight.items()):
             inflight.add_metric((model, replica), n)
         yield inflight
+        engine = GaugeMetricFamily("llmgw_router_engine_requests", "Requests on each replica's engine as its own "
+                                   "/metrics last said (vLLM, SGLang, the simulator): running and waiting (its "
+                                   "queue), every client's, not only this router's.",
+                                   labels=("model", "replica", "state"))
+        for (model, replica), (running, waiting) in sorted(snap.engine_load.items()):
+            engine.add_metric((model, replica, "running"), running)
+            engine.add_metric((model, replica, "waiting"), waiting)
+        yield engine
         held = GaugeMetricFamily("llmgw_router_held_now", "Requests waiting for a replica right now.",
                                  labels=("model",))
         for model, n in sorted(snap.held.items()):

@@ -45,7 +45,7 @@ class Upstream:
     """One ready replica and the router's live knowledge of it (mutable, owned by the event loop)."""
 
     __slots__ = ("endpoint", "replica_id", "model", "url", "origin", "heads", "weight", "inflight", "external",
-                 "cooldown_until", "failures", "prefixes", "prefix_totals", "engine")
+                 "engine_load", "cooldown_until", "failures", "prefixes", "prefix_totals", "engine")
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.replica_id = endpoint.replica_id
@@ -56,6 +56,7 @@ class Upstream:
         self.heads = {p: self.origin.head(p) for p in API_PATHS}
         self.inflight = 0          # this router's requests on it right now
         self.external = 0          # requests on the engine that are not this router's (from /metrics)
+        self.engine_load: tuple[int, int] | None = None  # (running, waiting) as the engine last said
         self.cooldown_until = 0.0  # monotonic time; skipped until then when anything else is left
         self.failures = 0
         self.prefixes: PrefixIndex | None = None  # prompts sent here, for models routed by prefix

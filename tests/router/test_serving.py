@@ -329,3 +329,30 @@ async def test_metrics_parse(chat_sim: SimProcess, stream_sim: SimProcess) -> No
     assert samples[("llmgw_router_inflight", (("model", "chat"), ("replica", "chat-g1")))] == 0
     assert samples[("llmgw_router_ready_replicas", (("model", "stream"),))] == 1
     assert {"llmgw_router_retries", "llmgw_router_held", "llmgw_router_held_now"} <= set(families)
+
+
+async def test_the_engines_own_queue_is_a_metric() -> None:
+    """What the engine says it runs and queues (every client's, from its /metrics) is a gauge per
+    replica: the operator sees a replica's queue, not only this router's share of it."""
+    from llmgw.engines.testing import SimProcess as Sim
+
+    with Sim("chat", "--max-running", "1", "--ttft", "60") as sim:
+        router = make_router(sim, load_interval=0.1)
+        async with serving(router) as base, client(base) as c:
+            held = [asyncio.create_task(c.chat.completions.create(model="chat", messages=HELLO)) for _ in range(2)]
+            try:
+                seen: dict[str, float] = {}
+                for _ in range(200):  # until the engine has said so (a bound, not a timing)
+                    async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as resp:
+                        text = await resp.text()
+                    seen = {sample.labels["state"]: sample.value for f in text_string_to_metric_families(text)
+                            for sample in f.samples if sample.name == "llmgw_router_engine_requests"
+                            and sample.labels["replica"] == "chat-g1"}
+                    if seen == {"running": 1.0, "waiting": 1.0}:
+                        break
+                    await asyncio.sleep(0.05)
+                assert seen == {"running": 1.0, "waiting": 1.0}
+            finally:
+                for t in held:
+                    t.cancel()
+                await asyncio.gather(*held, return_exceptions=True)
