@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# generated from llmgw/agent/parts by python -m llmgw.agent.build: edit the parts
 """llmgw node agent: the only llmgw code that runs on a GPU node.
 
 Where it sits: the dispatcher reaches a node over SSH (or runs this file as a local subprocess)
@@ -7,8 +8,9 @@ on stdin and writes one JSON object on stdout; `serve` answers one JSON line per
 long-lived channel (DESIGN §4).
 
 Why one standard-library file: a node has nothing but python3 (>= 3.9), and the controller uploads
-this file as it is and checks its hash. That is also why it is longer than the ~400 lines the
-style guide aims for: splitting it would break the contract.
+this file as it is and checks its hash. It is written as modules (llmgw/agent/parts, one per
+responsibility) and joined into this file by `python -m llmgw.agent.build`; the parts import only
+the standard library and each other, so the joined file needs nothing but python3.
 
 Trust: the node's own config file is trusted; requests are not. A tampered controller must not be
 able to run a program the node did not allow, nor delete anything that is not one of this
@@ -59,6 +61,8 @@ import traceback
 import urllib.parse
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, FrozenSet, Generator, Iterator, List, Optional, Sequence, Set, Tuple
+
+# ---- llmgw/agent/parts/protocol.py ----
 
 AGENT_VERSION = "0.1.0"
 PROTOCOL = 1
@@ -154,6 +158,29 @@ class UsageError(AgentError):
 class FetchFailed(Exception):
     """A download failed in a way worth reporting as the fetch's error (not a bug)."""
 
+
+class Refused(AgentError):
+    """A start the node's owner does not allow. `setting` names the node config key that would
+    allow it, so the controller can show the operator which knob to turn (or not turn)."""
+
+    def __init__(self, message: str, *, setting: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
+def _field(request: JsonDict, key: str) -> Any:
+    if key not in request:
+        raise AgentError(f"missing field {key!r}")
+    return request[key]
+
+
+def _optional(request: JsonDict, key: str, default: Any) -> Any:
+    """An optional field; null counts as absent (callers send {"env": null} for "none")."""
+    value = request.get(key)
+    return default if value is None else value
+
+
+# ---- llmgw/agent/parts/config.py ----
 
 # ----------------------------------------------------------------------------------------------
 # Node config
@@ -378,6 +405,25 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def fabric_interface(cfg: NodeConfig) -> str:
+    """The interface holding fabric_address (fabric_interface when the config names one): what
+    NCCL and Gloo are told to use. Found by asking the kernel each interface's IPv4 address."""
+    if cfg.fabric_interface is not None:
+        return cfg.fabric_interface
+    for _index, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            try:
+                packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == cfg.fabric_address:
+            return name
+    raise Refused(f"start: no interface of this node holds fabric_address {cfg.fabric_address}; name it with "
+                  f"fabric_interface in {cfg.path}", setting="fabric_interface")
+
+
+# ---- llmgw/agent/parts/files.py ----
+
 # ----------------------------------------------------------------------------------------------
 # Small file and process helpers
 
@@ -544,6 +590,15 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
+def _listdir(path: str) -> List[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+# ---- llmgw/agent/parts/cache.py ----
+
 # ----------------------------------------------------------------------------------------------
 # Cache entries
 
@@ -628,9 +683,35 @@ def inspect_entry(cache_dir: str, name: str) -> Tuple[Optional[JsonDict], Option
     return manifest, problem
 
 
-# ----------------------------------------------------------------------------------------------
-# hello and inventory
+def rmtree_at(parent_fd: int, name: str, *, expected: Optional[os.stat_result] = None,
+              device: Optional[int] = None) -> None:
+    """Delete the directory parent_fd/name and everything in it without following a symlink:
+    every directory is opened with O_NOFOLLOW relative to its parent's descriptor, so swapping a
+    component for a link makes the walk fail instead of leaving the tree. Links are unlinked.
 
+    The walk never leaves the filesystem it started on (a mount inside the tree is no link, so
+    O_NOFOLLOW would not stop it), and when `expected` is given the top directory must be that
+    very directory (device and inode), or nothing is deleted."""
+    fd = _open_dir_nofollow(name, parent_fd)
+    try:
+        here = os.fstat(fd)
+        if expected is not None and (here.st_dev, here.st_ino) != (expected.st_dev, expected.st_ino):
+            raise OSError(errno.ESTALE, f"{name} is no longer the directory that was checked")
+        if device is not None and here.st_dev != device:
+            raise OSError(errno.EXDEV, f"{name} is on another filesystem (a mount); not deleting through it")
+        with os.scandir(fd) as it:
+            entries = list(it)
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                rmtree_at(fd, entry.name, device=here.st_dev)
+            else:
+                os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
+
+
+# ---- llmgw/agent/parts/lease.py ----
 
 # --- fencing: which controller may drive this node (DESIGN §4) ---------------------------------
 # Two controllers pointed at one fleet (a failover, a copy started by mistake, a restored backup)
@@ -895,232 +976,7 @@ def fenced(cfg: NodeConfig, verb: str, request: JsonDict, *, hold: bool = True) 
         yield lease
 
 
-def verb_hello(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
-    with open(AGENT_PATH, "rb") as fh:
-        digest = hashlib.sha256(fh.read()).hexdigest()
-    return {"agent_version": AGENT_VERSION, "agent_sha256": digest, "hostname": cfg.hostname,
-            "protocol": PROTOCOL}
-
-
-def verb_inventory(cfg: NodeConfig, request: JsonDict) -> JsonDict:
-    # A controller's poll renews its lease (or takes one nobody holds): no extra round trip.
-    asked = request.get("lease")
-    if asked is not None:
-        lease = take_lease(cfg, _lease_request(asked), takeover=False)
-    else:
-        lease = lease_view(read_lease(cfg), None, time.time(), heard=lease_heard(cfg))
-    gpus, gpu_error = gpu_inventory(cfg)
-    engines = engine_views(cfg)
-    weights, invalid, foreign = cache_listing(cfg, engines)
-    mounts = read_mounts(cfg.mounts_file)
-    return {
-        "hostname": cfg.hostname,
-        "agent_version": AGENT_VERSION,
-        "protocol": PROTOCOL,
-        "gpus": gpus,
-        "gpu_error": gpu_error,
-        "memory_mb": memory_mb(),
-        "filesystems": [filesystem_info(p, mounts) for p in (cfg.cache_dir,) + cfg.model_dirs],
-        "weights": weights,
-        # Cache-named entries that are not complete (no manifest, wrong hash, a symlink): never
-        # counted as present and never removed, listed so an operator can look at them.
-        "invalid_weights": invalid,
-        "foreign": foreign,
-        "engines": engines,
-        "fetches": fetch_views(cfg),
-        # Which confinement this node gives engines (user, sandbox): shown by `llmgw nodes`.
-        "confinement": confinement(cfg).view(),
-        "env_allow": sorted(cfg.env_allow),
-        # Where this node's shards of a replica across nodes meet the others (rpc-server, vLLM's master).
-        "fabric_address": cfg.fabric_address,
-        "lease": lease,
-    }
-
-
-def gpu_inventory(cfg: NodeConfig) -> Tuple[List[JsonDict], Optional[str]]:
-    """GPUs from nvidia-smi when the node has it, else those declared in the node config.
-
-    When nvidia-smi exists but fails, the declared GPUs are NOT used: a driver that does not
-    answer means the GPUs cannot be trusted, so the node reports none and says why."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return [_declared_gpu(g) for g in cfg.gpus], None
-    argv = [exe, f"--query-gpu={NVIDIA_SMI_QUERY}", "--format=csv,noheader,nounits"]
-    try:
-        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=NVIDIA_SMI_TIMEOUT, check=False)
-    except subprocess.TimeoutExpired:
-        return [], f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT:g}s"
-    except OSError as exc:
-        return [], f"nvidia-smi could not run: {exc}"
-    gpus = parse_nvidia_smi(proc.stdout.decode("utf-8", "replace"))
-    if proc.returncode != 0:
-        said = (proc.stderr or proc.stdout).decode("utf-8", "replace").strip().splitlines()
-        return gpus, f"nvidia-smi exited with {proc.returncode}: {said[0] if said else 'no output'}"
-    return gpus, None
-
-
-def _declared_gpu(gpu: JsonDict) -> JsonDict:
-    return {"index": gpu["index"], "class": gpu["class"], "name": None, "uuid": None,
-            "memory_gb": gpu["memory_gb"], "memory_used_gb": None, "declared": True,
-            "healthy": True, "problems": []}
-
-
-def parse_nvidia_smi(text: str) -> List[JsonDict]:
-    rows = csv.reader(text.splitlines(), skipinitialspace=True)
-    return [_gpu_from_row([c.strip() for c in row]) for row in rows if len(row) == 6]
-
-
-def _gpu_from_row(row: List[str]) -> JsonDict:
-    index, name, uuid, total, used, ecc = row
-    problems: List[str] = []
-    total_mib = _smi_number(total, "memory.total", problems)
-    used_mib = _smi_number(used, "memory.used", problems)
-    # "[N/A]" for ECC means the card has no ECC (consumer cards): not a problem in itself.
-    ecc_count = None if ecc == "[N/A]" else _smi_number(ecc, "ecc.errors.uncorrected.volatile.total", problems)
-    if ecc_count:
-        problems.append(f"ecc errors: {int(ecc_count)}")
-    return {"index": int(index) if index.isdigit() else index, "class": gpu_class(name), "name": name,
-            "uuid": uuid, "memory_gb": _mib_to_gb(total_mib), "memory_used_gb": _mib_to_gb(used_mib),
-            "declared": False, "healthy": not problems, "problems": problems}
-
-
-def _smi_number(value: str, field: str, problems: List[str]) -> Optional[float]:
-    try:
-        return float(value)
-    except ValueError:
-        problems.append(f"{value} reported for {field}")
-        return None
-
-
-def _mib_to_gb(mib: Optional[float]) -> Optional[float]:
-    # Decimal GB, so a card sold as "80GB" (an H100 reports 81559 MiB = 79.6 GiB = 85.5 GB) meets
-    # a catalog's gpu_memory_gb: 80. GiB would put every card just under its label.
-    return None if mib is None else round(mib * (1 << 20) / 1e9, 1)
-
-
-_BRAND_WORDS = frozenset({"nvidia", "tesla", "geforce", "quadro"})
-
-
-def gpu_class(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA A100-SXM4-80GB' -> 'a100', 'NVIDIA L40S' -> 'l40s'.
-
-    A heuristic: the first word after the brand; 'RTX 4090' -> 'rtx4090', 'RTX A6000' -> 'a6000'."""
-    words = [re.sub(r"[^a-z0-9]", "", w) for w in re.split(r"[\s_-]+", name.lower())]
-    words = [w for w in words if w and w not in _BRAND_WORDS]
-    if not words:
-        return "unknown"
-    if words[0] == "rtx" and len(words) > 1:
-        return words[1] if words[1][0].isalpha() else "rtx" + words[1]
-    return words[0]
-
-
-def memory_mb() -> JsonDict:
-    values: Dict[str, int] = {}
-    try:
-        with open("/proc/meminfo", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts and parts[0].isdigit():
-                    values[key] = int(parts[0])  # kB
-    except OSError:
-        pass
-    total, available = values.get("MemTotal"), values.get("MemAvailable")
-    return {"total": None if total is None else total // 1024,
-            "available": None if available is None else available // 1024}
-
-
-def read_mounts(mounts_file: str) -> List[Tuple[str, str]]:
-    """(mount point, fstype) for each line of a /proc/mounts-style table, in order."""
-    try:
-        with open(mounts_file, encoding="utf-8", errors="replace") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return []
-    mounts = []
-    for line in lines:
-        fields = line.split()
-        if len(fields) >= 3:
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
-            mounts.append((point, fields[2]))
-    return mounts
-
-
-def mount_for(path: str, mounts: List[Tuple[str, str]]) -> Optional[Tuple[str, str]]:
-    """The mount holding path: the longest matching mount point; a later one of equal length
-    wins, because it was mounted on top."""
-    best = None
-    for point, fstype in mounts:
-        if _inside(path, point) or point == "/":
-            if best is None or len(point) >= len(best[0]):
-                best = (point, fstype)
-    return best
-
-
-def is_shared_fstype(fstype: str) -> bool:
-    return fstype in SHARED_FSTYPES or fstype.startswith("fuse.")
-
-
-def filesystem_info(path: str, mounts: List[Tuple[str, str]]) -> JsonDict:
-    # A directory that does not exist yet is reported for the filesystem it would be created on.
-    probe = os.path.realpath(path)
-    while not os.path.exists(probe) and probe != "/":
-        probe = os.path.dirname(probe)
-    found = mount_for(probe, mounts)
-    total: Optional[int]
-    free: Optional[int]
-    try:
-        vfs = os.statvfs(probe)
-        total, free = vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
-    except OSError:
-        total = free = None
-    return {"path": path, "mount_point": found[0] if found else None, "fstype": found[1] if found else None,
-            "total_bytes": total, "free_bytes": free, "shared": bool(found and is_shared_fstype(found[1])),
-            "exists": os.path.isdir(path)}
-
-
-def cache_listing(cfg: NodeConfig, engines: List[JsonDict]) -> Tuple[List[JsonDict], List[JsonDict], List[str]]:
-    """(complete entries, cache-named entries that are not complete, foreign paths)."""
-    last_start: Dict[str, float] = {}
-    for engine in engines:
-        if engine.get("weights"):
-            started = engine.get("started_at") or 0.0
-            last_start[engine["weights"]] = max(last_start.get(engine["weights"], 0.0), started)
-    weights, invalid, foreign = [], [], []
-    for name in _listdir(cfg.cache_dir):
-        path = os.path.join(cfg.cache_dir, name)
-        if name.startswith((TMP_PREFIX + "llmgw-", TRASH_PREFIX + "llmgw-")):
-            continue  # our own downloads and deletions in flight
-        if not CACHE_NAME_RE.match(name):
-            foreign.append(path)
-            continue
-        manifest, problem = inspect_entry(cfg.cache_dir, name)
-        if manifest is None:
-            invalid.append({"path": path, "name": name, "reason": problem})
-            continue
-        try:
-            mtime = os.lstat(path).st_mtime
-        except OSError:
-            continue
-        weights.append({"path": path, "name": name, "source": manifest["source"], "bytes": tree_bytes(path),
-                        "complete": True, "fetched_at": manifest.get("fetched_at"),
-                        "last_used": max(mtime, last_start.get(path, 0.0))})
-    for model_dir in cfg.model_dirs:
-        foreign.extend(os.path.join(model_dir, name) for name in _listdir(model_dir))
-    return weights, invalid, foreign
-
-
-def _listdir(path: str) -> List[str]:
-    try:
-        return sorted(os.listdir(path))
-    except OSError:
-        return []
-
-
-# ----------------------------------------------------------------------------------------------
-# fetch
-
+# ---- llmgw/agent/parts/sources.py ----
 
 @dataclass(frozen=True)
 class Source:
@@ -1162,132 +1018,6 @@ def parse_source(text: Any) -> Source:
     return Source(text, "file", os.path.normpath(path))
 
 
-def _fetch_paths(cfg: NodeConfig, name: str) -> Tuple[str, str, str]:
-    """(state file, lock file, log file) of the fetch of cache entry `name`."""
-    base = os.path.join(cfg.state_dir, "fetches", name)
-    return base + ".json", base + ".lock", os.path.join(cfg.state_dir, "logs", "fetches", name + ".log")
-
-
-def _fetch_state(name: Optional[str], path: str, source: str, state: str, *, done: int = 0,
-                 total: Optional[int] = None, error: Optional[str] = None) -> JsonDict:
-    return {"name": name, "path": path, "source": source, "state": state, "bytes_done": done,
-            "bytes_total": total, "error": error, "operator_copy": False, "updated_at": time.time()}
-
-
-def verb_fetch(cfg: NodeConfig, request: JsonDict) -> JsonDict:
-    """Start (or join) a detached download; answers at once with its state, never waits for it."""
-    source = parse_source(_field(request, "source"))
-    plain_path = source.kind == "file" and source.text.startswith("/")
-    if plain_path and any(_inside(source.location, d) for d in cfg.model_dirs):
-        return _operator_copy(source)
-    if source.kind == "file":
-        check_local_source(cfg, source.location)
-    name = source_name(source.text)
-    final = os.path.join(cfg.cache_dir, name)
-    state_path, lock_path, log_path = _fetch_paths(cfg, name)
-    manifest, problem = inspect_entry(cfg.cache_dir, name)
-    if manifest is not None:
-        return _done_state(name, final, manifest)
-    if problem != MISSING:
-        error = f"{final} exists but is not a complete cache entry ({problem}); an operator must remove it"
-        return _record_failure(state_path, _fetch_state(name, final, source.text, "failed", error=error))
-    if source.kind == "hf" and importlib.util.find_spec("huggingface_hub") is None:
-        return _record_failure(state_path, _fetch_state(name, final, source.text, "failed", error=HF_MISSING))
-    lock_fd = _try_lock(lock_path)
-    if lock_fd is None:  # a worker holds the lock: join it instead of downloading twice
-        current = read_json(state_path)
-        if current is None or current.get("state") != "running":
-            current = _fetch_state(name, final, source.text, "running")
-        return current
-    try:
-        manifest = inspect_entry(cfg.cache_dir, name)[0]
-        if manifest is not None:  # a worker finished between our first look and the lock
-            return _done_state(name, final, manifest)
-        state = _fetch_state(name, final, source.text, "running")
-        write_json_atomic(state_path, state)
-        # The worker inherits the locked descriptor, so the lock lives exactly as long as it does.
-        reply = spawn_detached(cfg, "_fetch-worker", {"source": source.text, "lock_fd": lock_fd},
-                               log_path=log_path, pass_fds=(lock_fd,))
-        if not _is_int(reply.get("pid")):
-            error = f"the fetch worker did not start: {reply.get('error', 'no reason given')}"
-            return _record_failure(state_path, dict(state, state="failed", error=error))
-    finally:
-        os.close(lock_fd)
-    return state
-
-
-def _done_state(name: str, path: str, manifest: JsonDict) -> JsonDict:
-    raw = manifest.get("bytes")
-    size = raw if isinstance(raw, int) and _is_int(raw) else tree_bytes(path)
-    return _fetch_state(name, path, manifest["source"], "done", done=size, total=size)
-
-
-def _operator_copy(source: Source) -> JsonDict:
-    """A plain path inside model_dirs is the operator's own copy: used where it is, never copied."""
-    exists = os.path.exists(source.location)
-    size = tree_bytes(source.location) if exists else 0
-    missing = None if exists else f"{source.location} does not exist on this node"
-    state = _fetch_state(None, source.location, source.text, "done" if exists else "failed",
-                         done=size, total=size, error=missing)
-    state["operator_copy"] = True
-    return state
-
-
-def _record_failure(state_path: str, state: JsonDict) -> JsonDict:
-    write_json_atomic(state_path, state)
-    return state
-
-
-def _try_lock(path: str, attempts: int = 4, delay: float = 0.02) -> Optional[int]:
-    """An fd holding an exclusive flock on path, or None while someone else holds it.
-
-    Retries briefly because `status` takes the lock shared for an instant to tell a live worker
-    from a dead one; only a lock held across the retries means a running fetch."""
-    _ensure_dir(os.path.dirname(path))
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    for attempt in range(attempts):
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if attempt + 1 < attempts:
-                time.sleep(delay)
-    os.close(fd)
-    return None
-
-
-def _lock_is_held(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing also drops the shared lock if we got it
-    return False
-
-
-def fetch_views(cfg: NodeConfig) -> List[JsonDict]:
-    views = []
-    directory = os.path.join(cfg.state_dir, "fetches")
-    for file_name in _listdir(directory):
-        if not file_name.endswith(".json") or file_name.startswith("."):
-            continue
-        state = read_json(os.path.join(directory, file_name))
-        if state is None:
-            continue
-        _, lock_path, log_path = _fetch_paths(cfg, str(state.get("name")))
-        if state.get("state") == "running" and not _lock_is_held(lock_path):
-            state = dict(state, state="failed",
-                         error=f"the fetch worker stopped before finishing (see {log_path}); fetch again to resume")
-        views.append({k: state.get(k) for k in ("name", "path", "source", "state", "bytes_done", "bytes_total",
-                                                 "error", "updated_at")})
-    return views
-
-
 class FetchProgress:
     """Writes the fetch's state file: the first update at once, then at most every PROGRESS_EVERY s."""
 
@@ -1317,60 +1047,7 @@ class FetchProgress:
         write_json_atomic(self._path, self._state)
 
 
-def verb_fetch_worker(cfg: NodeConfig, request: JsonDict) -> JsonDict:
-    """Internal: the detached download. Holds the fetch lock (inherited fd) until it is done."""
-    source = parse_source(request["source"])
-    lock_fd = int(request["lock_fd"])
-    _detach()
-    _reply_and_release_stdio({"pid": os.getpid()})
-    name = source_name(source.text)
-    final = os.path.join(cfg.cache_dir, name)
-    state_path, _, _ = _fetch_paths(cfg, name)
-    progress = FetchProgress(state_path, _fetch_state(name, final, source.text, "running"))
-    tmp = os.path.join(cfg.cache_dir, TMP_PREFIX + name)
-    try:
-        os.makedirs(cfg.cache_dir, exist_ok=True)  # the umask's mode: engines may run as another user
-        download(source, tmp, progress, local_roots=cfg.local_sources + cfg.model_dirs)
-        size = finalize_entry(source, tmp, final)
-        progress.finish("done", size=size)
-    except FetchFailed as exc:
-        progress.finish("failed", error=str(exc))
-    except BaseException as exc:
-        progress.finish("failed", error=f"internal error: {exc!r}")
-        raise  # the traceback goes to the fetch log
-    finally:
-        os.close(lock_fd)
-    return {}
-
-
-def download(source: Source, tmp: str, progress: FetchProgress, *, local_roots: Tuple[str, ...]) -> None:
-    """Bring the source's content into the directory tmp (which may hold a partial earlier try)."""
-    try:
-        planted = not stat.S_ISDIR(os.lstat(tmp).st_mode)
-    except FileNotFoundError:
-        planted = False
-    if planted:  # a link (or file) under our temporary name: writing through it would leave the cache
-        _remove_any(tmp)
-    if source.kind == "file":
-        copy_local(source.location, tmp, progress, local_roots)
-    elif source.kind == "http":
-        download_http(source.location, tmp, progress)
-    else:
-        download_hf(source, tmp, progress)
-
-
-def finalize_entry(source: Source, tmp: str, final: str) -> int:
-    """Write the manifest and rename tmp into place: the rename is the commit point, so an entry
-    under its cache name is always complete."""
-    size = tree_bytes(tmp)
-    write_json_atomic(os.path.join(tmp, MANIFEST_NAME), {
-        "source": source.text, "fetched_at": time.time(), "bytes": size, "agent_version": AGENT_VERSION})
-    try:
-        os.rename(tmp, final)
-    except OSError as exc:
-        raise FetchFailed(f"could not move the download into place: {exc.strerror}") from exc
-    return size
-
+# ---- llmgw/agent/parts/local.py ----
 
 def local_source_roots(cfg: NodeConfig) -> Tuple[str, ...]:
     return tuple(os.path.realpath(d) for d in cfg.local_sources + cfg.model_dirs)
@@ -1643,6 +1320,8 @@ def _remove_any(path: str) -> None:
         os.unlink(path)
 
 
+# ---- llmgw/agent/parts/download.py ----
+
 def _url_filename(url: str) -> str:
     segment = urllib.parse.unquote(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1])
     if segment in ("", ".", "..", MANIFEST_NAME) or "/" in segment or "\0" in segment:
@@ -1774,6 +1453,8 @@ def _watch_tree(path: str, progress: FetchProgress, stop: threading.Event) -> No
         progress.update(tree_bytes(path), None)
 
 
+# ---- llmgw/agent/parts/spawn.py ----
+
 # ----------------------------------------------------------------------------------------------
 # Detached helper processes
 
@@ -1893,126 +1574,194 @@ def verb_engine_monitor(_cfg: NodeConfig, request: JsonDict) -> JsonDict:
     return {}
 
 
+# ---- llmgw/agent/parts/fetch.py ----
+
 # ----------------------------------------------------------------------------------------------
-# The node boundary: who an engine runs as, what it sees, what its env and args may name
-# (DESIGN §4). A start request can only ask; everything below is decided by the node config.
+# fetch
 
 
-class Refused(AgentError):
-    """A start the node's owner does not allow. `setting` names the node config key that would
-    allow it, so the controller can show the operator which knob to turn (or not turn)."""
-
-    def __init__(self, message: str, *, setting: str) -> None:
-        super().__init__(message)
-        self.setting = setting
+def _fetch_paths(cfg: NodeConfig, name: str) -> Tuple[str, str, str]:
+    """(state file, lock file, log file) of the fetch of cache entry `name`."""
+    base = os.path.join(cfg.state_dir, "fetches", name)
+    return base + ".json", base + ".lock", os.path.join(cfg.state_dir, "logs", "fetches", name + ".log")
 
 
-@dataclass(frozen=True)
-class Confinement:
-    user: str
-    uid: int
-    gid: int
-    groups: Tuple[int, ...]
-    sandbox: str  # "bwrap" or "none"
-    detail: str  # why, in the words `llmgw nodes` shows
-    bwrap: Optional[str] = None
-    setpriv: Optional[str] = None  # set when bwrap runs as root and drops to the user inside
-    problem: Optional[str] = None  # set: every start is refused with this reason
-    problem_setting: Optional[str] = None
-
-    def view(self) -> JsonDict:
-        return {"user": self.user, "uid": self.uid, "sandbox": self.sandbox, "detail": self.detail,
-                "problem": self.problem}
+def _fetch_state(name: Optional[str], path: str, source: str, state: str, *, done: int = 0,
+                 total: Optional[int] = None, error: Optional[str] = None) -> JsonDict:
+    return {"name": name, "path": path, "source": source, "state": state, "bytes_done": done,
+            "bytes_total": total, "error": error, "operator_copy": False, "updated_at": time.time()}
 
 
-_PROBES: Dict[Tuple[str, Optional[str], int], Optional[str]] = {}
-
-
-def confinement(cfg: NodeConfig) -> Confinement:
-    """How this node runs engines, from its config and what the machine can do."""
-    user, problem, setting = _engine_user(cfg)
+def verb_fetch(cfg: NodeConfig, request: JsonDict) -> JsonDict:
+    """Start (or join) a detached download; answers at once with its state, never waits for it."""
+    source = parse_source(_field(request, "source"))
+    plain_path = source.kind == "file" and source.text.startswith("/")
+    if plain_path and any(_inside(source.location, d) for d in cfg.model_dirs):
+        return _operator_copy(source)
+    if source.kind == "file":
+        check_local_source(cfg, source.location)
+    name = source_name(source.text)
+    final = os.path.join(cfg.cache_dir, name)
+    state_path, lock_path, log_path = _fetch_paths(cfg, name)
+    manifest, problem = inspect_entry(cfg.cache_dir, name)
+    if manifest is not None:
+        return _done_state(name, final, manifest)
+    if problem != MISSING:
+        error = f"{final} exists but is not a complete cache entry ({problem}); an operator must remove it"
+        return _record_failure(state_path, _fetch_state(name, final, source.text, "failed", error=error))
+    if source.kind == "hf" and importlib.util.find_spec("huggingface_hub") is None:
+        return _record_failure(state_path, _fetch_state(name, final, source.text, "failed", error=HF_MISSING))
+    lock_fd = _try_lock(lock_path)
+    if lock_fd is None:  # a worker holds the lock: join it instead of downloading twice
+        current = read_json(state_path)
+        if current is None or current.get("state") != "running":
+            current = _fetch_state(name, final, source.text, "running")
+        return current
     try:
-        entry = pwd.getpwnam(user)
-    except KeyError:
-        return Confinement(user, -1, -1, (), "none", f"engine_user {user} does not exist on this node",
-                           problem=f"engine_user {user!r} does not exist on this node (useradd --system {user})",
-                           problem_setting="engine_user")
-    uid, gid = entry.pw_uid, entry.pw_gid
-    groups = tuple(sorted(set(os.getgrouplist(user, gid))))
-    base = Confinement(user, uid, gid, groups, "none", "", problem=problem, problem_setting=setting)
-    if problem is None and uid == 0 and not cfg.engines_as_root:
-        base = replace(base, problem=f"engine_user {user} is root; engines run as root only with engines_as_root: true",
-                     problem_setting="engines_as_root")
-    if cfg.sandbox == "none":
-        return replace(base, detail=f"no sandbox (sandbox: none); engines run as {user}")
-    bwrap = cfg.bwrap or next((p for p in BWRAP_CANDIDATES if os.access(p, os.X_OK)), None)
-    setpriv: Optional[str] = None
-    why: Optional[str]
-    # As root, bwrap makes the namespaces and setpriv drops to the user inside; a non-root agent
-    # runs bwrap as itself, which needs unprivileged user namespaces.
-    if os.geteuid() == 0 and uid != 0:
-        setpriv = next((p for p in SETPRIV_CANDIDATES if os.access(p, os.X_OK)), None)
-    if bwrap is None or not os.access(bwrap, os.X_OK):
-        why = "bubblewrap is not installed (apt-get install bubblewrap)"
-    elif os.geteuid() == 0 and uid != 0 and setpriv is None:
-        why = "setpriv (util-linux) is missing, so bwrap cannot drop to the engine user"
-    else:
-        why = _probe_bwrap(bwrap, setpriv, uid, gid)
-    if why is None:
-        return replace(base, sandbox="bwrap", bwrap=bwrap, setpriv=setpriv, detail=f"bubblewrap as {user}")
-    if cfg.sandbox == "bwrap" and base.problem is None:
-        base = replace(base, problem=f"sandbox is bwrap but {why}", problem_setting="sandbox")
-    return replace(base, detail=f"no sandbox: {why}; engines run as {user}")
+        manifest = inspect_entry(cfg.cache_dir, name)[0]
+        if manifest is not None:  # a worker finished between our first look and the lock
+            return _done_state(name, final, manifest)
+        state = _fetch_state(name, final, source.text, "running")
+        write_json_atomic(state_path, state)
+        # The worker inherits the locked descriptor, so the lock lives exactly as long as it does.
+        reply = spawn_detached(cfg, "_fetch-worker", {"source": source.text, "lock_fd": lock_fd},
+                               log_path=log_path, pass_fds=(lock_fd,))
+        if not _is_int(reply.get("pid")):
+            error = f"the fetch worker did not start: {reply.get('error', 'no reason given')}"
+            return _record_failure(state_path, dict(state, state="failed", error=error))
+    finally:
+        os.close(lock_fd)
+    return state
 
 
-def _engine_user(cfg: NodeConfig) -> Tuple[str, Optional[str], Optional[str]]:
-    """(user name, problem, setting): who engines run as, and why starts are refused if so."""
-    me = pwd.getpwuid(os.geteuid()).pw_name
-    if os.geteuid() != 0:
-        if cfg.engine_user not in (None, me):
-            return me, (f"engine_user {cfg.engine_user} needs an agent running as root; this agent runs as {me}"), \
-                "engine_user"
-        return me, None, None
-    if cfg.engine_user is not None:
-        return cfg.engine_user, None, None
-    if cfg.engines_as_root:
-        return "root", None, None
-    return "root", ("this agent runs as root and the node config names no engine_user; engines are never "
-                    "started as root unless engines_as_root is true"), "engine_user"
+def _done_state(name: str, path: str, manifest: JsonDict) -> JsonDict:
+    raw = manifest.get("bytes")
+    size = raw if isinstance(raw, int) and _is_int(raw) else tree_bytes(path)
+    return _fetch_state(name, path, manifest["source"], "done", done=size, total=size)
 
 
-def _probe_bwrap(bwrap: str, setpriv: Optional[str], uid: int, gid: int) -> Optional[str]:
-    """None when bwrap runs here (cached per process), else its first line of complaint."""
-    key = (bwrap, setpriv, uid)
-    if key not in _PROBES:
-        argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid",
-                "--unshare-ipc", "--"] + _drop_argv(setpriv, uid, gid, ()) + [sys.executable or "python3", "-c", ""]
+def _operator_copy(source: Source) -> JsonDict:
+    """A plain path inside model_dirs is the operator's own copy: used where it is, never copied."""
+    exists = os.path.exists(source.location)
+    size = tree_bytes(source.location) if exists else 0
+    missing = None if exists else f"{source.location} does not exist on this node"
+    state = _fetch_state(None, source.location, source.text, "done" if exists else "failed",
+                         done=size, total=size, error=missing)
+    state["operator_copy"] = True
+    return state
+
+
+def _record_failure(state_path: str, state: JsonDict) -> JsonDict:
+    write_json_atomic(state_path, state)
+    return state
+
+
+def _try_lock(path: str, attempts: int = 4, delay: float = 0.02) -> Optional[int]:
+    """An fd holding an exclusive flock on path, or None while someone else holds it.
+
+    Retries briefly because `status` takes the lock shared for an instant to tell a live worker
+    from a dead one; only a lock held across the retries means a running fetch."""
+    _ensure_dir(os.path.dirname(path))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    for attempt in range(attempts):
         try:
-            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  timeout=PROBE_TIMEOUT, check=False)
-            complaint = proc.stderr.decode("utf-8", "replace").strip().splitlines()
-            _PROBES[key] = None if proc.returncode == 0 else \
-                f"bubblewrap cannot run here ({complaint[0] if complaint else f'exit {proc.returncode}'})"
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            _PROBES[key] = f"bubblewrap cannot run here ({exc})"
-    return _PROBES[key]
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if attempt + 1 < attempts:
+                time.sleep(delay)
+    os.close(fd)
+    return None
 
 
-def _drop_argv(setpriv: Optional[str], uid: int, gid: int, groups: Tuple[int, ...]) -> List[str]:
-    if setpriv is None:
-        return []
-    group_args = ["--groups", ",".join(str(g) for g in groups)] if groups else ["--clear-groups"]
-    return [setpriv, f"--reuid={uid}", f"--regid={gid}", *group_args, "--inh-caps=-all", "--bounding-set=-all",
-            "--no-new-privs", "--"]
+def _lock_is_held(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing also drops the shared lock if we got it
+    return False
 
 
-def check_env(cfg: NodeConfig, env: Dict[str, str]) -> None:
-    for key in sorted(env):
-        if key not in cfg.env_allow:
-            raise Refused(f"start: env {key} is not allowed on this node: a request may set only the agents' "
-                          f"default names and the node's env_allow (its owner allows more with env_allow in "
-                          f"{cfg.path}; `llmgw nodes -o json` lists what each node allows)", setting="env_allow")
+def fetch_views(cfg: NodeConfig) -> List[JsonDict]:
+    views = []
+    directory = os.path.join(cfg.state_dir, "fetches")
+    for file_name in _listdir(directory):
+        if not file_name.endswith(".json") or file_name.startswith("."):
+            continue
+        state = read_json(os.path.join(directory, file_name))
+        if state is None:
+            continue
+        _, lock_path, log_path = _fetch_paths(cfg, str(state.get("name")))
+        if state.get("state") == "running" and not _lock_is_held(lock_path):
+            state = dict(state, state="failed",
+                         error=f"the fetch worker stopped before finishing (see {log_path}); fetch again to resume")
+        views.append({k: state.get(k) for k in ("name", "path", "source", "state", "bytes_done", "bytes_total",
+                                                 "error", "updated_at")})
+    return views
 
+
+def verb_fetch_worker(cfg: NodeConfig, request: JsonDict) -> JsonDict:
+    """Internal: the detached download. Holds the fetch lock (inherited fd) until it is done."""
+    source = parse_source(request["source"])
+    lock_fd = int(request["lock_fd"])
+    _detach()
+    _reply_and_release_stdio({"pid": os.getpid()})
+    name = source_name(source.text)
+    final = os.path.join(cfg.cache_dir, name)
+    state_path, _, _ = _fetch_paths(cfg, name)
+    progress = FetchProgress(state_path, _fetch_state(name, final, source.text, "running"))
+    tmp = os.path.join(cfg.cache_dir, TMP_PREFIX + name)
+    try:
+        os.makedirs(cfg.cache_dir, exist_ok=True)  # the umask's mode: engines may run as another user
+        download(source, tmp, progress, local_roots=cfg.local_sources + cfg.model_dirs)
+        size = finalize_entry(source, tmp, final)
+        progress.finish("done", size=size)
+    except FetchFailed as exc:
+        progress.finish("failed", error=str(exc))
+    except BaseException as exc:
+        progress.finish("failed", error=f"internal error: {exc!r}")
+        raise  # the traceback goes to the fetch log
+    finally:
+        os.close(lock_fd)
+    return {}
+
+
+def download(source: Source, tmp: str, progress: FetchProgress, *, local_roots: Tuple[str, ...]) -> None:
+    """Bring the source's content into the directory tmp (which may hold a partial earlier try)."""
+    try:
+        planted = not stat.S_ISDIR(os.lstat(tmp).st_mode)
+    except FileNotFoundError:
+        planted = False
+    if planted:  # a link (or file) under our temporary name: writing through it would leave the cache
+        _remove_any(tmp)
+    if source.kind == "file":
+        copy_local(source.location, tmp, progress, local_roots)
+    elif source.kind == "http":
+        download_http(source.location, tmp, progress)
+    else:
+        download_hf(source, tmp, progress)
+
+
+def finalize_entry(source: Source, tmp: str, final: str) -> int:
+    """Write the manifest and rename tmp into place: the rename is the commit point, so an entry
+    under its cache name is always complete."""
+    size = tree_bytes(tmp)
+    write_json_atomic(os.path.join(tmp, MANIFEST_NAME), {
+        "source": source.text, "fetched_at": time.time(), "bytes": size, "agent_version": AGENT_VERSION})
+    try:
+        os.rename(tmp, final)
+    except OSError as exc:
+        raise FetchFailed(f"could not move the download into place: {exc.strerror}") from exc
+    return size
+
+
+# ---- llmgw/agent/parts/args.py ----
 
 # Flags known to take a file or directory, per engine: "r" read, "w" written (or a directory
 # written into). A value must resolve inside the engine's own area (both) or the weights
@@ -2339,6 +2088,120 @@ def _check_path(flag: str, value: str, mode: str, *, area: str, read_roots: Tupl
                       setting="args" if mode == "w" else "sandbox_paths")
 
 
+# ---- llmgw/agent/parts/sandbox.py ----
+
+# ----------------------------------------------------------------------------------------------
+# The node boundary: who an engine runs as, what it sees, what its env and args may name
+# (DESIGN §4). A start request can only ask; everything below is decided by the node config.
+
+
+@dataclass(frozen=True)
+class Confinement:
+    user: str
+    uid: int
+    gid: int
+    groups: Tuple[int, ...]
+    sandbox: str  # "bwrap" or "none"
+    detail: str  # why, in the words `llmgw nodes` shows
+    bwrap: Optional[str] = None
+    setpriv: Optional[str] = None  # set when bwrap runs as root and drops to the user inside
+    problem: Optional[str] = None  # set: every start is refused with this reason
+    problem_setting: Optional[str] = None
+
+    def view(self) -> JsonDict:
+        return {"user": self.user, "uid": self.uid, "sandbox": self.sandbox, "detail": self.detail,
+                "problem": self.problem}
+
+
+_PROBES: Dict[Tuple[str, Optional[str], int], Optional[str]] = {}
+
+
+def confinement(cfg: NodeConfig) -> Confinement:
+    """How this node runs engines, from its config and what the machine can do."""
+    user, problem, setting = _engine_user(cfg)
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        return Confinement(user, -1, -1, (), "none", f"engine_user {user} does not exist on this node",
+                           problem=f"engine_user {user!r} does not exist on this node (useradd --system {user})",
+                           problem_setting="engine_user")
+    uid, gid = entry.pw_uid, entry.pw_gid
+    groups = tuple(sorted(set(os.getgrouplist(user, gid))))
+    base = Confinement(user, uid, gid, groups, "none", "", problem=problem, problem_setting=setting)
+    if problem is None and uid == 0 and not cfg.engines_as_root:
+        base = replace(base, problem=f"engine_user {user} is root; engines run as root only with engines_as_root: true",
+                     problem_setting="engines_as_root")
+    if cfg.sandbox == "none":
+        return replace(base, detail=f"no sandbox (sandbox: none); engines run as {user}")
+    bwrap = cfg.bwrap or next((p for p in BWRAP_CANDIDATES if os.access(p, os.X_OK)), None)
+    setpriv: Optional[str] = None
+    why: Optional[str]
+    # As root, bwrap makes the namespaces and setpriv drops to the user inside; a non-root agent
+    # runs bwrap as itself, which needs unprivileged user namespaces.
+    if os.geteuid() == 0 and uid != 0:
+        setpriv = next((p for p in SETPRIV_CANDIDATES if os.access(p, os.X_OK)), None)
+    if bwrap is None or not os.access(bwrap, os.X_OK):
+        why = "bubblewrap is not installed (apt-get install bubblewrap)"
+    elif os.geteuid() == 0 and uid != 0 and setpriv is None:
+        why = "setpriv (util-linux) is missing, so bwrap cannot drop to the engine user"
+    else:
+        why = _probe_bwrap(bwrap, setpriv, uid, gid)
+    if why is None:
+        return replace(base, sandbox="bwrap", bwrap=bwrap, setpriv=setpriv, detail=f"bubblewrap as {user}")
+    if cfg.sandbox == "bwrap" and base.problem is None:
+        base = replace(base, problem=f"sandbox is bwrap but {why}", problem_setting="sandbox")
+    return replace(base, detail=f"no sandbox: {why}; engines run as {user}")
+
+
+def _engine_user(cfg: NodeConfig) -> Tuple[str, Optional[str], Optional[str]]:
+    """(user name, problem, setting): who engines run as, and why starts are refused if so."""
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    if os.geteuid() != 0:
+        if cfg.engine_user not in (None, me):
+            return me, (f"engine_user {cfg.engine_user} needs an agent running as root; this agent runs as {me}"), \
+                "engine_user"
+        return me, None, None
+    if cfg.engine_user is not None:
+        return cfg.engine_user, None, None
+    if cfg.engines_as_root:
+        return "root", None, None
+    return "root", ("this agent runs as root and the node config names no engine_user; engines are never "
+                    "started as root unless engines_as_root is true"), "engine_user"
+
+
+def _probe_bwrap(bwrap: str, setpriv: Optional[str], uid: int, gid: int) -> Optional[str]:
+    """None when bwrap runs here (cached per process), else its first line of complaint."""
+    key = (bwrap, setpriv, uid)
+    if key not in _PROBES:
+        argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid",
+                "--unshare-ipc", "--"] + _drop_argv(setpriv, uid, gid, ()) + [sys.executable or "python3", "-c", ""]
+        try:
+            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  timeout=PROBE_TIMEOUT, check=False)
+            complaint = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+            _PROBES[key] = None if proc.returncode == 0 else \
+                f"bubblewrap cannot run here ({complaint[0] if complaint else f'exit {proc.returncode}'})"
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _PROBES[key] = f"bubblewrap cannot run here ({exc})"
+    return _PROBES[key]
+
+
+def _drop_argv(setpriv: Optional[str], uid: int, gid: int, groups: Tuple[int, ...]) -> List[str]:
+    if setpriv is None:
+        return []
+    group_args = ["--groups", ",".join(str(g) for g in groups)] if groups else ["--clear-groups"]
+    return [setpriv, f"--reuid={uid}", f"--regid={gid}", *group_args, "--inh-caps=-all", "--bounding-set=-all",
+            "--no-new-privs", "--"]
+
+
+def check_env(cfg: NodeConfig, env: Dict[str, str]) -> None:
+    for key in sorted(env):
+        if key not in cfg.env_allow:
+            raise Refused(f"start: env {key} is not allowed on this node: a request may set only the agents' "
+                          f"default names and the node's env_allow (its owner allows more with env_allow in "
+                          f"{cfg.path}; `llmgw nodes -o json` lists what each node allows)", setting="env_allow")
+
+
 def engine_area(cfg: NodeConfig, replica_id: str) -> str:
     return os.path.join(cfg.state_dir, "run", replica_id)
 
@@ -2530,10 +2393,6 @@ def engine_environment(cfg: NodeConfig, conf: Confinement, spec: "StartSpec", ar
     return env
 
 
-# ----------------------------------------------------------------------------------------------
-# Engines: start, stop, status
-
-
 @dataclass(frozen=True)
 class StartSpec:
     replica_id: str
@@ -2544,6 +2403,12 @@ class StartSpec:
     port: Optional[int]
     weights: Optional[str]
     labels: JsonDict
+
+
+# ---- llmgw/agent/parts/engines.py ----
+
+# ----------------------------------------------------------------------------------------------
+# Engines: start, stop, status
 
 
 def _record_path(cfg: NodeConfig, replica_id: str) -> str:
@@ -2702,23 +2567,6 @@ def build_argv(prefix: Tuple[str, ...], args: Tuple[str, ...], values: Dict[str,
     {fabric_address} and {fabric_interface} replaced in one pass (a replaced value is never
     expanded again)."""
     return list(prefix) + [_PLACEHOLDER_RE.sub(lambda m: values[m.group(1)], arg) for arg in args]
-
-
-def fabric_interface(cfg: NodeConfig) -> str:
-    """The interface holding fabric_address (fabric_interface when the config names one): what
-    NCCL and Gloo are told to use. Found by asking the kernel each interface's IPv4 address."""
-    if cfg.fabric_interface is not None:
-        return cfg.fabric_interface
-    for _index, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            try:
-                packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
-            except OSError:
-                continue
-        if socket.inet_ntoa(packed[20:24]) == cfg.fabric_address:
-            return name
-    raise Refused(f"start: no interface of this node holds fabric_address {cfg.fabric_address}; name it with "
-                  f"fabric_interface in {cfg.path}", setting="fabric_interface")
 
 
 def placeholder_values(cfg: NodeConfig, spec: "StartSpec", *, port: int, weights: Optional[str],
@@ -3040,6 +2888,230 @@ def prune_engine_records(cfg: NodeConfig, now: float) -> None:
                         _remove_file(path)
 
 
+# ---- llmgw/agent/parts/inventory.py ----
+
+# ----------------------------------------------------------------------------------------------
+# hello and inventory
+
+
+def verb_hello(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
+    with open(AGENT_PATH, "rb") as fh:
+        digest = hashlib.sha256(fh.read()).hexdigest()
+    return {"agent_version": AGENT_VERSION, "agent_sha256": digest, "hostname": cfg.hostname,
+            "protocol": PROTOCOL}
+
+
+def verb_inventory(cfg: NodeConfig, request: JsonDict) -> JsonDict:
+    # A controller's poll renews its lease (or takes one nobody holds): no extra round trip.
+    asked = request.get("lease")
+    if asked is not None:
+        lease = take_lease(cfg, _lease_request(asked), takeover=False)
+    else:
+        lease = lease_view(read_lease(cfg), None, time.time(), heard=lease_heard(cfg))
+    gpus, gpu_error = gpu_inventory(cfg)
+    engines = engine_views(cfg)
+    weights, invalid, foreign = cache_listing(cfg, engines)
+    mounts = read_mounts(cfg.mounts_file)
+    return {
+        "hostname": cfg.hostname,
+        "agent_version": AGENT_VERSION,
+        "protocol": PROTOCOL,
+        "gpus": gpus,
+        "gpu_error": gpu_error,
+        "memory_mb": memory_mb(),
+        "filesystems": [filesystem_info(p, mounts) for p in (cfg.cache_dir,) + cfg.model_dirs],
+        "weights": weights,
+        # Cache-named entries that are not complete (no manifest, wrong hash, a symlink): never
+        # counted as present and never removed, listed so an operator can look at them.
+        "invalid_weights": invalid,
+        "foreign": foreign,
+        "engines": engines,
+        "fetches": fetch_views(cfg),
+        # Which confinement this node gives engines (user, sandbox): shown by `llmgw nodes`.
+        "confinement": confinement(cfg).view(),
+        "env_allow": sorted(cfg.env_allow),
+        # Where this node's shards of a replica across nodes meet the others (rpc-server, vLLM's master).
+        "fabric_address": cfg.fabric_address,
+        "lease": lease,
+    }
+
+
+def gpu_inventory(cfg: NodeConfig) -> Tuple[List[JsonDict], Optional[str]]:
+    """GPUs from nvidia-smi when the node has it, else those declared in the node config.
+
+    When nvidia-smi exists but fails, the declared GPUs are NOT used: a driver that does not
+    answer means the GPUs cannot be trusted, so the node reports none and says why."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return [_declared_gpu(g) for g in cfg.gpus], None
+    argv = [exe, f"--query-gpu={NVIDIA_SMI_QUERY}", "--format=csv,noheader,nounits"]
+    try:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=NVIDIA_SMI_TIMEOUT, check=False)
+    except subprocess.TimeoutExpired:
+        return [], f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT:g}s"
+    except OSError as exc:
+        return [], f"nvidia-smi could not run: {exc}"
+    gpus = parse_nvidia_smi(proc.stdout.decode("utf-8", "replace"))
+    if proc.returncode != 0:
+        said = (proc.stderr or proc.stdout).decode("utf-8", "replace").strip().splitlines()
+        return gpus, f"nvidia-smi exited with {proc.returncode}: {said[0] if said else 'no output'}"
+    return gpus, None
+
+
+def _declared_gpu(gpu: JsonDict) -> JsonDict:
+    return {"index": gpu["index"], "class": gpu["class"], "name": None, "uuid": None,
+            "memory_gb": gpu["memory_gb"], "memory_used_gb": None, "declared": True,
+            "healthy": True, "problems": []}
+
+
+def parse_nvidia_smi(text: str) -> List[JsonDict]:
+    rows = csv.reader(text.splitlines(), skipinitialspace=True)
+    return [_gpu_from_row([c.strip() for c in row]) for row in rows if len(row) == 6]
+
+
+def _gpu_from_row(row: List[str]) -> JsonDict:
+    index, name, uuid, total, used, ecc = row
+    problems: List[str] = []
+    total_mib = _smi_number(total, "memory.total", problems)
+    used_mib = _smi_number(used, "memory.used", problems)
+    # "[N/A]" for ECC means the card has no ECC (consumer cards): not a problem in itself.
+    ecc_count = None if ecc == "[N/A]" else _smi_number(ecc, "ecc.errors.uncorrected.volatile.total", problems)
+    if ecc_count:
+        problems.append(f"ecc errors: {int(ecc_count)}")
+    return {"index": int(index) if index.isdigit() else index, "class": gpu_class(name), "name": name,
+            "uuid": uuid, "memory_gb": _mib_to_gb(total_mib), "memory_used_gb": _mib_to_gb(used_mib),
+            "declared": False, "healthy": not problems, "problems": problems}
+
+
+def _smi_number(value: str, field: str, problems: List[str]) -> Optional[float]:
+    try:
+        return float(value)
+    except ValueError:
+        problems.append(f"{value} reported for {field}")
+        return None
+
+
+def _mib_to_gb(mib: Optional[float]) -> Optional[float]:
+    # Decimal GB, so a card sold as "80GB" (an H100 reports 81559 MiB = 79.6 GiB = 85.5 GB) meets
+    # a catalog's gpu_memory_gb: 80. GiB would put every card just under its label.
+    return None if mib is None else round(mib * (1 << 20) / 1e9, 1)
+
+
+_BRAND_WORDS = frozenset({"nvidia", "tesla", "geforce", "quadro"})
+
+
+def gpu_class(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA A100-SXM4-80GB' -> 'a100', 'NVIDIA L40S' -> 'l40s'.
+
+    A heuristic: the first word after the brand; 'RTX 4090' -> 'rtx4090', 'RTX A6000' -> 'a6000'."""
+    words = [re.sub(r"[^a-z0-9]", "", w) for w in re.split(r"[\s_-]+", name.lower())]
+    words = [w for w in words if w and w not in _BRAND_WORDS]
+    if not words:
+        return "unknown"
+    if words[0] == "rtx" and len(words) > 1:
+        return words[1] if words[1][0].isalpha() else "rtx" + words[1]
+    return words[0]
+
+
+def memory_mb() -> JsonDict:
+    values: Dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    values[key] = int(parts[0])  # kB
+    except OSError:
+        pass
+    total, available = values.get("MemTotal"), values.get("MemAvailable")
+    return {"total": None if total is None else total // 1024,
+            "available": None if available is None else available // 1024}
+
+
+def read_mounts(mounts_file: str) -> List[Tuple[str, str]]:
+    """(mount point, fstype) for each line of a /proc/mounts-style table, in order."""
+    try:
+        with open(mounts_file, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return []
+    mounts = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 3:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
+            mounts.append((point, fields[2]))
+    return mounts
+
+
+def mount_for(path: str, mounts: List[Tuple[str, str]]) -> Optional[Tuple[str, str]]:
+    """The mount holding path: the longest matching mount point; a later one of equal length
+    wins, because it was mounted on top."""
+    best = None
+    for point, fstype in mounts:
+        if _inside(path, point) or point == "/":
+            if best is None or len(point) >= len(best[0]):
+                best = (point, fstype)
+    return best
+
+
+def is_shared_fstype(fstype: str) -> bool:
+    return fstype in SHARED_FSTYPES or fstype.startswith("fuse.")
+
+
+def filesystem_info(path: str, mounts: List[Tuple[str, str]]) -> JsonDict:
+    # A directory that does not exist yet is reported for the filesystem it would be created on.
+    probe = os.path.realpath(path)
+    while not os.path.exists(probe) and probe != "/":
+        probe = os.path.dirname(probe)
+    found = mount_for(probe, mounts)
+    total: Optional[int]
+    free: Optional[int]
+    try:
+        vfs = os.statvfs(probe)
+        total, free = vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
+    except OSError:
+        total = free = None
+    return {"path": path, "mount_point": found[0] if found else None, "fstype": found[1] if found else None,
+            "total_bytes": total, "free_bytes": free, "shared": bool(found and is_shared_fstype(found[1])),
+            "exists": os.path.isdir(path)}
+
+
+def cache_listing(cfg: NodeConfig, engines: List[JsonDict]) -> Tuple[List[JsonDict], List[JsonDict], List[str]]:
+    """(complete entries, cache-named entries that are not complete, foreign paths)."""
+    last_start: Dict[str, float] = {}
+    for engine in engines:
+        if engine.get("weights"):
+            started = engine.get("started_at") or 0.0
+            last_start[engine["weights"]] = max(last_start.get(engine["weights"], 0.0), started)
+    weights, invalid, foreign = [], [], []
+    for name in _listdir(cfg.cache_dir):
+        path = os.path.join(cfg.cache_dir, name)
+        if name.startswith((TMP_PREFIX + "llmgw-", TRASH_PREFIX + "llmgw-")):
+            continue  # our own downloads and deletions in flight
+        if not CACHE_NAME_RE.match(name):
+            foreign.append(path)
+            continue
+        manifest, problem = inspect_entry(cfg.cache_dir, name)
+        if manifest is None:
+            invalid.append({"path": path, "name": name, "reason": problem})
+            continue
+        try:
+            mtime = os.lstat(path).st_mtime
+        except OSError:
+            continue
+        weights.append({"path": path, "name": name, "source": manifest["source"], "bytes": tree_bytes(path),
+                        "complete": True, "fetched_at": manifest.get("fetched_at"),
+                        "last_used": max(mtime, last_start.get(path, 0.0))})
+    for model_dir in cfg.model_dirs:
+        foreign.extend(os.path.join(model_dir, name) for name in _listdir(model_dir))
+    return weights, invalid, foreign
+
+
+# ---- llmgw/agent/parts/guard.py ----
+
 # ----------------------------------------------------------------------------------------------
 # remove-weights: the deletion guard (DESIGN §4)
 
@@ -3244,48 +3316,10 @@ def _delete_trash(cfg: NodeConfig, cache_fd: int, name: str, trash_name: str, re
         _remove_file(state_path)  # a "done" fetch of an entry that is gone would mislead
 
 
-def rmtree_at(parent_fd: int, name: str, *, expected: Optional[os.stat_result] = None,
-              device: Optional[int] = None) -> None:
-    """Delete the directory parent_fd/name and everything in it without following a symlink:
-    every directory is opened with O_NOFOLLOW relative to its parent's descriptor, so swapping a
-    component for a link makes the walk fail instead of leaving the tree. Links are unlinked.
-
-    The walk never leaves the filesystem it started on (a mount inside the tree is no link, so
-    O_NOFOLLOW would not stop it), and when `expected` is given the top directory must be that
-    very directory (device and inode), or nothing is deleted."""
-    fd = _open_dir_nofollow(name, parent_fd)
-    try:
-        here = os.fstat(fd)
-        if expected is not None and (here.st_dev, here.st_ino) != (expected.st_dev, expected.st_ino):
-            raise OSError(errno.ESTALE, f"{name} is no longer the directory that was checked")
-        if device is not None and here.st_dev != device:
-            raise OSError(errno.EXDEV, f"{name} is on another filesystem (a mount); not deleting through it")
-        with os.scandir(fd) as it:
-            entries = list(it)
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                rmtree_at(fd, entry.name, device=here.st_dev)
-            else:
-                os.unlink(entry.name, dir_fd=fd)
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=parent_fd)
-
+# ---- llmgw/agent/parts/main.py ----
 
 # ----------------------------------------------------------------------------------------------
 # Dispatch, serve, main
-
-
-def _field(request: JsonDict, key: str) -> Any:
-    if key not in request:
-        raise AgentError(f"missing field {key!r}")
-    return request[key]
-
-
-def _optional(request: JsonDict, key: str, default: Any) -> Any:
-    """An optional field; null counts as absent (callers send {"env": null} for "none")."""
-    value = request.get(key)
-    return default if value is None else value
 
 
 HANDLERS: Dict[str, Callable[[NodeConfig, JsonDict], JsonDict]] = {

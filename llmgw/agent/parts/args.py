@@ -1,0 +1,339 @@
+"""The args policy: which engine flags a start may carry and which paths and peers they may name."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import urllib.parse
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from llmgw.agent.parts.config import NodeConfig, ipv4_literal
+from llmgw.agent.parts.files import _inside
+from llmgw.agent.parts.protocol import Refused
+
+
+# Flags known to take a file or directory, per engine: "r" read, "w" written (or a directory
+# written into). A value must resolve inside the engine's own area (both) or the weights
+# entry and the owner's sandbox_paths (read only). Defence in depth behind the sandbox and
+# the unprivileged user, which make whatever a list like this misses harmless.
+# "x": refused outright, whatever the value: the flag hands clients of the engine a shell or
+# lets it delete what it loaded. "o": refused outright too: the engine would take its model or
+# its arguments from somewhere the agent does not check. llama-server's router mode reads an INI
+# of llama-server arguments for the instances it spawns (--models-preset: `rpc = host:port`
+# there walks around rpc_peers) or serves whatever a directory holds (--models-dir); a download
+# flag (-hf, --model-url, the --*-default presets) takes weights from the internet, not from the
+# agent's fetch; vLLM's and SGLang's --config is a file of their arguments (--master-addr...).
+# Lists checked against llama-server 0.5.0's --help (--models-* and the downloads again against the
+# build of scripts/build-llama-server), vLLM 0.11's arg_utils.py/cli_args.py and SGLang 0.5's
+# server_args.py (README, real-fleet guide).
+def _flag_table(**groups: str) -> Dict[str, str]:
+    return {flag: mode for mode, flags in groups.items() for flag in flags.split()}
+
+
+PATH_FLAGS: Dict[str, Dict[str, str]] = {
+    "llama.cpp": _flag_table(
+        r="-m --model -md --model-draft --spec-draft-model -mv --model-vocoder -mm --mmproj --lora --lora-scaled "
+          "--control-vector --control-vector-scaled --grammar-file -jf --json-schema-file --chat-template-file -lcs "
+          "--lookup-cache-static --api-key-file --ssl-key-file --ssl-cert-file --media-path --path "
+          "--ui-config-file --webui-config-file --video-ffmpeg-dir",
+        o="--models-preset --models-dir -mu --model-url -dr --docker-repo -hf -hfr --hf-repo -hff --hf-file "
+          "-hfd -hfrd --hf-repo-draft --spec-draft-hf -mmu --mmproj-url --embd-gemma-default "
+          "--fim-qwen-1.5b-default --fim-qwen-3b-default --fim-qwen-7b-default --fim-qwen-7b-spec "
+          "--fim-qwen-14b-spec --fim-qwen-30b-default --gpt-oss-20b-default --gpt-oss-120b-default "
+          "--vision-gemma-4b-default --vision-gemma-12b-default",
+        w="-lcd --lookup-cache-dynamic --log-file --slot-save-path --log-prompts-dir --host",
+        x="--tools --tools-runtime -ag --agent --mcp-servers-config --mcp-servers-json --ui-mcp-proxy"),
+    "vllm": _flag_table(
+        r="--model --tokenizer --hf-config-path --generation-config --allowed-local-media-path --lora-modules "
+          "--default-mm-loras --chat-template --ssl-keyfile --ssl-certfile --ssl-ca-certs --spec-model "
+          "--tool-parser-plugin --reasoning-parser-plugin --speculative-config -sc --model-loader-extra-config "
+          "--log-config-file --kv-transfer-config --ec-transfer-config --additional-config",
+        w="--download-dir --uds --compilation-config -cc -O --profiler-config",
+        x="--tool-server",
+        o="--config"),
+    "sglang": _flag_table(
+        r="--model-path --model --tokenizer-path --chat-template --completion-template --quantization-param-path "
+          "--rl-quant-profile --modelopt-checkpoint-restore-path --speculative-draft-model-path "
+          "--speculative-draft-model --speculative-token-map --speculative-adaptive-config "
+          "--speculative-ngram-external-corpus-path --lora-paths --ssl-keyfile --ssl-certfile --ssl-ca-certs "
+          "--debug-tensor-dump-input-file --decrypted-config-file --decrypted-draft-config-file --model-checksum "
+          "--deepep-config --init-expert-location --hicache-storage-backend-extra-config --lmcache-config-file "
+          "--flexkv-config-file --pdmux-config-path --dllm-algorithm-config --msprobe-dump-config --kt-weight-path "
+          "--model-loader-extra-config",
+        w="--download-dir --modelopt-checkpoint-save-path --modelopt-export-path --spec-trace-dir "
+          "--file-storage-path --log-requests-target --crash-dump-folder --export-metrics-to-file-dir "
+          "--debug-tensor-dump-output-folder --weight-cache-socket",
+        x="--delete-ckpt-after-loading",
+        o="--config"),
+}
+
+
+RPC_SERVER = "rpc-server"
+
+
+def engine_kind(name: str, prefix: Tuple[str, ...]) -> Optional[str]:
+    """Which engine's flag table applies: by the node's engine name, else by its executable."""
+    if name in PATH_FLAGS or name == RPC_SERVER:
+        return name
+    words = " ".join(os.path.basename(p) for p in prefix)
+    for kind, marker in ((RPC_SERVER, "rpc-server"), ("llama.cpp", "llama-server"), ("vllm", "vllm"),
+                         ("sglang", "sglang")):
+        if marker in words:
+            return kind
+    return None
+
+
+def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: Tuple[str, ...],
+               rpc_peers: Tuple[Any, ...] = (), fabric_address: str = "") -> None:
+    """Refuse args that would make the engine read or write outside what it was given, or
+    exchange with a machine across nodes that the node's rpc_peers does not list."""
+    flags = PATH_FLAGS.get(kind or "", {})
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        mode = None
+        peer = _peer_flag(kind, arg)
+        if peer is not None:
+            flag, form, value = peer
+            if value is None:
+                value = args[i + 1] if i + 1 < len(args) else ""
+                i += 1
+            check_peer(flag, value, form, rpc_peers, own=fabric_address)
+            i += 1
+            continue
+        if arg.startswith("-"):
+            name, value = _flag_and_value(flags, kind, arg)
+            mode = _path_flag_mode(flags, name, kind)
+            if mode == "x":
+                raise Refused(f"start: {name} is refused on every node: it would give the engine's clients tools "
+                              "that run commands or change files", setting="args")
+            if mode == "o":
+                raise Refused(f"start: {name} is refused on every node: the engine would take its model or its "
+                              "arguments from somewhere this agent does not check (a replica's weights come from "
+                              "the agent's fetch, its arguments from the request)", setting="args")
+            if mode is not None:
+                if value is None:
+                    if i + 1 >= len(args):
+                        break
+                    i += 1
+                    value = args[i]
+                _check_value(name, value, mode, area=area, read_roots=read_roots, every=True)
+        if mode is None:
+            # Any other argument (a positional model path, a flag this table does not know): its
+            # absolute paths and its ".." escapes are checked all the same.
+            _check_value("argument", arg, "r", area=area, read_roots=read_roots, every=False)
+        i += 1
+
+
+# Flags naming the machine a rank exchanges with across nodes, and the form of their value:
+# "rpc" a llama.cpp head's comma-separated --rpc host:port list, "host" an address, "hostport"
+# host:port. A llama.cpp head sends its layers to its --rpc servers and trusts what they compute;
+# every vLLM rank joins rank 0's --master-addr (torch.distributed rendezvous, vLLM's pickled
+# message queues), a data-parallel rank its --data-parallel-address, an SGLang rank its
+# --dist-init-addr (--nccl-init-addr, its older name): a tampered controller or a merged catalog
+# commit must not point them at a machine of its own. One rule for all: rpc_peers.
+PEER_FLAGS: Dict[str, Dict[str, str]] = {
+    "llama.cpp": {"--rpc": "rpc"},
+    "vllm": {"--master-addr": "host", "--data-parallel-address": "host", "-dpa": "host"},
+    "sglang": {"--dist-init-addr": "hostport", "--nccl-init-addr": "hostport"},
+}
+
+
+def _peer_flag(kind: Optional[str], arg: str) -> Optional[Tuple[str, str, Optional[str]]]:
+    """(flag, form, attached value or None) when ``arg`` is a peer flag in any spelling its engine
+    takes: --flag=value, --flag_name (vLLM), an argparse abbreviation (vLLM, SGLang), -dpaVALUE."""
+    table = PEER_FLAGS.get(kind or "")
+    if not table or not arg.startswith("-"):
+        return None
+    name, eq, inline = arg.partition("=")
+    value: Optional[str] = inline if eq else None
+    if name.startswith("--"):
+        normal = "--" + name[2:].replace("_", "-") if kind != "llama.cpp" else name
+        if normal in table:
+            return normal, table[normal], value
+        if kind in ("vllm", "sglang") and len(normal) >= 4:
+            matches = sorted(f for f in table if f.startswith(normal))
+            if matches:
+                return matches[0], table[matches[0]], value
+        return None
+    for flag in table:
+        if name == flag:
+            return flag, table[flag], value
+        if kind in ("vllm", "sglang") and not eq and arg.startswith(flag) and len(arg) > len(flag):
+            return flag, table[flag], arg[len(flag):]
+    return None
+
+
+def check_peer(flag: str, value: str, form: str, peers: Tuple[Any, ...], *, own: str = "") -> None:
+    """Refuse ``value`` unless every address in it is parsed exactly as its engine parses it and is
+    this node's own fabric address or in the node's rpc_peers."""
+    items = value.split(",") if form == "rpc" else [value]
+    for item in items:
+        address = _peer_address(item, form)
+        if address is None or not (str(address) == own or any(address in net for net in peers)):
+            allowed = ", ".join(str(n) for n in peers) or "none"
+            why = ("a llama.cpp head sends its layers only to rpc-servers at IPv4 addresses (a.b.c.d:port) "
+                   if form == "rpc" else "a rank joins only ranks at IP addresses ")
+            raise Refused(f"start: {flag} {item!r} is refused: {why}in this node's rpc_peers or its own "
+                          f"fabric_address (allowed: {allowed})", setting="rpc_peers")
+
+
+def _peer_address(item: str, form: str) -> Optional[Any]:
+    """The address in one peer value, parsed as its reader parses it, or None when it is not one
+    both the reader and this check read alike. llama.cpp's parse_endpoint splits --rpc at the
+    FIRST colon (stoi reads the port and ignores what follows it, gethostbyname the host): only
+    a.b.c.d:port with nothing after is read the same by both. SGLang splits host:port at its one
+    colon, or takes [v6]:port."""
+    if form == "host":
+        return _ip_literal(item)
+    if form == "hostport" and item.startswith("["):
+        host, sep, port = item[1:].partition("]:")
+        address = _ip_literal(host) if sep else None
+        return address if address is not None and address.version == 6 and _port_ok(port) else None
+    host, sep, port = item.partition(":")
+    if not sep or not _port_ok(port):
+        return None
+    return ipv4_literal(host)
+
+
+def _ip_literal(value: str) -> Optional[Any]:
+    address = ipv4_literal(value)
+    if address is not None or "." in value:
+        return address
+    try:
+        return ipaddress.IPv6Address(value)
+    except ValueError:
+        return None
+
+
+def _port_ok(value: str) -> bool:
+    return 0 < len(value) <= 5 and value.isascii() and value.isdigit() and 0 < int(value) < 65536
+
+
+RPC_SERVER_FLAGS = {"-H": "host", "--host": "host", "-p": "port", "--port": "port", "-t": "threads",
+                    "--threads": "threads", "-d": "device", "--device": "device"}
+DEVICE_RE = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*\Z")
+
+
+def check_rpc_server_args(cfg: NodeConfig, args: List[str], *, port: int) -> None:
+    """An rpc-server (a llama.cpp worker) runs whatever computation its client sends and has no
+    authentication (llama.cpp tools/rpc/README.md): it listens on the node's fabric address and the
+    port the agent chose, and nothing else; it writes nothing (-c, its tensor cache, is refused with
+    every flag not known here)."""
+    seen = set()
+    i = 0
+    while i < len(args):
+        name, eq, value = args[i].partition("=")
+        what = RPC_SERVER_FLAGS.get(name)
+        if what is None:
+            raise Refused(f"start: rpc-server argument {args[i]!r} is refused: a worker takes only --host (the "
+                          "node's fabric address), --port, --threads and --device", setting="args")
+        if not eq:
+            i += 1
+            value = args[i] if i < len(args) else ""
+        if what == "host" and value != cfg.fabric_address:
+            raise Refused(f"start: rpc-server --host {value!r} is refused: it listens only on this node's "
+                          f"fabric_address {cfg.fabric_address} (RPC has no authentication)", setting="fabric_address")
+        if what == "port" and value != str(port):
+            raise Refused(f"start: rpc-server --port {value!r} is refused: the port is the agent's choice "
+                          f"({port})", setting="port_range")
+        if what == "threads" and not value.isdigit():
+            raise Refused(f"start: rpc-server --threads {value!r} is not a number", setting="args")
+        if what == "device" and not DEVICE_RE.match(value):
+            raise Refused(f"start: rpc-server --device {value!r} is not a list of device names", setting="args")
+        seen.add(what)
+        i += 1
+    if not {"host", "port"} <= seen:
+        raise Refused("start: rpc-server needs --host {host} and --port {port} (without them it would "
+                      "listen where its defaults say)", setting="args")
+
+
+def _flag_and_value(flags: Dict[str, str], kind: Optional[str], arg: str) -> Tuple[str, Optional[str]]:
+    """(flag, attached value or None): --flag=value, and argparse's short option with its
+    value attached (-O3, -O{"cache_dir": ...}), which vLLM and SGLang accept."""
+    name, eq, inline = arg.partition("=")
+    if eq:
+        return name, inline
+    if kind in ("vllm", "sglang") and not arg.startswith("--"):
+        for flag in sorted((f for f in flags if not f.startswith("--")), key=len, reverse=True):
+            if arg.startswith(flag) and len(arg) > len(flag) and arg[len(flag)] != ".":
+                return flag, arg[len(flag):]
+    return arg, None
+
+
+def _path_flag_mode(flags: Dict[str, str], name: str, kind: Optional[str]) -> Optional[str]:
+    if name in flags:
+        return flags[name]
+    # llama-server and vLLM take --log_file for --log-file; vLLM sets a key of a JSON flag
+    # with --compilation-config.cache_dir (or -O.cache_dir); Python's argparse (vLLM, SGLang)
+    # takes any unambiguous abbreviation, --chat-templ: so must this check, or it is walked around.
+    head, dot, _ = name.partition(".")
+    normal = head if not head.startswith("--") else "--" + head[2:].replace("_", "-")
+    if dot and (normal in flags or kind == "vllm"):
+        return "w"  # a JSON key: only the engine's own area is safe for whatever it names
+    if normal in flags:
+        return flags[normal]
+    if kind not in ("vllm", "sglang") or not normal.startswith("--") or len(normal) < 4:
+        return None
+    modes = {m for f, m in flags.items() if f.startswith(normal)}
+    for strongest in ("x", "o", "w", "r"):
+        if strongest in modes:
+            return strongest
+    return None
+
+
+def _check_value(flag: str, value: str, mode: str, *, area: str, read_roots: Tuple[str, ...], every: bool) -> None:
+    """Check the paths in one value: the value itself (``every``: it is a path flag's), what
+    follows `=` (name=path pairs), or, when it parses as JSON, each of its strings."""
+    parsed: Any = None
+    if value[:1] in ("{", "["):
+        try:
+            parsed = json.loads(value)
+        except (ValueError, RecursionError):
+            parsed = None
+    if parsed is not None:
+        candidates = [v for v in _json_strings(parsed) if _suspicious(v)]
+    else:
+        after = value.partition("=")[2]
+        candidates = [v for v in (value, after) if v and (every or _suspicious(v))]
+    for candidate in candidates:
+        _check_path(flag, candidate, mode, area=area, read_roots=read_roots)
+
+
+def _suspicious(value: str) -> bool:
+    """Whether a value not known to be a path could still name one outside the engine's area."""
+    return value.startswith(("/", "~", "file:")) or ".." in value.replace("\\", "/").split("/")
+
+
+def _json_strings(value: Any) -> Iterator[str]:
+    """Every string in a parsed JSON value, keys included; iterative, so depth costs no stack."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _check_path(flag: str, value: str, mode: str, *, area: str, read_roots: Tuple[str, ...]) -> None:
+    if value.startswith("file:"):
+        try:
+            value = urllib.parse.unquote(urllib.parse.urlsplit(value).path)
+        except ValueError as exc:  # file://[::1/x: not a URL at all
+            raise Refused(f"start: {flag} {value!r} is refused: not a usable file URL ({exc})",
+                          setting="args") from None
+    if value.startswith("~"):
+        value = area + value[1:]  # HOME is the engine's area
+    path = os.path.realpath(os.path.join(area, value))  # relative values are relative to the engine's cwd
+    allowed = (area,) if mode == "w" else (area,) + read_roots
+    if not any(_inside(path, os.path.realpath(root)) for root in allowed):
+        where = "the engine's own area" if mode == "w" else "the engine's own area, its weights or sandbox_paths"
+        # sandbox_paths can widen what an engine reads; nothing widens where it writes.
+        raise Refused(f"start: {flag} {value} is refused: it names a path outside {where} ({area})",
+                      setting="args" if mode == "w" else "sandbox_paths")
