@@ -129,7 +129,7 @@ class Reconciler:
             inventory = await self.inventory.poll()
             now = self.clock()
             self._observe(inventory, now)
-            plan = self.rollouts.plan(catalog, self.replicas, self.usage.replica_stats(), now)
+            plan = self.rollouts.plan(catalog, self.replicas, self.usage.replica_stats, now)
             self._running = plan.catalog
             self._settle_canaries(plan)
             decisions = decide(

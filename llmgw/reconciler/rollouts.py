@@ -130,8 +130,10 @@ class RolloutDriver:
 
     # --- each tick, before decide() ----------------------------------------------------------
     def plan(self, catalog: Catalog, replicas: Mapping[str, Replica],
-             readings: Mapping[str, Mapping[str, ReplicaStats]], now: float) -> Plan:
-        """Start, advance and end rollouts for ``catalog``; the catalog the tick should run."""
+             readings: Callable[[], Mapping[str, Mapping[str, ReplicaStats]]], now: float) -> Plan:
+        """Start, advance and end rollouts for ``catalog``; the catalog the tick should run.
+        ``readings``: the routers' measurements, read only while some canary is judged (they are a
+        copy of every replica's histograms: not a cost every tick should pay)."""
         self.desired = catalog
         for name in [n for n in self.records if catalog.model(n) is None]:
             del self.records[name]  # the model left the catalog: its replicas go, and its history
@@ -140,7 +142,7 @@ class RolloutDriver:
             by_model.setdefault(r.model, []).append(r)
         judged = [r.id for r in replicas.values()
                   if (rec := self.records.get(r.model)) and rec.rollout and rec.rollout.phase == Phase.CANARY]
-        self.meter.fold(readings, judged)
+        self.meter.fold(readings() if judged else {}, judged)
         models: list[Model] = []
         canaries: dict[str, CanaryWant] = {}
         notes: dict[str, str] = {}

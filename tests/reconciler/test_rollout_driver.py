@@ -39,9 +39,9 @@ def kinds(store: Store) -> list[str]:
 def test_a_version_change_starts_a_canary_and_the_tick_runs_the_stable_version(store: Store) -> None:
     d = driver(store)
     reps = fleet(make_replica("m-g1", OLD), make_replica("m-g2", OLD, gpu=1))
-    plan = d.plan(Catalog(models=(OLD,), revision="a" * 40), reps, {}, now=1.0)
+    plan = d.plan(Catalog(models=(OLD,), revision="a" * 40), reps, dict, now=1.0)
     assert plan.canaries == {} and plan.catalog.model("m") == OLD
-    plan = d.plan(Catalog(models=(TARGET,), revision="b" * 40), reps, {}, now=2.0)
+    plan = d.plan(Catalog(models=(TARGET,), revision="b" * 40), reps, dict, now=2.0)
     assert set(plan.canaries) == {"m"} and plan.canaries["m"].spec == TARGET
     assert model_version(plan.catalog.model("m")) == model_version(OLD)  # stable replicas keep the old
     r = d.rollout("m")
@@ -56,13 +56,13 @@ def measured(canary: ReplicaStats, stable: ReplicaStats, source: str = "router-1
 def run_canary(store: Store, canary_stats, stable_stats, *, restart_at: float | None = None):
     d = driver(store)
     stable = [make_replica("m-g1", OLD), make_replica("m-g2", OLD, gpu=1)]
-    d.plan(Catalog(models=(OLD,)), fleet(*stable), {}, now=0.0)
-    d.plan(Catalog(models=(TARGET,)), fleet(*stable), {}, now=1.0)
+    d.plan(Catalog(models=(OLD,)), fleet(*stable), dict, now=0.0)
+    d.plan(Catalog(models=(TARGET,)), fleet(*stable), dict, now=1.0)
     d.decided(Decisions(), {"m": "m-g3"}, now=1.0)
     canary = make_replica("m-g3", TARGET, gpu=2, canary=True)
     reps = fleet(*stable, canary)
     zero = ReplicaStats()
-    d.plan(Catalog(models=(TARGET,)), reps, measured(zero, zero), now=2.0)  # ready: the window begins
+    d.plan(Catalog(models=(TARGET,)), reps, lambda: measured(zero, zero), now=2.0)  # ready: the window begins
     t = 2.0
     for i in range(1, 5):
         t += CANARY.interval / 2 + 1
@@ -70,7 +70,7 @@ def run_canary(store: Store, canary_stats, stable_stats, *, restart_at: float | 
             d.save()
             d, restart_at = driver(store), None
         c, s = stats(i * 30, int(i * 30 * canary_stats)), stats(i * 300, int(i * 300 * stable_stats))
-        d.plan(Catalog(models=(TARGET,)), reps, measured(c, s), now=t)
+        d.plan(Catalog(models=(TARGET,)), reps, lambda c=c, s=s: measured(c, s), now=t)
         if d.rollout("m").phase != Phase.CANARY:
             break
     d.save()
@@ -93,15 +93,15 @@ def test_a_canary_failing_a_third_of_its_requests_is_rolled_back_and_stays_so(st
     assert d.records["m"].serving == OLD
     # The commit is still the desired state: nothing starts again, the model runs the old version.
     stable = fleet(make_replica("m-g1", OLD), make_replica("m-g2", OLD, gpu=1))
-    plan = d.plan(Catalog(models=(TARGET,)), stable, {}, now=500.0)
+    plan = d.plan(Catalog(models=(TARGET,)), stable, dict, now=500.0)
     assert plan.canaries == {} and model_version(plan.catalog.model("m")) == model_version(OLD)
     assert "rolled-back" in plan.notes["m"]
     # After a restart too.
-    plan = driver(store).plan(Catalog(models=(TARGET,)), stable, {}, now=600.0)
+    plan = driver(store).plan(Catalog(models=(TARGET,)), stable, dict, now=600.0)
     assert plan.canaries == {} and model_version(plan.catalog.model("m")) == model_version(OLD)
     # A new commit to the model starts a new rollout.
     newer = replace(TARGET, profiles=(replace(TARGET.profiles[0], args=("--newer",)),))
-    plan = d.plan(Catalog(models=(newer,)), stable, {}, now=700.0)
+    plan = d.plan(Catalog(models=(newer,)), stable, dict, now=700.0)
     assert plan.canaries["m"].spec == newer and d.rollout("m").phase == Phase.CANARY
 
 
@@ -114,8 +114,8 @@ def test_a_restart_mid_step_resumes_the_rollout_and_measures_the_window_again(st
 def test_operators_promote_or_abort(store: Store) -> None:
     d = driver(store)
     stable = fleet(make_replica("m-g1", OLD), make_replica("m-g2", OLD, gpu=1))
-    d.plan(Catalog(models=(OLD,)), stable, {}, now=0.0)
-    d.plan(Catalog(models=(TARGET,)), stable, {}, now=1.0)
+    d.plan(Catalog(models=(OLD,)), stable, dict, now=0.0)
+    d.plan(Catalog(models=(TARGET,)), stable, dict, now=1.0)
     assert d.abort("m", "alice").phase == Phase.ABORTED
     with pytest.raises(RolloutError, match="no rollout in progress"):
         d.abort("m", "alice")
@@ -128,12 +128,12 @@ def test_operators_promote_or_abort(store: Store) -> None:
 def test_a_replace_strategy_promotes_at_once_and_finishes_when_every_replica_runs_it(store: Store) -> None:
     d = driver(store)
     old, new = scaled(M, 1, REPLACE), scaled(NEW, 1, REPLACE)
-    d.plan(Catalog(models=(old,)), fleet(make_replica("m-g1", old)), {}, now=0.0)
-    plan = d.plan(Catalog(models=(new,)), fleet(make_replica("m-g1", old)), {}, now=1.0)
+    d.plan(Catalog(models=(old,)), fleet(make_replica("m-g1", old)), dict, now=0.0)
+    plan = d.plan(Catalog(models=(new,)), fleet(make_replica("m-g1", old)), dict, now=1.0)
     assert plan.catalog.model("m") == new and d.rollout("m").phase == Phase.PROMOTING
-    d.plan(Catalog(models=(new,)), fleet(make_replica("m-g2", new, state=ReplicaState.STARTING)), {}, now=2.0)
+    d.plan(Catalog(models=(new,)), fleet(make_replica("m-g2", new, state=ReplicaState.STARTING)), dict, now=2.0)
     assert d.rollout("m").phase == Phase.PROMOTING  # not done before the new one serves
-    d.plan(Catalog(models=(new,)), fleet(make_replica("m-g2", new)), {}, now=3.0)
+    d.plan(Catalog(models=(new,)), fleet(make_replica("m-g2", new)), dict, now=3.0)
     assert d.rollout("m").phase == Phase.DONE and kinds(store)[-1] == "rollout-done"
 
 

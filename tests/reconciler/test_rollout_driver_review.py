@@ -30,10 +30,10 @@ def test_a_git_revert_during_promotion_stops_promoting_the_reverted_version(stor
     assert d.rollout("m").phase == Phase.PROMOTING
     # Mid-promotion: one old replica already replaced by the promoted canary (it runs TARGET).
     reps = fleet(make_replica("m-g1", OLD), make_replica("m-g3", TARGET, gpu=2))
-    d.plan(Catalog(models=(TARGET,), revision="b" * 40), reps, {}, now=100.0)
+    d.plan(Catalog(models=(TARGET,), revision="b" * 40), reps, dict, now=100.0)
     assert d.rollout("m").phase == Phase.PROMOTING
     # git revert: the catalog goes back to OLD.
-    plan = d.plan(Catalog(models=(OLD,), revision="c" * 40), reps, {}, now=101.0)
+    plan = d.plan(Catalog(models=(OLD,), revision="c" * 40), reps, dict, now=101.0)
     running = plan.catalog.model("m")
     assert model_version(running) == model_version(OLD), (
         f"after a revert the tick still runs the reverted version: rollout {d.rollout('m').phase.value} "
@@ -55,7 +55,7 @@ def test_a_corrupt_record_of_a_rolled_back_model_does_not_push_the_rolled_back_v
     store.save_rollout_records(records)
     d2 = driver(store)
     stable = fleet(make_replica("m-g1", OLD), make_replica("m-g2", OLD, gpu=1))
-    plan = d2.plan(Catalog(models=(TARGET,), revision="b" * 40), stable, {}, now=500.0)
+    plan = d2.plan(Catalog(models=(TARGET,), revision="b" * 40), stable, dict, now=500.0)
     r = d2.rollout("m")
     assert r is None or r.phase != Phase.PROMOTING, (
         f"rolled-back version promoted after an unreadable record: {r.phase.value}, {r.reason!r}; "
@@ -76,8 +76,8 @@ def test_a_new_version_that_fits_nowhere_is_not_promoted_without_analysis(store:
     huge = scaled(dc_replace(NEW, profiles=(dc_replace(NEW.profiles[0], gpus=4),)), 2)
     stable = fleet(make_replica("m-g1", OLD), make_replica("m-g2", OLD, gpu=1))
     inv = inventory(node("a", gpus=2))
-    d.plan(Catalog(models=(OLD,)), stable, {}, now=0.0)
-    plan = d.plan(Catalog(models=(huge,)), stable, {}, now=1.0)
+    d.plan(Catalog(models=(OLD,)), stable, dict, now=0.0)
+    plan = d.plan(Catalog(models=(huge,)), stable, dict, now=1.0)
     assert set(plan.canaries) == {"m"}
     dec = decide(plan.catalog, inv, list(stable.values()), last_used={}, demand={}, now=1.0,
                  canaries=plan.canaries, canary_notes=plan.notes)
@@ -89,7 +89,7 @@ def test_a_new_version_that_fits_nowhere_is_not_promoted_without_analysis(store:
         f"an unplaceable version was promoted: {r.phase.value} ({r.reason!r}); serving is now the new version "
         f"({serving == model_version(huge)})")
     # What that costs: an old replica lost afterwards is replaced by nothing.
-    plan = d.plan(Catalog(models=(huge,)), fleet(make_replica("m-g1", OLD)), {}, now=2.0)
+    plan = d.plan(Catalog(models=(huge,)), fleet(make_replica("m-g1", OLD)), dict, now=2.0)
     dec = decide(plan.catalog, inv, [make_replica("m-g1", OLD)], last_used={}, demand={}, now=2.0,
                  canaries=plan.canaries, canary_notes=plan.notes)
     assert dec.create, "the model lost a replica and nothing can replace it"
@@ -131,7 +131,7 @@ def test_llmgw_diff_does_not_announce_a_rollout_the_controller_will_not_start(st
     assert d.rollout("m").phase == Phase.ROLLED_BACK
     head = scaled(NEW, 3)  # same engines as TARGET, one more replica
     reps = [make_replica("m-g1", OLD), make_replica("m-g2", OLD, gpu=1)]
-    plan = d.plan(Catalog(models=(head,), revision="d" * 40), fleet(*reps), {}, now=900.0)
+    plan = d.plan(Catalog(models=(head,), revision="d" * 40), fleet(*reps), dict, now=900.0)
     assert d.rollout("m").phase == Phase.ROLLED_BACK and plan.canaries == {}  # the controller: nothing starts
     shown = plan_rollouts(Catalog(models=(TARGET,)), Catalog(models=(head,)), inventory(node("a", gpus=8)),
                           reps, now=900.0)
@@ -146,14 +146,14 @@ def test_a_quick_fix_is_not_rolled_back_for_the_failures_of_the_canary_it_supers
     once with B's error, and stays rolled back until yet another commit or an operator's promote."""
     d = driver(store)
     stable = [make_replica("m-g1", OLD), make_replica("m-g2", OLD, gpu=1)]
-    d.plan(Catalog(models=(OLD,)), fleet(*stable), {}, now=0.0)
-    d.plan(Catalog(models=(TARGET,), revision="b" * 40), fleet(*stable), {}, now=1.0)
+    d.plan(Catalog(models=(OLD,)), fleet(*stable), dict, now=0.0)
+    d.plan(Catalog(models=(TARGET,), revision="b" * 40), fleet(*stable), dict, now=1.0)
     d.decided(Decisions(), {"m": "m-g3"}, now=1.0)
     b_canary = make_replica("m-g3", TARGET, gpu=2, canary=True, state=ReplicaState.FAILED)
     b_canary = dc_replace(b_canary, failures=2, error="exited with code 1: unknown flag --new")
     from dataclasses import replace as _r
     fix = scaled(_r(NEW, profiles=(_r(NEW.profiles[0], args=("--fixed",)),)), 2)
-    d.plan(Catalog(models=(fix,), revision="c" * 40), fleet(*stable, b_canary), {}, now=5.0)
+    d.plan(Catalog(models=(fix,), revision="c" * 40), fleet(*stable, b_canary), dict, now=5.0)
     r = d.rollout("m")
     assert r.target == model_version(fix)
     assert r.phase == Phase.CANARY, f"the fix was {r.phase.value}: {r.reason!r}"
@@ -169,7 +169,7 @@ def test_an_operators_abort_of_a_promotion_with_no_previous_version_stops_it(sto
     d = driver(store)
     old, target = scaled(OLD, 2, REPLACE), scaled(TARGET, 2, REPLACE)
     stable = fleet(make_replica("m-g1", old), make_replica("m-g2", old, gpu=1))
-    d.plan(Catalog(models=(target,), revision="b" * 40), stable, {}, now=1.0)
+    d.plan(Catalog(models=(target,), revision="b" * 40), stable, dict, now=1.0)
     assert d.rollout("m").phase == Phase.PROMOTING  # "the version its replicas run is not known: replaced"
     from llmgw.reconciler.rollouts import RolloutError
     try:
@@ -177,7 +177,7 @@ def test_an_operators_abort_of_a_promotion_with_no_previous_version_stops_it(sto
     except RolloutError:
         return  # an honest refusal ("the version before is not known") is a fine answer too
     assert shown.phase == Phase.ABORTED
-    plan = d.plan(Catalog(models=(target,), revision="b" * 40), stable, {}, now=2.0)
+    plan = d.plan(Catalog(models=(target,), revision="b" * 40), stable, dict, now=2.0)
     assert model_version(plan.catalog.model("m")) != model_version(target), (
         f"aborted, yet the tick still rolls out the new version (rollout now {d.rollout('m')})")
 
