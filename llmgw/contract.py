@@ -467,6 +467,16 @@ class UsageSource(Protocol):
         """Per router process (an id that changes when it restarts), per replica id: what it
         measured since it started (cumulative)."""
 
+    def in_flight(self) -> Mapping[str, int]:
+        """Per replica id: requests the routers have in flight on it, or may still send it (a
+        replica withdrawn from the endpoint list counts until every router serves without it);
+        the reconciler stops a withdrawn replica's engine once this is 0 (or ``drain_timeout``)."""
+
+    def engine_queue(self) -> Mapping[str, tuple[int, int]]:
+        """Per replica id: (running, waiting) on its engine as the engine's own /metrics last said
+        (every client's requests, not only a router's); replicas whose engine says nothing are
+        absent (llama.cpp without --metrics, an unreadable endpoint)."""
+
 
 class NoUsage:
     def last_used(self) -> Mapping[str, float]:
@@ -479,6 +489,12 @@ class NoUsage:
         return {}
 
     def replica_stats(self) -> Mapping[str, Mapping[str, ReplicaStats]]:
+        return {}
+
+    def engine_queue(self) -> Mapping[str, tuple[int, int]]:
+        return {}
+
+    def in_flight(self) -> Mapping[str, int]:
         return {}
 
 

@@ -90,7 +90,8 @@ async def nodes(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     c = ctl(request)
-    return web.json_response(views.models_view(c.catalog, c.replicas(), c.unplaced(), c.prompt_cache()))
+    return web.json_response(views.models_view(c.catalog, c.replicas(), c.unplaced(), c.prompt_cache(),
+                                                        c.engine_queue()))
 
 
 async def replicas(request: web.Request) -> web.Response:

@@ -82,6 +82,7 @@ SCHEMAS: dict[str, Any] = {
         "unplaced_replicas": INT, "fallbacks": _arr(STR), "routing": STR,
         "prompt_cache": _obj({"blocks": INT, "matched": INT, "prompt_tokens": INT, "cached_tokens": INT,
                               "estimated_hit_ratio": NNUM, "engine_hit_ratio": NNUM}),
+        "engine_queue": {**_obj({"running": INT, "waiting": INT, "replicas": INT}), "nullable": True},
         "profiles": _arr(_s("object")), "file": STR,
     }),
     "Replica": _obj({

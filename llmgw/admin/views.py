@@ -87,7 +87,8 @@ def _free(inventory: Inventory, replicas: Sequence[Replica]) -> dict[NodeId, Nod
 
 
 def model_view(model: Model, replicas: Sequence[Replica], unplaced: Mapping[str, int],
-               prompt_cache: Mapping[str, PromptCache] | None = None) -> dict[str, Any]:
+               prompt_cache: Mapping[str, PromptCache] | None = None,
+               engine_queue: Mapping[str, tuple[int, int]] | None = None) -> dict[str, Any]:
     mine = [r for r in replicas if r.model == model.name]
     cache = (prompt_cache or {}).get(model.name, PromptCache())
     return {
@@ -107,6 +108,7 @@ def model_view(model: Model, replicas: Sequence[Replica], unplaced: Mapping[str,
         # Since each router started; a ratio is null until there is something to divide.
         "prompt_cache": {**cache.to_json(), "estimated_hit_ratio": cache.estimated_hit_ratio,
                          "engine_hit_ratio": cache.engine_hit_ratio},
+        "engine_queue": _model_queue(mine, engine_queue or {}),
         "profiles": [
             {"name": p.name, "priority": p.priority, "engine": p.engine, "gpus": p.gpus, "nodes": p.nodes,
              "gpu_class": list(p.gpu_class), "pool": p.pool, "fabric": p.fabric}
@@ -116,11 +118,22 @@ def model_view(model: Model, replicas: Sequence[Replica], unplaced: Mapping[str,
     }
 
 
+def _model_queue(mine: Sequence[Replica], queue: Mapping[str, tuple[int, int]]) -> dict[str, int] | None:
+    """Running and waiting summed over the model's replicas whose engine reports them; null when
+    none does (so "no figure" never reads as "idle")."""
+    known = [queue[r.id] for r in mine if r.id in queue]
+    if not known:
+        return None
+    return {"running": sum(q[0] for q in known), "waiting": sum(q[1] for q in known), "replicas": len(known)}
+
+
 def models_view(catalog: Catalog | None, replicas: Sequence[Replica], unplaced: Mapping[str, int],
-                prompt_cache: Mapping[str, PromptCache] | None = None) -> list[dict]:
+                prompt_cache: Mapping[str, PromptCache] | None = None,
+                engine_queue: Mapping[str, tuple[int, int]] | None = None) -> list[dict]:
     if catalog is None:
         return []
-    return [model_view(m, replicas, unplaced, prompt_cache) for m in sorted(catalog.models, key=lambda m: m.name)]
+    return [model_view(m, replicas, unplaced, prompt_cache, engine_queue)
+            for m in sorted(catalog.models, key=lambda m: m.name)]
 
 
 def replica_view(

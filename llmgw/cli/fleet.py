@@ -128,14 +128,14 @@ def models(args: argparse.Namespace, client: Client, console: Console) -> int:
         print_json(console, data)
         return 0
     t = _table("models", ["MODEL", "ALIASES", "READY", "MIN-MAX", "PROFILES", "FALLBACKS", "ROUTING", "CACHE HITS",
-                          "SOURCE"])
+                          "QUEUE", "SOURCE"])
     for m in data:
         ready = f"{m['ready_replicas']}/{m['total_replicas']}" + (
             f" ({m['unplaced_replicas']} unplaced)" if m["unplaced_replicas"] else "")
         profiles = ", ".join(f"{p['name']}:{p['engine']}x{p['gpus']}" for p in m["profiles"])
         t.add_row(_e(m["name"]), _e(", ".join(m["aliases"])), ready, f"{m['min_replicas']}-{m['max_replicas']}",
                   _e(profiles), _e(", ".join(m["fallbacks"])), _e(m.get("routing", "")),
-                  _hits(m.get("prompt_cache") or {}), _e(m["source"]))
+                  _hits(m.get("prompt_cache") or {}), _queue(m.get("engine_queue")), _e(m["source"]))
     console.print(t)
     return 0
 
@@ -145,6 +145,13 @@ def _hits(cache: dict[str, Any]) -> str:
     def pct(v: Any) -> str:
         return "-" if not isinstance(v, int | float) else f"{v:.0%}"
     return f"est {pct(cache.get('estimated_hit_ratio'))} / engine {pct(cache.get('engine_hit_ratio'))}"
+
+
+def _queue(q: Any) -> str:
+    """'2 running, 5 waiting' summed over the replicas whose engines report it; '-' when none does."""
+    if not isinstance(q, dict):
+        return "-"
+    return f"{q.get('running', 0)} running, {q.get('waiting', 0)} waiting"
 
 
 def _write(args: argparse.Namespace, client: Client, console: Console, method: str, path: str, body: Any) -> int:

@@ -26,6 +26,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -54,9 +55,19 @@ log = logging.getLogger(__name__)
 
 MAX_REPORTED_MODELS = 10_000
 MAX_REPORTED_REPLICAS = 10_000
-# One router's last report: when, last use per replica, demand and prompt-cache counts per model,
-# and what its process measured of each replica ({instance: {replica id: stats}}, empty or one).
-Report = tuple[float, dict[str, float], dict[str, Demand], dict[str, PromptCache], dict[str, dict[str, ReplicaStats]]]
+
+
+@dataclass(frozen=True)
+class Report:
+    """One router's last report, and when it came."""
+
+    at: float
+    last_used: dict[str, float]  # per replica
+    demand: dict[str, Demand]  # per model
+    prompt_cache: dict[str, PromptCache]  # per model
+    replica_stats: dict[str, dict[str, ReplicaStats]]  # {instance: {replica id: stats}}, empty or one
+    in_flight: dict[str, int]  # per replica, withdrawn ones included until their requests end
+    applied: int | None  # the snapshot version it serves from; None: a router from before drains
 
 
 class FeedHub:
@@ -77,6 +88,9 @@ class FeedHub:
         self._line: bytes | None = None
         self._changes = Changes()
         self._reports: dict[str, Report] = {}
+        # Replicas taken out of the endpoint list, with the version that took them out: until
+        # every router serves from that version, one may still send them a request.
+        self._withdrawn: dict[str, int] = {}
         self.ledger: UsageLedger | None = None  # the controller's store; without it no batch is acknowledged
         self.budgets: BudgetBook | None = None  # what budgets used this period, for the routers
         self.local_routers = local_routers  # routers in the controller's own process
@@ -95,8 +109,14 @@ class FeedHub:
         """Endpoint sink: the ready replicas."""
         eps = [e.to_json() for e in endpoints]
         if eps != self._endpoints:
+            before = {e["replica_id"] for e in self._endpoints or ()}
             self._endpoints = eps
             self._publish()
+            now = {e["replica_id"] for e in eps}
+            for rid in before - now:
+                self._withdrawn[rid] = self.version
+            for rid in now:
+                self._withdrawn.pop(rid, None)
 
     def set_unrunnable(self, reasons: Mapping[str, str]) -> None:
         """Models no node can run, with the reason: routers answer them at once."""
@@ -155,8 +175,8 @@ class FeedHub:
     # --- usage: the reconciler's side ---------------------------------------------------
     def last_used(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for _, used, _, _, _ in self._live_reports():
-            for rid, t in used.items():
+        for r in self._live_reports():
+            for rid, t in r.last_used.items():
                 if t > out.get(rid, 0.0):
                     out[rid] = t
         return out
@@ -164,8 +184,8 @@ class FeedHub:
     def demand(self) -> dict[str, Demand]:
         held: dict[str, int] = {}
         inflight: dict[str, int] = {}
-        for _, _, dem, _, _ in self._live_reports():
-            for model, d in dem.items():
+        for r in self._live_reports():
+            for model, d in r.demand.items():
                 held[model] = held.get(model, 0) + d.held
                 inflight[model] = inflight.get(model, 0) + d.inflight
         return {m: Demand(held=held[m], inflight=inflight[m]) for m in held}
@@ -173,8 +193,8 @@ class FeedHub:
     def prompt_cache(self) -> dict[str, PromptCache]:
         """Summed over the routers heard from (each counts since it started)."""
         out: dict[str, PromptCache] = {}
-        for _, _, _, cache, _ in self._live_reports():
-            for model, c in cache.items():
+        for r in self._live_reports():
+            for model, c in r.prompt_cache.items():
                 out[model] = out.get(model, PromptCache()) + c
         return out
 
@@ -182,18 +202,40 @@ class FeedHub:
         """Per router process heard from within ``report_ttl``, per replica: what it measured since
         it started (cumulative, as last reported)."""
         out: dict[str, dict[str, ReplicaStats]] = {}
-        for *_, stats in self._live_reports():
-            out.update(stats)
+        for r in self._live_reports():
+            out.update(r.replica_stats)
         return out
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests the routers heard from have in flight per replica, summed; a replica withdrawn
+        from the endpoint list counts one more for each router not yet serving without it (its
+        report says an older version: it may still send one)."""
+        out: dict[str, int] = {}
+        reports = self._live_reports()
+        for r in reports:
+            for rid, n in r.in_flight.items():
+                out[rid] = out.get(rid, 0) + n
+        for rid, version in list(self._withdrawn.items()):
+            behind = sum(1 for r in reports if r.applied is not None and r.applied < version)
+            if behind:
+                out[rid] = out.get(rid, 0) + behind
+            elif rid not in out:
+                del self._withdrawn[rid]  # every router serves without it and has nothing on it
+        return out
+
+    def engine_queue(self) -> dict[str, tuple[int, int]]:
+        """Nothing: standalone routers do not report it; the controller's own router reads every
+        replica's engine (the engine counts every client's requests, so one reading is the figure)."""
+        return {}
 
     def routers(self) -> dict[str, float]:
         """Routers heard from within ``report_ttl``, with the time of their last report."""
         self._live_reports()
-        return {rid: r[0] for rid, r in self._reports.items()}
+        return {rid: r.at for rid, r in self._reports.items()}
 
     def _live_reports(self) -> list[Report]:
         cutoff = self.clock() - self.report_ttl
-        for rid in [rid for rid, r in self._reports.items() if r[0] < cutoff]:
+        for rid in [rid for rid, r in self._reports.items() if r.at < cutoff]:
             del self._reports[rid]  # a router that stopped reporting is gone: its demand with it
         return list(self._reports.values())
 
@@ -242,6 +284,10 @@ class FeedHub:
             if len(cache) > MAX_REPORTED_MODELS:
                 raise ValueError(f"{len(cache)} models in one report (at most {MAX_REPORTED_MODELS})")
             stats = _replica_stats(data.get("replica_stats"))
+            in_flight = _in_flight(data.get("in_flight"))
+            applied = data.get("applied_version")
+            if applied is not None and type(applied) is not int:
+                raise TypeError(f"applied_version must be a whole number, got {applied!r}")
         except KeyError as exc:
             # The admin API's error shape ({"error": "..."}), not the OpenAI one: this is an admin route.
             return web.json_response({"error": f"malformed router report: {exc.args[0]} is missing"}, status=400)
@@ -261,7 +307,7 @@ class FeedHub:
                 rejected = seq if type(seq) is int else None
                 log.error("usage ledger: a batch from router %s was refused and is lost (%s)", router_id,
                           f"missing {exc.args[0]}" if isinstance(exc, KeyError) else exc)
-        self._reports[router_id] = (self.clock(), used, dem, cache, stats)
+        self._reports[router_id] = Report(self.clock(), used, dem, cache, stats, in_flight, applied)
         if self.wake is not None:
             for model, d in dem.items():
                 if d.held > 0:
@@ -279,6 +325,22 @@ class FeedHub:
                 log.warning("usage ledger: could not record a batch from %s (%s)", router_id, exc)
         answer.update(self.spent())  # with its own batch in them
         return web.json_response(answer)
+
+
+def _in_flight(d: Any) -> dict[str, int]:
+    """A report's ``in_flight`` (``{replica id: requests}``); nothing when absent (an older router)."""
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise TypeError(f"in_flight must be an object, got {type(d).__name__}")
+    if len(d) > MAX_REPORTED_REPLICAS:
+        raise ValueError(f"{len(d)} replicas in one report's in_flight (at most {MAX_REPORTED_REPLICAS})")
+    out = {}
+    for rid, n in d.items():
+        if type(n) is not int or not 0 <= n < 2 ** 31:
+            raise ValueError(f"in_flight of {rid!r} must be a whole number of requests, got {n!r}")
+        out[wire_str(rid)] = n
+    return out
 
 
 def _replica_stats(d: Any) -> dict[str, dict[str, ReplicaStats]]:
@@ -352,6 +414,25 @@ class MergedUsage:
         for s in self.sources:
             for m, c in s.prompt_cache().items():
                 out[m] = out.get(m, PromptCache()) + c
+        return out
+
+    def engine_queue(self) -> dict[str, tuple[int, int]]:
+        """The first source's reading of each replica: an engine's own count is every client's,
+        so readings are not summed."""
+        out: dict[str, tuple[int, int]] = {}
+        for s in self.sources:
+            read = getattr(s, "engine_queue", None)
+            for rid, q in (read() if read is not None else {}).items():
+                out.setdefault(rid, q)
+        return out
+
+    def in_flight(self) -> dict[str, int]:
+        """Summed over the sources (each router counts its own requests)."""
+        out: dict[str, int] = {}
+        for s in self.sources:
+            read = getattr(s, "in_flight", None)
+            for rid, n in (read() if read is not None else {}).items():
+                out[rid] = out.get(rid, 0) + n
         return out
 
     def replica_stats(self) -> dict[str, dict[str, ReplicaStats]]:

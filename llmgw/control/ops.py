@@ -83,6 +83,9 @@ class FleetOps:
     def prompt_cache(self) -> Mapping[str, PromptCache]:
         return self._c.reconciler.usage.prompt_cache()
 
+    def engine_queue(self) -> Mapping[str, tuple[int, int]]:
+        return self._c.reconciler.usage.engine_queue()
+
     def snapshot(self) -> FleetSnapshot:
         """The fleet as `llmgw inventory export` writes it (the input of a plan)."""
         return FleetSnapshot(self.inventory(), tuple(self.replicas()), time.time())

@@ -19,4 +19,7 @@ class ReconcilerConfig:
     start_timeout: float = 900.0
     probe_timeout: float = 10.0
     stop_grace: float = 10.0
+    # Seconds a replica withdrawn from the routers keeps its engine while requests on it finish
+    # (a stream cut by a scale-down or a rollout is a failed answer the client cannot retry).
+    drain_timeout: float = 30.0
     concurrency: int = 32

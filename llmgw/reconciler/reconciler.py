@@ -274,14 +274,39 @@ class Reconciler:
         # node is ours. Adopted engines are probed meanwhile (HTTP to the engine, no command): the
         # router serves them again at once instead of after the grace.
         waiting = {n.id for n in inventory.nodes.values() if n.state == NodeState.HANDOVER}
-        current = [r for r in self.replicas.values()
-                   if (r.state == ReplicaState.STARTING and r.adopted) or not waiting.intersection(r.nodes)]
+        draining = self._draining()
+        current = [r for r in self.replicas.values() if r.id not in draining and (
+                   (r.state == ReplicaState.STARTING and r.adopted) or not waiting.intersection(r.nodes))]
         results = await asyncio.gather(*(one(r) for r in current))
         for r in results:
             if r.state == ReplicaState.STOPPED:
                 self.replicas.pop(r.id, None)
             elif r.id in self.replicas:
                 self.replicas[r.id] = r
+
+    def _draining(self) -> set[str]:
+        """Replicas on their way out whose engine is kept a while: withdrawn from the routers (the
+        tick published the list without them before this), with requests still in flight on them
+        or a router not yet serving without them. Stopped at once when nothing is left, at
+        ``drain_timeout`` whatever is (an event says how many were cut)."""
+        stopping = [r for r in self.replicas.values() if r.state == ReplicaState.STOPPING]
+        if not stopping:
+            return set()
+        read = getattr(self.usage, "in_flight", None)
+        in_flight = read() if read is not None else {}
+        now = self.clock()
+        out = set()
+        for r in stopping:
+            n = in_flight.get(r.id, 0)
+            if n <= 0:
+                continue
+            if now - r.state_since < self.config.drain_timeout:
+                out.add(r.id)
+            else:
+                self.store.add_event("replica-drain-timeout", r.id,
+                                     f"{r.model}: {n} request(s) still in flight after drain_timeout "
+                                     f"{self.config.drain_timeout:g}s; stopping it anyway")
+        return out
 
     def _save(self) -> None:
         """Persist the replica records, only when they changed (a tick usually changes nothing)."""

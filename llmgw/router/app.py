@@ -98,6 +98,9 @@ class Router:
         self._budget = RetryBudget()
         self._handlers: set[asyncio.Task[object]] = set()  # requests being routed, for the drain
         self._retired: list[Origin] = []
+        # Replicas taken out of the table with requests still in flight: the controller waits
+        # for those to end before it stops the engine (in_flight), so it must still see them.
+        self._leaving: dict[str, Upstream] = {}
         self._pool: UpstreamPool | None = None
         self._load_session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
@@ -169,9 +172,13 @@ class Router:
         old = current.table
         current.table = build_table(endpoints, old)
         gone = set(old.upstreams) - set(current.table.upstreams)
+        for rid in [rid for rid, u in self._leaving.items() if u.inflight <= 0]:
+            del self._leaving[rid]  # ended: bounded by what is in flight, whoever asks in_flight
         if gone:
             self.metrics.forget_replicas(gone)
             for rid in gone:
+                if old.upstreams[rid].inflight > 0:
+                    self._leaving[rid] = old.upstreams[rid]
                 origin = old.upstreams[rid].origin
                 origin.retired = True  # its connections close as they come back...
                 self._retired.append(origin)  # ...and the idle ones at the next sweep
@@ -187,6 +194,22 @@ class Router:
     def last_used(self) -> dict[str, float]:
         """Usage source: unix time each replica last had a request start or finish."""
         return dict(self._accounting.last_used)
+
+    def in_flight(self) -> dict[str, int]:
+        """Usage source: this router's requests in flight per replica, those of replicas already
+        withdrawn from the table included until they end."""
+        table = self.table
+        out = {rid: u.inflight for rid, u in table.upstreams.items() if u.inflight > 0}
+        for rid, u in list(self._leaving.items()):
+            if u.inflight <= 0 or table.upstreams.get(rid) is u:
+                del self._leaving[rid]
+            else:
+                out[rid] = out.get(rid, 0) + u.inflight
+        return out
+
+    def engine_queue(self) -> dict[str, tuple[int, int]]:
+        """Usage source: (running, waiting) per replica as its engine last reported (:mod:`llmgw.router.load`)."""
+        return {rid: u.engine_load for rid, u in self.table.upstreams.items() if u.engine_load is not None}
 
     def demand(self) -> dict[str, Demand]:
         """Usage source: held and in-flight requests per model (see :mod:`llmgw.router.demand`)."""

@@ -198,7 +198,7 @@ class FeedClient:
 
     async def _report_once(self) -> None:
         assert self._session is not None
-        payload = {
+        payload: dict[str, Any] = {
             "router_id": self.router_id,
             "last_used": self.router.last_used(),
             "demand": {m: {"held": d.held, "inflight": d.inflight} for m, d in self.router.demand().items()},
@@ -207,7 +207,12 @@ class FeedClient:
             # when it restarted (its counters began again), so differences never go negative.
             "replica_stats": {"instance": self.router.instance_id, "replicas": {
                 rid: s.to_json() for rid, s in self.router.replica_stats()[self.router.instance_id].items()}},
+            # What the controller waits for before it stops a withdrawn replica's engine: none of
+            # this router's requests on it, and this router serving from the list without it.
+            "in_flight": self.router.in_flight(),
         }
+        if type(self.version) is int:
+            payload["applied_version"] = self.version
         outbox = self.router.usage_outbox
         batch = outbox.take()
         if batch is not None:

@@ -28,10 +28,7 @@ import aiohttp
 import openai
 import pytest
 
-from llmgw.contract import Endpoint
 from llmgw.engines.health import read_load, scan_samples
-from llmgw.router.load import read_queue
-from llmgw.router.table import Upstream
 from tests.conftest import git
 from tests.e2e.processes import LLMGW, free_port, start, stop, wait_for
 from tests.fixtures.sshd_fleet import MARKER_ENV, agent_config
@@ -42,6 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 TOKEN = "vllm-admin-token"
 STOP_GRACE = 10  # seconds the agent waits after SIGTERM before SIGKILL (the reconciler default)
+DRAIN = 30  # seconds a withdrawn replica's answers in flight may take (the reconciler default)
 
 
 def vllm_build() -> Path | None:
@@ -216,27 +214,47 @@ def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_cle
             (total, before, after)
         assert engine_generated == 12 + 24 + 2 + 2
 
-        # Queue depth: while a long stream runs, llmgw's reading of vLLM's /metrics counts it,
-        # the router's own (what it weighs replicas by) and the engine-level one alike.
-        up = Upstream(Endpoint(r["id"], "smollm2-vllm", ("smollm2-vllm",), endpoint, "vllm", "cpu", 0))
+        # vLLM's own refusal reaches the client as the 400 it is, with its message (the client's
+        # request is wrong; another replica would say the same, so it is not retried, nor a 502).
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="smolv", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=5000)
+        assert refused.value.status_code == 400 and "2048" in refused.value.message, refused.value.message
+
+        # Queue depth: while a long stream runs, vLLM's /metrics counts it, and so do `llmgw models`
+        # (the router's reading of those metrics, what it weighs replicas by) and the router's gauge.
         loads: list[Any] = []
 
         def read_load_during_stream() -> None:
             async def go() -> None:
                 async with aiohttp.ClientSession() as session:
                     for _ in range(200):
-                        queue = await read_queue(session, up)
+                        [m] = cli(admin_url, "models")
                         load = await read_load(session, endpoint, "vllm")
-                        loads.append((queue, load))
-                        if queue and queue[0] >= 1 and load and load.running >= 1:
+                        gauge = _router_gauge(router, "running")
+                        loads.append((m["engine_queue"], load, gauge))
+                        if m["engine_queue"] and m["engine_queue"]["running"] >= 1 and load and load.running >= 1 \
+                                and gauge is not None and gauge >= 1:
                             return
                         await asyncio.sleep(0.05)
 
             asyncio.run(go())
 
-        # Stopped with a stream in flight: the model removed in git, the replica withdrawn and
-        # stopped. vLLM ends the stream itself and exits on SIGTERM within the grace, so the agent
-        # never kills it.
+        # Stopped with two streams in flight: the model removed in git, the replica withdrawn from
+        # the router at once and its engine kept while they run (the drain), up to drain_timeout.
+        # The short one ends whole; the long one (over a minute) is still going at the drain's end,
+        # and is cut by the stop.
+        short: list[Any] = []
+
+        def consume_short() -> None:
+            try:
+                for chunk in client.chat.completions.create(
+                        model="smolv", messages=[{"role": "user", "content": "Count to fifty."}], max_tokens=30,
+                        stream=True, extra_body={"ignore_eos": True}):
+                    short.append(chunk)
+            except openai.APIError as exc:
+                short.append(exc)
+
         stream = client.chat.completions.create(
             model="smolv", messages=[{"role": "user", "content": "Tell a very long story."}],
             max_tokens=1500, stream=True, extra_body={"ignore_eos": True})
@@ -258,14 +276,25 @@ def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_cle
         consumer.start()
         wait_for(lambda: len(received) >= 3 and not reader.is_alive() and reader.ident is not None, 120,
                  "the queue read during the stream", proc)
-        assert any(q and q[0] >= 1 and load and load.running >= 1 for q, load in loads), loads
+        assert any(q and q["running"] >= 1 and q["replicas"] == 1 and load and load.running >= 1 and g and g >= 1
+                   for q, load, g in loads), loads
         assert not ended.is_set()
 
+        short_consumer = threading.Thread(target=consume_short, daemon=True)
+        short_consumer.start()
+        wait_for(lambda: len(short) >= 2, 60, "the short stream under way", proc)
         stop_asked = time.monotonic()
         (repo / "models" / "smollm2-vllm.yaml").unlink()
         git(repo, "commit", "-qam", "Retire SmolLM2 on vLLM\n\nLlmgw-Allow-Prune: yes")
         admin(admin_url, "/api/v1/sync", "POST", {})
-        assert ended.wait(STOP_GRACE + 60), "the stream in flight never ended"
+        short_consumer.join(DRAIN + 30)
+        assert not isinstance(short[-1], Exception), short[-1]
+        # All 30 tokens: a stream the stop cut would end "abort", with an error, or without a reason.
+        assert [c.choices[0].finish_reason for c in short if c.choices and c.choices[0].finish_reason] == ["length"]
+        assert ended.wait(DRAIN + STOP_GRACE + 60), "the stream in flight never ended"
+        [timeout] = wait_for(lambda: [e for e in admin(admin_url, "/api/v1/events?limit=500")
+                                      if e["kind"] == "replica-drain-timeout"], 30, "the drain-timeout event", proc)
+        assert "1 request(s) still in flight" in timeout["message"], timeout
         wait_for(lambda: admin(admin_url, "/api/v1/replicas") == [], 120, "the replica stopped", proc)
         print(f"stopped {time.monotonic() - stop_asked:.1f} s after the commit, {len(received)} chunks streamed")
         # The client's stream ended, with what it can read as an end: vLLM 0.32's own, by a race
@@ -294,6 +323,15 @@ def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_cle
         stop(proc, signal.SIGTERM, timeout=60)
         for pid in _vllm_processes(node.dir):
             os.kill(pid, signal.SIGKILL)
+
+
+def _router_gauge(router_v1: str, state: str) -> float | None:
+    """The controller's router's ``llmgw_router_engine_requests{state=...}`` for the one replica."""
+    with urllib.request.urlopen(router_v1.removesuffix("/v1") + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("llmgw_router_engine_requests{") and f'state="{state}"' in line]
+    return sum(values) if values else None
 
 
 def _vllm_processes(node_dir: Path) -> list[int]:

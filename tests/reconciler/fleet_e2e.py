@@ -67,6 +67,9 @@ class Recorder:
     def replica_stats(self) -> Mapping[str, Mapping[str, ReplicaStats]]:
         return {}
 
+    def engine_queue(self) -> Mapping[str, tuple[int, int]]:
+        return {}
+
 
 @dataclass
 class CatalogRepo:

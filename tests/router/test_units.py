@@ -11,7 +11,7 @@ import pytest
 
 from llmgw.catalog.model import Catalog
 from llmgw.contract import Demand, catalog_view, endpoint_from_json
-from llmgw.control.feed import Fanout, FeedHub, MergedUsage
+from llmgw.control.feed import Fanout, FeedHub, MergedUsage, Report
 from llmgw.engines.health import LOAD_METRICS, parse_load
 from llmgw.errors import ConfigError
 from llmgw.router import KeyRing, Router, catalog_from_view, hash_key
@@ -255,10 +255,10 @@ def test_demand_for_a_primary_lingers_until_it_has_a_replica() -> None:
 def test_hub_merges_reports_and_forgets_silent_routers() -> None:
     clock = Clock()
     hub = FeedHub(clock=clock, report_ttl=30)
-    hub._reports["r1"] = (clock.now, {"a": 5.0, "b": 9.0}, {"m": Demand(held=1, inflight=2)}, {}, {})
+    hub._reports["r1"] = Report(clock.now, {"a": 5.0, "b": 9.0}, {"m": Demand(held=1, inflight=2)}, {}, {}, {}, None)
     clock.now += 20
-    hub._reports["r2"] = (clock.now, {"a": 7.0}, {"m": Demand(held=0, inflight=3), "n": Demand(inflight=1)}, {},
-                          {})
+    hub._reports["r2"] = Report(clock.now, {"a": 7.0}, {"m": Demand(held=0, inflight=3), "n": Demand(inflight=1)},
+                                {}, {}, {}, None)
     assert hub.last_used() == {"a": 7.0, "b": 9.0}
     assert hub.demand() == {"m": Demand(held=1, inflight=5), "n": Demand(held=0, inflight=1)}
     clock.now += 15

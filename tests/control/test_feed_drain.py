@@ -1,0 +1,92 @@
+"""What the controller waits for before it stops a withdrawn replica's engine (the drain): requests
+the routers have in flight on it, and routers not yet serving without it. A real FeedHub on a real
+port, real Routers following it, a real simulated engine streaming, the real openai client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmgw.catalog.model import Catalog
+from llmgw.control.feed import MAX_REPORTED_REPLICAS, FeedHub, MergedUsage
+from llmgw.engines.testing import SimProcess
+from llmgw.router import FeedClient, Router
+from tests.control.test_feed_replica_stats import HELLO, Clock, hub_served, post, until
+from tests.router.conftest import TOKEN, client, endpoint, serving
+from tests.router.fake_controller import model
+
+
+def report(router_id: str, **extra: Any) -> dict[str, Any]:
+    return {"router_id": router_id, "last_used": {}, "demand": {}, **extra}
+
+
+async def test_a_withdrawn_replica_counts_for_each_router_still_serving_an_older_list() -> None:
+    hub = FeedHub(clock=Clock(), report_ttl=30)
+    hub.set_catalog(Catalog(models=(model("chat"),)))
+    hub.set_endpoints([endpoint("chat", "http://127.0.0.1:1", "a"), endpoint("chat", "http://127.0.0.1:2", "b")])
+    before = hub.version
+    async with hub_served(hub) as url:
+        for rid in ("r1", "r2"):
+            assert (await post(url, report(rid, in_flight={"a": 1}, applied_version=before)))[0] == 200
+        assert hub.in_flight() == {"a": 2}
+        hub.set_endpoints([endpoint("chat", "http://127.0.0.1:2", "b")])  # "a" withdrawn
+        # Both routers still on the list with "a" in it: each may send it one more.
+        assert hub.in_flight() == {"a": 4}
+        assert (await post(url, report("r1", in_flight={"a": 1}, applied_version=hub.version)))[0] == 200
+        assert hub.in_flight() == {"a": 3}
+        assert (await post(url, report("r2", in_flight={}, applied_version=hub.version)))[0] == 200
+        assert (await post(url, report("r1", in_flight={}, applied_version=hub.version)))[0] == 200
+        assert hub.in_flight() == {}
+        # A router from before drains (no version in its report) holds nothing up.
+        hub.set_endpoints([])
+        assert (await post(url, report("r3")))[0] == 200
+        assert hub.in_flight() == {"b": 2}  # r1 and r2 behind; r3 says nothing
+
+
+async def test_malformed_in_flight_or_version_is_refused_clearly_and_nothing_is_kept() -> None:
+    hub = FeedHub()
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"in_flight": ["a"]}, "in_flight must be an object"),
+        ({"in_flight": {"a": -1}}, "in_flight of 'a' must be a whole number"),
+        ({"in_flight": {"a": 1.5}}, "in_flight of 'a' must be a whole number"),
+        ({"in_flight": {"a": True}}, "in_flight of 'a' must be a whole number"),
+        ({"in_flight": {str(n): 1 for n in range(MAX_REPORTED_REPLICAS + 1)}}, f"at most {MAX_REPORTED_REPLICAS}"),
+        ({"applied_version": "7"}, "applied_version must be a whole number"),
+    ]
+    async with hub_served(hub) as url:
+        for extra, words in cases:
+            status, body = await post(url, report("r1", **extra))
+            assert status == 400 and body["error"].startswith("malformed router report: "), body
+            assert words in body["error"], (words, body)
+    assert hub.routers() == {} and hub.in_flight() == {}
+
+
+async def test_a_standalone_routers_stream_on_a_withdrawn_replica_is_in_flight_until_it_ends() -> None:
+    catalog = Catalog(models=(model("chat"),))
+    with SimProcess("chat", "--tokens-per-second", "20") as sim:
+        eps = [endpoint("chat", sim.endpoint, "chat-g1")]
+        hub = FeedHub(keepalive=0.2)
+        hub.set_catalog(catalog)
+        hub.set_endpoints(eps)
+        standalone, local = Router(), Router()
+        local.set_catalog(catalog)
+        local.set_endpoints(eps)
+        merged = MergedUsage(local, hub)
+        async with hub_served(hub) as url, serving(standalone) as base:
+            feed = FeedClient(standalone, url, TOKEN, router_id="r1", report_interval=0.2, backoff_max=0.3)
+            await feed.start()
+            try:
+                await until(lambda: standalone.table.has("chat"))
+                async with client(base) as c:
+                    stream = await c.chat.completions.create(model="chat", messages=HELLO, max_tokens=40,
+                                                             stream=True)
+                    chunks = [await anext(aiter(stream))]
+                    await until(lambda: merged.in_flight() == {"chat-g1": 1})
+                    hub.set_endpoints([])  # withdrawn, as the reconciler does before it stops anything
+                    local.set_endpoints([])
+                    await until(lambda: not standalone.table.has("chat"))
+                    chunks += [chunk async for chunk in stream]
+                    assert chunks[-1].choices[0].finish_reason == "length"  # the withdrawal cut nothing
+                    assert merged.in_flight() in ({"chat-g1": 1}, {})  # the last report may predate the end
+                    await until(lambda: merged.in_flight() == {})
+            finally:
+                await feed.close()

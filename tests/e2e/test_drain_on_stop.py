@@ -1,0 +1,179 @@
+"""A replica on its way out finishes what it is answering: real `llmgw controller` and a
+standalone `llmgw router`, both streaming from the one replica when the model is retired in git.
+
+Before, the engine was stopped in the tick that withdrew it: every stream in flight was cut (a
+failed answer no client can retry), through a scale-down, a rollout or a retirement alike. Now the
+controller waits until no router has a request on it and every router serves without it, up to
+``drain_timeout``, then stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from llmgw.control.up import prepare
+from tests.conftest import git
+from tests.e2e.processes import SIM_CHAT_MODEL_YAML, free_port, local_node_yaml, start, stop, wait_for
+from tests.e2e.test_up import processes_under
+
+pytestmark = pytest.mark.slow
+TOKEN = "drain-admin-token"
+TOKENS = 60
+# 10 tokens a second: each stream runs ~6 s, longer than the stop grace the agent allows.
+PACED = SIM_CHAT_MODEL_YAML + '    args: ["--tokens-per-second", "10"]\n'
+
+
+def api(admin: str, path: str, method: str = "GET") -> Any:
+    req = urllib.request.Request(admin + path, method=method, data=b"{}" if method == "POST" else None,
+                                 headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def setup(tmp_path: Path, *, drain: str, grace: str = "3s") -> tuple[Path, Path, dict[str, str]]:
+    source = tmp_path / "catalog-src"
+    (source / "models").mkdir(parents=True)
+    (source / "llmgw.yaml").write_text("pools:\n  - name: local\n")
+    (source / "nodes.yaml").write_text(local_node_yaml(1))
+    (source / "models" / "sim-chat.yaml").write_text(PACED)
+    data = tmp_path / "state"
+    router_port, admin_port = free_port(), free_port()
+    up = prepare(data, catalog=source, router_port=router_port, admin_port=admin_port)
+    config = tmp_path / "controller.yaml"
+    config.write_text(json.dumps({
+        "repo": up.controller.repo, "data_dir": str(up.controller.data_dir),
+        "local_agent_config": str(up.controller.local_agent_config),
+        "listen": {"router": f"127.0.0.1:{router_port}", "admin": f"127.0.0.1:{admin_port}"},
+        "admin_token": TOKEN,
+        "reconciler": {"tick_interval": "300ms", "stop_grace": grace, "drain_timeout": drain},
+    }))
+    return config, Path(up.controller.repo), {"router": f"http://127.0.0.1:{router_port}",
+                                              "admin": f"http://127.0.0.1:{admin_port}"}
+
+
+class Stream(threading.Thread):
+    """One streamed answer, consumed as it comes: its chunks, how it ended."""
+
+    def __init__(self, base: str, max_tokens: int = TOKENS) -> None:
+        super().__init__(daemon=True)
+        self.client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=120, max_retries=0)
+        self.max_tokens = max_tokens
+        self.chunks: list[Any] = []
+        self.error: Exception | None = None
+        self.ended_at: float | None = None
+
+    def run(self) -> None:
+        try:
+            for chunk in self.client.chat.completions.create(
+                    model="chat", messages=[{"role": "user", "content": "a long one"}], max_tokens=self.max_tokens,
+                    stream=True):
+                self.chunks.append(chunk)
+        except openai.APIError as exc:
+            self.error = exc
+        self.ended_at = time.monotonic()
+
+    @property
+    def tokens(self) -> int:
+        return len([c for c in self.chunks if c.choices and c.choices[0].delta.content])
+
+    @property
+    def finish(self) -> list[str]:
+        return [c.choices[0].finish_reason for c in self.chunks if c.choices and c.choices[0].finish_reason]
+
+
+def retire(repo: Path, admin: str) -> None:
+    git(repo, "rm", "-q", "models/sim-chat.yaml")
+    git(repo, "commit", "-qm", "Retire sim-chat\n\nLlmgw-Allow-Prune: yes")
+    api(admin, "/api/v1/sync", "POST")
+
+
+def replica_states(admin: str) -> list[str]:
+    return [r["state"] for r in api(admin, "/api/v1/replicas")]
+
+
+def events(admin: str, kind: str) -> list[dict]:
+    return [e for e in api(admin, "/api/v1/events?limit=200") if e["kind"] == kind]
+
+
+def cleanup(procs: list, data: Path) -> None:
+    for p in procs:
+        stop(p, signal.SIGTERM, timeout=60)
+    for pid in processes_under(data):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_streams_in_flight_on_both_routers_finish_before_the_engine_stops(tmp_path: Path) -> None:
+    config, repo, url = setup(tmp_path, drain="120s")
+    controller = start(["controller", "--config", str(config)], tmp_path / "controller.log")
+    procs = [controller]
+    try:
+        own = free_port()
+        wait_for(lambda: replica_states(url["admin"]) == ["ready"], 90, "the replica ready", controller)
+        router = start(["router", "--controller", url["admin"], "--listen", f"127.0.0.1:{own}"],
+                       tmp_path / "router.log", env={"LLMGW_ADMIN_TOKEN": TOKEN})
+        procs.insert(0, router)
+        standalone = f"http://127.0.0.1:{own}"
+        client = openai.OpenAI(base_url=standalone + "/v1", api_key="unused", timeout=20, max_retries=0)
+        def lists_chat() -> bool:
+            try:
+                return any(m.id == "chat" for m in client.models.list().data)
+            except openai.APIConnectionError:
+                return False  # not listening yet
+
+        wait_for(lists_chat, 60, "the standalone router", router)
+
+        streams = [Stream(url["router"]), Stream(standalone)]
+        for s in streams:
+            s.start()
+        wait_for(lambda: all(s.tokens >= 3 for s in streams), 60, "both streams under way", controller)
+        retire(repo, url["admin"])
+        # Withdrawn at once: neither router sends it anything new...
+        wait_for(lambda: replica_states(url["admin"]) == ["stopping"], 30, "the replica stopping", controller)
+        refused = openai.OpenAI(base_url=url["router"] + "/v1", api_key="unused", timeout=20, max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            refused.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}])
+        # ...while what it was answering goes on: still stopping while both streams run.
+        assert all(s.ended_at is None for s in streams), [(s.tokens, s.error) for s in streams]
+        assert replica_states(url["admin"]) == ["stopping"]
+        for s in streams:
+            s.join(60)
+        for s in streams:
+            assert s.error is None and s.tokens == TOKENS and s.finish == ["length"], (s.tokens, s.error, s.finish)
+        wait_for(lambda: replica_states(url["admin"]) == [], 30, "the replica stopped after the streams", controller)
+        assert not events(url["admin"], "replica-drain-timeout")
+        wait_for(lambda: not processes_under(tmp_path / "state"), 30, "the engine gone", controller)
+    finally:
+        cleanup(procs, tmp_path / "state")
+
+
+def test_a_stream_longer_than_drain_timeout_is_cut_and_the_event_says_so(tmp_path: Path) -> None:
+    config, repo, url = setup(tmp_path, drain="1s", grace="1s")
+    controller = start(["controller", "--config", str(config)], tmp_path / "controller.log")
+    try:
+        wait_for(lambda: replica_states(url["admin"]) == ["ready"], 90, "the replica ready", controller)
+        long = Stream(url["router"], max_tokens=600)  # a minute at 10 tokens a second
+        long.start()
+        wait_for(lambda: long.tokens >= 3, 60, "the stream under way", controller)
+        retire(repo, url["admin"])
+        long.join(60)
+        assert long.ended_at is not None and long.tokens < 600
+        assert long.error is not None or long.finish != ["length"], (long.tokens, long.finish)
+        [timeout] = wait_for(lambda: events(url["admin"], "replica-drain-timeout"), 30, "the drain-timeout event",
+                             controller)
+        assert "1 request(s) still in flight after drain_timeout 1s" in timeout["message"], timeout
+        wait_for(lambda: replica_states(url["admin"]) == [], 30, "the replica stopped", controller)
+    finally:
+        cleanup([controller], tmp_path / "state")

@@ -1,0 +1,107 @@
+"""An engine's queue, as an operator sees it: `llmgw models` (text and JSON), the dashboard's
+models table and the router's /metrics, through a real `llmgw controller` process.
+
+The router reads each replica's running and waiting requests off the engine's own /metrics to
+route by; an operator could not see them. The simulator here holds one generation at a time
+(``--max-running 1``) at 4 tokens a second, so three streams in flight are one running and two
+waiting on the engine, whatever the router sent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from llmgw.control.up import prepare
+from tests.e2e.processes import LLMGW, SIM_CHAT_MODEL_YAML, free_port, local_node_yaml, start, stop, wait_for
+from tests.e2e.test_up import processes_under
+
+pytestmark = pytest.mark.slow
+TOKEN = "queue-admin-token"
+SLOW_ONE_AT_A_TIME = SIM_CHAT_MODEL_YAML + '    args: ["--max-running", "1", "--tokens-per-second", "4"]\n'
+
+
+def cli(admin: str, *args: str) -> str:
+    done = subprocess.run([LLMGW, *args, "--url", admin, "--token", TOKEN], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "COLUMNS": "250"})  # a table a row of which fits
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def queue(admin: str) -> dict[str, Any] | None:
+    [m] = json.loads(cli(admin, "models", "-o", "json"))
+    return m["engine_queue"]
+
+
+def router_gauge(router: str, state: str) -> float | None:
+    with urllib.request.urlopen(router + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(r'^llmgw_router_engine_requests\{[^}]*state="' + state + r'"[^}]*\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_an_engines_running_and_waiting_requests_are_in_llmgw_models_the_dashboard_and_metrics(
+        tmp_path: Path) -> None:
+    source = tmp_path / "catalog-src"
+    (source / "models").mkdir(parents=True)
+    (source / "llmgw.yaml").write_text("pools:\n  - name: local\n")
+    (source / "nodes.yaml").write_text(local_node_yaml(1))
+    (source / "models" / "sim-chat.yaml").write_text(SLOW_ONE_AT_A_TIME)
+    data = tmp_path / "state"
+    router_port, admin_port = free_port(), free_port()
+    up = prepare(data, catalog=source, router_port=router_port, admin_port=admin_port)
+    config = tmp_path / "controller.yaml"
+    config.write_text(json.dumps({
+        "repo": up.controller.repo, "data_dir": str(up.controller.data_dir),
+        "local_agent_config": str(up.controller.local_agent_config),
+        "listen": {"router": f"127.0.0.1:{router_port}", "admin": f"127.0.0.1:{admin_port}"},
+        "admin_token": TOKEN, "reconciler": {"tick_interval": "300ms"},
+    }))
+    router, admin = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{admin_port}"
+    controller = start(["controller", "--config", str(config)], tmp_path / "controller.log")
+    client = openai.OpenAI(base_url=router + "/v1", api_key="unused", timeout=120, max_retries=0)
+    threads: list[threading.Thread] = []
+    try:
+        # Idle and read: zero, not "unknown" (the engine said so).
+        idle = wait_for(lambda: queue(admin), 90, "the engine's queue read once", controller)
+        assert idle == {"running": 0, "waiting": 0, "replicas": 1}
+
+        def stream() -> None:
+            for _ in client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "go"}],
+                                                    max_tokens=32, stream=True):
+                pass
+
+        threads = [threading.Thread(target=stream, daemon=True) for _ in range(3)]
+        for t in threads:
+            t.start()
+        busy = wait_for(lambda: (q := queue(admin)) and q["waiting"] == 2 and q, 60,
+                        "one running and two waiting in llmgw models", controller)
+        assert busy == {"running": 1, "waiting": 2, "replicas": 1}
+        assert "1 running, 2 waiting" in cli(admin, "models")
+        assert router_gauge(router, "running") == 1 and router_gauge(router, "waiting") == 2
+        req = urllib.request.Request(admin + "/", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            page = r.read().decode()
+        assert re.search(r'class="engine-queue">\s*1 running, 2 waiting', page), page[-3000:]
+
+        for t in threads:
+            t.join(60)
+        assert wait_for(lambda: queue(admin) == {"running": 0, "waiting": 0, "replicas": 1} or None, 60,
+                        "the queue empty again", controller)
+    finally:
+        stop(controller, signal.SIGTERM, timeout=60)
+        for pid in processes_under(data):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
