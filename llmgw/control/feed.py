@@ -68,6 +68,15 @@ class Report:
     replica_stats: dict[str, dict[str, ReplicaStats]]  # {instance: {replica id: stats}}, empty or one
     in_flight: dict[str, int]  # per replica, withdrawn ones included until their requests end
     applied: int | None  # the snapshot version it serves from; None: a router from before drains
+    interval: float | None = None  # how often it reports; silent for 3 of these, it holds no drain up
+
+    def behind(self, version: int, now: float) -> bool:
+        """Whether this router may still be serving from a list older than ``version``: it said
+        so, and is not silent for long (a router killed without a word must not hold up drains
+        until its report ages out)."""
+        if self.applied is None or self.applied >= version or self.interval is None:
+            return False
+        return now - self.at <= 3 * self.interval + 1.0
 
 
 class FeedHub:
@@ -117,6 +126,7 @@ class FeedHub:
                 self._withdrawn[rid] = self.version
             for rid in now:
                 self._withdrawn.pop(rid, None)
+            self.in_flight()  # prunes what no router is behind on: bounded by routers' lag
 
     def set_unrunnable(self, reasons: Mapping[str, str]) -> None:
         """Models no node can run, with the reason: routers answer them at once."""
@@ -209,14 +219,15 @@ class FeedHub:
     def in_flight(self) -> dict[str, int]:
         """Requests the routers heard from have in flight per replica, summed; a replica withdrawn
         from the endpoint list counts one more for each router not yet serving without it (its
-        report says an older version: it may still send one)."""
+        last report, recent, says an older version: it may still send one)."""
         out: dict[str, int] = {}
         reports = self._live_reports()
         for r in reports:
             for rid, n in r.in_flight.items():
                 out[rid] = out.get(rid, 0) + n
+        now = self.clock()
         for rid, version in list(self._withdrawn.items()):
-            behind = sum(1 for r in reports if r.applied is not None and r.applied < version)
+            behind = sum(1 for r in reports if r.behind(version, now))
             if behind:
                 out[rid] = out.get(rid, 0) + behind
             elif rid not in out:
@@ -288,6 +299,10 @@ class FeedHub:
             applied = data.get("applied_version")
             if applied is not None and type(applied) is not int:
                 raise TypeError(f"applied_version must be a whole number, got {applied!r}")
+            interval = data.get("report_interval")
+            if interval is not None and (type(interval) not in (int, float) or not 0 < interval <= 3600):
+                raise ValueError(f"report_interval must be seconds from 0 to 3600, got {interval!r}")
+            leaving = data.get("leaving", False) is True
         except KeyError as exc:
             # The admin API's error shape ({"error": "..."}), not the OpenAI one: this is an admin route.
             return web.json_response({"error": f"malformed router report: {exc.args[0]} is missing"}, status=400)
@@ -307,7 +322,11 @@ class FeedHub:
                 rejected = seq if type(seq) is int else None
                 log.error("usage ledger: a batch from router %s was refused and is lost (%s)", router_id,
                           f"missing {exc.args[0]}" if isinstance(exc, KeyError) else exc)
-        self._reports[router_id] = Report(self.clock(), used, dem, cache, stats, in_flight, applied)
+        # A router stopping in order holds no drain up from now on (nothing in flight, no list it
+        # may still send from); its figures stay until they age out, as anyone's (canary windows).
+        self._reports[router_id] = Report(self.clock(), used, dem, cache, stats, {} if leaving else in_flight,
+                                          None if leaving else applied,
+                                          None if interval is None else float(interval))
         if self.wake is not None:
             for model, d in dem.items():
                 if d.held > 0:

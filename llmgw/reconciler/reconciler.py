@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import aiohttp
 
-from llmgw.catalog import Catalog, NodeSpec
+from llmgw.catalog import Catalog, NodeId, NodeSpec
 from llmgw.contract import Endpoint, EndpointSink, NoUsage, UsageSource
 from llmgw.decide.replica import Replica, ReplicaState, fingerprint, replica_id, shard_agent_id
 from llmgw.decide.replica import ShardStatus as _ShardStatus
@@ -274,7 +274,7 @@ class Reconciler:
         # node is ours. Adopted engines are probed meanwhile (HTTP to the engine, no command): the
         # router serves them again at once instead of after the grace.
         waiting = {n.id for n in inventory.nodes.values() if n.state == NodeState.HANDOVER}
-        draining = self._draining()
+        draining = self._draining(waiting)
         current = [r for r in self.replicas.values() if r.id not in draining and (
                    (r.state == ReplicaState.STARTING and r.adopted) or not waiting.intersection(r.nodes))]
         results = await asyncio.gather(*(one(r) for r in current))
@@ -284,12 +284,14 @@ class Reconciler:
             elif r.id in self.replicas:
                 self.replicas[r.id] = r
 
-    def _draining(self) -> set[str]:
+    def _draining(self, handover: set[NodeId]) -> set[str]:
         """Replicas on their way out whose engine is kept a while: withdrawn from the routers (the
         tick published the list without them before this), with requests still in flight on them
         or a router not yet serving without them. Stopped at once when nothing is left, at
-        ``drain_timeout`` whatever is (an event says how many were cut)."""
-        stopping = [r for r in self.replicas.values() if r.state == ReplicaState.STOPPING]
+        ``drain_timeout`` whatever is (an event says how many were cut). Replicas on a node in
+        ``handover`` are not advanced this tick anyway: not judged (nor their event repeated)."""
+        stopping = [r for r in self.replicas.values()
+                    if r.state == ReplicaState.STOPPING and not handover.intersection(r.nodes)]
         if not stopping:
             return set()
         read = getattr(self.usage, "in_flight", None)
@@ -305,7 +307,8 @@ class Reconciler:
             else:
                 self.store.add_event("replica-drain-timeout", r.id,
                                      f"{r.model}: {n} request(s) still in flight after drain_timeout "
-                                     f"{self.config.drain_timeout:g}s; stopping it anyway")
+                                     f"{self.config.drain_timeout:g}s (a router not yet serving without it "
+                                     "counts one); stopping it anyway")
         return out
 
     def _save(self) -> None:

@@ -100,7 +100,9 @@ class Router:
         self._retired: list[Origin] = []
         # Replicas taken out of the table with requests still in flight: the controller waits
         # for those to end before it stops the engine (in_flight), so it must still see them.
-        self._leaving: dict[str, Upstream] = {}
+        # One entry per Upstream, not per replica id: a replica withdrawn, listed again and
+        # withdrawn again has two, each with its own requests.
+        self._leaving: list[Upstream] = []
         self._pool: UpstreamPool | None = None
         self._load_session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
@@ -172,13 +174,13 @@ class Router:
         old = current.table
         current.table = build_table(endpoints, old)
         gone = set(old.upstreams) - set(current.table.upstreams)
-        for rid in [rid for rid, u in self._leaving.items() if u.inflight <= 0]:
-            del self._leaving[rid]  # ended: bounded by what is in flight, whoever asks in_flight
+        # Ended ones go: bounded by what is in flight, whoever asks in_flight.
+        self._leaving = [u for u in self._leaving if u.inflight > 0]
         if gone:
             self.metrics.forget_replicas(gone)
             for rid in gone:
                 if old.upstreams[rid].inflight > 0:
-                    self._leaving[rid] = old.upstreams[rid]
+                    self._leaving.append(old.upstreams[rid])
                 origin = old.upstreams[rid].origin
                 origin.retired = True  # its connections close as they come back...
                 self._retired.append(origin)  # ...and the idle ones at the next sweep
@@ -200,11 +202,10 @@ class Router:
         withdrawn from the table included until they end."""
         table = self.table
         out = {rid: u.inflight for rid, u in table.upstreams.items() if u.inflight > 0}
-        for rid, u in list(self._leaving.items()):
-            if u.inflight <= 0 or table.upstreams.get(rid) is u:
-                del self._leaving[rid]
-            else:
-                out[rid] = out.get(rid, 0) + u.inflight
+        self._leaving = [u for u in self._leaving if u.inflight > 0]
+        for u in self._leaving:
+            if table.upstreams.get(u.replica_id) is not u:  # not counted above already
+                out[u.replica_id] = out.get(u.replica_id, 0) + u.inflight
         return out
 
     def engine_queue(self) -> dict[str, tuple[int, int]]:

@@ -88,6 +88,12 @@ class FeedClient:
                     log.warning("usage of %d (minute, key, model) rows not reported at stop (%s)", outbox.pending,
                                 exc)
                     break
+            # Gone, said once: the controller stops waiting on this router for drains (else it
+            # would count it as "may still send a withdrawn replica one" until its report aged).
+            try:
+                await self._report_once(leaving=True, timeout=2.0)
+            except (aiohttp.ClientError, TimeoutError, OSError, WatchRefused):
+                pass  # a controller away: its drains end at drain_timeout, or when the report ages
             await self._session.close()
             self._session = None
 
@@ -196,7 +202,7 @@ class FeedClient:
                 failing = True
                 await asyncio.sleep(min(self.report_interval, 1.0))  # no tight loop while it is away
 
-    async def _report_once(self) -> None:
+    async def _report_once(self, *, leaving: bool = False, timeout: float = 5.0) -> None:
         assert self._session is not None
         payload: dict[str, Any] = {
             "router_id": self.router_id,
@@ -210,7 +216,10 @@ class FeedClient:
             # What the controller waits for before it stops a withdrawn replica's engine: none of
             # this router's requests on it, and this router serving from the list without it.
             "in_flight": self.router.in_flight(),
+            "report_interval": self.report_interval,  # silent for 3 of these: gone, for drains
         }
+        if leaving:
+            payload["leaving"] = True
         if type(self.version) is int:
             payload["applied_version"] = self.version
         outbox = self.router.usage_outbox
@@ -218,7 +227,7 @@ class FeedClient:
         if batch is not None:
             payload["usage"] = batch.to_json()
         async with self._session.post(self.controller + REPORT_PATH, json=payload, headers=self._headers,
-                                      timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+                                      timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             raw = await resp.read()
             if resp.status != 200:
                 raise WatchRefused(f"report answered {resp.status}")

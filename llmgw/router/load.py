@@ -70,6 +70,9 @@ async def poll_loads(table: Callable[[], EndpointTable], session: aiohttp.Client
             results = await asyncio.gather(*(read_engine(session, u) for u in ups))
             for u, mine, load in zip(ups, before, results, strict=True):
                 if load is None:
+                    # Its outside load stays (routing keeps the last figure), but the queue an
+                    # operator sees is the engine's word now or nothing: never a hung engine's old one.
+                    u.engine_load = None
                     continue
                 try:
                     apply_load(u, mine, load, prefix_counts)

@@ -16,7 +16,7 @@ from tests.router.fake_controller import model
 
 
 def report(router_id: str, **extra: Any) -> dict[str, Any]:
-    return {"router_id": router_id, "last_used": {}, "demand": {}, **extra}
+    return {"router_id": router_id, "last_used": {}, "demand": {}, "report_interval": 2.0, **extra}
 
 
 async def test_a_withdrawn_replica_counts_for_each_router_still_serving_an_older_list() -> None:
@@ -38,8 +38,16 @@ async def test_a_withdrawn_replica_counts_for_each_router_still_serving_an_older
         assert hub.in_flight() == {}
         # A router from before drains (no version in its report) holds nothing up.
         hub.set_endpoints([])
-        assert (await post(url, report("r3")))[0] == 200
+        old = report("r3")
+        del old["report_interval"]
+        assert (await post(url, old))[0] == 200
         assert hub.in_flight() == {"b": 2}  # r1 and r2 behind; r3 says nothing
+        # r2 stops in order (its last report says so): it holds nothing up from then on.
+        assert (await post(url, report("r2", leaving=True)))[0] == 200
+        assert hub.in_flight() == {"b": 1}
+        # r1 killed without a word: behind only while its silence is short (3 of its intervals).
+        hub.clock.now += 3 * 2.0 + 2  # type: ignore[attr-defined]
+        assert hub.in_flight() == {} and "r1" in hub.routers()  # still heard of (report_ttl), not waited on
 
 
 async def test_malformed_in_flight_or_version_is_refused_clearly_and_nothing_is_kept() -> None:
@@ -51,6 +59,9 @@ async def test_malformed_in_flight_or_version_is_refused_clearly_and_nothing_is_
         ({"in_flight": {"a": True}}, "in_flight of 'a' must be a whole number"),
         ({"in_flight": {str(n): 1 for n in range(MAX_REPORTED_REPLICAS + 1)}}, f"at most {MAX_REPORTED_REPLICAS}"),
         ({"applied_version": "7"}, "applied_version must be a whole number"),
+        ({"report_interval": 0}, "report_interval must be seconds from 0 to 3600"),
+        ({"report_interval": True}, "report_interval must be seconds from 0 to 3600"),
+        ({"report_interval": 1e9}, "report_interval must be seconds from 0 to 3600"),
     ]
     async with hub_served(hub) as url:
         for extra, words in cases:

@@ -39,7 +39,12 @@ def cli(admin: str, *args: str) -> str:
 
 
 def queue(admin: str) -> dict[str, Any] | None:
-    [m] = json.loads(cli(admin, "models", "-o", "json"))
+    done = subprocess.run([LLMGW, "models", "-o", "json", "--url", admin, "--token", TOKEN], capture_output=True,
+                          text=True, timeout=60)
+    if "cannot reach the controller" in done.stderr:
+        return None  # not listening yet
+    assert done.returncode == 0, done.stderr
+    [m] = json.loads(done.stdout)
     return m["engine_queue"]
 
 
