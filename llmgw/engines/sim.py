@@ -99,11 +99,29 @@ def _error(status: int, message: str, kind: str) -> web.Response:
     return web.Response(status=status, body=body.encode(), content_type="application/json")
 
 
-def prompt_words(seed_text: str, count: int) -> list[int]:
-    """``count`` vocabulary indexes, a pure function of the prompt text."""
+@functools.lru_cache(maxsize=4096)
+def prompt_words(seed_text: str, count: int) -> tuple[int, ...]:
+    """``count`` vocabulary indexes, a pure function of the prompt text. Cached: router
+    benchmarks send one prompt thousands of times a second, and the simulator must never be
+    what they measure."""
     digest = hashlib.sha256(seed_text.encode("utf-8", "surrogatepass")).digest()
     size = len(VOCAB)
-    return [(digest[i % 32] + 7 * (i // 32)) % size for i in range(count)]
+    return tuple((digest[i % 32] + 7 * (i // 32)) % size for i in range(count))
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole_rest(model_json: bytes, chat: bool, words: tuple[int, ...], finish: str, prompt_tokens: int,
+                answers: int) -> bytes:
+    """A whole answer's body after its id and time: the same for the same prompt, so cached."""
+    text = json.dumps(" ".join([VOCAB[w] for w in words]))
+    n = len(words) * answers
+    if chat:
+        choice = '{"index":%d,"message":{"role":"assistant","content":%s},"logprobs":null,"finish_reason":"%s"}'
+    else:
+        choice = '{"index":%d,"text":%s,"logprobs":null,"finish_reason":"%s"}'
+    choices = ",".join(choice % (i, text, finish) for i in range(answers))
+    return (',"model":%s,"choices":[%s],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}'
+            % (model_json.decode(), choices, prompt_tokens, n, prompt_tokens + n)).encode()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -364,24 +382,14 @@ class Simulator:
         if delay > 0:
             await asyncio.sleep(delay)
 
-    def _whole(self, chat: bool, words: list[int], finish: str, prompt_tokens: int, answers: int = 1,
+    def _whole(self, chat: bool, words: tuple[int, ...], finish: str, prompt_tokens: int, answers: int = 1,
                ) -> web.Response:
-        text = json.dumps(" ".join([VOCAB[w] for w in words]))
-        n = len(words) * answers
-        rid = next(self._ids)
-        if chat:
-            choice = '{"index":%d,"message":{"role":"assistant","content":%s},"logprobs":null,"finish_reason":"%s"}'
-            head = '{"id":"chatcmpl-sim-%d","object":"chat.completion"' % rid
-        else:
-            choice = '{"index":%d,"text":%s,"logprobs":null,"finish_reason":"%s"}'
-            head = '{"id":"cmpl-sim-%d","object":"text_completion"' % rid
-        choices = ",".join(choice % (i, text, finish) for i in range(answers))
-        body = '%s,"created":%d,"model":%s,"choices":[%s],"usage":{"prompt_tokens":%d,"completion_tokens":%d,' \
-               '"total_tokens":%d}}' % (head, int(time.time()), self.model_json.decode(),
-                                       choices, prompt_tokens, n, prompt_tokens + n)
-        return web.Response(body=body.encode(), content_type="application/json")
+        head = (b'{"id":"chatcmpl-sim-%d","object":"chat.completion","created":%d' if chat else
+                b'{"id":"cmpl-sim-%d","object":"text_completion","created":%d') % (next(self._ids), int(time.time()))
+        rest = _whole_rest(self.model_json, chat, words, finish, prompt_tokens, answers)
+        return web.Response(body=head + rest, content_type="application/json")
 
-    async def _stream(self, resp: web.StreamResponse, chat: bool, words: list[int], finish: str,
+    async def _stream(self, resp: web.StreamResponse, chat: bool, words: tuple[int, ...], finish: str,
                       usage_prompt_tokens: int | None, answers: int = 1) -> None:
         rid = next(self._ids)
         created = int(time.time())
