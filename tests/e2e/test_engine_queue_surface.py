@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import threading
 import urllib.request
@@ -22,9 +21,7 @@ from typing import Any
 import openai
 import pytest
 
-from llmgw.control.up import prepare
-from tests.e2e.processes import LLMGW, SIM_CHAT_MODEL_YAML, free_port, local_node_yaml, start, stop, wait_for
-from tests.e2e.test_up import processes_under
+from tests.e2e.processes import LLMGW, SIM_CHAT_MODEL_YAML, local_controller, start, stop_everything, wait_for
 
 pytestmark = pytest.mark.slow
 TOKEN = "queue-admin-token"
@@ -57,23 +54,9 @@ def router_gauge(router: str, state: str) -> float | None:
 
 def test_an_engines_running_and_waiting_requests_are_in_llmgw_models_the_dashboard_and_metrics(
         tmp_path: Path) -> None:
-    source = tmp_path / "catalog-src"
-    (source / "models").mkdir(parents=True)
-    (source / "llmgw.yaml").write_text("pools:\n  - name: local\n")
-    (source / "nodes.yaml").write_text(local_node_yaml(1))
-    (source / "models" / "sim-chat.yaml").write_text(SLOW_ONE_AT_A_TIME)
-    data = tmp_path / "state"
-    router_port, admin_port = free_port(), free_port()
-    up = prepare(data, catalog=source, router_port=router_port, admin_port=admin_port)
-    config = tmp_path / "controller.yaml"
-    config.write_text(json.dumps({
-        "repo": up.controller.repo, "data_dir": str(up.controller.data_dir),
-        "local_agent_config": str(up.controller.local_agent_config),
-        "listen": {"router": f"127.0.0.1:{router_port}", "admin": f"127.0.0.1:{admin_port}"},
-        "admin_token": TOKEN, "reconciler": {"tick_interval": "300ms"},
-    }))
-    router, admin = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{admin_port}"
-    controller = start(["controller", "--config", str(config)], tmp_path / "controller.log")
+    c = local_controller(tmp_path, model_yaml=SLOW_ONE_AT_A_TIME, token=TOKEN)
+    router, admin = c.router, c.admin
+    controller = start(["controller", "--config", str(c.config)], tmp_path / "controller.log")
     client = openai.OpenAI(base_url=router + "/v1", api_key="unused", timeout=120, max_retries=0)
     threads: list[threading.Thread] = []
     try:
@@ -104,9 +87,4 @@ def test_an_engines_running_and_waiting_requests_are_in_llmgw_models_the_dashboa
         assert wait_for(lambda: queue(admin) == {"running": 0, "waiting": 0, "replicas": 1} or None, 60,
                         "the queue empty again", controller)
     finally:
-        stop(controller, signal.SIGTERM, timeout=60)
-        for pid in processes_under(data):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_everything([controller], c.data)

@@ -8,9 +8,6 @@ token."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,10 +15,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from llmgw.control.up import prepare
 from llmgw.router import hash_key
-from tests.e2e.processes import SIM_CHAT_MODEL_YAML, free_port, local_node_yaml, start, stop, wait_for
-from tests.e2e.test_up import processes_under
+from tests.e2e.processes import SIM_CHAT_MODEL_YAML, free_port, local_controller, start, stop_everything, wait_for
 
 pytestmark = pytest.mark.slow
 TOKEN = "metrics-admin-token"
@@ -59,25 +54,12 @@ def usage_line(text: str) -> bool:
 
 
 def test_usage_per_tenant_and_key_is_served_behind_the_admin_token_only(tmp_path: Path) -> None:
-    source = tmp_path / "catalog-src"
-    (source / "models").mkdir(parents=True)
-    (source / "llmgw.yaml").write_text(LLMGW_YAML)
-    (source / "nodes.yaml").write_text(local_node_yaml(1))
-    (source / "models" / "sim-chat.yaml").write_text(SIM_CHAT_MODEL_YAML)
-    data = tmp_path / "state"
-    router_port, admin_port, own_port, metrics_port = free_port(), free_port(), free_port(), free_port()
-    up = prepare(data, catalog=source, router_port=router_port, admin_port=admin_port)
-    config = tmp_path / "controller.yaml"
-    config.write_text(json.dumps({
-        "repo": up.controller.repo, "data_dir": str(up.controller.data_dir),
-        "local_agent_config": str(up.controller.local_agent_config),
-        "listen": {"router": f"127.0.0.1:{router_port}", "admin": f"127.0.0.1:{admin_port}"},
-        "admin_token": TOKEN, "reconciler": {"tick_interval": "300ms"},
-        "api_keys": [{"name": "acme-prod-key", "sha256": hash_key("sk-acme")}],
-    }))
-    controller_router, admin = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{admin_port}"
+    c = local_controller(tmp_path, model_yaml=SIM_CHAT_MODEL_YAML, token=TOKEN, llmgw_yaml=LLMGW_YAML,
+                         api_keys=[{"name": "acme-prod-key", "sha256": hash_key("sk-acme")}])
+    own_port, metrics_port = free_port(), free_port()
+    controller_router, admin = c.router, c.admin
     standalone, metrics = f"http://127.0.0.1:{own_port}", f"http://127.0.0.1:{metrics_port}/metrics"
-    controller = start(["controller", "--config", str(config)], tmp_path / "controller.log")
+    controller = start(["controller", "--config", str(c.config)], tmp_path / "controller.log")
     router = None
     try:
         wait_for(lambda: served(controller_router), 90, "the controller's router serving the tenant", controller)
@@ -101,11 +83,4 @@ def test_usage_per_tenant_and_key_is_served_behind_the_admin_token_only(tmp_path
         status, text = get(metrics, TOKEN)
         assert status == 200 and usage_line(text) and "llmgw_router_requests_total" in text, text[-2000:]
     finally:
-        if router is not None:
-            stop(router, signal.SIGTERM)
-        stop(controller, signal.SIGTERM, timeout=60)
-        for pid in processes_under(data):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_everything([router, controller] if router is not None else [controller], c.data)
