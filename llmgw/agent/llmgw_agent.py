@@ -2405,10 +2405,13 @@ class StartSpec:
     labels: JsonDict
 
 
-# ---- llmgw/agent/parts/engines.py ----
+# ---- llmgw/agent/parts/records.py ----
 
-# ----------------------------------------------------------------------------------------------
-# Engines: start, stop, status
+def _replica_id(request: JsonDict) -> str:
+    replica_id = _field(request, "replica_id")
+    if not isinstance(replica_id, str) or not REPLICA_ID_RE.match(replica_id):
+        raise AgentError("replica_id must match ^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
+    return replica_id
 
 
 def _record_path(cfg: NodeConfig, replica_id: str) -> str:
@@ -2465,6 +2468,60 @@ def exit_info(cfg: NodeConfig, record: JsonDict) -> Optional[JsonDict]:
     return None
 
 
+def _wait_exit_info(cfg: NodeConfig, record: JsonDict, timeout: float) -> Optional[JsonDict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = exit_info(cfg, record)
+        if info is not None or time.monotonic() >= deadline:
+            return info
+        time.sleep(0.05)
+
+
+def _note_unknown_exit(cfg: NodeConfig, record: JsonDict, now: float) -> None:
+    """Write an exit file with an unknown code, unless the monitor has just written the real one
+    (O_EXCL: the monitor's later os.replace still wins over ours)."""
+    path = _exit_path(cfg, record["replica_id"])
+    _ensure_dir(os.path.dirname(path))
+    info = {"pid": record["pid"], "pid_start": record.get("pid_start"), "exit_code": None, "ended_at": now}
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(info, fh)
+
+
+def _orphans(record: JsonDict) -> bool:
+    """Whether the engine's leader is gone but processes of its group (its workers) remain.
+
+    A pid is not reused while it names a live process group, so a group with that id and no
+    leader is still ours; a different process holding the pid means our group is gone."""
+    found = proc_stat(record["pid"])
+    if not same_boot(record) or (found is not None and found[2] != record.get("pid_start")):
+        return False
+    return bool(group_members(record["pid"]))
+
+
+def prune_engine_records(cfg: NodeConfig, now: float) -> None:
+    """Forget engines that ended more than ENGINE_RECORD_TTL ago (record, exit file, log)."""
+    for record in all_records(cfg):
+        if record_alive(record):
+            continue
+        info = exit_info(cfg, record)
+        if info is None:  # died without its monitor noticing: start its clock now
+            _note_unknown_exit(cfg, record, now)
+        elif now - float(info.get("ended_at") or now) > ENGINE_RECORD_TTL:
+            with _locked(_engines_lock(cfg)):
+                # Checked again under the lock: a start may have replaced the record meanwhile.
+                current = load_record(cfg, record["replica_id"])
+                if current is not None and current.get("pid") == record["pid"]:
+                    for path in (_record_path(cfg, record["replica_id"]), _exit_path(cfg, record["replica_id"]),
+                                 _log_path(cfg, record["replica_id"])):
+                        _remove_file(path)
+
+
+# ---- llmgw/agent/parts/engines.py ----
+
 def parse_start(cfg: NodeConfig, request: JsonDict) -> StartSpec:
     """Everything about a start request that can be checked without touching the node."""
     replica_id = _replica_id(request)
@@ -2502,13 +2559,6 @@ def _start_env(env: Any) -> Dict[str, str]:
         if not ENV_NAME_RE.match(key) or not isinstance(value, str) or "\0" in value:
             raise AgentError(f"start: env {key!r} must be a variable name with a string value")
     return dict(env)
-
-
-def _replica_id(request: JsonDict) -> str:
-    replica_id = _field(request, "replica_id")
-    if not isinstance(replica_id, str) or not REPLICA_ID_RE.match(replica_id):
-        raise AgentError("replica_id must match ^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
-    return replica_id
 
 
 def resolve_weights(cfg: NodeConfig, weights: Optional[str]) -> Optional[str]:
@@ -2692,6 +2742,8 @@ def _start_answer(record: JsonDict, *, already_running: bool) -> JsonDict:
             "endpoint": record["endpoint"], "log": record["log"], "already_running": already_running}
 
 
+# ---- llmgw/agent/parts/stopping.py ----
+
 def verb_stop(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     """SIGTERM the engine's process group, SIGKILL it after the grace period; idempotent."""
     with fenced(cfg, "stop", request, hold=False):
@@ -2715,31 +2767,6 @@ def _stop(cfg: NodeConfig, request: JsonDict) -> JsonDict:
         _note_unknown_exit(cfg, record, time.time())
     answer.update(was_running=was_running, exit_code=info.get("exit_code") if info else None)
     return answer
-
-
-def _note_unknown_exit(cfg: NodeConfig, record: JsonDict, now: float) -> None:
-    """Write an exit file with an unknown code, unless the monitor has just written the real one
-    (O_EXCL: the monitor's later os.replace still wins over ours)."""
-    path = _exit_path(cfg, record["replica_id"])
-    _ensure_dir(os.path.dirname(path))
-    info = {"pid": record["pid"], "pid_start": record.get("pid_start"), "exit_code": None, "ended_at": now}
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(info, fh)
-
-
-def _orphans(record: JsonDict) -> bool:
-    """Whether the engine's leader is gone but processes of its group (its workers) remain.
-
-    A pid is not reused while it names a live process group, so a group with that id and no
-    leader is still ours; a different process holding the pid means our group is gone."""
-    found = proc_stat(record["pid"])
-    if not same_boot(record) or (found is not None and found[2] != record.get("pid_start")):
-        return False
-    return bool(group_members(record["pid"]))
 
 
 def terminate_group(pgid: int, grace: float, *, spare_leader: bool = False) -> None:
@@ -2798,14 +2825,7 @@ def _wait_group_gone(pgid: int, timeout: float) -> bool:
     return True
 
 
-def _wait_exit_info(cfg: NodeConfig, record: JsonDict, timeout: float) -> Optional[JsonDict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = exit_info(cfg, record)
-        if info is not None or time.monotonic() >= deadline:
-            return info
-        time.sleep(0.05)
-
+# ---- llmgw/agent/parts/status.py ----
 
 def verb_status(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
     return {"engines": engine_views(cfg), "fetches": fetch_views(cfg)}
@@ -2868,24 +2888,6 @@ def _proc_address(hexaddr: str) -> Any:
         return ipaddress.ip_address(words)
     except ValueError:
         return None
-
-
-def prune_engine_records(cfg: NodeConfig, now: float) -> None:
-    """Forget engines that ended more than ENGINE_RECORD_TTL ago (record, exit file, log)."""
-    for record in all_records(cfg):
-        if record_alive(record):
-            continue
-        info = exit_info(cfg, record)
-        if info is None:  # died without its monitor noticing: start its clock now
-            _note_unknown_exit(cfg, record, now)
-        elif now - float(info.get("ended_at") or now) > ENGINE_RECORD_TTL:
-            with _locked(_engines_lock(cfg)):
-                # Checked again under the lock: a start may have replaced the record meanwhile.
-                current = load_record(cfg, record["replica_id"])
-                if current is not None and current.get("pid") == record["pid"]:
-                    for path in (_record_path(cfg, record["replica_id"]), _exit_path(cfg, record["replica_id"]),
-                                 _log_path(cfg, record["replica_id"])):
-                        _remove_file(path)
 
 
 # ---- llmgw/agent/parts/inventory.py ----

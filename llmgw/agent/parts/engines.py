@@ -1,13 +1,11 @@
-"""Engines: start, stop, status and the records kept for each."""
+"""Starting an engine: the request checked, a port chosen, the engine launched confined and recorded."""
+
 
 from __future__ import annotations
 
 import contextlib
-import ipaddress
-import json
 import os
 import re
-import signal
 import socket
 import time
 from dataclasses import replace
@@ -16,36 +14,34 @@ from typing import Any, Dict, List, Optional, Tuple
 from llmgw.agent.parts.args import RPC_SERVER, check_args, check_rpc_server_args, engine_kind
 from llmgw.agent.parts.cache import inspect_entry
 from llmgw.agent.parts.config import NodeConfig, _is_int, fabric_interface, ipv4_literal
-from llmgw.agent.parts.fetch import fetch_views
 from llmgw.agent.parts.files import (
     _ensure_dir,
     _inside,
-    _listdir,
     _locked,
     _remove_file,
     boot_id,
-    group_members,
-    is_alive,
-    proc_stat,
-    read_json,
-    tail_lines,
     write_json_atomic,
 )
 from llmgw.agent.parts.lease import fenced
 from llmgw.agent.parts.protocol import (
     AGENT_VERSION,
-    ENGINE_RECORD_TTL,
     ENV_NAME_RE,
-    EXIT_RECORD_WAIT,
-    KILL_WAIT,
     LOG_ROTATE_BYTES,
-    MAX_GRACE,
-    REPLICA_ID_RE,
     AgentError,
     JsonDict,
     Refused,
     _field,
     _optional,
+)
+from llmgw.agent.parts.records import (
+    _engines_lock,
+    _exit_path,
+    _log_path,
+    _record_path,
+    _replica_id,
+    all_records,
+    load_record,
+    record_alive,
 )
 from llmgw.agent.parts.sandbox import (
     Confinement,
@@ -59,64 +55,7 @@ from llmgw.agent.parts.sandbox import (
     prepare_area,
     sandbox_argv,
 )
-from llmgw.agent.parts.spawn import _parent_of, spawn_detached
-
-# ----------------------------------------------------------------------------------------------
-# Engines: start, stop, status
-
-
-def _record_path(cfg: NodeConfig, replica_id: str) -> str:
-    return os.path.join(cfg.state_dir, "engines", replica_id + ".json")
-
-
-def _exit_path(cfg: NodeConfig, replica_id: str) -> str:
-    return os.path.join(cfg.state_dir, "exits", replica_id + ".json")
-
-
-def _log_path(cfg: NodeConfig, replica_id: str) -> str:
-    return os.path.join(cfg.state_dir, "logs", "engines", replica_id + ".log")
-
-
-def _engines_lock(cfg: NodeConfig) -> str:
-    # Held while choosing a port and launching, and while the guard checks "in use" and renames:
-    # a start cannot pick a port another start is about to take, nor weights being removed.
-    return os.path.join(cfg.state_dir, "engines.lock")
-
-
-def load_record(cfg: NodeConfig, replica_id: str) -> Optional[JsonDict]:
-    record = read_json(_record_path(cfg, replica_id))
-    # pid 0 or 1 would turn killpg into "signal my own group" or "signal init": never trust it.
-    if record is None or not _is_int(record.get("pid")) or record["pid"] <= 1:
-        return None
-    record["replica_id"] = replica_id
-    return record
-
-
-def all_records(cfg: NodeConfig) -> List[JsonDict]:
-    records = []
-    for file_name in _listdir(os.path.join(cfg.state_dir, "engines")):
-        if file_name.endswith(".json") and not file_name.startswith("."):
-            record = load_record(cfg, file_name[: -len(".json")])
-            if record is not None:
-                records.append(record)
-    return records
-
-
-def same_boot(record: JsonDict) -> bool:
-    recorded, current = record.get("boot_id"), boot_id()
-    return recorded is None or current is None or recorded == current
-
-
-def record_alive(record: JsonDict) -> bool:
-    return same_boot(record) and is_alive(record["pid"], record.get("pid_start"))
-
-
-def exit_info(cfg: NodeConfig, record: JsonDict) -> Optional[JsonDict]:
-    """The exit file of this very process (not of an earlier run of the same replica id)."""
-    info = read_json(_exit_path(cfg, record["replica_id"]))
-    if info and info.get("pid") == record["pid"] and info.get("pid_start") == record.get("pid_start"):
-        return info
-    return None
+from llmgw.agent.parts.spawn import spawn_detached
 
 
 def parse_start(cfg: NodeConfig, request: JsonDict) -> StartSpec:
@@ -156,13 +95,6 @@ def _start_env(env: Any) -> Dict[str, str]:
         if not ENV_NAME_RE.match(key) or not isinstance(value, str) or "\0" in value:
             raise AgentError(f"start: env {key!r} must be a variable name with a string value")
     return dict(env)
-
-
-def _replica_id(request: JsonDict) -> str:
-    replica_id = _field(request, "replica_id")
-    if not isinstance(replica_id, str) or not REPLICA_ID_RE.match(replica_id):
-        raise AgentError("replica_id must match ^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
-    return replica_id
 
 
 def resolve_weights(cfg: NodeConfig, weights: Optional[str]) -> Optional[str]:
@@ -344,199 +276,3 @@ def _launch(cfg: NodeConfig, spec: StartSpec, argv: List[str], *, conf: Confinem
 def _start_answer(record: JsonDict, *, already_running: bool) -> JsonDict:
     return {"replica_id": record["replica_id"], "pid": record["pid"], "port": record["port"],
             "endpoint": record["endpoint"], "log": record["log"], "already_running": already_running}
-
-
-def verb_stop(cfg: NodeConfig, request: JsonDict) -> JsonDict:
-    """SIGTERM the engine's process group, SIGKILL it after the grace period; idempotent."""
-    with fenced(cfg, "stop", request, hold=False):
-        return _stop(cfg, request)
-
-
-def _stop(cfg: NodeConfig, request: JsonDict) -> JsonDict:
-    replica_id = _replica_id(request)
-    grace = _optional(request, "grace_seconds", 10)
-    if not isinstance(grace, (int, float)) or isinstance(grace, bool) or not 0 <= grace <= MAX_GRACE:
-        raise AgentError(f"stop: grace_seconds must be a number from 0 to {MAX_GRACE:g}")
-    answer = {"replica_id": replica_id, "stopped": True, "was_running": False, "exit_code": None}
-    record = load_record(cfg, replica_id)
-    if record is None:
-        return answer
-    was_running = record_alive(record)
-    if was_running or _orphans(record):
-        terminate_group(record["pid"], float(grace), spare_leader=record.get("sandbox") == "bwrap" and was_running)
-    info = _wait_exit_info(cfg, record, EXIT_RECORD_WAIT if was_running else 0.0)
-    if info is None:  # the monitor is gone too: note the end ourselves so the record ages out
-        _note_unknown_exit(cfg, record, time.time())
-    answer.update(was_running=was_running, exit_code=info.get("exit_code") if info else None)
-    return answer
-
-
-def _note_unknown_exit(cfg: NodeConfig, record: JsonDict, now: float) -> None:
-    """Write an exit file with an unknown code, unless the monitor has just written the real one
-    (O_EXCL: the monitor's later os.replace still wins over ours)."""
-    path = _exit_path(cfg, record["replica_id"])
-    _ensure_dir(os.path.dirname(path))
-    info = {"pid": record["pid"], "pid_start": record.get("pid_start"), "exit_code": None, "ended_at": now}
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(info, fh)
-
-
-def _orphans(record: JsonDict) -> bool:
-    """Whether the engine's leader is gone but processes of its group (its workers) remain.
-
-    A pid is not reused while it names a live process group, so a group with that id and no
-    leader is still ours; a different process holding the pid means our group is gone."""
-    found = proc_stat(record["pid"])
-    if not same_boot(record) or (found is not None and found[2] != record.get("pid_start")):
-        return False
-    return bool(group_members(record["pid"]))
-
-
-def terminate_group(pgid: int, grace: float, *, spare_leader: bool = False) -> None:
-    """SIGTERM to the engine's main process alone, then SIGKILL to its whole group after grace
-    (systemd's KillMode=mixed). The main process ends its own workers in its own order: real
-    vLLM's API server, sent TERM alone, ends the streams in flight with an abort or an error event
-    and then exits, while TERM to every process at once killed its engine core first and the API
-    server closed those streams mid-answer. A sandboxed engine's leader is bwrap,
-    which SIGTERM would kill at once, losing the engine's exit code while the engine still runs:
-    then TERM goes to the engine under bwrap (under the namespace's init), and the leader follows
-    its child out. ``spare_leader`` false with a live leader: the leader is the engine itself."""
-    if spare_leader:
-        members = group_members(pgid)
-        for pid in _engine_main(pgid, members) or [p for p in members if p != pgid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-    elif (proc_stat(pgid) or ("Z",))[0] != "Z":
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pgid, signal.SIGTERM)
-    else:  # the engine is gone and its workers remain (orphans): they are all there is to ask
-        _signal_group(pgid, signal.SIGTERM)
-    if _wait_group_gone(pgid, grace):
-        return
-    _signal_group(pgid, signal.SIGKILL)
-    _wait_group_gone(pgid, KILL_WAIT)
-
-
-def _engine_main(bwrap: int, members: List[int]) -> List[int]:
-    """The engine's own process under a bwrap leader: the child of bwrap's pid-namespace init (a
-    second bwrap) when there is one, else bwrap's child."""
-    parents = {pid: _parent_of(pid) for pid in members}
-    inits = [pid for pid, parent in parents.items() if parent == bwrap and _comm(pid) == "bwrap"]
-    tops = set(inits) or {bwrap}
-    return [pid for pid, parent in parents.items() if parent in tops and pid not in inits]
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
-def _wait_group_gone(pgid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while group_members(pgid):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _wait_exit_info(cfg: NodeConfig, record: JsonDict, timeout: float) -> Optional[JsonDict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = exit_info(cfg, record)
-        if info is not None or time.monotonic() >= deadline:
-            return info
-        time.sleep(0.05)
-
-
-def verb_status(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
-    return {"engines": engine_views(cfg), "fetches": fetch_views(cfg)}
-
-
-def engine_views(cfg: NodeConfig) -> List[JsonDict]:
-    prune_engine_records(cfg, time.time())
-    return [engine_view(cfg, r) for r in all_records(cfg)]
-
-
-def engine_view(cfg: NodeConfig, record: JsonDict) -> JsonDict:
-    alive = record_alive(record)
-    info = None if alive else exit_info(cfg, record)
-    return {
-        "replica_id": record["replica_id"], "pid": record["pid"], "port": record.get("port"),
-        "endpoint": record.get("endpoint"), "engine": record.get("engine"), "alive": alive,
-        "exit_code": info.get("exit_code") if info else None,
-        "ended_at": info.get("ended_at") if info else None,
-        "labels": record.get("labels", {}), "weights": record.get("weights"), "gpus": record.get("gpus", []),
-        "holder": record.get("holder"), "epoch": record.get("epoch"),
-        "started_at": record.get("started_at"), "log": record.get("log"),
-        "log_tail": tail_lines(record.get("log") or ""),
-        # A worker answers once its port accepts connections: the head is started only then.
-        "listening": alive and engine_kind(str(record.get("engine")), cfg.engines.get(str(record.get("engine")), ()))
-        == RPC_SERVER and _is_int(record.get("port")) and listening(cfg.fabric_address, record["port"]),
-    }
-
-
-TCP_LISTEN = "0A"
-
-
-def listening(address: str, port: int) -> bool:
-    """Whether a socket of this node listens on ``address``:``port``, from the kernel's tables (a
-    connect would be taken by an rpc-server as a client, and it serves one client at a time)."""
-    try:
-        wanted = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table, encoding="ascii") as fh:
-                rows = fh.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if len(fields) <= 3 or fields[3] != TCP_LISTEN:
-                continue
-            local, _, hexport = fields[1].rpartition(":")
-            if int(hexport, 16) == port and _proc_address(local) == wanted:
-                return True
-    return False
-
-
-def _proc_address(hexaddr: str) -> Any:
-    """An address as /proc/net/tcp{,6} writes it: 32-bit words in host (little-endian) order."""
-    raw = bytes.fromhex(hexaddr)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    try:
-        return ipaddress.ip_address(words)
-    except ValueError:
-        return None
-
-
-def prune_engine_records(cfg: NodeConfig, now: float) -> None:
-    """Forget engines that ended more than ENGINE_RECORD_TTL ago (record, exit file, log)."""
-    for record in all_records(cfg):
-        if record_alive(record):
-            continue
-        info = exit_info(cfg, record)
-        if info is None:  # died without its monitor noticing: start its clock now
-            _note_unknown_exit(cfg, record, now)
-        elif now - float(info.get("ended_at") or now) > ENGINE_RECORD_TTL:
-            with _locked(_engines_lock(cfg)):
-                # Checked again under the lock: a start may have replaced the record meanwhile.
-                current = load_record(cfg, record["replica_id"])
-                if current is not None and current.get("pid") == record["pid"]:
-                    for path in (_record_path(cfg, record["replica_id"]), _exit_path(cfg, record["replica_id"]),
-                                 _log_path(cfg, record["replica_id"])):
-                        _remove_file(path)

@@ -11,12 +11,12 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from llmgw.agent.parts.cache import MISSING, _open_dir_nofollow, read_entry_at, rmtree_at, source_name
 from llmgw.agent.parts.config import NodeConfig
-from llmgw.agent.parts.engines import _engines_lock, _orphans, all_records, record_alive
 from llmgw.agent.parts.fetch import _fetch_paths
 from llmgw.agent.parts.files import _inside, _locked, _remove_file, read_json
 from llmgw.agent.parts.inventory import read_mounts
 from llmgw.agent.parts.lease import fenced
 from llmgw.agent.parts.protocol import CACHE_NAME_RE, TRASH_PREFIX, AgentError, JsonDict, _field
+from llmgw.agent.parts.records import _engines_lock, _orphans, all_records, record_alive
 
 # ----------------------------------------------------------------------------------------------
 # remove-weights: the deletion guard (DESIGN §4)

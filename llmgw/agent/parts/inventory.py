@@ -13,7 +13,6 @@ from typing import Dict, List, Optional, Tuple
 
 from llmgw.agent.parts.cache import inspect_entry
 from llmgw.agent.parts.config import NodeConfig
-from llmgw.agent.parts.engines import engine_views
 from llmgw.agent.parts.fetch import fetch_views
 from llmgw.agent.parts.files import _inside, _listdir, tree_bytes
 from llmgw.agent.parts.lease import _lease_request, lease_heard, lease_view, read_lease, take_lease
@@ -30,6 +29,7 @@ from llmgw.agent.parts.protocol import (
     JsonDict,
 )
 from llmgw.agent.parts.sandbox import confinement
+from llmgw.agent.parts.status import engine_views
 
 # ----------------------------------------------------------------------------------------------
 # hello and inventory

@@ -11,7 +11,7 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from llmgw.agent.parts.config import NodeConfig, load_config
-from llmgw.agent.parts.engines import verb_start, verb_status, verb_stop
+from llmgw.agent.parts.engines import verb_start
 from llmgw.agent.parts.fetch import verb_fetch, verb_fetch_worker
 from llmgw.agent.parts.guard import verb_remove_weights
 from llmgw.agent.parts.inventory import verb_hello, verb_inventory
@@ -30,6 +30,8 @@ from llmgw.agent.parts.protocol import (
     UsageError,
 )
 from llmgw.agent.parts.spawn import verb_engine_monitor
+from llmgw.agent.parts.status import verb_status
+from llmgw.agent.parts.stopping import verb_stop
 
 # ----------------------------------------------------------------------------------------------
 # Dispatch, serve, main
