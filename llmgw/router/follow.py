@@ -133,6 +133,9 @@ class FeedClient:
                 raise WatchRefused(f"watch answered {resp.status}: {text}")
             if not self.connected:
                 log.info("following %s", self.controller)
+                # At once, not at the next interval: a controller that just restarted learns what
+                # this router has in flight (it waits on that before stopping a replica) and its demand.
+                self.report_soon()
             self.connected = True
             buf = bytearray()
             async for chunk in resp.content.iter_any():

@@ -1,5 +1,6 @@
 """The drain's edges, found by review: a router that stopped holds nothing up, an engine whose
-/metrics cannot be read shows no queue, a replica withdrawn twice counts the streams of both.
+/metrics cannot be read shows no queue, a replica withdrawn twice counts the streams of both, a
+restarted controller hears at once what a router has in flight.
 
 Real parts: a real FeedHub on a real port, real Routers following it, the real simulated engine, a
 scripted engine's /metrics over real HTTP, the real openai client.
@@ -13,12 +14,12 @@ from aiohttp import web
 
 from llmgw.catalog.model import Catalog
 from llmgw.control.feed import FeedHub
-from llmgw.engines.testing import SimProcess
+from llmgw.engines.testing import SimProcess, free_port
 from llmgw.router import FeedClient, Router
 from llmgw.router.config import RouterConfig
 from tests.control.test_feed_replica_stats import HELLO, hub_served, until
 from tests.router.conftest import TOKEN, client, endpoint, serving, serving_app
-from tests.router.fake_controller import model
+from tests.router.fake_controller import make_app, model
 
 
 async def test_a_router_that_stopped_does_not_hold_up_the_next_withdrawal() -> None:
@@ -106,3 +107,42 @@ async def test_a_replica_withdrawn_twice_counts_the_streams_of_both_times() -> N
                 assert router.in_flight() == {"chat-g1": 2}, router.in_flight()
             finally:
                 await asyncio.gather(first.close(), second.close())
+
+
+async def test_a_restarted_controller_hears_what_a_router_has_in_flight_without_waiting_an_interval() -> None:
+    """The controller restarted mid-drain must learn the streams a standalone router still has on
+    the replica before it stops it: the router reports as soon as it is following again, not at
+    its next interval (30 s here)."""
+    catalog = Catalog(models=(model("chat"),))
+    with SimProcess("chat", "--tokens-per-second", "10") as sim:
+        eps = [endpoint("chat", sim.endpoint, "chat-g1")]
+        port = free_port()
+
+        async def controller(hub: FeedHub) -> web.AppRunner:
+            hub.set_catalog(catalog)
+            hub.set_endpoints(eps)
+            runner = web.AppRunner(make_app(hub, TOKEN), access_log=None, shutdown_timeout=0.1)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            return runner
+
+        first = await controller(FeedHub(keepalive=0.2))
+        router = Router()
+        feed = FeedClient(router, f"http://127.0.0.1:{port}", TOKEN, router_id="r1", report_interval=30,
+                          backoff_max=0.3)
+        await feed.start()
+        try:
+            async with serving(router) as base, client(base) as c:
+                await until(lambda: router.table.has("chat"))
+                stream = await c.chat.completions.create(model="chat", messages=HELLO, max_tokens=200, stream=True)
+                await anext(aiter(stream))
+                await first.cleanup()  # the controller goes away...
+                second = FeedHub(keepalive=0.2)
+                runner = await controller(second)  # ...and comes back, knowing nothing
+                try:
+                    await until(lambda: second.in_flight() == {"chat-g1": 1}, timeout=10)
+                finally:
+                    await stream.close()
+                    await runner.cleanup()
+        finally:
+            await feed.close()
