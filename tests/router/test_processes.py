@@ -51,7 +51,10 @@ async def wait_inflight_zero(router: Proc) -> None:
 async def test_500_concurrent_streams_complete_and_memory_stays_flat(tmp_path: Path) -> None:
     # The engine holds every first token until 500 generations run at once: the overlap is proven
     # by the engine, not hoped for from a pace (on a busy 2-core machine only 309 had overlapped).
-    with SimProcess("load", "--hold-until-running", "500", "--hold-timeout", "40") as sim:
+    # Then a second before the first token: the router's count is read while all 500 are in it,
+    # not only in the moment between the last arrival and the burst of answers (missed when the
+    # router's loop, busy with that burst, answered the poll late: 0, 281, 309 seen).
+    with SimProcess("load", "--hold-until-running", "500", "--hold-timeout", "40", "--ttft", "1") as sim:
         state = tmp_path / "state.json"
         write_state(state, [{"name": "load"}], [endpoint("load", sim.endpoint)])
         ctl = fake_controller(tmp_path, state).start("/test/usage")
