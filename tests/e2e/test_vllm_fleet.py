@@ -43,11 +43,16 @@ DRAIN = 30  # seconds a withdrawn replica's answers in flight may take (the reco
 
 
 def vllm_build() -> Path | None:
-    """The build's directory (bin/vllm, venv/, model/) of scripts/build-vllm-cpu, newest first."""
-    root = Path(os.environ.get("LLMGW_VLLM_CACHE") or
-                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmgw" / "vllm-cpu")
-    found = sorted(p.parents[1] for p in root.glob("*/bin/vllm") if (p.parents[1] / "BUILT").exists())
-    return found[-1] if found else None
+    """The build's directory (bin/vllm, venv/, model/) of the version scripts/build-vllm-cpu builds
+    (its defaults, or VLLM_CPU_VERSION and the rest of its environment), when that build is complete.
+    The script says where (--dir), so no other version's tree, nor a stage or an old tree left
+    beside it, is taken for it; BUILT is written only once every check of the build has passed."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "build-vllm-cpu"
+    where = subprocess.run(["bash", str(script), "--dir"], capture_output=True, text=True, timeout=30, check=False)
+    if where.returncode != 0 or not where.stdout.strip():
+        return None
+    build = Path(where.stdout.strip())
+    return build if (build / "bin" / "vllm").exists() and (build / "BUILT").exists() else None
 
 
 BUILD = vllm_build()
