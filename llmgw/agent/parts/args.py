@@ -25,6 +25,15 @@ from llmgw.agent.parts.protocol import Refused
 # there walks around rpc_peers) or serves whatever a directory holds (--models-dir); a download
 # flag (-hf, --model-url, the --*-default presets) takes weights from the internet, not from the
 # agent's fetch; vLLM's and SGLang's --config is a file of their arguments (--master-addr...).
+# "n": refused outright too: the engine would exchange with other machines at addresses inside a
+# JSON value, a URL or a list that rpc_peers cannot vouch for, or open a listener the agent did not
+# choose. vLLM's and SGLang's --kv-events-config publish the token ids of every prompt cached
+# (ZMQ, connecting to any endpoint, or binding tcp://* on every interface); --kv-transfer-config,
+# --ec-transfer-config and SGLang's disaggregation send KV or encoder caches to peers; the OTLP
+# endpoints request metadata; --weight-transfer-config and SGLang's remote-instance loader take
+# weights from another machine; --grpc-port, -dpm (one API server per port) and the bootstrap and
+# supervisor ports listen beside the one port the agent chose. What can be parsed exactly is a peer
+# flag (PEER_FLAGS, checked against rpc_peers); these cannot, so no node setting allows them.
 # Lists checked against llama-server 0.5.0's --help (--models-* and the downloads again against the
 # build of scripts/build-llama-server), vLLM 0.11's arg_utils.py/cli_args.py and SGLang 0.5's
 # server_args.py (README, real-fleet guide).
@@ -43,16 +52,19 @@ PATH_FLAGS: Dict[str, Dict[str, str]] = {
           "--fim-qwen-1.5b-default --fim-qwen-3b-default --fim-qwen-7b-default --fim-qwen-7b-spec "
           "--fim-qwen-14b-spec --fim-qwen-30b-default --gpt-oss-20b-default --gpt-oss-120b-default "
           "--vision-gemma-4b-default --vision-gemma-12b-default",
-        w="-lcd --lookup-cache-dynamic --log-file --slot-save-path --log-prompts-dir --host",
+        w="-lcd --lookup-cache-dynamic --log-file --slot-save-path --log-prompts-dir",
         x="--tools --tools-runtime -ag --agent --mcp-servers-config --mcp-servers-json --ui-mcp-proxy"),
     "vllm": _flag_table(
         r="--model --tokenizer --hf-config-path --generation-config --allowed-local-media-path --lora-modules "
           "--default-mm-loras --chat-template --ssl-keyfile --ssl-certfile --ssl-ca-certs --spec-model "
           "--tool-parser-plugin --reasoning-parser-plugin --speculative-config -sc --model-loader-extra-config "
-          "--log-config-file --kv-transfer-config --ec-transfer-config --additional-config",
+          "--log-config-file --additional-config",
         w="--download-dir --uds --compilation-config -cc -O --profiler-config",
         x="--tool-server",
-        o="--config"),
+        o="--config",
+        n="--kv-events-config --kv-transfer-config --ec-transfer-config --otlp-traces-endpoint "
+          "--weight-transfer-config --grpc-port --data-parallel-supervisor-port "
+          "--data-parallel-multi-port-external-lb -dpm"),
     "sglang": _flag_table(
         r="--model-path --model --tokenizer-path --chat-template --completion-template --quantization-param-path "
           "--rl-quant-profile --modelopt-checkpoint-restore-path --speculative-draft-model-path "
@@ -66,11 +78,20 @@ PATH_FLAGS: Dict[str, Dict[str, str]] = {
           "--file-storage-path --log-requests-target --crash-dump-folder --export-metrics-to-file-dir "
           "--debug-tensor-dump-output-folder --weight-cache-socket",
         x="--delete-ckpt-after-loading",
-        o="--config"),
+        o="--config",
+        # Names from SGLang 0.5's server_args.py (0.5.20's list of them, for the newer ones).
+        n="--kv-events-config --otlp-traces-endpoint --encoder-urls --encoder-register-urls "
+          "--encoder-bootstrap-port --remote-instance-weight-loader-seed-instance-ip "
+          "--remote-instance-weight-loader-seed-instance-service-port "
+          "--remote-instance-weight-loader-send-weights-group-ports --engine-info-bootstrap-port "
+          "--disaggregation-mode --disaggregation-bootstrap-port --load-publish-endpoint "
+          "--decoupled-spec-bind-endpoint --decoupled-spec-connect-endpoints --gated-launch-port "
+          "--modelexpress-config --pdlb-url"),
 }
 
 
 RPC_SERVER = "rpc-server"
+REFUSED_MODES = ("x", "o", "n")  # strongest first
 
 
 def engine_kind(name: str, prefix: Tuple[str, ...]) -> Optional[str]:
@@ -86,15 +107,26 @@ def engine_kind(name: str, prefix: Tuple[str, ...]) -> Optional[str]:
 
 
 def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: Tuple[str, ...],
-               rpc_peers: Tuple[Any, ...] = (), fabric_address: str = "") -> None:
-    """Refuse args that would make the engine read or write outside what it was given, or
-    exchange with a machine across nodes that the node's rpc_peers does not list."""
+               rpc_peers: Tuple[Any, ...] = (), fabric_address: str = "", host: Optional[str] = None,
+               port: Optional[int] = None) -> None:
+    """Refuse args that would make the engine read or write outside what it was given, exchange
+    with a machine across nodes that the node's rpc_peers does not list, or listen anywhere but
+    ``host``:``port`` (the node's bind_address and the port the agent chose)."""
     flags = PATH_FLAGS.get(kind or "", {})
     i = 0
     while i < len(args):
         arg = args[i]
         mode = None
-        peer = _peer_flag(kind, arg)
+        listen = _table_flag(kind, arg, LISTEN_FLAGS)
+        if listen is not None:
+            flag, what, value = listen
+            if value is None:
+                value = args[i + 1] if i + 1 < len(args) else ""
+                i += 1
+            check_listen(flag, value, what, host=host, port=port)
+            i += 1
+            continue
+        peer = _table_flag(kind, arg, PEER_FLAGS)
         if peer is not None:
             flag, form, value = peer
             if value is None:
@@ -113,6 +145,11 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
                 raise Refused(f"start: {name} is refused on every node: the engine would take its model or its "
                               "arguments from somewhere this agent does not check (a replica's weights come from "
                               "the agent's fetch, its arguments from the request)", setting="args")
+            if mode == "n":
+                raise Refused(f"start: {_table_name(flags, name, kind)} is refused on every node: the engine "
+                              "would send to, take from or listen for other machines at addresses this agent "
+                              "cannot check (only the peer flags are, against rpc_peers; an engine listens on "
+                              "bind_address and its one port)", setting="args")
             if mode is not None:
                 if value is None:
                     if i + 1 >= len(args):
@@ -141,16 +178,50 @@ PEER_FLAGS: Dict[str, Dict[str, str]] = {
 }
 
 
-def _peer_flag(kind: Optional[str], arg: str) -> Optional[Tuple[str, str, Optional[str]]]:
-    """(flag, form, attached value or None) when ``arg`` is a peer flag in any spelling its engine
-    takes: --flag=value, --flag_name (vLLM), an argparse abbreviation (vLLM, SGLang), -dpaVALUE."""
-    table = PEER_FLAGS.get(kind or "")
+# Where an HTTP engine listens: the node's bind_address ({host}) and the port the agent chose
+# ({port}), nothing else, as an rpc-server (check_rpc_server_args). vLLM keeps the last --host and a
+# profile's args come after the controller's, so `--host 0.0.0.0` in a catalog put an
+# unauthenticated engine (its /v1 and /metrics) on every interface, past the router's keys and
+# limits; llama-server's --host also takes a unix socket path (x.sock).
+LISTEN_FLAGS: Dict[str, Dict[str, str]] = {
+    "llama.cpp": {"--host": "host", "--port": "port"},
+    "vllm": {"--host": "host", "--port": "port"},
+    "sglang": {"--host": "host", "--port": "port"},
+}
+
+
+def check_listen(flag: str, value: str, what: str, *, host: Optional[str], port: Optional[int]) -> None:
+    if what == "host" and value != host:
+        raise Refused(f"start: {flag} {value!r} is refused: an engine listens only on this node's bind_address "
+                      f"({host}, what {{host}} is)", setting="bind_address")
+    if what == "port" and value != str(port):
+        raise Refused(f"start: {flag} {value!r} is refused: the port is the agent's choice ({port}, what {{port}} "
+                      "is; the node's port_range)", setting="port_range")
+
+
+def _table_name(flags: Dict[str, str], name: str, kind: Optional[str]) -> str:
+    """The flag of ``flags`` that ``name`` stands for (a dotted key's head, an abbreviation...)."""
+    head = name.partition(".")[0]
+    normal = head if not head.startswith("--") else "--" + head[2:].replace("_", "-")
+    if normal in flags:
+        return normal
+    matches = sorted(f for f in flags if f.startswith(normal) and flags[f] in REFUSED_MODES)
+    return matches[0] if matches and kind in ("vllm", "sglang") else name
+
+
+def _table_flag(kind: Optional[str], arg: str,
+                tables: Dict[str, Dict[str, str]]) -> Optional[Tuple[str, str, Optional[str]]]:
+    """(flag, form, attached value or None) when ``arg`` is a flag of its engine's table in any
+    spelling the engine takes: --flag=value, --flag_name (vLLM, SGLang; llama-server's --log_file
+    too: normalized for every engine, a spelling it refuses only fails to start), an argparse
+    abbreviation (vLLM, SGLang), -dpaVALUE."""
+    table = tables.get(kind or "")
     if not table or not arg.startswith("-"):
         return None
     name, eq, inline = arg.partition("=")
     value: Optional[str] = inline if eq else None
     if name.startswith("--"):
-        normal = "--" + name[2:].replace("_", "-") if kind != "llama.cpp" else name
+        normal = "--" + name[2:].replace("_", "-")
         if normal in table:
             return normal, table[normal], value
         if kind in ("vllm", "sglang") and len(normal) >= 4:
@@ -271,6 +342,11 @@ def _path_flag_mode(flags: Dict[str, str], name: str, kind: Optional[str]) -> Op
     # takes any unambiguous abbreviation, --chat-templ: so must this check, or it is walked around.
     head, dot, _ = name.partition(".")
     normal = head if not head.startswith("--") else "--" + head[2:].replace("_", "-")
+    if dot:
+        # --kv-events-config.endpoint is --kv-events-config: a refused flag stays refused.
+        mode = _path_flag_mode(flags, head, kind)
+        if mode in REFUSED_MODES:
+            return mode
     if dot and (normal in flags or kind == "vllm"):
         return "w"  # a JSON key: only the engine's own area is safe for whatever it names
     if normal in flags:
@@ -278,7 +354,7 @@ def _path_flag_mode(flags: Dict[str, str], name: str, kind: Optional[str]) -> Op
     if kind not in ("vllm", "sglang") or not normal.startswith("--") or len(normal) < 4:
         return None
     modes = {m for f, m in flags.items() if f.startswith(normal)}
-    for strongest in ("x", "o", "w", "r"):
+    for strongest in (*REFUSED_MODES, "w", "r"):
         if strongest in modes:
             return strongest
     return None
@@ -294,7 +370,7 @@ def _check_value(flag: str, value: str, mode: str, *, area: str, read_roots: Tup
         except (ValueError, RecursionError):
             parsed = None
     if parsed is not None:
-        candidates = [v for v in _json_strings(parsed) if _suspicious(v)]
+        candidates = [v for v in _json_strings(parsed) if _suspicious(v) or (every and URL_RE.match(v))]
     else:
         after = value.partition("=")[2]
         candidates = [v for v in (value, after) if v and (every or _suspicious(v))]
@@ -321,7 +397,17 @@ def _json_strings(value: Any) -> Iterator[str]:
             stack.extend(item)
 
 
+# A URL of any scheme but file: (s3://, gs://, https://...), the way the engines' loaders spell one.
+URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def _check_path(flag: str, value: str, mode: str, *, area: str, read_roots: Tuple[str, ...]) -> None:
+    if URL_RE.match(value) and not value.startswith("file:"):
+        # As a relative path s3://bucket/m is "inside the area"; as vLLM's or SGLang's loader reads
+        # it (runai streamer, tensorizer, SGLang's remote loader), the model comes from another machine.
+        raise Refused(f"start: {flag} {value!r} is refused: a URL, not a path (an engine's files come from the "
+                      "agent's fetch, its weights entry or sandbox_paths, never from another machine)",
+                      setting="args")
     if value.startswith("file:"):
         try:
             value = urllib.parse.unquote(urllib.parse.urlsplit(value).path)

@@ -47,6 +47,7 @@ from llmgw.agent.parts.sandbox import (
     Confinement,
     StartSpec,
     check_env,
+    check_tmp_fits,
     check_visible,
     confinement,
     engine_area,
@@ -224,7 +225,8 @@ def _start(cfg: NodeConfig, request: JsonDict, lease: Optional[JsonDict]) -> Jso
             check_rpc_server_args(cfg, args, port=port)
         read_roots = tuple(p for p in (weights,) if p is not None) + cfg.sandbox_paths
         check_args(kind, args, area=area, read_roots=read_roots, rpc_peers=cfg.rpc_peers,
-                   fabric_address=cfg.fabric_address)
+                   fabric_address=cfg.fabric_address, host=values["host"], port=port)
+        check_tmp_fits(cfg, conf, spec.replica_id, kind)
         ensure_run_dir(cfg, conf)
         check_visible(cfg, conf, list(prefix), weights=weights, area=area)
         prepare_area(cfg, conf, spec.replica_id)

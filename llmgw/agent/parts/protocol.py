@@ -73,8 +73,12 @@ DEFAULT_ENV_ALLOW = frozenset({
     # A sharded replica's ranks name the node's fabric (llmgw.engines.argv.shard_env): an address
     # and an interface name, neither a file nor code.
     "VLLM_HOST_IP", "GLOO_SOCKET_IFNAME",
-    "VLLM_LOGGING_LEVEL", "VLLM_WORKER_MULTIPROC_METHOD", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+    "VLLM_LOGGING_LEVEL", "VLLM_WORKER_MULTIPROC_METHOD",
 })
+# Not here, ever: the switches the agent sets for an engine kind (ENGINE_KIND_ENV: HF_HUB_OFFLINE,
+# TRANSFORMERS_OFFLINE, the usage reports). With the hub back on, `--tokenizer org/repo` (a relative
+# value, "inside the area" to the path check) or an --hf-overrides auto_map with
+# --trust-remote-code made vLLM download files and code; only the owner's engine_env sets them.
 # What an engine inherits from the agent's own environment: only what programs need to find
 # their tools and speak the locale. Anything else the agent's environment holds (SSH_AUTH_SOCK,
 # cloud credentials of root's login shell) is not the engine's; `engine_env` sets more.

