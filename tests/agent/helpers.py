@@ -6,18 +6,24 @@ one JSON object on stdin, one on stdout. The guard's race and property tests imp
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.fixtures.confinement import confined_settings  # noqa: F401 - re-exported for the agent tests
 
@@ -147,3 +153,36 @@ class Node:
         answer = self.ok("fetch", {"source": source})
         assert answer["state"] == "done", answer
         return answer
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@contextlib.contextmanager
+def unsandboxed_node(node: Node, engines: dict[str, list[str]], *, prefix: str) -> Iterator[Node]:
+    """``node`` without a sandbox (sandbox: none), laid out under /tmp where the engine user can
+    traverse (pytest's tmp dirs are 0700 under /tmp/pytest-of-root), so engines really run as that
+    user; its engines killed and its tree removed afterwards."""
+    if not os.path.exists(SYSTEM_PYTHON):
+        pytest.skip("needs /usr/bin/python3")
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    base.chmod(0o755)
+    moved = Node(root=base, cache=base / "cache", models=base / "models", state=base / "state", bin=base / "bin",
+                 config=base / "agent.json", ports=node.ports, settings=dict(node.settings))
+    for path in (moved.cache, moved.models, moved.state, moved.bin):
+        path.mkdir()
+        path.chmod(0o755)
+    # check_visible looks at <state>/run before prepare_area creates it: on a fresh state dir the
+    # first unsandboxed start was refused ("run is not searchable").
+    (moved.state / "run").mkdir(mode=0o711)
+    moved.write_config(cache_dir=str(moved.cache), state_dir=str(moved.state), model_dirs=[str(moved.models)],
+                       sandbox="none", engines=engines)
+    try:
+        yield moved
+    finally:
+        for record_file in (moved.state / "engines").glob("*.json"):
+            pid = json.loads(record_file.read_text())["pid"]
+            if pid != os.getpid():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+        shutil.rmtree(base, ignore_errors=True)

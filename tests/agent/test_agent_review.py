@@ -21,13 +21,20 @@ from types import ModuleType
 
 import pytest
 
-from tests.agent.helpers import Node, cache_name, make_entry, own_start_time, wait_for
+from tests.agent.helpers import (
+    SYSTEM_PYTHON,
+    Node,
+    cache_name,
+    make_entry,
+    own_start_time,
+    unsandboxed_node,
+    wait_for,
+)
 from tests.agent.test_agent_boundary import HOSTILE, run_hostile
 
 BWRAP = os.path.exists("/usr/bin/bwrap")
 ROOT = os.geteuid() == 0
 # An interpreter the engine user can reach without a sandbox (the test's own may live under /root).
-SYSTEM_PYTHON = "/usr/bin/python3"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -40,36 +47,9 @@ def _pid_alive(pid: int) -> bool:
 
 @pytest.fixture
 def open_node(node: Node) -> Iterator[Node]:
-    """A node without a sandbox (sandbox: none), laid out where the engine user can traverse
-    (pytest's tmp dirs are 0700 under /tmp/pytest-of-root), so engines really run as that user."""
-    if not os.path.exists(SYSTEM_PYTHON):
-        pytest.skip("needs /usr/bin/python3")
-    base = Path(tempfile.mkdtemp(prefix="llmgw-review-", dir="/tmp"))
-    base.chmod(0o755)
-    moved = Node(root=base, cache=base / "cache", models=base / "models", state=base / "state", bin=base / "bin",
-                 config=base / "agent.json", ports=node.ports, settings=dict(node.settings))
-    for path in (moved.cache, moved.models, moved.state, moved.bin):
-        path.mkdir()
-        path.chmod(0o755)
-    # check_visible looks at <state>/run before prepare_area creates it: on a fresh state dir the
-    # first unsandboxed start is refused ("run is not searchable"), a bug of its own (see report).
-    (moved.state / "run").mkdir(mode=0o711)
-    moved.write_config(cache_dir=str(moved.cache), state_dir=str(moved.state), model_dirs=[str(moved.models)],
-                       sandbox="none", engines={
-                           "pysleep": [SYSTEM_PYTHON, "-c", "import time; time.sleep(120)"],
-                           "hostile": [SYSTEM_PYTHON, "-c", HOSTILE],
-                       })
-    try:
+    with unsandboxed_node(node, {"pysleep": [SYSTEM_PYTHON, "-c", "import time; time.sleep(120)"],
+                                 "hostile": [SYSTEM_PYTHON, "-c", HOSTILE]}, prefix="llmgw-review-") as moved:
         yield moved
-    finally:
-        for record_file in (moved.state / "engines").glob("*.json"):
-            pid = json.loads(record_file.read_text())["pid"]
-            if pid != os.getpid():
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        shutil.rmtree(base, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,25 +6,19 @@ choose; and an unsandboxed vLLM whose IPC socket path was too long to bind."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
 import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from llmgw.decide.replica import replica_id
-from tests.agent.helpers import Node, wait_for
+from tests.agent.helpers import SYSTEM_PYTHON, Node, unsandboxed_node, wait_for
 
 PRINT_ENV = "import json, os; print('ENV ' + json.dumps(dict(os.environ)), flush=True)"
 ECHO = "import sys; print('ARGS', sys.argv[1:], flush=True)"
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
 UUID4 = 36  # vLLM names its IPC sockets <TMPDIR>/<uuid4> (get_open_zmq_ipc_path)
-SYSTEM_PYTHON = "/usr/bin/python3"
 
 
 def _with(node: Node, engine: str, script: str) -> None:
@@ -201,29 +195,8 @@ print("BOUND", len(path), os.stat(os.environ["TMPDIR"]).st_mode & 0o777, flush=T
 
 @pytest.fixture
 def open_node(node: Node) -> Iterator[Node]:
-    """A node without a sandbox, laid out where the engine user can traverse (pytest's tmp dirs
-    are 0700 under /tmp/pytest-of-root), so the engine really runs as that user."""
-    if not os.path.exists(SYSTEM_PYTHON):
-        pytest.skip("needs /usr/bin/python3")
-    base = Path(tempfile.mkdtemp(prefix="llmgw-v-", dir="/tmp"))
-    base.chmod(0o755)
-    moved = Node(root=base, cache=base / "cache", models=base / "models", state=base / "state", bin=base / "bin",
-                 config=base / "agent.json", ports=node.ports, settings=dict(node.settings))
-    for path in (moved.cache, moved.models, moved.state, moved.bin):
-        path.mkdir()
-        path.chmod(0o755)
-    moved.write_config(cache_dir=str(moved.cache), state_dir=str(moved.state), model_dirs=[str(moved.models)],
-                       sandbox="none", engines={"vllm": [SYSTEM_PYTHON, "-c", BIND]})
-    try:
+    with unsandboxed_node(node, {"vllm": [SYSTEM_PYTHON, "-c", BIND]}, prefix="llmgw-v-") as moved:
         yield moved
-    finally:
-        for record_file in (moved.state / "engines").glob("*.json"):
-            pid = json.loads(record_file.read_text())["pid"]
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_an_unsandboxed_engine_binds_its_socket_with_the_longest_replica_id(open_node: Node) -> None:
