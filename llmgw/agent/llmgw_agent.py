@@ -1859,6 +1859,14 @@ def engine_kind(name: str, prefix: Tuple[str, ...]) -> Optional[str]:
     return None
 
 
+def _value_at(args: List[str], i: int, value: Optional[str]) -> Tuple[str, int]:
+    """The value of the flag at ``i`` (given inline as --flag=value, else the next argument; ""
+    when there is none) and the index after it."""
+    if value is not None:
+        return value, i + 1
+    return (args[i + 1] if i + 1 < len(args) else ""), i + 2
+
+
 def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: Tuple[str, ...],
                rpc_peers: Tuple[Any, ...] = (), fabric_address: str = "", host: Optional[str] = None,
                port: Optional[int] = None) -> None:
@@ -1873,20 +1881,14 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
         listen = _table_flag(kind, arg, LISTEN_FLAGS)
         if listen is not None:
             flag, what, value = listen
-            if value is None:
-                value = args[i + 1] if i + 1 < len(args) else ""
-                i += 1
+            value, i = _value_at(args, i, value)
             check_listen(flag, value, what, host=host, port=port)
-            i += 1
             continue
         peer = _table_flag(kind, arg, PEER_FLAGS)
         if peer is not None:
             flag, form, value = peer
-            if value is None:
-                value = args[i + 1] if i + 1 < len(args) else ""
-                i += 1
+            value, i = _value_at(args, i, value)
             check_peer(flag, value, form, rpc_peers, own=fabric_address)
-            i += 1
             continue
         if arg.startswith("-"):
             name, value = _flag_and_value(flags, kind, arg)
