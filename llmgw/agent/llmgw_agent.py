@@ -2320,8 +2320,11 @@ TMP_SOCKET_NAME = {"vllm": 36, "sglang": 11}
 def engine_tmp(cfg: NodeConfig, conf: Confinement, replica_id: str) -> str:
     if conf.sandbox == "bwrap":
         return "/tmp"
-    digest = hashlib.sha256(replica_id.encode("utf-8")).hexdigest()[:SHORT_TMP_HASH]
-    return os.path.join(cfg.state_dir, SHORT_TMP, digest)
+    return os.path.join(cfg.state_dir, SHORT_TMP, _tmp_name(replica_id))
+
+
+def _tmp_name(replica_id: str) -> str:
+    return hashlib.sha256(replica_id.encode("utf-8")).hexdigest()[:SHORT_TMP_HASH]
 
 
 def check_tmp_fits(cfg: NodeConfig, conf: Confinement, replica_id: str, kind: Optional[str]) -> None:
@@ -2389,6 +2392,22 @@ def _prepare_tmp(cfg: NodeConfig, conf: Confinement, replica_id: str) -> None:
             os.chown(name, conf.uid, conf.gid, dir_fd=parent_fd, follow_symlinks=False)
     finally:
         os.close(parent_fd)
+
+
+def remove_engine_dirs(cfg: NodeConfig, replica_id: str) -> None:
+    """An ended engine's area and short TMPDIR, gone with its record: a start makes both anew, and
+    without this every replica ever run left them (vLLM's caches and sockets) on the node."""
+    for parent, name in ((os.path.join(cfg.state_dir, "run"), replica_id),
+                         (os.path.join(cfg.state_dir, SHORT_TMP), _tmp_name(replica_id))):
+        try:
+            parent_fd = _open_dir_nofollow(parent)
+        except OSError:
+            continue  # never made (a sandboxed engine has no short TMPDIR)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                rmtree_at(parent_fd, name)  # by descriptor: a link an engine planted is unlinked, not followed
+        finally:
+            os.close(parent_fd)
 
 
 def _hidden_paths(cfg: NodeConfig) -> List[str]:
@@ -2655,7 +2674,7 @@ def _orphans(record: JsonDict) -> bool:
 
 
 def prune_engine_records(cfg: NodeConfig, now: float) -> None:
-    """Forget engines that ended more than ENGINE_RECORD_TTL ago (record, exit file, log)."""
+    """Forget engines that ended more than ENGINE_RECORD_TTL ago (record, exit file, log, area, TMPDIR)."""
     for record in all_records(cfg):
         if record_alive(record):
             continue
@@ -2670,6 +2689,7 @@ def prune_engine_records(cfg: NodeConfig, now: float) -> None:
                     for path in (_record_path(cfg, record["replica_id"]), _exit_path(cfg, record["replica_id"]),
                                  _log_path(cfg, record["replica_id"])):
                         _remove_file(path)
+                    remove_engine_dirs(cfg, record["replica_id"])
 
 
 # ---- llmgw/agent/parts/engines.py ----

@@ -3,6 +3,7 @@ process group, with their exit codes recorded."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -159,6 +160,22 @@ def test_dead_engines_are_forgotten_a_day_after_they_ended(node: Node, agent_mod
         exit_info = {"pid": os.getpid(), "pid_start": -1 if replica_id == "ancient" else -2, "exit_code": 3,
                      "ended_at": time.time() - age}
         (node.state / "exits" / f"{replica_id}.json").write_text(json.dumps(exit_info))
+    # What each left on the node besides its record: its area (with a link an engine planted) and
+    # the short TMPDIR an unsandboxed engine gets.
+    outside = node.root / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("not the engine's")
+    dirs = {}
+    for replica_id in ("ancient", "recent"):
+        area = node.state / "run" / replica_id
+        tmp = node.state / "t" / hashlib.sha256(replica_id.encode()).hexdigest()[:16]
+        for d in (area, tmp):
+            d.mkdir(parents=True)
+            (d / "cache").write_text("x")
+        (area / "link").symlink_to(outside)
+        dirs[replica_id] = (area, tmp)
     views = agent_module.run_verb("status", str(node.config), {})["engines"]
     assert [(v["replica_id"], v["alive"], v["exit_code"]) for v in views] == [("recent", False, 3)]
     assert not (node.state / "engines" / "ancient.json").exists()
+    assert not any(d.exists() for d in dirs["ancient"]) and all(d.exists() for d in dirs["recent"])
+    assert (outside / "keep").read_text() == "not the engine's"  # the link was unlinked, not followed

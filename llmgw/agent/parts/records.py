@@ -28,6 +28,7 @@ from llmgw.agent.parts.protocol import (
     JsonDict,
     _field,
 )
+from llmgw.agent.parts.sandbox import remove_engine_dirs
 
 
 def _replica_id(request: JsonDict) -> str:
@@ -126,7 +127,7 @@ def _orphans(record: JsonDict) -> bool:
 
 
 def prune_engine_records(cfg: NodeConfig, now: float) -> None:
-    """Forget engines that ended more than ENGINE_RECORD_TTL ago (record, exit file, log)."""
+    """Forget engines that ended more than ENGINE_RECORD_TTL ago (record, exit file, log, area, TMPDIR)."""
     for record in all_records(cfg):
         if record_alive(record):
             continue
@@ -141,3 +142,4 @@ def prune_engine_records(cfg: NodeConfig, now: float) -> None:
                     for path in (_record_path(cfg, record["replica_id"]), _exit_path(cfg, record["replica_id"]),
                                  _log_path(cfg, record["replica_id"])):
                         _remove_file(path)
+                    remove_engine_dirs(cfg, record["replica_id"])
