@@ -126,7 +126,7 @@ class FeedHub:
                 self._withdrawn[rid] = self.version
             for rid in now:
                 self._withdrawn.pop(rid, None)
-            self.in_flight()  # prunes what no router is behind on: bounded by routers' lag
+            self._behind(self._live_reports())  # forgets what no router is behind on
 
     def set_unrunnable(self, reasons: Mapping[str, str]) -> None:
         """Models no node can run, with the reason: routers answer them at once."""
@@ -225,13 +225,21 @@ class FeedHub:
         for r in reports:
             for rid, n in r.in_flight.items():
                 out[rid] = out.get(rid, 0) + n
+        for rid, behind in self._behind(reports).items():
+            out[rid] = out.get(rid, 0) + behind
+        return out
+
+    def _behind(self, reports: list[Report]) -> dict[str, int]:
+        """Per withdrawn replica, the routers not yet serving without it; a replica no router is
+        behind on is forgotten (bounded by the routers' lag, not by every replica ever withdrawn)."""
         now = self.clock()
+        out = {}
         for rid, version in list(self._withdrawn.items()):
             behind = sum(1 for r in reports if r.behind(version, now))
             if behind:
-                out[rid] = out.get(rid, 0) + behind
-            elif rid not in out:
-                del self._withdrawn[rid]  # every router serves without it and has nothing on it
+                out[rid] = behind
+            else:
+                del self._withdrawn[rid]
         return out
 
     def engine_queue(self) -> dict[str, tuple[int, int]]:
@@ -440,8 +448,7 @@ class MergedUsage:
         so readings are not summed."""
         out: dict[str, tuple[int, int]] = {}
         for s in self.sources:
-            read = getattr(s, "engine_queue", None)
-            for rid, q in (read() if read is not None else {}).items():
+            for rid, q in s.engine_queue().items():
                 out.setdefault(rid, q)
         return out
 
@@ -449,8 +456,7 @@ class MergedUsage:
         """Summed over the sources (each router counts its own requests)."""
         out: dict[str, int] = {}
         for s in self.sources:
-            read = getattr(s, "in_flight", None)
-            for rid, n in (read() if read is not None else {}).items():
+            for rid, n in s.in_flight().items():
                 out[rid] = out.get(rid, 0) + n
         return out
 

@@ -294,8 +294,7 @@ class Reconciler:
                     if r.state == ReplicaState.STOPPING and not handover.intersection(r.nodes)]
         if not stopping:
             return set()
-        read = getattr(self.usage, "in_flight", None)
-        in_flight = read() if read is not None else {}
+        in_flight = self.usage.in_flight()
         now = self.clock()
         out = set()
         for r in stopping:

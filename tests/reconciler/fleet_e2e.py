@@ -70,6 +70,9 @@ class Recorder:
     def engine_queue(self) -> Mapping[str, tuple[int, int]]:
         return {}
 
+    def in_flight(self) -> Mapping[str, int]:
+        return {}
+
 
 @dataclass
 class CatalogRepo:
