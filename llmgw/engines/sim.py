@@ -99,17 +99,21 @@ def _error(status: int, message: str, kind: str) -> web.Response:
     return web.Response(status=status, body=body.encode(), content_type="application/json")
 
 
-@functools.lru_cache(maxsize=4096)
 def prompt_words(seed_text: str, count: int) -> tuple[int, ...]:
-    """``count`` vocabulary indexes, a pure function of the prompt text. Cached: router
-    benchmarks send one prompt thousands of times a second, and the simulator must never be
-    what they measure."""
-    digest = hashlib.sha256(seed_text.encode("utf-8", "surrogatepass")).digest()
+    """``count`` vocabulary indexes, a pure function of the prompt text."""
+    return _words(hashlib.sha256(seed_text.encode("utf-8", "surrogatepass")).digest(), count)
+
+
+# Cached by the prompt's digest, not its text, and few: router benchmarks send one prompt thousands
+# of times a second and the simulator must never be what they measure, but a cache keyed by
+# prompts would hold megabytes of them.
+@functools.lru_cache(maxsize=256)
+def _words(digest: bytes, count: int) -> tuple[int, ...]:
     size = len(VOCAB)
     return tuple((digest[i % 32] + 7 * (i // 32)) % size for i in range(count))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=256)
 def _whole_rest(model_json: bytes, chat: bool, words: tuple[int, ...], finish: str, prompt_tokens: int,
                 answers: int) -> bytes:
     """A whole answer's body after its id and time: the same for the same prompt, so cached."""
