@@ -125,38 +125,44 @@ def test_the_copy_checks_the_roots_itself_not_only_fetch(node: Node, agent_modul
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. prepare_area chowns <area>/tmp by path after the area already belongs to the engine user
+# 3. prepare_area chowned <area>/tmp by path after the area already belonged to the engine user
 
 
 @pytest.mark.skipif(not ROOT, reason="the chown happens only in a root agent")
-def test_prepare_area_does_not_chown_through_a_tmp_swapped_for_a_symlink(
+def test_prepare_area_does_not_chown_through_links_planted_once_the_area_is_the_engine_users(
         node: Node, agent_module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """prepare_area: chown(area) to the engine user, THEN chown(area/tmp) by path, following
-    symlinks. In the window any process of the engine user (another engine under sandbox: none;
-    'nobody' is shared with system daemons) may swap tmp for a link: root then chowns the target
-    (/etc/shadow) to the engine user. The swap is simulated at the exact point in the window."""
+    """prepare_area gives the area to the engine user by descriptor (``os.fchown``). From that
+    moment any process of the engine user ('nobody' is shared with system daemons) may plant links
+    in it; whatever root does after that must not follow one (it once chowned <area>/tmp by path:
+    root then chowned the link's target, /etc/shadow, to the engine user). The swap is made at the
+    exact point in the window, inside the descriptor call the code makes; the test asserts that the
+    hook ran, so a change of mechanism fails it instead of leaving it true whatever the code does."""
     victim = node.root / "root-owned"
     victim.write_text("root's")
     victim.chmod(0o600)
     cfg = agent_module.load_config(str(node.config))
     conf = agent_module.confinement(cfg)
     area = node.state / "run" / "r"
-    real_chown = os.chown
+    real_fchown = os.fchown
+    swapped: list[str] = []
 
-    def racing_chown(path, uid, gid, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        real_chown(path, uid, gid, *args, **kwargs)
-        if os.fspath(path) == str(area):  # the area is the engine user's now: it swaps tmp
-            os.rmdir(area / "tmp")
-            os.symlink(victim, area / "tmp")
+    def racing_fchown(fd: int, uid: int, gid: int) -> None:
+        real_fchown(fd, uid, gid)
+        if os.readlink(f"/proc/self/fd/{fd}") == str(area) and uid == conf.uid:
+            # The area is the engine user's now: it plants links to the victim under every name
+            # the agent might touch next.
+            for name in ("tmp", "home", "log", ".cache"):
+                os.symlink(victim, area / name)
+            swapped.append(str(area))
 
-    monkeypatch.setattr(os, "chown", racing_chown)
-    # A refusal is fine, and so is an area made without following the swapped link (tmp is chowned
-    # by descriptor before the area is the engine user's); chowning the victim is not. (This block
-    # used to sit in pytest.raises(Exception) and end with its own RuntimeError, which satisfied it
-    # whatever prepare_area did.)
+    monkeypatch.setattr(os, "fchown", racing_fchown)
+    # A refusal is fine, and so is an area made without following a planted link; chowning the
+    # victim is not.
     with contextlib.suppress(OSError):
         agent_module.prepare_area(cfg, conf, "r")
+    assert swapped == [str(area)], "prepare_area no longer gives the area away by fchown: retarget this test"
     assert victim.stat().st_uid == 0, "root chowned a file outside the area to the engine user"
+    assert victim.read_text() == "root's"
 
 
 # ---------------------------------------------------------------------------------------------
