@@ -14,7 +14,7 @@ from rich.console import Console
 
 from llmgw.cli.main import main
 
-pytest_plugins = ["tests.fixtures.sshd"]
+pytest_plugins = ["tests.fixtures.sshd", "tests.fixtures.skips"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO_ROOT / "examples" / "catalog"

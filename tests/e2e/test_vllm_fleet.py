@@ -8,7 +8,7 @@ cached_tokens, queue depth and prefix-cache counters from its /metrics, the ledg
 own token counters, and a stop with a stream in flight.
 
 scripts/build-vllm-cpu builds what it needs (about 4 minutes once, cached by version); CI runs it,
-and there (LLMGW_REQUIRE_VLLM=1) a missing build fails the test instead of skipping it.
+and there a missing build's skip fails the run (tests/skips_allowed.yaml does not list it).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from llmgw.engines.health import read_load, scan_samples
 from tests.conftest import git
 from tests.e2e.processes import LLMGW, free_port, start, stop, wait_for
 from tests.fixtures.sshd_fleet import MARKER_ENV, agent_config
+from tests.fixtures.vllm import BUILD, requires_vllm
 from tests.reconciler.fleet_e2e import nodes_yaml
 
 # Loading vLLM takes ~45 s on an idle 2-core machine, minutes on a busy one.
@@ -41,25 +42,6 @@ TOKEN = "vllm-admin-token"
 STOP_GRACE = 10  # seconds the agent waits after SIGTERM before SIGKILL (the reconciler default)
 DRAIN = 30  # seconds a withdrawn replica's answers in flight may take (the reconciler default)
 
-
-def vllm_build() -> Path | None:
-    """The build's directory (bin/vllm, venv/, model/) of the version scripts/build-vllm-cpu builds
-    (its defaults, or VLLM_CPU_VERSION and the rest of its environment), when that build is complete.
-    The script says where (--dir), so no other version's tree, nor a stage or an old tree left
-    beside it, is taken for it; BUILT is written only once every check of the build has passed."""
-    script = Path(__file__).resolve().parents[2] / "scripts" / "build-vllm-cpu"
-    where = subprocess.run(["bash", str(script), "--dir"], capture_output=True, text=True, timeout=30, check=False)
-    if where.returncode != 0 or not where.stdout.strip():
-        return None
-    build = Path(where.stdout.strip())
-    return build if (build / "bin" / "vllm").exists() and (build / "BUILT").exists() else None
-
-
-BUILD = vllm_build()
-MISSING = "vLLM is not built: run scripts/build-vllm-cpu (about 4 minutes once; cached by version)"
-# CI builds it and says so (.ci/run exports LLMGW_REQUIRE_VLLM=1): there a missing build is a
-# failure, never a quiet skip. Wherever the build is there, the test runs.
-requires_vllm = pytest.mark.skipif(BUILD is None and os.environ.get("LLMGW_REQUIRE_VLLM") != "1", reason=MISSING)
 
 MODEL = """\
 name: smollm2-vllm
@@ -110,8 +92,7 @@ def engine_counters(endpoint: str) -> dict[str, float]:
 @requires_vllm
 def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_clean_stop(sshd_fleet,  # noqa: ANN001
                                                                                         tmp_path: Path) -> None:
-    if BUILD is None:
-        pytest.fail(MISSING)
+    assert BUILD is not None
     weights = BUILD / "model"
 
     def extra(node: Any) -> dict[str, Any]:

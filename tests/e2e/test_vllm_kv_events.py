@@ -8,32 +8,19 @@ it ever start such a vLLM again, the test serves a completion and listens for wh
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from tests.agent.conftest import node  # noqa: F401 - the agent's local node fixture, used as a parameter
 from tests.agent.helpers import Node
+from tests.fixtures.vllm import BUILD, requires_vllm
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), requires_vllm]
 
-def vllm_build() -> Path | None:
-    """A complete build of scripts/build-vllm-cpu (bin/vllm, venv/, model/ and its BUILT marker)."""
-    root = Path(os.environ.get("LLMGW_VLLM_CACHE") or
-                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmgw" / "vllm-cpu")
-    found = [p.parents[1] for p in root.glob("[!.]*/bin/vllm") if (p.parents[1] / "BUILT").exists()]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
-
-
-BUILD = vllm_build()
-# CI builds vLLM and says so (LLMGW_REQUIRE_VLLM=1): there a missing build fails, never a quiet skip.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
-              pytest.mark.skipif(BUILD is None and os.environ.get("LLMGW_REQUIRE_VLLM") != "1",
-                                 reason="vLLM is not built: run scripts/build-vllm-cpu")]
 
 SUB = """\
 import sys, zmq
@@ -51,7 +38,7 @@ def _free_port(host: str) -> int:
 
 
 def test_real_vllm_in_the_sandbox_does_not_publish_prompt_tokens_to_another_machine(node: Node) -> None:  # noqa: F811
-    assert BUILD is not None, "LLMGW_REQUIRE_VLLM=1 but vLLM is not built (scripts/build-vllm-cpu)"
+    assert BUILD is not None
     node.write_config(engines={"vllm": [str(BUILD / "bin" / "vllm")]},
                       sandbox_paths=[*node.settings["sandbox_paths"], str(BUILD)],
                       model_dirs=[*node.settings["model_dirs"], str(BUILD / "model")],
