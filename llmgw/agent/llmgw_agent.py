@@ -7,13 +7,14 @@ and calls one verb at a time: `python3 llmgw_agent.py --config CONFIG VERB` read
 on stdin and writes one JSON object on stdout; `serve` answers one JSON line per request on one
 long-lived channel (DESIGN §4).
 
-Why one standard-library file: a node has nothing but python3, and the controller uploads
-this file as it is and checks its hash. Which python3: the tests run it on 3.11 (CI's system
-python3 and the project's own); 3.9 and 3.10 (Debian 11, Ubuntu 22.04, RHEL 9 nodes) are held by
-static checks only, its syntax parsed as 3.9 and its standard-library use checked by vermin
-(tests/agent/test_agent_protocol.py), because no older interpreter can be installed here to run it. It is written as modules (llmgw/agent/parts, one per
-responsibility) and joined into this file by `python -m llmgw.agent.build`; the parts import only
-the standard library and each other, so the joined file needs nothing but python3.
+Why one standard-library file: a node has nothing but python3, and the controller uploads this file
+as it is and checks its hash. Which python3: the tests run it on 3.11 (CI's system python3 and the
+project's own); 3.9 and 3.10 (Debian 11, Ubuntu 22.04, RHEL 9 nodes) are held by static checks only,
+its syntax parsed as 3.9 and its standard-library use checked by vermin
+(tests/agent/test_agent_protocol.py), because no older interpreter can be installed here to run it.
+It is written as modules (llmgw/agent/parts, one per responsibility) and joined into this file by
+`python -m llmgw.agent.build`; the parts import only the standard library and each other, so the
+joined file needs nothing but python3.
 
 Trust: the node's own config file is trusted; requests are not. A tampered controller must not be
 able to run a program the node did not allow, nor delete anything that is not one of this
