@@ -69,7 +69,7 @@ from llmgw.contract import Endpoint  # noqa: E402
 from llmgw.engines.testing import LlamaServers, _healthy, free_port  # noqa: E402
 from llmgw.router import Router, RouterConfig  # noqa: E402
 from tests.e2e.test_llamacpp_fleet import llama_server, smollm2  # noqa: E402
-from tests.e2e.test_vllm_fleet import vllm_build  # noqa: E402
+from tests.fixtures.vllm import vllm_build  # noqa: E402
 
 MODEL = "smol"
 WORDS = ("river stone cloud paper green light market winter signal garden copper harbor lantern meadow "
