@@ -40,7 +40,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 TOKEN = "vllm-admin-token"
 STOP_GRACE = 10  # seconds the agent waits after SIGTERM before SIGKILL (the reconciler default)
-DRAIN = 30  # seconds a withdrawn replica's answers in flight may take (the reconciler default)
+# Seconds a withdrawn replica's answers in flight may take, shorter than the reconciler's default
+# (30 s) so the test's long stream outlasts it by construction: that stream asks for nearly the whole
+# context (LONG tokens), which vLLM would need over 500 tokens/s per stream to write inside DRAIN, a
+# GPU's rate, not a CPU's (about 60 here). The short stream is sized from the rate measured below.
+DRAIN = 15
+CONTEXT = 8192  # SmolLM2's own; vLLM's KV cache (1 GiB) holds several such sequences
+LONG = CONTEXT - 200
 
 
 MODEL = """\
@@ -54,7 +60,7 @@ profiles:
     engine: vllm
     gpus: 0
     memory_gb: 4
-    args: ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "4"]
+    args: ["--enforce-eager", "--max-model-len", "8192", "--max-num-seqs", "4"]
 """
 
 WORDS = "river stone cloud paper green light market winter signal garden".split()
@@ -122,7 +128,8 @@ def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_cle
         "repo": str(repo), "data_dir": str(tmp_path / "data"), "fetch_interval": "1s",
         "listen": {"router": f"127.0.0.1:{router_port}", "admin": f"127.0.0.1:{admin_port}"},
         "ssh": {"key": str(fleet.client_key), "known_hosts": str(fleet.known_hosts)},
-        "admin_token": TOKEN, "reconciler": {"tick_interval": "500ms", "stop_grace": f"{STOP_GRACE}s"},
+        "admin_token": TOKEN,
+        "reconciler": {"tick_interval": "500ms", "stop_grace": f"{STOP_GRACE}s", "drain_timeout": f"{DRAIN}s"},
     }))
     started = time.monotonic()
     proc = start(["controller", "--config", str(config)], tmp_path / "controller.log")
@@ -159,15 +166,19 @@ def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_cle
         assert answer.usage.prompt_tokens_details is not None
         assert answer.usage.prompt_tokens_details.cached_tokens == 0  # nothing shared with the probe's "Hi"
 
-        # Streamed with usage: the last event carries it, and the text came in pieces.
-        chunks, usage = [], None
+        # Streamed with usage: the last event carries it, and the text came in pieces. Its pace
+        # is this machine's decode rate, which sizes the short stream of the drain below.
+        chunks, usage, arrived = [], None, []
         for chunk in client.chat.completions.create(
                 model="smolv", messages=[{"role": "user", "content": "Tell a short story about a boat."}],
                 max_tokens=24, stream=True, stream_options={"include_usage": True}):
             usage = chunk.usage or usage
             if chunk.choices and chunk.choices[0].delta.content:
                 chunks.append(chunk.choices[0].delta.content)
+                arrived.append(time.monotonic())
         assert len(chunks) > 3 and usage is not None and usage.completion_tokens == 24
+        rate = (len(arrived) - 1) / max(arrived[-1] - arrived[0], 1e-3)
+        print(f"vLLM decodes {rate:.0f} tokens/s per stream here")
 
         # A long prompt twice: the second finds its prefix in vLLM's cache (whole 128-token blocks),
         # which the client sees as cached_tokens and `llmgw models` as the engine hit ratio.
@@ -204,8 +215,8 @@ def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_cle
         # request is wrong; another replica would say the same, so it is not retried, nor a 502).
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model="smolv", messages=[{"role": "user", "content": "Hi"}],
-                                           max_tokens=5000)
-        assert refused.value.status_code == 400 and "2048" in refused.value.message, refused.value.message
+                                           max_tokens=CONTEXT + 1000)
+        assert refused.value.status_code == 400 and str(CONTEXT) in refused.value.message, refused.value.message
 
         # Queue depth: while a long stream runs, vLLM's /metrics counts it, and so do `llmgw models`
         # (the router's reading of those metrics, what it weighs replicas by) and the router's gauge.
@@ -228,14 +239,17 @@ def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_cle
 
         # Stopped with two streams in flight: the model removed in git, the replica withdrawn from
         # the router at once and its engine kept while they run (the drain), up to drain_timeout.
-        # The short one ends whole; the long one (over a minute) is still going at the drain's end,
-        # and is cut by the stop.
+        # The short one ends whole: a quarter of the drain at the rate measured above (a few tokens
+        # at least, so it is under way when the commit lands). The long one cannot end inside the
+        # drain (DRAIN above) and is cut by the stop.
+        short_tokens = max(4, min(30, int(rate * DRAIN / 4)))
         short: list[Any] = []
 
         def consume_short() -> None:
             try:
                 for chunk in client.chat.completions.create(
-                        model="smolv", messages=[{"role": "user", "content": "Count to fifty."}], max_tokens=30,
+                        model="smolv", messages=[{"role": "user", "content": "Count to fifty."}],
+                        max_tokens=short_tokens,
                         stream=True, extra_body={"ignore_eos": True}):
                     short.append(chunk)
             except openai.APIError as exc:
@@ -243,7 +257,7 @@ def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_cle
 
         stream = client.chat.completions.create(
             model="smolv", messages=[{"role": "user", "content": "Tell a very long story."}],
-            max_tokens=1500, stream=True, extra_body={"ignore_eos": True})
+            max_tokens=LONG, stream=True, extra_body={"ignore_eos": True})
         reader = threading.Thread(target=read_load_during_stream)
         received: list[Any] = []
         ended = threading.Event()
@@ -275,7 +289,7 @@ def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_cle
         admin(admin_url, "/api/v1/sync", "POST", {})
         short_consumer.join(DRAIN + 30)
         assert not isinstance(short[-1], Exception), short[-1]
-        # All 30 tokens: a stream the stop cut would end "abort", with an error, or without a reason.
+        # All its tokens: a stream the stop cut would end "abort", with an error, or without a reason.
         assert [c.choices[0].finish_reason for c in short if c.choices and c.choices[0].finish_reason] == ["length"]
         assert ended.wait(DRAIN + STOP_GRACE + 60), "the stream in flight never ended"
         [timeout] = wait_for(lambda: [e for e in admin(admin_url, "/api/v1/events?limit=500")
