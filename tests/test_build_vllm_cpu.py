@@ -201,10 +201,10 @@ def test_a_build_killed_midway_leaves_nothing_the_next_build_does_not_clean(tmp_
 
 
 def test_the_e2e_tests_use_the_version_the_script_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tests/e2e's vllm_build() (and prefix_bench's): the tree of the version the script builds,
+    """tests/fixtures/vllm.py's vllm_build() (both vLLM e2e tests' and prefix_bench's): the tree of the version the script builds,
     never a stage or an old tree beside it, nor another version that sorts after it by name
     ("0.9.0" > "0.32.0")."""
-    from tests.e2e.test_vllm_fleet import vllm_build
+    from tests.fixtures.vllm import vllm_build
 
     cache = tmp_path / "cache"
     for name in (".stage-0.32.0-77", ".old-0.32.0-78", "0.9.0-smollm2-0.1.2", BUILD_DIR, "1.0.0-smollm2-0.1.2"):
