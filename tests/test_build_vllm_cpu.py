@@ -201,8 +201,9 @@ def test_a_build_killed_midway_leaves_nothing_the_next_build_does_not_clean(tmp_
 
 
 def test_the_e2e_tests_use_the_version_the_script_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tests/fixtures/vllm.py's vllm_build() (both vLLM e2e tests' and prefix_bench's): the tree of the version the script builds,
-    never a stage or an old tree beside it, nor another version that sorts after it by name
+    """tests/fixtures/vllm.py's vllm_build() (the vLLM e2e tests' and prefix_bench's): the tree of
+    the version the script builds, never a stage or an old tree beside it, nor another version that
+    sorts after it by name
     ("0.9.0" > "0.32.0")."""
     from tests.fixtures.vllm import vllm_build
 
