@@ -3,10 +3,12 @@
 ``python -m llmgw.engines.sim --model NAME --host H --port P`` answers the way vLLM does on the
 wire, so every part of llmgw above the engine — agent, reconciler, router, benchmarks — runs on
 a machine without GPUs: ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions`` (JSON or
-SSE), ``/v1/embeddings``, ``/health`` (503 "Loading model" during ``--startup-delay``, like
-llama.cpp, then 200) and ``/metrics`` in vLLM's names plus two counters of its own
-(``llmgw_sim_requests_total``, ``llmgw_sim_requests_cancelled_total``) so a test can see that
-a client going away cancelled the request upstream.
+SSE; ``stream_options.include_usage`` and ``continuous_usage_stats`` as vLLM reads them: a usage
+event at the end, and each event's running count per answer), ``/v1/embeddings``, ``/health``
+(503 "Loading model" during ``--startup-delay``, like llama.cpp, then 200) and ``/metrics`` in
+vLLM's names plus counters of its own (``llmgw_sim_requests_total``,
+``llmgw_sim_requests_cancelled_total``) so a test can see that a client going away cancelled the
+request upstream.
 
 ``--fail-rate F`` (0 to 1) makes it a bad version that still becomes ready: the first inference
 request (chat, completions or embeddings; the reconciler's one-token readiness probe) is answered,
@@ -15,13 +17,23 @@ exactly when floor(i*F) > floor((i-1)*F), so any n of them hold floor(n*F) failu
 evenly, and a test can count on the number. Requests refused for their own sake (a malformed
 body, an unknown model, still loading) take no turn; /health, /metrics and /v1/models never fail.
 
-Output is deterministic: the words are drawn from a fixed vocabulary by the sha256 of the prompt,
-one token per SSE chunk, ``--ttft`` before the first and ``1/--tokens-per-second`` between the
-next ones (0 = as fast as possible). Embeddings are unit vectors derived from the input's hash.
+Output is deterministic: the words (one token each) are drawn from a fixed vocabulary by the
+sha256 of the prompt, and a stream carries 1 to 3 of them per SSE event, as real engines merge
+tokens into one event (an incomplete UTF-8 character, text held back while it may be a stop
+string), the grouping drawn from the same digest. ``--ttft`` passes before the first token and
+``1/--tokens-per-second`` between the next ones (0 = as fast as possible); an event is written
+when its last token is. Embeddings are unit vectors derived from the input's hash.
+
+Its token counters do not mark its own homework: ``vllm:generation_tokens_total`` counts the
+tokens in what it wrote (the words of each event or answer written, a stream cut short counting
+its written part), while the ``usage`` it reports is the number of words it drew; a router that
+counts what clients received, or a stream that loses a word, shows as a difference between the
+two. ``vllm:prompt_tokens_total`` counts prompts as they are taken in, as vLLM counts prefill.
 
 It must never be the bottleneck of a benchmark of the router, so the hot path stays small:
-constant parts are pre-encoded, chunks are byte templates, nothing is logged per request, and
-a zero-latency stream is written in one piece. uvloop is used when installed.
+constant parts are pre-encoded, chunks are byte templates, a prompt's plan (words, events) is
+cached by its digest, nothing is logged per request, and a zero-latency stream is written in one
+piece. uvloop is used when installed.
 """
 
 from __future__ import annotations
@@ -101,31 +113,59 @@ def _error(status: int, message: str, kind: str) -> web.Response:
 
 def prompt_words(seed_text: str, count: int) -> tuple[int, ...]:
     """``count`` vocabulary indexes, a pure function of the prompt text."""
-    return _words(hashlib.sha256(seed_text.encode("utf-8", "surrogatepass")).digest(), count)
+    return _plan(_digest(seed_text), count).words
+
+
+def _digest(seed_text: str) -> bytes:
+    return hashlib.sha256(seed_text.encode("utf-8", "surrogatepass")).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What the simulator writes for one prompt and limit: the words it drew (its ``usage``), and a
+    stream's events, each a JSON string of 1 to 3 of those words (the first without its leading
+    space) and the number of tokens in it, counted from the text written."""
+
+    words: tuple[int, ...]
+    pieces: tuple[bytes, ...]
+    sizes: tuple[int, ...]
+    written: int  # sum(sizes): the tokens a whole stream of one answer writes
 
 
 # Cached by the prompt's digest, not its text, and few: router benchmarks send one prompt thousands
 # of times a second and the simulator must never be what they measure, but a cache keyed by
 # prompts would hold megabytes of them.
 @functools.lru_cache(maxsize=256)
-def _words(digest: bytes, count: int) -> tuple[int, ...]:
+def _plan(digest: bytes, count: int) -> Plan:
     size = len(VOCAB)
-    return tuple((digest[i % 32] + 7 * (i // 32)) % size for i in range(count))
+    words = tuple((digest[i % 32] + 7 * (i // 32)) % size for i in range(count))
+    texts: list[str] = []
+    i = 0
+    while i < count:
+        take = 1 + digest[(7 * len(texts) + 5) % 32] // 7 % 3  # 1 to 3, from the same digest
+        texts.append(" ".join(VOCAB[w] for w in words[i:i + take]))
+        i += take
+    pieces = tuple(json.dumps(t if j == 0 else " " + t).encode() for j, t in enumerate(texts))
+    sizes = tuple(len(t.split()) for t in texts)
+    return Plan(words, pieces, sizes, sum(sizes))
 
 
 @functools.lru_cache(maxsize=256)
 def _whole_rest(model_json: bytes, chat: bool, words: tuple[int, ...], finish: str, prompt_tokens: int,
-                answers: int) -> bytes:
-    """A whole answer's body after its id and time: the same for the same prompt, so cached."""
-    text = json.dumps(" ".join([VOCAB[w] for w in words]))
+                answers: int) -> tuple[bytes, int]:
+    """A whole answer's body after its id and time (the same for the same prompt, so cached), and
+    the tokens it writes, counted from its text."""
+    joined = " ".join([VOCAB[w] for w in words])
+    text = json.dumps(joined)
     n = len(words) * answers
     if chat:
         choice = '{"index":%d,"message":{"role":"assistant","content":%s},"logprobs":null,"finish_reason":"%s"}'
     else:
         choice = '{"index":%d,"text":%s,"logprobs":null,"finish_reason":"%s"}'
     choices = ",".join(choice % (i, text, finish) for i in range(answers))
-    return (',"model":%s,"choices":[%s],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}'
+    body = (',"model":%s,"choices":[%s],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}'
             % (model_json.decode(), choices, prompt_tokens, n, prompt_tokens + n)).encode()
+    return body, len(joined.split()) * answers
 
 
 @functools.lru_cache(maxsize=4096)
@@ -326,7 +366,7 @@ class Simulator:
             return exc.response
         count = self.config.max_tokens_default if requested is None else requested
         finish = "length" if requested is not None else "stop"
-        words = prompt_words(seed, count)
+        plan = _plan(_digest(seed), count)
         self.requests_total += 1
         if self._log is not None:  # a failed request reached the engine all the same
             self._log.write(f"{str(body.get('user', '')).replace(chr(10), ' ')}\n")
@@ -348,13 +388,15 @@ class Simulator:
                 if body.get("stream"):
                     resp = web.StreamResponse(headers=SSE_HEADERS)
                     await resp.prepare(request)
-                    usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get(
-                        "include_usage")
-                    await self._stream(resp, chat, words, finish, prompt_tokens if usage else None, answers)
+                    options = body.get("stream_options")
+                    usage = type(options) is dict and bool(options.get("include_usage"))
+                    # As vLLM reads it: a running count in every event only with the usage event.
+                    running = usage and type(options) is dict and bool(options.get("continuous_usage_stats"))
+                    await self._stream(resp, chat, plan, finish, prompt_tokens, usage=usage, running=running,
+                                       answers=answers)
                     return resp
-                await self._pace(len(words))
-                self.generation_tokens += len(words) * answers
-                return self._whole(chat, words, finish, prompt_tokens, answers)
+                await self._pace(len(plan.words))
+                return self._whole(chat, plan.words, finish, prompt_tokens, answers)
             finally:
                 self.running -= 1
                 if self.running == 0:
@@ -390,52 +432,73 @@ class Simulator:
                ) -> web.Response:
         head = (b'{"id":"chatcmpl-sim-%d","object":"chat.completion","created":%d' if chat else
                 b'{"id":"cmpl-sim-%d","object":"text_completion","created":%d') % (next(self._ids), int(time.time()))
-        rest = _whole_rest(self.model_json, chat, words, finish, prompt_tokens, answers)
+        rest, written = _whole_rest(self.model_json, chat, words, finish, prompt_tokens, answers)
+        self.generation_tokens += written
         return web.Response(body=head + rest, content_type="application/json")
 
-    async def _stream(self, resp: web.StreamResponse, chat: bool, words: tuple[int, ...], finish: str,
-                      usage_prompt_tokens: int | None, answers: int = 1) -> None:
+    async def _stream(self, resp: web.StreamResponse, chat: bool, plan: Plan, finish: str, prompt_tokens: int, *,
+                      usage: bool, running: bool, answers: int = 1) -> None:
+        """The stream's events, 1 to 3 tokens each (``plan``); ``usage``: a usage event at the end;
+        ``running``: each event carries the running count of its answer (continuous_usage_stats).
+        The generation counter counts the tokens of each event written, as it is written."""
         rid = next(self._ids)
         created = int(time.time())
         if chat:
             head = b'data: {"id":"chatcmpl-sim-%d","object":"chat.completion.chunk","created":%d,"model":%s,' \
                    b'"choices":[{"index":0,"delta":' % (rid, created, self.model_json)
-            token_pre, token_post = head + b'{"content":', b'},"logprobs":null,"finish_reason":null}]}\n\n'
-            first = head + b'{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
-            last = head + b'{},"logprobs":null,"finish_reason":"%s"}]}\n\n' % finish.encode()
+            token_pre, token_post = head + b'{"content":', b'},"logprobs":null,"finish_reason":null}]'
+            first = head + b'{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+            last = head + b'{},"logprobs":null,"finish_reason":"%s"}]' % finish.encode()
             usage_head = b'data: {"id":"chatcmpl-sim-%d","object":"chat.completion.chunk","created":%d,' \
                          b'"model":%s,"choices":[],' % (rid, created, self.model_json)
         else:
             head = b'data: {"id":"cmpl-sim-%d","object":"text_completion","created":%d,"model":%s,' \
                    b'"choices":[{"index":0,"text":' % (rid, created, self.model_json)
-            token_pre, token_post = head, b',"logprobs":null,"finish_reason":null}]}\n\n'
+            token_pre, token_post = head, b',"logprobs":null,"finish_reason":null}]'
             first = b""
-            last = head + b'"","logprobs":null,"finish_reason":"%s"}]}\n\n' % finish.encode()
+            last = head + b'"","logprobs":null,"finish_reason":"%s"}]' % finish.encode()
             usage_head = b'data: {"id":"cmpl-sim-%d","object":"text_completion","created":%d,"model":%s,' \
                          b'"choices":[],' % (rid, created, self.model_json)
-        chunks = [token_pre + (VOCAB_JSON if i == 0 else VOCAB_JSON_SPACED)[w] + token_post
-                  for i, w in enumerate(words)]
+        sizes = plan.sizes
+        if running:
+            count = b',"usage":{"prompt_tokens":%d,"completion_tokens":%%d,"total_tokens":%%d}}\n\n' % prompt_tokens
+            done, chunks = 0, []
+            for piece, n in zip(plan.pieces, sizes, strict=True):
+                done += n
+                chunks.append(token_pre + piece + token_post + count % (done, prompt_tokens + done))
+            first = first and first + count % (0, prompt_tokens)
+            last += count % (done, prompt_tokens + done)
+        else:
+            end = token_post + b"}\n\n"
+            chunks = [token_pre + piece + end for piece in plan.pieces]
+            first = first and first + b"}\n\n"
+            last += b"}\n\n"
         if answers > 1:  # each further answer streams after the first, under its own index
             chunks += [c.replace(b'"index":0', b'"index":%d' % a, 1) for a in range(1, answers) for c in chunks]
+            sizes *= answers
             last = b"".join(last.replace(b'"index":0', b'"index":%d' % a, 1) for a in range(answers))
         tail = last
-        if usage_prompt_tokens is not None:
-            n = len(chunks)
+        if usage:
+            n = len(plan.words) * answers  # what it drew, not what it wrote (the module's docstring)
             tail += usage_head + b'"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}\n\n' % (
-                usage_prompt_tokens, n, usage_prompt_tokens + n)
+                prompt_tokens, n, prompt_tokens + n)
         tail += DONE
-        if self.config.ttft > 0:
-            await asyncio.sleep(self.config.ttft)
         if self.interval == 0:
+            if self.config.ttft > 0:
+                await asyncio.sleep(self.config.ttft)
             await resp.write(first + b"".join(chunks) + tail)
-            self.generation_tokens += len(chunks)
+            self.generation_tokens += plan.written * answers
         else:
+            # An event goes out when its last token is made: the first after ttft and its other tokens.
+            delay = self.config.ttft + (sizes[0] - 1 if sizes else 0) * self.interval
+            if delay > 0:
+                await asyncio.sleep(delay)
             await resp.write(first + (chunks[0] if chunks else b""))
-            self.generation_tokens += 1 if chunks else 0
-            for chunk in chunks[1:]:
-                await asyncio.sleep(self.interval)
+            self.generation_tokens += sizes[0] if sizes else 0
+            for chunk, n in zip(chunks[1:], sizes[1:], strict=True):
+                await asyncio.sleep(n * self.interval)
                 await resp.write(chunk)
-                self.generation_tokens += 1
+                self.generation_tokens += n
             await resp.write(tail)
         await resp.write_eof()
 

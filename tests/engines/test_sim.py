@@ -20,6 +20,7 @@ from llmgw.catalog.model import Model, ModelName, Profile
 from llmgw.engines.argv import engine_args
 from llmgw.engines.health import Load, check_health, probe_ready, read_load
 from llmgw.engines.testing import SimProcess, free_port
+from tests.fixtures.streams import stream_raw
 
 TPS = 40  # 25 ms between tokens
 
@@ -109,7 +110,7 @@ def test_chat_completion_is_deterministic_and_echoes_the_served_name(client: ope
     assert first.usage is not None and first.usage.completion_tokens == 5
 
 
-def test_streamed_chat_arrives_token_by_token(client: openai.OpenAI) -> None:
+def test_streamed_chat_arrives_in_events_of_one_to_three_tokens(client: openai.OpenAI) -> None:
     whole = client.chat.completions.create(model="sim-chat", messages=MESSAGES, max_tokens=10)
     arrivals, chunks = [], []
     stream = client.chat.completions.create(model="sim-chat", messages=MESSAGES, max_tokens=10, stream=True,
@@ -119,12 +120,47 @@ def test_streamed_chat_arrives_token_by_token(client: openai.OpenAI) -> None:
         chunks.append(chunk)
     assert chunks[0].choices[0].delta.role == "assistant"
     content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
-    assert len(content) == 10
+    # Its words are its tokens: 10 of them, in events of 1 to 3, as engines merge tokens.
+    assert sorted({len(c.split()) for c in content}) <= [1, 2, 3] and sum(len(c.split()) for c in content) == 10
+    assert len(content) < 10
     assert "".join(content) == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
-    # Nine gaps of 1/TPS after the first token: the stream is paced, not buffered.
-    assert arrivals[-1] - arrivals[0] > 9 / TPS * 0.6
+    assert all(c.usage is None for c in chunks[:-1])  # running counts only when asked for
+    # At 1/TPS per token, an event written with its last one: the stream is paced, not buffered.
+    assert arrivals[-1] - arrivals[0] > (10 - len(content[0].split())) / TPS * 0.6
+
+
+def test_running_counts_and_the_token_counters_count_what_was_written(client: openai.OpenAI,
+                                                                      chat_sim: SimProcess) -> None:
+    """vLLM's continuous_usage_stats: each event carries its answer's count so far. The
+    simulator's generation counter counts the tokens of what it wrote (here: the words the client
+    got), not the figure it reports in ``usage``; a stream the client leaves counts its written part."""
+    written = metric(chat_sim.endpoint, "vllm:generation_tokens_total")
+    chunks = list(client.chat.completions.create(
+        model="sim-chat", messages=MESSAGES, max_tokens=7, n=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    words = {0: 0, 1: 0}
+    for c in chunks[:-1]:
+        assert c.usage is not None and c.choices
+        words[c.choices[0].index] += len((c.choices[0].delta.content or "").split())
+        assert c.usage.completion_tokens == words[c.choices[0].index]
+        assert c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
+    assert words == {0: 7, 1: 7} and chunks[-1].usage.completion_tokens == 14
+    whole = client.chat.completions.create(model="sim-chat", messages=MESSAGES, max_tokens=5)
+    got = len(whole.choices[0].message.content.split())
+    assert metric(chat_sim.endpoint, "vllm:generation_tokens_total") - written == 14 + got == 19
+
+    before = metric(chat_sim.endpoint, "vllm:generation_tokens_total")
+    cancelled = metric(chat_sim.endpoint, "llmgw_sim_requests_cancelled_total")
+    left = stream_raw(chat_sim.endpoint + "/v1/chat/completions",
+                      {"model": "sim-chat", "messages": MESSAGES, "max_tokens": 200, "stream": True}, leave_after=2)
+    deadline = time.monotonic() + 30
+    while metric(chat_sim.endpoint, "llmgw_sim_requests_cancelled_total") == cancelled and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(chat_sim.endpoint, "llmgw_sim_requests_cancelled_total") == cancelled + 1
+    # Everything it wrote before it saw the client leave reached the client (which read on).
+    assert metric(chat_sim.endpoint, "vllm:generation_tokens_total") - before == len(left.content().split()) < 200
 
 
 def test_completion_and_streamed_completion(client: openai.OpenAI) -> None:
