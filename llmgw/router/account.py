@@ -63,12 +63,14 @@ class Accounting:
         prompt-cache hits."""
         timed = engine.timings
 
-        def tap(tail: bytes, events: int, complete: bool) -> None:
+        def tap(tail: bytes, events: int, running: tuple[int, int] | None, complete: bool) -> None:
             timings = llama_timings(tail) if timed and complete else None
             reported = None if not complete else reported_usage(tail) or (
                 (timings.prompt, timings.predicted) if timings is not None else None)
+            # Cut short: the engine's running count at the last event the client was handed; an
+            # engine that reported nothing as it went: its content events (router/usage.py).
+            reported = reported or running
             limits = self._tenancy.limits
-            # Cut short, or an engine that reports nothing: what was produced (router/usage.py).
             # By minute on the limits' clock (Redis's when shared), as admission is: a router whose
             # own clock is off would report its use in another budget period.
             self.usage.answered(account, model, complete=complete, reported=reported,

@@ -9,8 +9,8 @@
                                                              when retry.next_step and the budget allow
 
 A request's canary draw is made once, so it and its retries stay on one version of a model; a
-retried request's prompt blocks are counted once. What differs per engine (whether a stream is
-asked for its usage event) is the chosen replica's :class:`~llmgw.router.engines.EngineProfile`.
+retried request's prompt blocks are counted once. What differs per engine (how a stream is
+asked for its running counts) is the chosen replica's :class:`~llmgw.router.engines.EngineProfile`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from llmgw.router.routes import RouteModel
 from llmgw.router.send import Routed, Sender
 from llmgw.router.table import Upstream, choose
 from llmgw.router.upstream import Reason, UpstreamFailed
-from llmgw.router.usage import ask_for_usage, wants_usage
+from llmgw.router.usage import relay_stream
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,6 @@ class Attempts:
         failure: UpstreamFailed | None = None
         deliveries = 0  # attempts that reached an engine (DESIGN §6: at most two, each engine once)
         prompt = self._prompt_key(body, r.path, chain, r.prompt_text)
-        # Usage is counted from the engine's own report: a stream is asked for its usage event,
-        # which is taken out again when the client did not want it (llmgw.router.usage).
-        strip_usage = r.stream and not wants_usage(body)
         counted = False  # a retried request's blocks are counted once
         # Drawn once: a request and its retries stay on one version of a model with a canary.
         draw = rng.random()
@@ -96,18 +93,22 @@ class Attempts:
                 self._note_prompt(target.name, up, prompt, count=not counted)
                 counted = True
             data = r.raw if target.name == asked else rewrite_model(r.raw, body, asked, target.name)
-            ask = strip_usage and up.engine.ask_usage  # (llmgw.router.engines: llama.cpp's timings)
-            if ask:
-                data = ask_for_usage(data, body if target.name == asked else {**body, "model": target.name})
+            # Usage is counted from the engine's own report: a stream is asked for its running
+            # counts (llama.cpp its own way: llmgw.router.engines), and what the client did not
+            # ask for is taken out again (llmgw.router.usage).
+            relay = None
+            if r.stream:
+                data, relay = relay_stream(data, body if target.name == asked else {**body, "model": target.name},
+                                           timings=up.engine.timings)
             send = self._sender.send
             try:
                 if target is model:
-                    return await send(r, up, data=data, served=target.name, strip_usage=ask)
+                    return await send(r, up, data=data, served=target.name, relay=relay)
                 self._metrics.fallback(model.name, target.name)
                 if table.has(model.name):  # its replicas failed: no wake-up needed
-                    return await send(r, up, data=data, served=target.name, strip_usage=ask)
+                    return await send(r, up, data=data, served=target.name, relay=relay)
                 with self._demand.standing_in(model.name):
-                    return await send(r, up, data=data, served=target.name, strip_usage=ask)
+                    return await send(r, up, data=data, served=target.name, relay=relay)
             except UpstreamFailed as exc:
                 failure = exc
                 tried += (up,)

@@ -9,10 +9,14 @@ difference is a field here, with the failure it prevents:
   HTTP threads are busy (seen here: 5 of 6 dropped during one long prefill). A request sent on
   one is lost in that race and may not be resent (it may have arrived), so it gets a new
   connection each time: ~0.1 ms on a LAN against prefills of 10 ms and more.
-- **Usage.** The router counts usage from the engine's own report. llama.cpp reports exact counts
-  in every answer's ``timings`` unasked; asked for a stream's usage event, it moves them into
-  that event, which the client (who did not ask for it) would then lose. Every other engine is
-  asked for the usage event (``stream_options.include_usage``), taken out again on the way back.
+- **Usage.** The router counts usage from the engine's own report, and a stream cut short from
+  the engine's running count at the last event the client got. llama.cpp reports exact counts
+  in every answer's last ``timings`` unasked, and in every event when asked
+  (``timings_per_token``); asked for a stream's usage event, it would move them into that event,
+  which the client (who did not ask for it) would then lose. Every other engine is asked for the
+  usage event and a running count in each event (``stream_options.include_usage`` and
+  ``continuous_usage_stats``). Either way what the client did not ask for is taken out again on
+  the way back (:mod:`llmgw.router.usage`).
 - **Prompt-cache counts.** llama.cpp's ``timings`` say how much of each prompt came from its
   cache (counted per answer); vLLM's are engine-wide counters read by the load poller
   (:mod:`llmgw.router.load`), which needs nothing from the request path.
@@ -29,13 +33,9 @@ class EngineProfile:
 
     name: str
     reuse_connections: bool = True  # keep-alive connections to it may be used again
-    # Its answers end with llama.cpp's ``timings``: usage and prompt-cache hits, given unasked.
+    # Its answers end with llama.cpp's ``timings``: usage and prompt-cache hits, given unasked; a
+    # stream's running count is asked for as timings too (else as usage: llmgw.router.usage).
     timings: bool = False
-
-    @property
-    def ask_usage(self) -> bool:
-        """Whether a stream is asked for its usage event (an engine that reports it otherwise is not)."""
-        return not self.timings
 
 
 LLAMA_CPP = EngineProfile("llama.cpp", reuse_connections=False, timings=True)

@@ -31,7 +31,7 @@ from llmgw.router.answer import TAIL_CHUNKS
 from llmgw.router.parse import BadBody as BadBody  # re-exported: where callers have found it
 from llmgw.router.parse import parse_body as parse_body
 from llmgw.router.upstream import Conn, Origin, Reason, UpstreamFailed, UpstreamPool
-from llmgw.router.usage import content_events, strip_usage_events
+from llmgw.router.usage import Meter, Relay, content_events, whole_events
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 MODEL_HEADER = "x-llmgw-model"
@@ -135,9 +135,11 @@ def _headers(conn: Conn, served: str) -> dict[str, str]:
             MODEL_HEADER: served}
 
 
-# Given the end of an answer (the whole body, or a stream's last chunks), the stream's content
-# events, and whether the answer was complete (read to its end): see answer.py and usage.py.
-Tap = Callable[[bytes, int, bool], None]
+# Given the end of an answer (the whole body, or the last chunks of a stream written to its
+# client), the stream's content events, the engine's running count at the last event written
+# (None: none came, or not a stream), and whether the answer was complete (read to its end): see
+# answer.py and usage.py.
+Tap = Callable[[bytes, int, tuple[int, int] | None, bool], None]
 
 
 async def forward_whole(pool: UpstreamPool, origin: Origin, head: bytes, data: bytes, served: str,
@@ -149,16 +151,20 @@ async def forward_whole(pool: UpstreamPool, origin: Origin, head: bytes, data: b
     finally:
         conn.release()  # back to the pool when read to the end, else dropped
     if tap is not None:
-        tap(body if conn.status == 200 else b"", 0, conn.status == 200)
+        tap(body if conn.status == 200 else b"", 0, None, conn.status == 200)
     return web.Response(status=conn.status, body=body, headers=_headers(conn, served))
 
 
 async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: bytes, served: str,
                          request: web.Request, on_first: Callable[[], None],
-                         tap: Tap | None = None, strip_usage: bool = False) -> tuple[web.StreamResponse, int]:
+                         tap: Tap | None = None, relay: Relay | None = None) -> tuple[web.StreamResponse, int]:
     """A streamed request, passed through chunk by chunk. Returns the response and the status
     to record: the engine's, 502 when it failed mid-stream, 499 when the client went away.
-    ``strip_usage``: the usage event was asked for by the router, not the client: taken out."""
+    ``relay``: what the router asked the engine for on the client's behalf, taken out again
+    (then a piece that ends inside an event waits for the rest of it, so what is taken out is
+    always whole, and an event the engine never finished is not passed on before the error
+    event that says the stream was cut), and where the engine's running count is; ``tap`` gets
+    what was written."""
     conn = await _open(pool, origin, head, data)
     try:
         content_type = conn.headers.get(b"content-type", b"")
@@ -166,7 +172,7 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
             # An error (or an engine that ignored "stream"): answered whole.
             body = await conn.read_all()
             if tap is not None:
-                tap(body if conn.status == 200 else b"", 0, conn.status == 200)
+                tap(body if conn.status == 200 else b"", 0, None, conn.status == 200)
             return web.Response(status=conn.status, body=body, headers=_headers(conn, served)), conn.status
         chunk = await conn.read_chunk()  # a failure here is still before the client saw anything
         out = web.StreamResponse(headers={
@@ -178,15 +184,31 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
             on_first()
             status = 200
             tail: deque[bytes] | None = None if tap is None else deque(maxlen=TAIL_CHUNKS)
+            meter = None if tap is None or relay is None else Meter(relay)
+            strip = None if relay is None else relay.strip
+            held = b""  # the start of an event not whole yet, when something is taken out
             events = 0
             complete = False
             before = b""  # the chunk before this one: the end marker may be split over two reads
             try:
                 while chunk:
-                    if tail is not None:
-                        tail.append(chunk)
-                        events += content_events(chunk)
-                    await out.write(strip_usage_events(chunk) if strip_usage else chunk)
+                    piece = chunk
+                    if strip is not None:
+                        if held:
+                            piece, held = held + piece, b""
+                        end = whole_events(piece)
+                        if end < len(piece) and end + _HELD_MAX > len(piece):
+                            piece, held = piece[:end], piece[end:]
+                        if piece:
+                            await out.write(strip(piece))
+                    else:
+                        await out.write(piece)
+                    # Counted once written: a client gone before this piece is not charged for it.
+                    if tail is not None and piece:
+                        tail.append(piece)
+                        events += content_events(piece)
+                        if meter is not None:
+                            meter.written(piece)
                     # The engine's end marker makes the answer whole, whatever happens to the
                     # body's last bytes: a client that got it may hang up at once (the sync
                     # openai client does), and its usage, just before, is the engine's count.
@@ -195,11 +217,15 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
                     try:
                         chunk = await conn.read_chunk()
                     except UpstreamFailed as exc:
+                        if held and complete:  # after the end marker: passed on as it came
+                            await _write_counted(out, held, tail, meter)
                         if not complete:  # after the end marker the client has all it needs
                             await out.write(_sse_error(f"the engine failed mid-stream: {exc}"))
                             status = 502
                         break
                 else:
+                    if held and complete:
+                        await _write_counted(out, held, tail, meter)
                     if not complete:
                         # A body that ends cleanly before the end marker is cut all the same (an
                         # engine or a proxy in front of it that gave up): the client is told, as
@@ -212,7 +238,7 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
                 await out.write_eof()
             finally:
                 if tap is not None:
-                    tap(b"".join(tail or ()), events, complete)
+                    tap(b"".join(tail or ()), events, None if meter is None else meter.count(), complete)
         except ConnectionResetError:
             return out, CLIENT_GONE  # the client left; release() below drops the upstream request
         return out, status
@@ -220,6 +246,21 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
         # Back to the pool only when the answer was read to its end; otherwise the connection is
         # dropped, which is how the engine learns that nobody is listening and stops generating.
         conn.release()
+
+
+# A piece longer than this with no whole event in it is passed on as it came (a stream that is not
+# SSE after all must not be held back whole).
+_HELD_MAX = 1 << 20
+
+
+async def _write_counted(out: web.StreamResponse, piece: bytes, tail: deque[bytes] | None,
+                         meter: Meter | None) -> None:
+    """What followed the end marker's last whole event, written as it came (and counted: written)."""
+    await out.write(piece)
+    if tail is not None:
+        tail.append(piece)
+        if meter is not None:
+            meter.written(piece)
 
 
 def _ends_stream(chunk: bytes, before: bytes) -> bool:

@@ -18,6 +18,7 @@ from llmgw.router.proxy import CLIENT_GONE, forward_stream, forward_whole
 from llmgw.router.routes import RouteModel
 from llmgw.router.table import Upstream
 from llmgw.router.upstream import Reason, UpstreamFailed, UpstreamPool
+from llmgw.router.usage import Relay
 from llmgw.tenancy.usage import Account
 
 
@@ -50,11 +51,11 @@ class Sender:
         self._wall = wall
 
     async def send(self, r: Routed, up: Upstream, *, data: bytes, served: str,
-                   strip_usage: bool) -> web.StreamResponse:
+                   relay: Relay | None) -> web.StreamResponse:
         """One attempt: ``data`` (the body the engine gets) sent to ``up``, which serves the model
-        ``served`` (the one asked, or a fallback); ``strip_usage``: the router asked for the
-        stream's usage event, which is taken out again. The answer, passed on; :class:`UpstreamFailed`
-        when it failed before the client saw any of it."""
+        ``served`` (the one asked, or a fallback); ``relay``: a stream's, what the router asked the
+        engine for (taken out again) and where its running count is. The answer, passed on;
+        :class:`UpstreamFailed` when it failed before the client saw any of it."""
         pool = self.pool
         assert pool is not None, "Router.start() was not awaited"
         stream, account, books, label = r.stream, r.account, self._accounting, r.model.name
@@ -72,13 +73,13 @@ class Sender:
         first: float | None = None  # when a stream's first chunk came
         events = 0
 
-        def tap(tail: bytes, n: int, complete: bool) -> None:
+        def tap(tail: bytes, n: int, running: tuple[int, int] | None, complete: bool) -> None:
             nonlocal whole, tapped, events, broken
             whole, tapped, events = complete, True, n
             # A 200 stream whose engine failed after it began says so in an error event near its
             # end (vLLM's; answer.stream_error): searched for in the tail only, once per stream.
             broken = stream and stream_error(tail)
-            counted(tail, n, complete)
+            counted(tail, n, running, complete)
 
         def gone() -> None:
             # The client went away before any answer was counted (a whole one not yet read, a
@@ -87,7 +88,7 @@ class Sender:
             # charged (a stream that began counts what it got).
             if ticket is not None:
                 ticket.settle(account.reserved)
-            tap(b"", 0, False)
+            tap(b"", 0, None, False)
         try:
             if stream:
                 metrics, t0 = self._metrics, r.t0
@@ -98,7 +99,7 @@ class Sender:
                     metrics.first_token(label, first - t0)
 
                 resp, status = await forward_stream(pool, up.origin, up.heads[r.path], data, served, r.request,
-                                                    on_first, tap, strip_usage)
+                                                    on_first, tap, relay)
                 if status == CLIENT_GONE and not tapped:
                     gone()
             else:

@@ -116,12 +116,13 @@ async def test_a_big_body_reaches_the_engine_whole_with_only_the_routers_changes
     async with engine(answer_whole) as (url, seen), aiohttp.ClientSession() as s:
         router = keyed(url, Limits(budget=Budget(tokens=10_000_000, per="day")))
         async with serving(router) as base:
-            # Streamed, by an alias: the model renamed, the usage event asked for, and (a budget is a cap)
-            # the default completion limit set, in every field an engine reads; the rest as sent.
+            # Streamed, by an alias: the model renamed, the usage event and running counts asked for,
+            # and (a budget is a cap) the default completion limit set, in every field an engine
+            # reads; the rest as sent.
             assert (await post(s, base, raw, key="sk-team"))[0] == 200
             assert received(seen) == {**body, "model": "chat", "max_tokens": 256, "max_completion_tokens": 256,
                                       "n_predict": 256,
-                                      "stream_options": {"continuous_usage_stats": False, "include_usage": True}}
+                                      "stream_options": {"continuous_usage_stats": True, "include_usage": True}}
             # A tenant with a budget: every completion limit sent as what was reserved (20).
             assert (await post(s, base, json.dumps(capped).encode(), key="sk-team"))[0] == 200
             assert received(seen) == {**capped, "max_tokens": 20, "n_predict": 20}

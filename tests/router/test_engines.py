@@ -1,11 +1,12 @@
 """What the router does differently per engine (llmgw.router.engines), through the real Router.
 
-llama.cpp reports its exact counts in every answer's ``timings`` unasked, and asked for a
-stream's usage event it moves them there, where a client that did not ask would lose them: so
-a stream to llama.cpp is not asked for usage, and its usage and prompt-cache hits are read from
-the timings. Every other engine is asked for the usage event, which is taken out again before
-the client sees it. The engine here is a real HTTP server that answers as each engine does and
-records what it was sent.
+llama.cpp reports its exact counts in every answer's last ``timings`` unasked, and asked for a
+stream's usage event it moves them there, where a client that did not ask would lose them: so a
+stream to llama.cpp is asked for its timings in every event instead (``timings_per_token``, its
+running count), and its usage and prompt-cache hits are read from them. Every other engine is
+asked for the usage event and a running count in each event (``continuous_usage_stats``). Either
+way, what the client did not ask for is taken out again before it sees it. The engine here is a
+real HTTP server that answers as each engine does and records what it was sent.
 """
 
 from __future__ import annotations
@@ -40,22 +41,31 @@ def _chunk(content: str, finish: str | None = None, **extra: object) -> dict:
 
 @asynccontextmanager
 async def recording_engine(sent: list[dict]) -> AsyncIterator[str]:
-    """Streams "Hello": with a usage event (7 prompt, 2 completion tokens) when asked for one, as
-    vLLM does, else with llama.cpp's timings (5 prompt tokens, 3 of them from its cache, 2 predicted)."""
+    """Streams "Hello" in two events. Asked as vLLM is: a running count in each (with
+    continuous_usage_stats) and a usage event (7 prompt, 2 completion tokens). Otherwise as
+    llama.cpp does: its timings (5 prompt tokens, 3 of them from its cache, 2 predicted) in the
+    last event, and in every event when asked (timings_per_token)."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         sent.append(body)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        await resp.write(_event(_chunk("Hel")))
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await resp.write(_event(_chunk("lo", "stop")))
+        options = body.get("stream_options") or {}
+        if options.get("include_usage"):
+            def running(n: int) -> dict:
+                return {"usage": {"prompt_tokens": 7, "total_tokens": 7 + n, "completion_tokens": n}} \
+                    if options.get("continuous_usage_stats") else {}
+            await resp.write(_event(_chunk("Hel", **running(1))))
+            await resp.write(_event(_chunk("lo", "stop", **running(2))))
             await resp.write(_event({"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "m",
                                      "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2,
                                                               "total_tokens": 9}}))
         else:
-            await resp.write(_event(_chunk("lo", "stop", timings={"cache_n": 3, "prompt_n": 2, "predicted_n": 2})))
+            def timings(n: int) -> dict:
+                return {"timings": {"cache_n": 3, "prompt_n": 2, "predicted_n": n}}
+            await resp.write(_event(_chunk("Hel", **(timings(1) if body.get("timings_per_token") else {}))))
+            await resp.write(_event(_chunk("lo", "stop", **timings(2))))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -66,17 +76,17 @@ async def recording_engine(sent: list[dict]) -> AsyncIterator[str]:
         yield url
 
 
-@pytest.mark.parametrize(("engine", "reuse", "ask"), [
-    ("llama.cpp", False, False), ("vllm", True, True), ("sglang", True, True), ("sim", True, True)])
-def test_a_replica_takes_its_engines_profile_when_it_joins_the_table(engine: str, reuse: bool, ask: bool) -> None:
+@pytest.mark.parametrize(("engine", "reuse", "timings"), [
+    ("llama.cpp", False, True), ("vllm", True, False), ("sglang", True, False), ("sim", True, False)])
+def test_a_replica_takes_its_engines_profile_when_it_joins_the_table(engine: str, reuse: bool, timings: bool) -> None:
     up = Upstream(replace(endpoint("m", "http://127.0.0.1:1"), engine=engine))
     assert up.engine == engine_profile(engine)
     # llama-server drops idle keep-alive connections while busy: a request sent on one is lost.
     assert up.origin.reuse is reuse
-    assert up.engine.ask_usage is ask
+    assert up.engine.timings is timings
 
 
-async def test_llama_cpp_is_not_asked_for_usage_and_its_timings_are_counted() -> None:
+async def test_each_engine_is_asked_for_its_running_counts_its_own_way_and_the_client_sees_none() -> None:
     sent: list[dict] = []
     async with recording_engine(sent) as url:
         router = Router()
@@ -89,11 +99,13 @@ async def test_llama_cpp_is_not_asked_for_usage_and_its_timings_are_counted() ->
                 stream = await cl.chat.completions.create(model=name, messages=HELLO, stream=True, max_tokens=4)
                 chunks = [c async for c in stream]
                 seen[name] = ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
-                              [c.usage for c in chunks if c.usage is not None])
-    assert [("stream_options" in b) for b in sent] == [False, True]
-    assert sent[1]["stream_options"] == {"include_usage": True}
-    # The client asked for no usage, and got none, from either engine; the answer is whole.
-    assert seen == {"l": ("Hello", []), "v": ("Hello", [])}
+                              [c.usage for c in chunks if c.usage is not None],
+                              ["timings" in (c.model_extra or {}) for c in chunks])
+    assert [("stream_options" in b, "timings_per_token" in b) for b in sent] == [(False, True), (True, False)]
+    assert sent[1]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    # The client asked for no usage, and got none, from either engine; llama.cpp's last event has
+    # its timings, as it writes them unasked, and only that one; the answer is whole.
+    assert seen == {"l": ("Hello", [], [False, True]), "v": ("Hello", [], [False, False])}
     usage = router.usage()
     assert (usage[("", "l")].prompt_tokens, usage[("", "l")].completion_tokens) == (5, 2)
     assert (usage[("", "v")].prompt_tokens, usage[("", "v")].completion_tokens) == (7, 2)
