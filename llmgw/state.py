@@ -256,13 +256,22 @@ class Store:
                 self.db.execute("ROLLBACK")
                 raise
 
-    def next_generation(self) -> int:
-        """The next replica generation: generations only grow, which makes replica ids unique."""
+    def generation(self) -> int:
+        """The highest replica generation issued so far (0: none yet)."""
+        value = self._meta("generation")
+        return int(value) if value is not None else 0
+
+    def next_generation(self, *, above: int = 0) -> int:
+        """The next replica generation: generations only grow, which makes replica ids unique.
+
+        ``above``: the highest generation in use by engines this controller did not number (adopted
+        from another controller or an older copy of this data dir); the counter moves past it, so no
+        new replica takes an adopted one's id."""
         with self._lock:
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 row = self.db.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()
-                generation = (int(row[0]) if row else 0) + 1
+                generation = max(int(row[0]) if row else 0, above) + 1
                 self.db.execute("INSERT INTO meta(key, value) VALUES('generation', ?) "
                                 "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (str(generation),))
                 self.db.execute("COMMIT")
