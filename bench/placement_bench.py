@@ -6,6 +6,11 @@ reconciler's whole pure step (scaling, replacements, placement of every replica 
 from an empty fleet, which is the most placement any tick does. Goal: 1,000 nodes under
 50 ms, and growth close to linear in the node count.
 
+A time counts only for a pass that does the work: every replica wanted is placed, or the GPUs
+left free on every node are too few for it (100 nodes hold 800 GPUs, the catalog asks for 2,250:
+that fleet ends full; 1,000 and 10,000 nodes have room for all 600 replicas). A pass that
+placed nothing would be fast, and met nothing.
+
 Also the steady-state pass, what every tick of a running fleet costs: 1,000 nodes with ~600
 ready replicas already placed (each engine reported by its node), nothing to change. Goal:
 under 50 ms too (a tick runs every 2 s).
@@ -137,6 +142,36 @@ def steady(nodes: int, cat: Catalog) -> Case:
     return Case(settled, inv, replicas, {r.id: 1.0 for r in replicas}, 1.0)
 
 
+@dataclass(frozen=True)
+class Placed:
+    """What one pass from an empty fleet did with the replicas the catalog wants."""
+
+    wanted: int
+    placed: int
+    free_gpus: int  # left on the whole fleet
+    placeable_left: int  # replicas wanted, not placed, though some node still has the GPUs for them
+
+
+def placed(case: Case, d: Decisions) -> Placed:
+    """Checks the pass against the catalog, not against its own ``unplaced``: a replica dropped
+    without a word counts as left out too. A left-out replica is placeable when its smallest
+    profile's GPU count fits in the free GPUs of one node (these profiles run on one node each)."""
+    free = {nid: len(n.report.gpus) if n.report is not None else 0 for nid, n in case.inventory.nodes.items()}
+    created: dict[str, int] = {}
+    for new in d.create:
+        created[new.placement.model] = created.get(new.placement.model, 0) + 1
+        for shard in new.placement.shards:
+            free[shard.node] -= len(shard.gpus)
+    roomiest = max(free.values(), default=0)
+    wanted = placeable = 0
+    for model in case.catalog.models:
+        wanted += model.scaling.min
+        left = max(0, model.scaling.min - created.get(model.name, 0))
+        if left and min(p.gpus for p in model.profiles) <= roomiest:
+            placeable += left
+    return Placed(wanted, len(d.create), sum(free.values()), placeable)
+
+
 def timed_rounds(cases: dict[str, Case], runs: int) -> dict[str, list[float]]:
     """Seconds of each case per round, the cases in an order rotated by one each round, so a box
     whose load moves weighs on every case alike (growth divides two of them)."""
@@ -160,10 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     outcome = {name: case.run() for name, case in cases.items()}  # also the warm-up, alike for every case
     times = timed_rounds(cases, runs)
     ms = {name: statistics.median(t) * 1000 for name, t in times.items()}
-    for n in (100, 1000, 10000):
-        d = outcome[str(n)]
-        print(f"{n:>6} nodes x 8 GPUs, 300 models: {ms[str(n)]:8.1f} ms  "
-              f"({len(d.create)} replicas placed, {sum(d.unplaced.values())} unplaced)")
+    work = {n: placed(cases[str(n)], outcome[str(n)]) for n in (100, 1000, 10000)}
+    for n, w in work.items():
+        print(f"{n:>6} nodes x 8 GPUs, 300 models: {ms[str(n)]:8.1f} ms  ({w.placed} of {w.wanted} replicas "
+              f"placed, {w.placeable_left} left out with room for them, {w.free_gpus} GPUs free)")
     d = outcome["steady"]
     running, changes = len(cases["steady"].replicas), len(d.create) + len(d.stop) + len(d.lost)
     print(f"  1000 nodes, {running} replicas running, steady pass: {ms['steady']:8.1f} ms  ({changes} changes)")
@@ -177,10 +212,16 @@ def main(argv: list[str] | None = None) -> int:
         "ms_10000_nodes": round(ms["10000"], 2),
         "ms_10000_nodes_rounds": [round(t * 1000, 1) for t in times["10000"]],
         "growth_1000_to_10000": round(growth, 2),
+        "replicas_wanted": work[1000].wanted,
+        **{f"placed_{n}_nodes": w.placed for n, w in work.items()},
+        **{f"placeable_left_out_{n}_nodes": w.placeable_left for n, w in work.items()},
+        **{f"free_gpus_{n}_nodes": w.free_gpus for n, w in work.items()},
         "ms_steady_1000_nodes": round(ms["steady"], 2), "steady_replicas": running, "steady_changes": changes,
-        "goal": "1,000 nodes under 50 ms; 10x the nodes costs close to 10x or less (< 15x); steady pass with ~600 "
-                "replicas under 50 ms and no change",
-        "met": ms["1000"] < 50 and growth < 15 and ms["steady"] < 50 and changes == 0,
+        "goal": "every replica wanted placed unless no node has the GPUs left for it; 1,000 nodes under 50 ms; "
+                "10x the nodes costs close to 10x or less (< 15x); steady pass with every replica wanted "
+                "running under 50 ms and no change",
+        "met": (all(w.placeable_left == 0 for w in work.values()) and ms["1000"] < 50 and growth < 15
+                and running == work[1000].wanted and ms["steady"] < 50 and changes == 0),
     }
     print(json.dumps(report))
     return 0 if report["met"] else 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import random
 import socket
 import sys
 import threading
@@ -110,22 +111,36 @@ def test_a_fabric_address_rpc_server_cannot_bind_is_refused_not_crash_looped(nod
 # Real parts: the agent as a subprocess, the real llama-server (confined), a listening socket.
 
 
+def listening_on_a_four_digit_port() -> socket.socket:
+    """A socket listening on 127.0.0.1 at a free port of at most four digits: the port is written
+    into an IPv6 group below (decimal for llama.cpp, hex for the agent), which holds four digits at
+    most, so the kernel's choice (port 0, five digits) cannot serve. Never a skip: ports are tried
+    until one is free."""
+    rng = random.Random()
+    for port in rng.sample(range(1024, 10000), 500):
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(("127.0.0.1", port))
+        except OSError:
+            listener.close()
+            continue
+        listener.listen()
+        return listener
+    raise AssertionError("no free port between 1024 and 9999 in 500 tries")
+
+
 @pytest.mark.slow
 @requires_engine
 def test_an_allowed_looking_ipv6_rpc_item_does_not_reach_another_address(node: Node) -> None:
     assert BINARY is not None
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind(("127.0.0.1", 7311))
-    except OSError:
-        pytest.skip("port 7311 is taken on this machine")
-    listener.listen()
+    listener = listening_on_a_four_digit_port()
+    port = listener.getsockname()[1]
     listener.settimeout(30)
     confined = confined_settings()
     node.write_config(engines={**node.settings["engines"], "llama.cpp": str(BINARY)},
                       sandbox_paths=[*confined["sandbox_paths"], str(Path(BINARY).parents[1])],
-                      rpc_peers=["0:7311::/32"], fabric_address="127.0.0.1")
+                      rpc_peers=[f"0:{port}::/32"], fabric_address="127.0.0.1")
     connected: list[tuple[str, int]] = []
 
     def accept_one() -> None:
@@ -138,8 +153,9 @@ def test_an_allowed_looking_ipv6_rpc_item_does_not_reach_another_address(node: N
 
     watcher = threading.Thread(target=accept_one, daemon=True)
     watcher.start()
+    item = f"0:{port}::5:50052"  # the agent: [0:{port}::5]:50052; llama.cpp: host "0", port {port}
     code, answer = node.run("start", {"replica_id": "h", "engine": "llama.cpp",
-                                      "args": ["--host", "{host}", "--port", "{port}", "--rpc", "0:7311::5:50052"]})
+                                      "args": ["--host", "{host}", "--port", "{port}", "--rpc", item]})
     try:
         if code != 0:
             assert answer.get("refused") == {"setting": "rpc_peers"}, answer
@@ -149,8 +165,8 @@ def test_an_allowed_looking_ipv6_rpc_item_does_not_reach_another_address(node: N
         if code == 0:
             node.ok("stop", {"replica_id": "h", "grace_seconds": 2})
         listener.close()
-    assert not connected, (f"--rpc 0:7311::5:50052 passed rpc_peers 0:7311::/32, and llama-server connected "
-                           f"to 127.0.0.1:7311 (host '0', port 7311) from {connected}")
+    assert not connected, (f"--rpc {item} passed rpc_peers 0:{port}::/32, and llama-server connected "
+                           f"to 127.0.0.1:{port} (host '0', port {port}) from {connected}")
 
 
 # Finding: the peer check of issue 27 covers llama.cpp's --rpc only. A vLLM rank's --master-addr
