@@ -73,7 +73,8 @@ class Stream(threading.Thread):
 
     @property
     def tokens(self) -> int:
-        return len([c for c in self.chunks if c.choices and c.choices[0].delta.content])
+        """The simulator's tokens are its words (1 to 3 in each event)."""
+        return sum(len((c.choices[0].delta.content or "").split()) for c in self.chunks if c.choices)
 
     @property
     def finish(self) -> list[str]:
