@@ -15,6 +15,7 @@ callers retry by type, never by message::
     │       └── StartRefused  the node's owner does not allow what a start asked (env, args, user)
     ├── EngineArgsError       a (model, profile, shard) an engine cannot be started with
     ├── ConfigError           the controller's own configuration is unusable
+    ├── StoreError            the controller's store failed a call (database away, timeout, disk full)
     └── AccessError           no single source names a controller's admin URL and token
 """
 
@@ -82,6 +83,12 @@ class EngineArgsError(LlmgwError):
 
 class ConfigError(LlmgwError):
     """The controller's own configuration is unusable."""
+
+
+class StoreError(LlmgwError):
+    """A call to the controller's store failed (llmgw.store): nothing of it was written, and the
+    same call may succeed later (the database back, the disk freed). Unusable from the start
+    (unreachable when opened, a newer schema) is a ConfigError instead."""
 
 
 class AccessError(LlmgwError):

@@ -1,6 +1,7 @@
-"""The controller's typed state: a data dir made by the previous version (schema 1, the key–value
+"""The SQLite store's own history: a data dir made by the first version (schema 1, the key–value
 table; the fixture is a real one, made by `llmgw up` of that version, cordoned, with a rejected
-commit, then killed with -9) keeps working, and one from a newer version is refused."""
+commit, then killed with -9) keeps working, and one from a newer version is refused. What both
+stores must do, against both, is in tests/store."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 
 from llmgw.decide.replica import ReplicaState
 from llmgw.errors import ConfigError
-from llmgw.gitops.status import PendingPrune
-from llmgw.state import SCHEMA_VERSION, Applied, Store
+from llmgw.store.records import Applied, PendingPrune
+from llmgw.store.sqlite import SCHEMA_VERSION
+from llmgw.store.sqlite import SqliteStore as Store
 
 V1 = Path(__file__).parent / "fixtures" / "data" / "v1-llmgw.db"
 

@@ -24,13 +24,15 @@ from llmgw.reconciler.config import ReconcilerConfig
 from llmgw.redact import redact
 from llmgw.router.config import RouterConfig
 from llmgw.router.keys import KeyRing
+from llmgw.store.opening import store_for
 
 ENV_ADMIN_TOKEN = "LLMGW_ADMIN_TOKEN"
 ENV_WEBHOOK_SECRET = "LLMGW_WEBHOOK_SECRET"
+ENV_STORE = "LLMGW_STORE"  # a postgresql:// URL may hold a password: settable outside the file
 
 KNOWN = {"repo", "branch", "path", "data_dir", "fetch_interval", "watch", "listen", "ssh", "local_agent_config",
          "admin_token", "admin_token_file", "webhook_secret", "webhook_secret_file", "api_keys", "reconciler",
-         "router"}
+         "router", "store"}
 
 
 @dataclass
@@ -60,6 +62,9 @@ class ControllerConfig:
     known_hosts: Path | None = None
     local_agent_config: Path | None = None
     transports: tuple[str, ...] = ("ssh", "local")  # `llmgw up` manages only its local node
+    # The controller's store (llmgw.store.opening): None is SQLite in the data dir, as `llmgw up` has
+    # it; else a path (SQLite) or a postgresql:// URL, whose password is shown only redacted.
+    store: str | None = field(default=None, repr=False)
     reconciler: ReconcilerConfig = field(default_factory=ReconcilerConfig)
 
 
@@ -198,7 +203,7 @@ def _load(raw: dict[str, Any], path: Path) -> ServerConfig:
     if not raw.get("repo"):
         raise ConfigError("repo is required (a path, file://, ssh or https URL of the catalog repo)")
     for key in ("repo", "data_dir", "local_agent_config", "admin_token", "admin_token_file", "webhook_secret",
-                "webhook_secret_file"):
+                "webhook_secret_file", "store"):
         if key in raw and raw[key] is not None:
             _value(raw[key], str, key)
     base = path.parent
@@ -222,6 +227,8 @@ def _load(raw: dict[str, Any], path: Path) -> ServerConfig:
         return None if not p else (Path(p) if Path(p).is_absolute() else (base / p).resolve())
 
     data_dir = rel(raw.get("data_dir")) or default_data_dir()
+    store = os.environ.get(ENV_STORE) or raw.get("store") or None
+    store_for(store, data_dir)  # a malformed URL or an unknown scheme stops the start here
     return ServerConfig(
         controller=ControllerConfig(
             repo=str(raw["repo"]),
@@ -234,6 +241,7 @@ def _load(raw: dict[str, Any], path: Path) -> ServerConfig:
             known_hosts=rel(ssh.get("known_hosts")),
             local_agent_config=rel(raw.get("local_agent_config")),
             reconciler=reconciler,
+            store=store,
         ),
         router_listen=Listen.parse(listen.get("router", "127.0.0.1:8080"), "router"),
         admin_listen=Listen.parse(listen.get("admin", "127.0.0.1:8081"), "admin"),

@@ -34,7 +34,8 @@ from llmgw.inventory import engine_is_ours
 from llmgw.plan.guard import PruneVerdict, judge_prune
 from llmgw.reconciler.live import LiveInventory
 from llmgw.reconciler.reconciler import Reconciler
-from llmgw.state import Store
+from llmgw.store.opening import store_for
+from llmgw.store.protocol import Store
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ class Controller:
         self.config = config
         self.registry = registry or CollectorRegistry()
         data = Path(config.data_dir)
-        self.store = Store(data / "llmgw.db")
+        # SQLite in the data dir unless the config names another store (PostgreSQL: several controllers).
+        self.store: Store = store_for(config.store, data)
         self.desired = DesiredState()
         # Every change this controller sends carries its lease on the node (DESIGN §4, fencing);
         # the holder id is read from the store at start.
@@ -143,6 +145,7 @@ class Controller:
         hold_data_dir(self.config.data_dir)
         self.fleet.predecessor = succeed(self.config.data_dir, self.fleet.instance)
         self.store.open()
+        log.info("store: %s", self.store.where)  # redacted: a URL's password is not shown
         self.fleet.holder = self.reconciler.holder = self._holder_id()
         await self.fleet.open()
         await self.reconciler.start()

@@ -21,7 +21,8 @@ from llmgw.gitops.gitcli import read_tree
 from llmgw.gitops.status import SyncStatus
 from llmgw.inventory import Inventory, NodeState
 from llmgw.plan import FleetSnapshot
-from llmgw.state import Event, Store
+from llmgw.store.protocol import Store
+from llmgw.store.records import Event
 
 if TYPE_CHECKING:
     from llmgw.dispatch.fence import FencedDispatcher

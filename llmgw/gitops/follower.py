@@ -27,7 +27,8 @@ from llmgw.gitops.repo import CommitInfo, GitMirror
 from llmgw.gitops.status import History, PendingPrune, Rejection, Rewrite, SyncState, SyncStatus
 from llmgw.inventory import Inventory
 from llmgw.plan.guard import PruneVerdict, allows_prune, judge_prune, skips_analysis, with_trailers
-from llmgw.state import Applied, Store
+from llmgw.store.protocol import Store
+from llmgw.store.records import Applied
 from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,8 @@
-"""What the controller says about its sync with git: status, rejections, pending prunes."""
+"""What the controller says about its sync with git: status, rejections, pending prunes.
+
+The records the store keeps (a rejection, a held prune, a rewrite of history) are defined below
+the store, in :mod:`llmgw.store.records`, and named here too for gitops' own use.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from llmgw.catalog import Problem
 from llmgw.redact import redact
+from llmgw.store.records import History, PendingPrune, Rejection, Rewrite
+
+__all__ = ["History", "PendingPrune", "Rejection", "Rewrite", "SyncState", "SyncStatus"]
 
 
 class SyncState(str, Enum):
@@ -17,72 +23,6 @@ class SyncState(str, Enum):
     NEEDS_CONFIRMATION = "needs-confirmation"
     FETCH_FAILED = "fetch-failed"
     BRANCH_MISSING = "branch-missing"  # the followed branch is gone from the remote; the last good state stays
-
-
-class History(str, Enum):
-    """How a fetched head relates to the one fetched before it."""
-
-    FORWARD = "forward"        # the old head is an ancestor of the new: ordinary commits
-    REWIND = "rewind"          # the new head is an ancestor of the old: a reset to an older commit
-    FORCE_PUSH = "force-push"  # neither: history was rewritten (an amend, a rebase, an orphan branch)
-
-
-@dataclass(frozen=True)
-class Rewrite:
-    """The last time the followed branch's history went back or was rewritten."""
-
-    kind: History
-    from_sha: str
-    to_sha: str
-    time: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind.value, "from_sha": self.from_sha, "to_sha": self.to_sha, "time": self.time}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Rewrite:
-        return cls(History(d["kind"]), d["from_sha"], d["to_sha"], d["time"])
-
-    def describe(self) -> str:
-        what = "rewound" if self.kind == History.REWIND else "force-pushed (history rewritten)"
-        return f"{what} from {self.from_sha[:12]} to {self.to_sha[:12]}"
-
-
-@dataclass(frozen=True)
-class Rejection:
-    sha: str
-    author: str
-    subject: str
-    time: float
-    problems: tuple[Problem, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "sha": self.sha,
-            "author": self.author,
-            "subject": self.subject,
-            "time": self.time,
-            "problems": [p.to_json() for p in self.problems],
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Rejection:
-        return cls(d["sha"], d["author"], d["subject"], d["time"], tuple(Problem(**p) for p in d["problems"]))
-
-
-@dataclass(frozen=True)
-class PendingPrune:
-    sha: str
-    author: str
-    subject: str
-    reasons: tuple[str, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"sha": self.sha, "author": self.author, "subject": self.subject, "reasons": list(self.reasons)}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> PendingPrune:
-        return cls(d["sha"], d["author"], d["subject"], tuple(d["reasons"]))
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from llmgw.engines.argv import Shard as EngineShard
 from llmgw.engines.health import check_health, probe_ready
 from llmgw.errors import DispatchError, EngineArgsError, StartRefused
 from llmgw.inventory import EngineRecord, Inventory
-from llmgw.state import Store
+from llmgw.store.protocol import Store
 
 if TYPE_CHECKING:
     from llmgw.reconciler.config import ReconcilerConfig

@@ -18,7 +18,7 @@ from llmgw.catalog import NodeSpec
 from llmgw.dispatch.base import Dispatcher
 from llmgw.errors import DispatchError
 from llmgw.inventory.model import Inventory, Lease, Node, NodeState, follow_nodes, gpu_groups, parse_report
-from llmgw.state import Store
+from llmgw.store.protocol import Store
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from llmgw.reconciler.config import ReconcilerConfig
 from llmgw.reconciler.lifecycle import Lifecycle
 from llmgw.reconciler.live import LiveInventory
 from llmgw.reconciler.rollouts import Plan, RolloutDriver
-from llmgw.state import Store
+from llmgw.store.protocol import Store
 from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
