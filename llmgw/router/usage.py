@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,48 +178,108 @@ def strip_usage_events(chunk: bytes) -> bytes:
     router asked for on the client's behalf, each with its blank line. Only events complete in
     this chunk are taken out; a part of one (split over reads) is passed on untouched, so the
     stream stays well-formed whatever the boundaries (the SDKs accept that chunk)."""
-    if _USAGE not in chunk:
-        return chunk
-    parts = chunk.split(b"\n\n")
-    # parts[-1] is what follows the last blank line: the start of an event not complete here.
-    # parts[0] may be the end of an event begun in the last chunk: only an event that starts
-    # here ("data:", after the newlines that close the one before) is taken out.
-    out, dropped = [], False
-    for e in parts[:-1]:
-        body = e.lstrip(b"\r\n")
-        if body.startswith(b"data:") and _USAGE_KEY.search(body) and b'"choices":[]' in body.replace(b" ", b""):
-            out.append(e[:len(e) - len(body)])  # the newlines that belong to the event before
-            dropped = True
-        else:
-            out.append(e + b"\n\n")
-    return b"".join(out) + parts[-1] if dropped else chunk
-
-
-# A running count inside an event that has choices (vLLM, SGLang and the simulator write it after
-# them), one level of objects inside it (token details); never the usage event's own object, which
-# follows ``"choices":[]``. The key cannot be text the model wrote: inside a JSON string its quotes
-# are escaped.
-_RUNNING = re.compile(rb'(?<!\[\]),\s*"usage"\s*:\s*\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
-# llama.cpp's timings in an event that is not its last (finish_reason still null): the ones it
-# writes only when asked (timings_per_token). Its keys come sorted, timings after choices.
-_PARTIAL_TIMINGS = re.compile(rb'("finish_reason"\s*:\s*null[^\n]*?),\s*"timings"\s*:\s*\{[^{}]*\}')
-_TIMINGS = b'"timings"'
+    return _cut_usage(chunk, events=True, running=False)
 
 
 def _without_running_usage(chunk: bytes) -> bytes:
     """``chunk`` without the running counts of its events (the client asked for the usage event only)."""
-    return _RUNNING.sub(b"", chunk) if _USAGE in chunk else chunk
+    return _cut_usage(chunk, events=False, running=True)
 
 
 def _without_usage(chunk: bytes) -> bytes:
     """``chunk`` without the usage event or the running counts (the client asked for neither)."""
-    return _RUNNING.sub(b"", strip_usage_events(chunk)) if _USAGE in chunk else chunk
+    return _cut_usage(chunk, events=True, running=True)
+
+
+# A usage object (one level of objects inside it: token details), and llama.cpp's flat timings.
+# Keys, not text the model wrote: inside a JSON string their quotes are escaped. Found by their
+# literal start, which the regex engine scans for fast: this runs on every piece of every stream.
+_USAGE_MEMBER = re.compile(rb'"usage"\s*:\s*\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
+_TIMINGS_MEMBER = re.compile(rb'"timings"\s*:\s*\{[^{}]*\}')
+_TIMINGS = b'"timings"'
+_NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')  # the usage event: the whole request's count
+_NOT_FINISHED = re.compile(rb'"finish_reason"\s*:\s*null')
+_WS = b" \t\r\n"
+
+
+def _cut_usage(chunk: bytes, *, events: bool, running: bool) -> bytes:
+    """``chunk`` without its usage events (``events``: those whole in it) and the running counts
+    of its other events (``running``: vLLM, SGLang and the simulator write them after the choices)."""
+    cuts = []
+    for m in _members(chunk, _USAGE, _USAGE_MEMBER):
+        start, end = _event_around(chunk, m.start())
+        if _NO_CHOICES.search(chunk, start, len(chunk) if end < 0 else end):
+            if events and end >= 0:
+                body = start + len(chunk[start:end]) - len(chunk[start:end].lstrip(b"\r\n"))
+                if chunk.startswith(b"data:", body):  # begun here: the newlines before it are the last event's
+                    cuts.append((body, end))
+        elif running and (span := _member(chunk, m.start(), m.end())) is not None:
+            cuts.append(span)
+    return _without(chunk, cuts)
 
 
 def _without_partial_timings(chunk: bytes) -> bytes:
-    """``chunk`` without the timings llama.cpp wrote because it was asked: the last event's stay.
-    (One event of a stream that ends at a stop string has them unasked too, and loses them here.)"""
-    return _PARTIAL_TIMINGS.sub(rb"\1", chunk) if _TIMINGS in chunk else chunk
+    """``chunk`` without the timings llama.cpp wrote because it was asked, in every event that is
+    not its last (``finish_reason`` still null); the last event's stay. (One event of a stream that
+    ends at a stop string has them unasked too, and loses them here.)"""
+    cuts = []
+    for m in _members(chunk, _TIMINGS, _TIMINGS_MEMBER):
+        start, end = _event_around(chunk, m.start())
+        if _NOT_FINISHED.search(chunk, start, len(chunk) if end < 0 else end) and (
+                span := _member(chunk, m.start(), m.end())) is not None:
+            cuts.append(span)
+    return _without(chunk, cuts)
+
+
+def _members(chunk: bytes, key: bytes, member: re.Pattern[bytes]) -> Iterator[re.Match[bytes]]:
+    """Each ``member`` of ``chunk`` that starts with ``key`` (found by ``bytes.find``, faster than
+    the regex engine's own scan, and nothing at all to do for a piece without the key)."""
+    i = chunk.find(key)
+    while i >= 0:
+        m = member.match(chunk, i)
+        if m is not None:
+            yield m
+            i = chunk.find(key, m.end())
+        else:
+            i = chunk.find(key, i + len(key))
+
+
+def _event_around(chunk: bytes, at: int) -> tuple[int, int]:
+    """The SSE event holding ``at``: from after the blank line before it (or the chunk's start)
+    to after the blank line that ends it (-1: it does not end in this chunk)."""
+    start = chunk.rfind(b"\n\n", 0, at)
+    end = chunk.find(b"\n\n", at)
+    return 0 if start < 0 else start + 2, -1 if end < 0 else end + 2
+
+
+def _member(chunk: bytes, start: int, end: int) -> tuple[int, int] | None:
+    """What to cut to take the object member at ``start:end`` out and keep the object valid JSON:
+    the comma before it with it, or (the first member) the comma after it; None for a lone member."""
+    i = start - 1
+    while i >= 0 and chunk[i] in _WS:
+        i -= 1
+    if i >= 0 and chunk[i] == 0x2C:  # ,
+        return i, end
+    j = end
+    while j < len(chunk) and chunk[j] in _WS:
+        j += 1
+    if i >= 0 and chunk[i] == 0x7B and j < len(chunk) and chunk[j] == 0x2C:  # {member, next
+        j += 1
+        while j < len(chunk) and chunk[j] in _WS:
+            j += 1
+        return start, j
+    return None
+
+
+def _without(chunk: bytes, cuts: list[tuple[int, int]]) -> bytes:
+    if not cuts:
+        return chunk
+    out, at = [], 0
+    for a, b in cuts:
+        out.append(chunk[at:a])
+        at = b
+    out.append(chunk[at:])
+    return b"".join(out)
 
 
 def whole_events(data: bytes) -> int:
@@ -235,7 +295,6 @@ _CACHE_N = re.compile(rb'"cache_n"\s*:\s*(\d{1,12})')
 _PROMPT_N = re.compile(rb'"prompt_n"\s*:\s*(\d{1,12})')
 _PREDICTED_N = re.compile(rb'"predicted_n"\s*:\s*(\d{1,12})')
 _INDEX = re.compile(rb'"index"\s*:\s*(\d{1,6})')
-_NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')  # the usage event: the whole request's count
 
 
 class Meter:

@@ -94,6 +94,10 @@ def test_what_the_client_did_not_ask_for_is_taken_out_and_the_running_count_read
     events = {**body, "stream_options": {"include_usage": True}}
     just_events = relay_stream(json.dumps(events).encode(), events, timings=False)[1]
     assert just_events.strip is not None and just_events.strip(stream) == plain
+    # Wherever the count is in its event, and however the JSON is spaced, the event stays JSON.
+    first = (b'data: {"usage": {"prompt_tokens": 9, "completion_tokens": 1}, '
+             b'"choices": [{"delta": {"content": "a"}}]}\n\n')
+    assert nothing.strip(first) == b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'
     # What the client was handed, as the engine counted it: the last whole count written.
     meter = Meter(nothing)
     assert meter.count() is None
