@@ -109,3 +109,10 @@ def test_a_v2_data_dir_gains_the_usage_ledger_and_keeps_its_state(tmp_path: Path
     assert Store(path).open().rollout_records() == {}  # the rollouts table (v4) is there too
     version = sqlite3.connect(path).execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     assert version == (str(SCHEMA_VERSION),)
+
+
+def test_a_file_that_is_not_a_database_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "llmgw.db"
+    path.write_bytes(b"this is not SQLite" * 100)
+    with pytest.raises(ConfigError, match=f"{path}: cannot use the store: file is not a database"):
+        Store(path).open()

@@ -111,10 +111,16 @@ class SqliteStore(JsonRecords):
                 # 0700: the database holds the fleet's events and state; on a machine that also
                 # runs engines or other users, it is the controller's business only.
                 Path(self.path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+            try:
+                db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+            except sqlite3.Error as exc:
+                raise ConfigError(f"{self.path}: cannot use the store: {exc}") from exc
             try:
                 db.execute("PRAGMA journal_mode=WAL")
                 _upgrade(db, str(self.path))
+            except sqlite3.Error as exc:  # not a database, unwritable, locked past the timeout
+                db.close()
+                raise ConfigError(f"{self.path}: cannot use the store: {exc}") from exc
             except BaseException:
                 db.close()
                 raise
