@@ -35,6 +35,10 @@ another server). So, precisely:
 Every error names flags the command has (all of them have ``--url``, ``--token`` and
 ``--data-dir``; tests/cli/test_controller_flags.py checks each command's parser against the hints).
 The token is never in a message or a repr.
+
+A router follows every controller that shares one store (DESIGN §5): its ``--url`` takes several,
+comma-separated or the flag repeated (:func:`resolve_each`), each by the same rule, so one token
+goes to each address given with it and to no other.
 """
 
 from __future__ import annotations
@@ -63,17 +67,33 @@ class AdminAccess:
     source: str  # where the token came from, for the message when a controller refuses it
 
 
+class _Joined(argparse.Action):
+    """A repeated ``--url`` adds to a comma-separated list: ``args.url`` stays one string."""
+
+    def __call__(self, _parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 _option_string: str | None = None) -> None:
+        before = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, f"{before},{values}" if before else values)
+
+
 def add_options(p: argparse.ArgumentParser, *, url_aliases: Sequence[str] = (), token_aliases: Sequence[str] = (),
-                fallback: str = "`llmgw up`'s default data dir") -> None:
+                fallback: str = "`llmgw up`'s default data dir", several: bool = False) -> None:
     """``--url``, ``--token`` and ``--data-dir`` (plus a command's older spellings, same dest).
 
-    ``fallback`` says, in the help, what the command uses when none of them is given.
+    ``fallback`` says, in the help, what the command uses when none of them is given. ``several``:
+    ``--url`` names every controller, comma-separated or repeated (:func:`resolve_each`).
     """
     def old(names: Sequence[str]) -> str:
         return f" ({', '.join(names)}: the older spelling)" if names else ""
 
-    p.add_argument("--url", *url_aliases, dest="url", metavar="URL",
-                   help=f"the controller's admin API address; its token: --token or ${ENV_TOKEN}{old(url_aliases)}")
+    if several:
+        p.add_argument("--url", *url_aliases, dest="url", metavar="URL[,URL...]", action=_Joined,
+                       help=f"every controller's admin API address, comma-separated or the flag repeated (one "
+                            f"leads, the others stand by); their token: --token or ${ENV_TOKEN}{old(url_aliases)}")
+    else:
+        p.add_argument("--url", *url_aliases, dest="url", metavar="URL",
+                       help=f"the controller's admin API address; its token: --token or "
+                            f"${ENV_TOKEN}{old(url_aliases)}")
     p.add_argument("--token", *token_aliases, dest="token", metavar="TOKEN",
                    help=f"the admin token for --url (or ${ENV_TOKEN}, which keeps it out of `ps`){old(token_aliases)}")
     p.add_argument("--data-dir", dest="data_dir", metavar="DIR",
@@ -130,6 +150,31 @@ def resolve(url: str | None, token: str | None, data_dir: str | None, *,
                           f"{found.url}, so it is not sent there: pass the token for {url} too (--token), "
                           "or drop the URL")
     return _checked(found)
+
+
+def split_urls(url: str | None) -> list[str]:
+    """The addresses in a comma-separated ``--url`` (blanks dropped), in order."""
+    return [u.strip() for u in (url or "").split(",") if u.strip()]
+
+
+def resolve_each(url: str | None, token: str | None, data_dir: str | None, *,
+                 env: Mapping[str, str] | None = None, default_dir: Path | None = None) -> list[AdminAccess]:
+    """One :class:`AdminAccess` per controller named in ``url`` (comma-separated; several that
+    share one store), each by :func:`resolve`'s rule, so all have the one token given with them
+    (``--token``, or ``$LLMGW_ADMIN_TOKEN`` without ``$LLMGW_ADMIN_URL``); a token found with an
+    address of its own (a data dir, ``$LLMGW_ADMIN_URL``) goes to that address alone. Without
+    ``url``: :func:`resolve`'s single controller. Addresses named twice are kept once."""
+    urls = split_urls(url)
+    if url and not urls:
+        raise AccessError(f"--url {url!r} names no address")
+    if len(urls) <= 1:
+        return [resolve(urls[0] if urls else None, token, data_dir, env=env, default_dir=default_dir)]
+    found: list[AdminAccess] = []
+    for u in urls:
+        access = resolve(u, token, data_dir, env=env, default_dir=default_dir)
+        if not any(_same(access.url, f.url) for f in found):
+            found.append(access)
+    return found
 
 
 def _no_token(url: str) -> AccessError:

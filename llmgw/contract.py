@@ -529,3 +529,39 @@ def catalog_view(catalog: Catalog) -> CatalogView:
         "tenants": [{"name": t.name, "keys": list(t.keys), "limits": asdict(t.limits),
                      "models": {m: asdict(lim) for m, lim in t.models}} for t in catalog.settings.tenants],
     }
+
+
+# --- Several controllers, one leading (DESIGN §5 "High availability", issue 36) ----------------
+# Controllers sharing one PostgreSQL store elect a leader by a lease in it; the others stand by.
+# Only the leader answers the watch (WATCH_PATH) and the report (REPORT_PATH) as above, and it
+# acknowledges a usage batch (``usage_acked``) only once the store has it. A standby answers both
+# with STANDBY_STATUS and a body naming the leader by the admin URL it advertised (None while it
+# knows of none, as in the moments between a leader's death and its lease running out)::
+#
+#     503 {"error": {"message": "...", "type": "standby"}, "leader": "http://ctl-b:9090" | null}
+#
+# A router follows that hint only to a controller it was configured with (its admin token goes to
+# no address the operator did not give it), so a controller's advertised URL should be spelled
+# as the routers' ``--url`` spells it; a hint naming anything else costs the router one more try.
+
+STANDBY_STATUS = 503
+STANDBY_TYPE = "standby"  # the error's ``type``: this controller is not the leader
+LEADER_KEY = "leader"  # the leader's admin URL as it advertised it, or null
+MAX_LEADER_URL = 2048
+
+
+class StandbyError(TypedDict):
+    message: str
+    type: str
+
+
+class StandbyAnswer(TypedDict):
+    error: StandbyError
+    leader: str | None
+
+
+def standby_answer(leader: str | None, message: str = "this controller is standing by; the leader serves this") \
+        -> StandbyAnswer:
+    """The body a standby answers the watch and the report with (status :data:`STANDBY_STATUS`)."""
+    return {"error": {"message": message, "type": STANDBY_TYPE}, "leader": leader}  # LEADER_KEY
+

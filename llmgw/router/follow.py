@@ -7,6 +7,16 @@ router goes on serving from the last snapshot meanwhile. Requests to replicas th
 up keep succeeding; a replica that died meanwhile is retried around and cooled down by the
 router as usual.
 
+Several controllers (DESIGN §5 "High availability"): the router is given every one's address and
+follows whichever leads. A standby answers with 503 naming the leader (``llmgw.contract``); whom
+to try next, and how long to wait first, is :class:`llmgw.router.leader.Leadership`'s choice (a
+hint outside the configured list is never contacted: the admin token goes nowhere else). Reports
+go to the controller followed. A usage batch stays in the router's outbox until a leader answers
+that its store has it (``usage_acked``), and goes again with the same number to whichever leads
+next, so a batch sent to a leader that died is neither lost nor counted twice. ``/metrics`` says
+which controller is followed (by its position in the list: the client port's metrics are public,
+the admin addresses are not theirs to know) and how many times the router switched.
+
 Reports (last use per replica, demand per model, what the router measured of each replica for
 canary analysis) go out every ``report_interval`` seconds, and
 at once when the router holds a request or serves one by fallback (:meth:`FeedClient.report_soon`
@@ -21,16 +31,28 @@ import logging
 import os
 import random
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import aiohttp
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from llmgw.contract import REPORT_PATH, WATCH_PATH, SpentFigures, endpoint_from_json, spent_from_json
+from llmgw.contract import (
+    LEADER_KEY,
+    MAX_LEADER_URL,
+    REPORT_PATH,
+    STANDBY_STATUS,
+    STANDBY_TYPE,
+    WATCH_PATH,
+    SpentFigures,
+    endpoint_from_json,
+    spent_from_json,
+)
 from llmgw.errors import ConfigError, LlmgwError
 from llmgw.router.app import Router
 from llmgw.router.feed import catalog_from_view
 from llmgw.router.keys import KeyRing
+from llmgw.router.leader import Leadership, Outcome
 from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -40,24 +62,52 @@ class WatchRefused(LlmgwError):
     """The controller answered, but not with a stream or a 200 (a wrong token, a wrong URL)."""
 
 
+class StandingBy(WatchRefused):
+    """The controller answered as a standby; ``leader`` is the admin URL it named (None: none)."""
+
+    def __init__(self, url: str, leader: str | None) -> None:
+        super().__init__(f"{url} stands by (leader: {leader or 'none known to it'})")
+        self.leader = leader
+
+
+def standby_leader(status: int, raw: bytes) -> tuple[bool, str | None]:
+    """Whether an answer is a standby's (``llmgw.contract``), and the leader it named (None: none,
+    or not an http(s) address). Another 503 (a proxy's, an overloaded server's) is not one."""
+    if status != STANDBY_STATUS:
+        return False, None
+    try:
+        body = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError too
+        return False, None
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict) or error.get("type") != STANDBY_TYPE:
+        return False, None
+    leader = body.get(LEADER_KEY)
+    if isinstance(leader, str) and 0 < len(leader) <= MAX_LEADER_URL and leader.startswith(("http://", "https://")):
+        return True, leader
+    return True, None
+
+
 def default_router_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{random.randrange(16**4):04x}"
 
 
 class FeedClient:
-    """Follows ``controller`` for ``router``. ``start()`` begins, ``close()`` ends; no I/O before."""
+    """Follows the leader of ``controllers`` (one URL, or every controller's) for ``router``.
+    ``start()`` begins, ``close()`` ends; no I/O before."""
 
-    def __init__(self, router: Router, controller: str, admin_token: str, *, router_id: str | None = None,
-                 report_interval: float = 2.0, stale_after: float = 30.0, backoff_max: float = 10.0,
-                 follow_keys: bool = True, on_keys: Callable[[KeyRing], None] | None = None) -> None:
+    def __init__(self, router: Router, controllers: str | Sequence[str], admin_token: str, *,
+                 router_id: str | None = None, report_interval: float = 2.0, stale_after: float = 30.0,
+                 backoff_max: float = 10.0, follow_keys: bool = True,
+                 on_keys: Callable[[KeyRing], None] | None = None, rng: random.Random | None = None) -> None:
         self.router = router
         self.follow_keys = follow_keys  # False when the router has its own --api-keys file
         self.on_keys = on_keys  # told the keys of every snapshot that carries them (the router logs them)
-        self.controller = controller.rstrip("/")
+        self.leadership = Leadership([controllers] if isinstance(controllers, str) else controllers,
+                                     backoff_max=backoff_max, rng=rng)
         self.router_id = router_id or default_router_id()
         self.report_interval = report_interval
         self.stale_after = stale_after  # no line (not even a keepalive) for this long: reconnect
-        self.backoff_max = backoff_max
         self._headers = {"Authorization": f"Bearer {admin_token}"}
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -65,37 +115,74 @@ class FeedClient:
         self.connected = False
         self.snapshots = 0
         self.version: int | None = None
+        self._version_from = ""  # the controller that sent the snapshot ``version`` numbers
+        self.attempts = 0  # watch requests made (each controller tried counts one)
+        self._ignored_hints: set[str] = set()
+        self._collector: _FollowCollector | None = None
+
+    @property
+    def controllers(self) -> tuple[str, ...]:
+        return self.leadership.controllers
+
+    @property
+    def controller(self) -> str:
+        """The controller followed (while the watch is open), else the one being tried: where
+        reports go."""
+        return self.leadership.url
+
+    @property
+    def leader_switches(self) -> int:
+        return self.leadership.switches
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession()
         self._report_now = asyncio.Event()
+        self._collector = _FollowCollector(self)
+        self.router.registry.register(self._collector)
         self._tasks = [asyncio.create_task(self._watch_forever(), name="router-watch"),
                        asyncio.create_task(self._report_forever(), name="router-report")]
 
     async def close(self) -> None:
         """Stop following; usage not yet acknowledged is sent once more first (drain the router
-        before, so its last answers are in it). What the controller does not take is logged."""
+        before, so its last answers are in it), to the controller followed and, if it does not
+        take it, to each other one once (one of them may lead by now). What none takes is logged."""
         await cancel_and_wait(*self._tasks)
         self._tasks = []
+        if self._collector is not None:
+            self.router.registry.unregister(self._collector)
+            self._collector = None
         if self._session is not None:
             outbox = self.router.usage_outbox
+            took = None
             for _ in range(2):  # the batch in flight, then what was counted since
                 if not outbox.pending:
                     break
-                try:
-                    await self._report_once()
-                except (aiohttp.ClientError, TimeoutError, OSError, WatchRefused) as exc:
-                    log.warning("usage of %d (minute, key, model) rows not reported at stop (%s)", outbox.pending,
-                                exc)
+                took = await self._report_anywhere()
+                if took is None:
                     break
             # Gone, said once: the controller stops waiting on this router for drains (else it
             # would count it as "may still send a withdrawn replica one" until its report aged).
             try:
-                await self._report_once(leaving=True, timeout=2.0)
+                await self._report_once(took or self.controller, leaving=True, timeout=2.0)
             except (aiohttp.ClientError, TimeoutError, OSError, WatchRefused):
                 pass  # a controller away: its drains end at drain_timeout, or when the report ages
             await self._session.close()
             self._session = None
+
+    async def _report_anywhere(self) -> str | None:
+        """One report to the controller followed, else to each other in turn; the URL that
+        took it, or None (logged) when none did."""
+        first = self.controller
+        problems = []
+        for url in (first, *(u for u in self.controllers if u != first)):
+            try:
+                await self._report_once(url)
+                return url
+            except (aiohttp.ClientError, TimeoutError, OSError, WatchRefused) as exc:
+                problems.append(str(exc) if isinstance(exc, WatchRefused) else f"{url}: {type(exc).__name__}: {exc}")
+        log.warning("usage of %d (minute, key, model) rows not reported at stop (%s)",
+                    self.router.usage_outbox.pending, "; ".join(problems))
+        return None
 
     def report_soon(self, _model: str | None = None) -> None:
         """Send a report now (the router's ``wake`` callback)."""
@@ -104,38 +191,61 @@ class FeedClient:
 
     # --- watch -----------------------------------------------------------------------------
     async def _watch_forever(self) -> None:
-        delay = 0.25
         outage_logged = False
+        several = len(self.controllers) > 1
         while True:
+            url = self.controller
+            outcome, hint = Outcome.FAILED, None
             try:
-                await self._watch_once()
+                await self._watch_once(url)
                 reason = "the controller closed the stream"
+            except StandingBy as exc:
+                reason, outcome, hint = str(exc), Outcome.STANDBY, exc.leader
             except WatchRefused as exc:
                 reason = str(exc)
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
-            if self.connected or not outage_logged:
-                log.warning("watch of %s lost (%s); serving from the last snapshot, reconnecting",
-                            self.controller, reason)
-                outage_logged = True
             if self.connected:
-                delay = 0.25  # it was working: come back quickly
+                outcome = Outcome.FOLLOWED
+                log.warning("watch of %s lost (%s); serving from the last snapshot, %s", url, reason,
+                            "looking for the leader" if several else "reconnecting")
+                outage_logged = True
+            elif not outage_logged:
+                log.warning("cannot follow %s (%s); %s", url, reason,
+                            "trying the other controllers" if several else "retrying")
+                outage_logged = True
+            else:
+                log.debug("cannot follow %s (%s)", url, reason)
             self.connected = False
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, self.backoff_max)
+            step = self.leadership.after(outcome, hint=hint)
+            if step.ignored_hint is not None and step.ignored_hint not in self._ignored_hints:
+                self._ignored_hints.add(step.ignored_hint)  # said once per name: a standby repeats it
+                log.warning("%s names %s as the leader, which is not one of the controllers this router was "
+                            "given (%s); not contacting it", url, step.ignored_hint, ", ".join(self.controllers))
+            await asyncio.sleep(step.wait)
 
-    async def _watch_once(self) -> None:
+    async def _watch_once(self, url: str) -> None:
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=self.stale_after)
-        async with self._session.get(self.controller + WATCH_PATH, headers=self._headers, timeout=timeout) as resp:
+        self.attempts += 1
+        async with self._session.get(url + WATCH_PATH, headers=self._headers, timeout=timeout) as resp:
             if resp.status != 200:
-                text = (await resp.read())[:200].decode("utf-8", "replace")
-                raise WatchRefused(f"watch answered {resp.status}: {text}")
-            if not self.connected:
-                log.info("following %s", self.controller)
-                # At once, not at the next interval: a controller that just restarted learns what
-                # this router has in flight (it waits on that before stopping a replica) and its demand.
-                self.report_soon()
+                raw = await resp.content.read(4096)
+                standby, leader = standby_leader(resp.status, raw)
+                if standby:
+                    raise StandingBy(url, leader)
+                text = raw[:200].decode("utf-8", "replace")
+                raise WatchRefused(f"watch of {url} answered {resp.status}: {text}")
+            before = self.leadership.connected()
+            if before is not None:
+                log.warning("following %s, the leader now (leader switch %d; followed %s before)", url,
+                            self.leadership.switches, before)
+            else:
+                log.info("following %s", url)
+            # At once, not at the next interval: a controller that just restarted (or began to
+            # lead) learns what this router has in flight (it waits on that before stopping a
+            # replica) and its demand, and gets the usage batch a leader that died did not take.
+            self.report_soon()
             self.connected = True
             buf = bytearray()
             async for chunk in resp.content.iter_any():
@@ -183,7 +293,10 @@ class FeedClient:
             self.router.set_spent(*spent)
         self.router.set_endpoints(endpoints)
         self.router.set_unrunnable(unrunnable)
+        if self._version_from != self.controller:
+            self.report_soon()  # the first list from this controller: say at once that it is applied
         self.version = snap.get("version")
+        self._version_from = self.controller
         self.snapshots += 1
 
     # --- report ----------------------------------------------------------------------------
@@ -192,21 +305,29 @@ class FeedClient:
         failing = False
         while True:
             try:
-                await asyncio.wait_for(self._report_now.wait(), self.report_interval)
+                # Not wait_for: on Python 3.11 it swallows a cancel that comes as the event is set
+                # (report_soon just before close()), and this loop never ended.
+                async with asyncio.timeout(self.report_interval):
+                    await self._report_now.wait()
             except TimeoutError:
                 pass
             self._report_now.clear()
+            url = self.controller
             try:
-                await self._report_once()
+                await self._report_once(url)
                 failing = False
             except (aiohttp.ClientError, TimeoutError, OSError, WatchRefused) as exc:
                 if not failing:
-                    log.warning("usage report to %s failed (%s); will keep trying", self.controller, exc)
+                    log.warning("usage report to %s failed (%s); its usage is kept and sent again%s", url,
+                                exc, " to the controller that leads" if len(self.controllers) > 1 else "")
                 failing = True
                 await asyncio.sleep(min(self.report_interval, 1.0))  # no tight loop while it is away
 
-    async def _report_once(self, *, leaving: bool = False, timeout: float = 5.0) -> None:
+    async def _report_once(self, url: str | None = None, *, leaving: bool = False, timeout: float = 5.0) -> None:
+        """One report to ``url`` (default: the controller followed). The usage batch it carries
+        stays in the outbox unless the answer acknowledges (or refuses) its number."""
         assert self._session is not None
+        url = url or self.controller
         payload: dict[str, Any] = {
             "router_id": self.router_id,
             "last_used": self.router.last_used(),
@@ -224,16 +345,21 @@ class FeedClient:
         if leaving:
             payload["leaving"] = True
         if type(self.version) is int:
-            payload["applied_version"] = self.version
+            # A version is one controller's count: to another one (a new leader) this router says
+            # it serves from a list that one did not send, so it is behind any drain it starts.
+            payload["applied_version"] = self.version if self._version_from == url else 0
         outbox = self.router.usage_outbox
         batch = outbox.take()
         if batch is not None:
             payload["usage"] = batch.to_json()
-        async with self._session.post(self.controller + REPORT_PATH, json=payload, headers=self._headers,
+        async with self._session.post(url + REPORT_PATH, json=payload, headers=self._headers,
                                       timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             raw = await resp.read()
             if resp.status != 200:
-                raise WatchRefused(f"report answered {resp.status}")
+                standby, leader = standby_leader(resp.status, raw[:4096])
+                if standby:
+                    raise StandingBy(url, leader)
+                raise WatchRefused(f"report to {url} answered {resp.status}")
         try:
             answer = json.loads(raw)
         except ValueError:
@@ -266,3 +392,26 @@ def _spent(d: dict[str, Any]) -> tuple[SpentFigures, int] | None:
     if type(routers) is not int or not 1 <= routers <= 100_000:
         raise ValueError(f"routers must be a whole number from 1, got {routers!r}")
     return spent_from_json(d["spent"]), routers
+
+
+class _FollowCollector:
+    """The follower's series, read at scrape time: which controller it follows (by position in
+    the configured list: the client port's /metrics is public, the admin addresses are not) and
+    how often it switched."""
+
+    def __init__(self, feed: FeedClient) -> None:
+        self._feed = feed
+
+    def collect(self) -> Iterator[Metric]:
+        feed = self._feed
+        followed = feed.leadership.followed if feed.connected else None
+        following = GaugeMetricFamily(
+            "llmgw_router_controller_following", "1 for the controller whose watch stream the router follows, "
+            "by its position (from 1) in the router's --url list; all 0 while it follows none (serving from the "
+            "last snapshot).", labels=("controller",))
+        for i in range(len(feed.controllers)):
+            following.add_metric((str(i + 1),), 1.0 if i == followed else 0.0)
+        yield following
+        yield CounterMetricFamily("llmgw_router_leader_switches", "Times the router began following a controller "
+                                  "other than the one it followed before (a new leader).",
+                                  value=feed.leader_switches)

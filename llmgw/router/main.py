@@ -8,7 +8,9 @@ serves from the last snapshot it received while the controller is away::
 The controller is named as in every other command (`llmgw.adminaccess`): ``--url`` with
 ``--token`` or ``$LLMGW_ADMIN_TOKEN`` (which keeps it out of `ps`; it is never logged),
 ``--data-dir`` of a local `llmgw up`, or ``LLMGW_ADMIN_URL`` with ``LLMGW_ADMIN_TOKEN``;
-``--controller`` and ``--admin-token`` are the older spellings. The process
+``--controller`` and ``--admin-token`` are the older spellings. Several controllers sharing one
+store (one leads, the others stand by) are all named, ``--url http://ctl-a:9090,http://ctl-b:9090``
+or ``--url`` repeated, and the router follows whichever leads (`llmgw.router.leader`). The process
 stops on SIGTERM/SIGINT, giving requests in flight ``--drain-timeout`` seconds to finish.
 """
 
@@ -22,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from llmgw.adminaccess import AdminAccess, add_options, resolve
+from llmgw.adminaccess import add_options, resolve_each
 from llmgw.errors import AccessError, ConfigError
 from llmgw.router.config import RouterConfig  # a dataclass only: cheap for the CLI to import
 from llmgw.serving import STOP_SIGNALS, listen, raise_fd_limit, throttle_loop_errors
@@ -38,7 +40,7 @@ LIMITS_REDIS_ENV = "LLMGW_LIMITS_REDIS"  # an environment variable keeps a passw
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `llmgw router` (shared by the `llmgw` CLI and ``python -m llmgw.router.main``)."""
     d = RouterConfig()
-    add_options(p, url_aliases=("--controller",), token_aliases=("--admin-token",))
+    add_options(p, url_aliases=("--controller",), token_aliases=("--admin-token",), several=True)
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="client listener")
     p.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
                    help="serve /metrics with usage per tenant and API key here, to bearers of the admin token "
@@ -57,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout)
     p.add_argument("--report-interval", type=float, default=2.0, help="seconds between usage reports")
     p.add_argument("--reconnect-max", type=float, default=10.0,
-                   help="longest wait, seconds, between attempts to reach the controller")
+                   help="longest wait, seconds, between rounds of attempts to reach a controller (while one "
+                        "answers as a standby, at most 1)")
     p.add_argument("--limits-redis", default=None, metavar="URL",
                    help=f"Redis shared by every router for tenants' limits, redis://[:password@]host:port/db "
                         f"(default: ${LIMITS_REDIS_ENV}; none: this router counts on its own)")
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace, console: Any = None) -> int:  # noqa: ARG001 -
     from llmgw.router.keys import KeyRing
 
     try:
-        access = resolve(args.url, args.token, args.data_dir)
+        accesses = resolve_each(args.url, args.token, args.data_dir)
         host, port = parse_listen(args.listen)
         metrics_at = parse_listen(args.metrics_listen, flag="--metrics-listen") if args.metrics_listen else None
         keys = KeyRing.load(args.api_keys) if args.api_keys else KeyRing()
@@ -106,15 +109,17 @@ def run(args: argparse.Namespace, console: Any = None) -> int:  # noqa: ARG001 -
                           drain_timeout=args.drain_timeout, parse_workers=max(0, args.parse_workers),
                           limits_redis=args.limits_redis or os.environ.get(LIMITS_REDIS_ENV, ""))
     try:
-        _run(_serve(args, access, host, port, keys, config, metrics_at=metrics_at))
+        _run(_serve(args, [a.url for a in accesses], accesses[0].token, host, port, keys, config,
+                    metrics_at=metrics_at))
     except OSError as exc:
         print(f"llmgw router: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     return 0
 
 
-async def _serve(args: argparse.Namespace, access: AdminAccess, host: str, port: int, keys: KeyRing,
-                 config: RouterConfig, *, metrics_at: tuple[str, int] | None = None) -> None:
+async def _serve(args: argparse.Namespace, controllers: list[str], token: str, host: str, port: int,
+                 keys: KeyRing, config: RouterConfig, *, metrics_at: tuple[str, int] | None = None) -> None:
+    """Serve until a stop signal, following the leader of ``controllers`` (all given ``token``)."""
     from llmgw.router.app import Router
     from llmgw.router.follow import FeedClient
 
@@ -127,9 +132,10 @@ async def _serve(args: argparse.Namespace, access: AdminAccess, host: str, port:
         if said and said[-1] == (ring.open, len(ring.keys)):
             return
         said.append((ring.open, len(ring.keys)))
-        _say_keys(ring, f"from the controller at {access.url}", host=host, port=listening[0] if listening else port)
+        _say_keys(ring, f"from the controller at {feed.controller}", host=host,
+                  port=listening[0] if listening else port)
 
-    feed = FeedClient(router, access.url, access.token, router_id=args.router_id,
+    feed = FeedClient(router, controllers, token, router_id=args.router_id,
                       report_interval=args.report_interval, backoff_max=args.reconnect_max,
                       follow_keys=not args.api_keys, on_keys=controller_keys)
     router.wake = feed.report_soon
@@ -144,7 +150,7 @@ async def _serve(args: argparse.Namespace, access: AdminAccess, host: str, port:
         bound = await router.listen(host, port)
         listening.append(bound)
         if metrics_at is not None:
-            metrics = await listen(router.metrics_app(access.token), *metrics_at, drain_timeout=1.0,
+            metrics = await listen(router.metrics_app(token), *metrics_at, drain_timeout=1.0,
                                    max_connections=64, openai_errors=False)
             log.info("metrics with tenant and key names on http://%s:%d/metrics (admin token required)",
                      *metrics_at)
@@ -152,7 +158,8 @@ async def _serve(args: argparse.Namespace, access: AdminAccess, host: str, port:
         # Without --api-keys the router enforces the controller's keys, which come with its first
         # snapshot: this line had said "open: no API keys" while the router enforced them.
         log.info("router %s listening on http://%s:%d, following %s (API keys: %s)", feed.router_id, host, bound,
-                 access.url, f"from {args.api_keys}" if args.api_keys else "the controller's, with its first snapshot")
+                 controllers[0] if len(controllers) == 1 else f"the leader of {', '.join(feed.controllers)}",
+                 f"from {args.api_keys}" if args.api_keys else "the controller's, with its first snapshot")
         if args.api_keys:
             _say_keys(keys, f"from {args.api_keys}", host=host, port=bound)
         await stop.wait()
