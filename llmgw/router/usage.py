@@ -193,7 +193,7 @@ def _without_usage(chunk: bytes) -> bytes:
 
 # A usage object (one level of objects inside it: token details), and llama.cpp's flat timings.
 # Keys, not text the model wrote: inside a JSON string their quotes are escaped. Found by their
-# literal start, which the regex engine scans for fast: this runs on every piece of every stream.
+# key first (:func:`_members`): this runs on every piece of every stream.
 _USAGE_MEMBER = re.compile(rb'"usage"\s*:\s*\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}')
 _TIMINGS_MEMBER = re.compile(rb'"timings"\s*:\s*\{[^{}]*\}')
 _TIMINGS = b'"timings"'
@@ -246,10 +246,14 @@ def _members(chunk: bytes, key: bytes, member: re.Pattern[bytes]) -> Iterator[re
 
 def _event_around(chunk: bytes, at: int) -> tuple[int, int]:
     """The SSE event holding ``at``: from after the blank line before it (or the chunk's start)
-    to after the blank line that ends it (-1: it does not end in this chunk)."""
-    start = chunk.rfind(b"\n\n", 0, at)
-    end = chunk.find(b"\n\n", at)
-    return 0 if start < 0 else start + 2, -1 if end < 0 else end + 2
+    to after the blank line that ends it (-1: it does not end in this chunk). A blank line is
+    LF LF, or CRLF CRLF (SSE allows either; the engines here write LF)."""
+    lf, crlf = chunk.rfind(b"\n\n", 0, at), chunk.rfind(b"\n\r\n", 0, at)
+    start = max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+    lf, crlf = chunk.find(b"\n\n", at), chunk.find(b"\n\r\n", at)
+    if lf < 0 and crlf < 0:
+        return start, -1
+    return start, min(lf + 2 if lf >= 0 else len(chunk) + 1, crlf + 3 if crlf >= 0 else len(chunk) + 1)
 
 
 def _member(chunk: bytes, start: int, end: int) -> tuple[int, int] | None:

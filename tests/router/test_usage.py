@@ -148,6 +148,8 @@ def test_the_usage_event_is_taken_out_when_whole() -> None:
     assert strip_usage_events(chunk) == (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
                                          b"data: [DONE]\n\n")
     assert reported_usage(chunk) == (5, 2)
+    crlf = chunk.replace(b"\n\n", b"\r\n\r\n")  # SSE's other blank line
+    assert strip_usage_events(crlf) == strip_usage_events(chunk).replace(b"\n\n", b"\r\n\r\n")
     spoken = b'data: {"choices":[{"delta":{"content":"the \\"usage\\": {\\"prompt_tokens\\": 99"}}]}\n\n'
     assert strip_usage_events(spoken) == spoken and reported_usage(spoken) is None
     assert content_events(b'{"delta":{"role":"assistant","content":""}}{"delta":{"content":"a"}}'
