@@ -26,9 +26,10 @@ when its last token is. Embeddings are unit vectors derived from the input's has
 
 Its token counters do not mark its own homework: ``vllm:generation_tokens_total`` counts the
 tokens in what it wrote (the words of each event or answer written, a stream cut short counting
-its written part), while the ``usage`` it reports is the number of words it drew; a router that
-counts what clients received, or a stream that loses a word, shows as a difference between the
-two. ``vllm:prompt_tokens_total`` counts prompts as they are taken in, as vLLM counts prefill.
+its written part), while the ``usage`` and running counts it reports are the number of words it
+drew. So a ledger compared with the counter is compared with what went out, not with the figure
+the router relayed: a relay that drops or merges events, or a stream that loses a word, shows.
+``vllm:prompt_tokens_total`` counts prompts as they are taken in, as vLLM counts prefill.
 
 It must never be the bottleneck of a benchmark of the router, so the hot path stays small:
 constant parts are pre-encoded, chunks are byte templates, a prompt's plan (words, events) is
