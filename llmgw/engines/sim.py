@@ -28,7 +28,7 @@ Its token counters do not mark its own homework: ``vllm:generation_tokens_total`
 tokens in what it wrote (the words of each event or answer written, a stream cut short counting
 its written part), while the ``usage`` and running counts it reports are the number of words it
 drew. So a ledger compared with the counter is compared with what went out, not with the figure
-the router relayed: a relay that drops or merges events, or a stream that loses a word, shows.
+the router relayed: a router that counts events for tokens, or a stream that loses a word, shows.
 ``vllm:prompt_tokens_total`` counts prompts as they are taken in, as vLLM counts prefill.
 
 It must never be the bottleneck of a benchmark of the router, so the hot path stays small:
