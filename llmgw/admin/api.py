@@ -71,12 +71,23 @@ def _int_param(request: web.Request, name: str, default: int, *, low: int = 0, h
     return value
 
 
+def standby(request: web.Request) -> web.Response | None:
+    """503 naming the leader when this controller stands by (several controllers on one store,
+    DESIGN §5): a change to the fleet is the leader's to make, and two controllers acting on one
+    fleet would undo each other. None when this controller leads."""
+    standing_by, leader = ctl(request).standing_by()
+    if not standing_by:
+        return None
+    where = f"the leader at {leader}" if leader else "the leader (none known yet: try again in a few seconds)"
+    return error(503, f"this controller is standing by; send changes to {where}", role="standby", leader=leader)
+
+
 # --- reads ------------------------------------------------------------------------------
 async def summary(request: web.Request) -> web.Response:
     c = ctl(request)
-    return web.json_response(views.summary_view(
+    return web.json_response({**views.summary_view(
         c.catalog, c.inventory(), c.replicas(), c.sync_status.to_json(),
-        c.unplaced(), c.rollouts()))
+        c.unplaced(), c.rollouts()), "leadership": c.leadership()})
 
 
 async def get_sync(request: web.Request) -> web.Response:
@@ -194,6 +205,8 @@ STATE_ACTIONS = {"cordon": NodeState.CORDONED, "cordoned": NodeState.CORDONED, "
 
 
 async def node_state(request: web.Request) -> web.Response:
+    if (refused := standby(request)) is not None:
+        return refused
     body = await json_body(request)
     if isinstance(body, web.Response):
         return body
@@ -211,6 +224,8 @@ async def node_state(request: web.Request) -> web.Response:
 
 
 async def takeover(request: web.Request) -> web.Response:
+    if (refused := standby(request)) is not None:
+        return refused
     body = await json_body(request)
     if isinstance(body, web.Response):
         return body
@@ -232,6 +247,8 @@ def _actor(request: web.Request) -> str:
 
 
 async def add_model(request: web.Request) -> web.Response:
+    if (refused := standby(request)) is not None:
+        return refused
     body = await json_body(request)
     if isinstance(body, web.Response):
         return body
@@ -242,6 +259,8 @@ async def add_model(request: web.Request) -> web.Response:
 
 
 async def remove_model(request: web.Request) -> web.Response:
+    if (refused := standby(request)) is not None:
+        return refused
     name = request.match_info["name"]
     c = ctl(request)
     if c.catalog is None or c.catalog.model(name) is None:
@@ -298,6 +317,8 @@ async def rollout_abort(request: web.Request) -> web.Response:
 
 
 async def _rollout_action(request: web.Request, verb: str) -> web.Response:
+    if (refused := standby(request)) is not None:
+        return refused
     name = _rolled_model(request)
     if isinstance(name, web.Response):
         return name
@@ -312,6 +333,8 @@ async def _rollout_action(request: web.Request, verb: str) -> web.Response:
 
 
 async def collect_weights(request: web.Request) -> web.Response:
+    if (refused := standby(request)) is not None:  # even a dry run polls the nodes
+        return refused
     body = await json_body(request)
     if isinstance(body, web.Response):
         return body

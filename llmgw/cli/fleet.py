@@ -59,6 +59,13 @@ def status(args: argparse.Namespace, client: Client, console: Console) -> int:
     if args.output == "json":
         print_json(console, s)
         return 0
+    lead = s.get("leadership") or {}
+    if lead.get("shared"):  # several controllers on one store: say which one this is, and who leads
+        since = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lead["last_takeover"]))
+                 if lead.get("last_takeover") is not None else "unknown")
+        console.print(f"[bold]role[/]      {_e(lead['role'])}  leader {_e(lead.get('leader') or 'none')}"
+                      f" at {_e(lead.get('leader_url') or 'unknown')}  epoch {_e(lead.get('epoch'))}"
+                      f"  since {_e(since)}")
     sync = s["sync"]
     console.print(f"[bold]sync[/]      {sync['state']}  applied {_e((sync['applied_sha'] or 'none')[:12])}"
                   f"  head {_e((sync['head_sha'] or '')[:12])}  ({_e(sync['branch'])} of {_e(sync['url'])})")

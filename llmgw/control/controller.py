@@ -3,6 +3,14 @@
 This is the one place that knows every part; each part knows only the narrow interfaces
 it is given (the endpoint sink and the usage source toward the router, the dispatcher
 toward the nodes), so the router can run in another process and nothing here changes.
+
+With a PostgreSQL store several controllers share one database and one of them leads by the
+store's lease (llmgw.control.leadership, DESIGN §5 "High availability"): each starts as a standby
+that runs no reconciler, no git follower and sends no node command; the one that takes the lease
+starts a fresh reconciler (which loads the replica records from the shared store and adopts the
+running engines, as after a restart) and the follower (which restores the applied revision from
+the store), and stops both, the reconciler first, when it loses the lease. With
+SQLite (the default, `llmgw up`) the controller leads alone, without a lease loop.
 """
 
 from __future__ import annotations
@@ -23,9 +31,11 @@ from llmgw.control.config import ControllerConfig
 from llmgw.control.datadir import held_here, hold_data_dir, release_data_dir, succeed
 from llmgw.control.fleet_dispatch import FleetDispatcher
 from llmgw.control.fleet_metrics import FleetCollector
+from llmgw.control.leadership import LEADER, Leadership, LeadershipCollector, LeadershipConfig
 from llmgw.control.ops import FleetOps
 from llmgw.dispatch.base import AgentVerbs
 from llmgw.dispatch.fence import FencedDispatcher
+from llmgw.errors import StoreError
 from llmgw.gitops import DesiredState, GitMirror, GitOpsFollower
 from llmgw.gitops.desired import RECONCILER
 from llmgw.gitops.repo import normalise_url
@@ -34,7 +44,7 @@ from llmgw.inventory import engine_is_ours
 from llmgw.plan.guard import PruneVerdict, judge_prune
 from llmgw.reconciler.live import LiveInventory
 from llmgw.reconciler.reconciler import Reconciler
-from llmgw.store.opening import store_for
+from llmgw.store.opening import is_postgres, store_for
 from llmgw.store.protocol import Store
 
 log = logging.getLogger(__name__)
@@ -52,8 +62,20 @@ class Controller:
         dispatcher: AgentVerbs | None = None,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.time,
+        advertise: str | None = None,
+        lease: LeadershipConfig | None = None,
     ) -> None:
         self.config = config
+        # The admin URL routers and operators are sent to while this controller leads (a standby's
+        # answers name the leader's); the lease's timing when the store is shared.
+        self.advertise = advertise
+        self.lease_config = lease or LeadershipConfig()
+        self.leadership: Leadership | None = None  # made by start() for a shared (PostgreSQL) store
+        self._lease_store: Store | None = None
+        self._fleet_open = False
+        self._quiet = False  # quiesce() ran: a lease taken from now on starts nothing
+        self._led = False  # this process led once: a new lead gets a fresh reconciler
+        self.role_listeners: list[Callable[[], None]] = []  # told when this controller leads or stops
         self.registry = registry or CollectorRegistry()
         data = Path(config.data_dir)
         # SQLite in the data dir unless the config names another store (PostgreSQL: several controllers).
@@ -65,9 +87,8 @@ class Controller:
             ssh_key=config.ssh_key, known_hosts=config.known_hosts, local_agent_config=config.local_agent_config),
             holder="")
         self.inventory = LiveInventory(self.fleet, self.store)
-        self.reconciler = Reconciler(self.desired, self.inventory, self.fleet, self.store, sink=sink, usage=usage,
-                                     config=config.reconciler, manages=lambda n: n.transport in config.transports,
-                                     clock=clock)
+        self._sink, self._usage, self._clock = sink, usage, clock
+        self.reconciler = self._make_reconciler()
         url = normalise_url(config.repo)
         local = Path(url.removeprefix("file://")) if "://" not in url or url.startswith("file://") else None
         watch = local if config.watch and local is not None and local.exists() else None
@@ -80,6 +101,82 @@ class Controller:
         self.ops = FleetOps(self)
         self._own_lock = False  # start() took the data dir's lock itself (an embedding, a test)
         self.registry.register(FleetCollector(self.ops))
+        self.registry.register(LeadershipCollector(self.leadership_view))
+
+    def _make_reconciler(self) -> Reconciler:
+        config = self.config
+        return Reconciler(self.desired, self.inventory, self.fleet, self.store, sink=self._sink, usage=self._usage,
+                          config=config.reconciler, manages=lambda n: n.transport in config.transports,
+                          clock=self._clock)
+
+    # --- leading (DESIGN §5) --------------------------------------------------------------------
+    @property
+    def leading(self) -> bool:
+        """This controller may act on the fleet: alone on its store, or holding the lease in time."""
+        return self.leadership is None or self.leadership.leading
+
+    @property
+    def leader_url(self) -> str | None:
+        """The leader's advertised admin URL as known here (this controller's own when it leads)."""
+        return self.advertise if self.leadership is None else self.leadership.leader_url
+
+    def leadership_view(self) -> dict[str, Any]:
+        """Role, the leader's id and URL, the epoch and the last takeover (database clock), for the
+        summary, `llmgw status` and /metrics. Reads no store: the lease loop's last reading."""
+        if self.leadership is None:
+            return {"role": LEADER, "shared": False, "holder": self.controller_id, "leader": self.controller_id,
+                    "leader_url": self.advertise, "epoch": None, "last_takeover": None}
+        return {**self.leadership.summary(), "shared": True}
+
+    async def _lead(self, epoch: int) -> None:
+        if self._quiet:
+            return
+        if self._led:  # the last one was closed mid-flight: start from the store's records again
+            self.reconciler = self._make_reconciler()
+        self._led = True
+        self.reconciler.holder = self.fleet.holder
+        log.warning("this controller leads (epoch %d): reconciling", epoch)
+        await self._open_fleet()
+        await self.reconciler.start()
+        await self.follower.start()
+        self.reconciler.notify()
+        self._role_changed()
+        holder = self.leadership.holder if self.leadership is not None else self.controller_id
+        try:
+            self.store.add_event("leader", holder, f"controller {holder} leads at epoch {epoch}")
+        except StoreError as exc:
+            log.warning("could not record the takeover: %s", exc)
+
+    async def _stand_by(self) -> None:
+        """Stop acting at once: the reconciler first (no more node commands), then the nodes' leases."""
+        log.warning("this controller no longer leads: standing by")
+        await self.reconciler.close()
+        self._role_changed()
+        await self.follower.close()
+        await self._close_fleet()
+
+    def standing_by(self) -> tuple[bool, str | None]:
+        """(this controller stands by, the leader's admin URL as known): the feed's question."""
+        return not self.leading, self.leader_url
+
+    def _role_changed(self) -> None:
+        for listener in self.role_listeners:
+            listener()
+
+    async def _open_fleet(self) -> None:
+        if not self._fleet_open:
+            await self.fleet.open()
+            self._fleet_open = True
+
+    async def _close_fleet(self) -> None:
+        """A clean stop gives the nodes back at once (their engines keep running): a controller
+        started next, this one again or another, need not wait the leases out."""
+        if self._fleet_open:
+            self._fleet_open = False
+            try:
+                await self.fleet.release()
+            finally:
+                await self.fleet.close()
 
     def _judge_prune(self, old: Catalog | None, new: Catalog) -> PruneVerdict:
         """The guard on the live fleet: the ready replicas ``new`` would stop, by decide()."""
@@ -147,13 +244,25 @@ class Controller:
         self.store.open()
         log.info("store: %s", self.store.where)  # redacted: a URL's password is not shown
         self.fleet.holder = self.reconciler.holder = self._holder_id()
-        await self.fleet.open()
+        if is_postgres(self.config.store):
+            # Shared store: stand by until the lease is ours. The follower runs only while leading:
+            # two followers on one store race each other's records (a standby that restored before
+            # the leader applied held the leader's own revision for confirmation, in the store
+            # both read), and a standby's prune guard would judge against a fleet it does not see.
+            self._lease_store = store_for(self.config.store, Path(self.config.data_dir)).open()
+            self.leadership = Leadership(self._lease_store, url=self.advertise, on_lead=self._lead,
+                                         on_standby=self._stand_by, config=self.lease_config)
+            self.desired.subscribe(self._on_catalog, order=RECONCILER)
+            await self.leadership.start()
+            return
+        await self._open_fleet()
         await self.reconciler.start()
         self.desired.subscribe(self._on_catalog, order=RECONCILER)
         await self.follower.start()
 
     async def quiesce(self) -> None:
         """Stop following git and reconciling: from here on nothing is started or stopped."""
+        self._quiet = True
         await self.follower.close()
         await self.reconciler.close()
 
@@ -163,10 +272,11 @@ class Controller:
 
     async def close(self) -> None:
         await self.quiesce()
-        # A clean stop gives the nodes back at once (their engines keep running): a controller
-        # started next, this one again or another, need not wait the leases out.
-        await self.fleet.release()
-        await self.fleet.close()
+        await self._close_fleet()
+        if self.leadership is not None:  # after the last node command: a standby takes over at once
+            await self.leadership.close()
+        if self._lease_store is not None:
+            self._lease_store.close()
         self.store.close()
         if self._own_lock:  # taken here, not by the command line (whose process is ending anyway)
             release_data_dir(self.config.data_dir)

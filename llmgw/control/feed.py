@@ -16,6 +16,13 @@ With a :class:`~llmgw.control.usage.BudgetBook` (``budgets``), every snapshot an
 to a report also says what each budget used this period per the ledger (``"spent"``), and how
 many routers share the limits (``"routers"``: those heard from, and the controller's own), so a
 router starts from what was spent and, with Redis away, grants only its share of what is left.
+
+Several controllers on one store (DESIGN §5): only the leader serves the watch and the report. With
+``standby`` set (a callable saying whether this controller stands by, and the leader's advertised
+admin URL as known), a standby answers both with 503 ``{"error": {"message", "type": "standby"},
+"leader": url | null}``, and a watch stream open when its controller stops leading ends (at the
+next change or keepalive, or at once on :meth:`FeedHub.leadership_changed`), so the router asks
+again and is sent to the leader.
 """
 
 from __future__ import annotations
@@ -51,6 +58,10 @@ from llmgw.router.changes import Changes
 from llmgw.serving import read_plain
 
 log = logging.getLogger(__name__)
+
+# The standby answer's shape (llmgw.contract, issue 36): status and error type.
+STANDBY_STATUS = 503
+STANDBY_TYPE = "standby"
 
 
 MAX_REPORTED_MODELS = 10_000
@@ -105,6 +116,8 @@ class FeedHub:
         self.local_routers = local_routers  # routers in the controller's own process
         self._line_budgets = -1  # the book's version the line was built with
         self.watchers = 0
+        # None: this controller leads alone. Else () -> (standing by?, the leader's admin URL).
+        self.standby: Callable[[], tuple[bool, str | None]] | None = None
 
     # --- the control plane's side -------------------------------------------------------
     def set_catalog(self, catalog: Catalog) -> None:
@@ -258,9 +271,30 @@ class FeedHub:
             del self._reports[rid]  # a router that stopped reporting is gone: its demand with it
         return list(self._reports.values())
 
+    # --- leading or standing by (DESIGN §5) ------------------------------------------------
+    def _standing_by(self) -> tuple[bool, str | None]:
+        return (False, None) if self.standby is None else self.standby()
+
+    def leadership_changed(self) -> None:
+        """Wake every open watch, so one served by a controller that stopped leading ends now."""
+        self._changes.notify()
+
+    def standby_answer(self) -> web.Response | None:
+        """The 503 a standby answers routers with (naming the leader), or None when leading."""
+        standing_by, leader = self._standing_by()
+        if not standing_by:
+            return None
+        message = (f"this controller is standing by; the leader ({leader}) serves this" if leader
+                   else "this controller is standing by, and no leader is known yet; try again shortly")
+        return web.json_response({"error": {"message": message, "type": STANDBY_TYPE}, "leader": leader},
+                                 status=STANDBY_STATUS)
+
     # --- HTTP handlers (mounted by the admin API behind its token check) -----------------
     async def watch(self, request: web.Request) -> web.StreamResponse:
         """``GET /api/v1/router/watch``: JSON lines, a snapshot at once and on every change."""
+        refused = self.standby_answer()
+        if refused is not None:
+            return refused
         self._changes.bind(asyncio.get_running_loop())
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
@@ -278,6 +312,8 @@ class FeedHub:
                     sent = current  # a change published meanwhile is sent below
             while True:
                 event = self._changes.event
+                if self._standing_by()[0]:
+                    break  # no longer the leader: the router asks again and is sent there
                 line = self._line
                 if line is not None and line is not sent:
                     await resp.write(line)
@@ -290,9 +326,13 @@ class FeedHub:
             return resp  # the router went away; it will reconnect
         finally:
             self.watchers -= 1
+        return resp
 
     async def report(self, request: web.Request) -> web.Response:
         """``POST /api/v1/router/report``: one router's last-use times and demand."""
+        refused = self.standby_answer()
+        if refused is not None:
+            return refused
         try:
             data = jsonbody.loads(await read_plain(request), what="The router report")  # nesting bounded
             router_id = wire_str(data["router_id"])

@@ -25,10 +25,13 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from llmgw.errors import StoreError
 from llmgw.store.protocol import Store
@@ -220,3 +223,27 @@ class Leadership:
         self._epoch = None
         if was is not None:
             await self._on_standby()
+
+
+class LeadershipCollector(Collector):
+    """/metrics: this controller's role, the leader it knows of, the epoch and the last takeover.
+    ``view`` is :meth:`Controller.leadership_view` (no I/O: the lease loop's last reading)."""
+
+    def __init__(self, view: Callable[[], dict[str, Any]]) -> None:
+        self._view = view
+
+    def collect(self) -> Iterator[Metric]:
+        v = self._view()
+        leader = GaugeMetricFamily("llmgw_controller_leader",
+                                   "1 while this controller leads (alone on its store, or by the lease), else 0",
+                                   labels=["holder", "leader", "leader_url"])
+        leader.add_metric([str(v.get("holder") or ""), str(v.get("leader") or ""), str(v.get("leader_url") or "")],
+                          1.0 if v.get("role") == LEADER else 0.0)
+        yield leader
+        if v.get("epoch") is not None:
+            yield GaugeMetricFamily("llmgw_controller_lease_epoch",
+                                    "The leader lease's epoch (the fencing token), as last read", value=v["epoch"])
+        if v.get("last_takeover") is not None:
+            yield GaugeMetricFamily("llmgw_controller_last_takeover_timestamp_seconds",
+                                    "When the current leader took the lease (the database's clock)",
+                                    value=v["last_takeover"])

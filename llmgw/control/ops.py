@@ -51,12 +51,24 @@ class ControlPlane(Protocol):
 
     async def takeover(self, node_id: str, *, stop_foreign: bool = False) -> dict[str, Any]: ...
 
+    def leadership_view(self) -> dict[str, Any]: ...
+
+    def standing_by(self) -> tuple[bool, str | None]: ...
+
 
 class FleetOps:
     def __init__(self, controller: ControlPlane) -> None:
         self._c = controller
 
     # --- reading ----------------------------------------------------------------------------
+    def leadership(self) -> dict[str, Any]:
+        """This controller's role (leader/standby), the leader's id and URL, the epoch, the last takeover."""
+        return self._c.leadership_view()
+
+    def standing_by(self) -> tuple[bool, str | None]:
+        """(another controller leads, its advertised admin URL as known here)."""
+        return self._c.standing_by()
+
     @property
     def catalog(self) -> Catalog | None:
         return self._c.desired.catalog

@@ -114,7 +114,10 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     hub.budgets = book = BudgetBook()  # what each budget used this period, per the ledger: for every router
     hub.set_api_keys(cfg.api_keys)
     hub.set_limits_redis(str(cfg.router.get("limits_redis", "")))
-    controller = Controller(cfg.controller, sink=Fanout(router, hub), usage=MergedUsage(router, hub))
+    controller = Controller(cfg.controller, sink=Fanout(router, hub), usage=MergedUsage(router, hub),
+                            advertise=f"http://{cfg.admin_listen.host}:{cfg.admin_listen.port}")
+    hub.standby = controller.standing_by  # a standby (shared store, another leads) sends routers on
+    controller.role_listeners.append(hub.leadership_changed)
     # Usage per tenant and API key on the admin listener's /api/v1/metrics, behind its token; the
     # router's client port serves only its own series (llmgw.router.metrics).
     controller.registry.register(router.metrics.usage)
