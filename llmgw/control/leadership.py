@@ -142,9 +142,13 @@ class Leadership:
                                        timeout=self.config.ttl)
             except (StoreError, TimeoutError) as exc:
                 log.warning("could not release the leader lease (it lapses in %.1f s): %s", self.config.ttl, exc)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        pool, self._pool = self._pool, None
+        if pool is not None:  # no store call runs after close() (the caller closes the store next)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True),
+                                       timeout=self.config.ttl)
+            except TimeoutError:
+                log.warning("a leader lease call still hangs after close()")
 
     async def _call(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         assert self._pool is not None
