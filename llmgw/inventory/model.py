@@ -84,9 +84,78 @@ class EngineRecord:
         return dict(self.labels).get(key)
 
 
+# The labels the reconciler starts every engine with (llmgw.reconciler.lifecycle). They say enough
+# to rebuild the replica's record from what the agents report (llmgw.decide.adopt): a controller
+# with no record of an engine (a new leader, a restored older copy of its data dir, an empty one)
+# adopts it instead of starting another beside it.
+LABEL_REPLICA = "llmgw.replica"
+LABEL_MODEL = "llmgw.model"
+LABEL_PROFILE = "llmgw.profile"
+LABEL_RANK = "llmgw.rank"
+LABEL_SHARDS = "llmgw.shards"
+LABEL_GENERATION = "llmgw.generation"
+LABEL_FINGERPRINT = "llmgw.fingerprint"
+LABEL_CANARY = "llmgw.canary"
+LABEL_REVISION = "llmgw.revision"
+REPLICA_LABELS = (LABEL_REPLICA, LABEL_MODEL, LABEL_PROFILE, LABEL_RANK, LABEL_SHARDS, LABEL_GENERATION,
+                  LABEL_FINGERPRINT, LABEL_CANARY)  # LABEL_REVISION may be empty: a catalog without one
+
+
+@dataclass(frozen=True)
+class EngineLabels:
+    """What an engine's labels say of the replica it is one shard of (``rank`` of ``shards``)."""
+
+    replica: str
+    model: str
+    profile: str
+    rank: int
+    shards: int
+    generation: int
+    fingerprint: str
+    canary: bool = False
+    revision: str | None = None
+
+    def to_labels(self) -> dict[str, str]:
+        """The labels a ``start`` request carries (the agent keeps and reports them as given)."""
+        return {LABEL_REPLICA: self.replica, LABEL_MODEL: self.model, LABEL_PROFILE: self.profile,
+                LABEL_RANK: str(self.rank), LABEL_SHARDS: str(self.shards), LABEL_GENERATION: str(self.generation),
+                LABEL_FINGERPRINT: self.fingerprint, LABEL_CANARY: "true" if self.canary else "false",
+                LABEL_REVISION: self.revision or ""}
+
+
+def missing_labels(engine: EngineRecord) -> tuple[str, ...]:
+    """The replica labels ``engine`` lacks or carries unreadable (an engine started by an llmgw
+    older than adoption has no fingerprint, shard count or canary flag); () when it has them all."""
+    labels = dict(engine.labels)
+    numbers = {LABEL_RANK: 0, LABEL_SHARDS: 1, LABEL_GENERATION: 1}  # the least each may be
+    out = []
+    for key in REPLICA_LABELS:
+        value = labels.get(key)
+        if not value or (key in numbers and not (value.isascii() and value.isdigit() and int(value) >= numbers[key])) \
+                or (key == LABEL_CANARY and value not in ("true", "false")):
+            out.append(key)
+    return tuple(out)
+
+
+def engine_labels(engine: EngineRecord) -> EngineLabels | None:
+    """The replica ``engine`` is a shard of, as its labels say; None when any is missing
+    (:func:`missing_labels` says which)."""
+    if missing_labels(engine):
+        return None
+    labels = dict(engine.labels)
+    return EngineLabels(
+        replica=labels[LABEL_REPLICA], model=labels[LABEL_MODEL], profile=labels[LABEL_PROFILE],
+        rank=int(labels[LABEL_RANK]), shards=int(labels[LABEL_SHARDS]), generation=int(labels[LABEL_GENERATION]),
+        fingerprint=labels[LABEL_FINGERPRINT], canary=labels[LABEL_CANARY] == "true",
+        revision=labels.get(LABEL_REVISION) or None,
+    )
+
+
 def engine_is_ours(engine: EngineRecord, lease: Lease | None, *, holder: str | None) -> bool:
-    """Whether this controller started ``engine`` (or an earlier life of it did): the one rule for
-    stale engines, shutdown and takeovers (DESIGN §4, fencing).
+    """Whether this controller started ``engine`` (or an earlier life of it did) under the lease it
+    holds now: what shutdown (`llmgw up` stops only its own) and `llmgw node takeover
+    --stop-foreign` go by (DESIGN §4, fencing). Engines no record claims on a node whose lease this
+    controller holds are judged by adoption instead (llmgw.decide.adopt), whoever started them.
 
     The node stamps each engine with the lease it obeyed. Ours: stamped with the lease this
     controller holds now, holder and epoch, since an epoch moves only when the node changes hands,

@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from llmgw.catalog import Catalog, Model, Profile
-from llmgw.decide.replica import Backoff, Replica, ReplicaState, ShardStatus, next_failure
+from llmgw.decide.replica import Backoff, Replica, ReplicaState, ShardStatus, fingerprint, next_failure
 from llmgw.dispatch.base import Dispatcher
 from llmgw.engines.argv import RPC_SERVER, engine_args, holds_weights, shard_engine, shard_env
 from llmgw.engines.argv import Shard as EngineShard
 from llmgw.engines.health import check_health, probe_ready
 from llmgw.errors import DispatchError, EngineArgsError, StartRefused
 from llmgw.inventory import EngineRecord, Inventory
+from llmgw.inventory.model import EngineLabels
 from llmgw.store.protocol import Store
 
 if TYPE_CHECKING:
@@ -189,11 +190,13 @@ class Lifecycle:
             "gpus": list(shard.gpus),
             "port": None,
             "weights": model.weights_ref if holds_weights(profile, shard.rank) else None,
-            "labels": {
-                "llmgw.replica": r.id, "llmgw.model": model.name, "llmgw.profile": profile.name,
-                "llmgw.rank": str(shard.rank), "llmgw.generation": str(r.generation),
-                "llmgw.revision": r.revision or "",
-            },
+            # Enough to rebuild this replica's record from what the agents report: a controller with
+            # no record of the engine (a new leader, an older copy of the data dir) adopts it. The
+            # fingerprint of the spec it is started with, which is what it runs.
+            "labels": EngineLabels(
+                replica=r.id, model=model.name, profile=profile.name, rank=shard.rank, shards=len(r.shards),
+                generation=r.generation, fingerprint=fingerprint(model, profile), canary=r.canary, revision=r.revision,
+            ).to_labels(),
         })
         return replace(shard, pid=answer.get("pid"), port=answer.get("port"), endpoint=answer.get("endpoint"),
                        state="started")

@@ -2,9 +2,11 @@
 
 Runs on every tick and at once when woken (a new catalog, a held request, an operator
 action). Replica records are persisted after every change, so a controller killed at
-any point adopts the engines the agents report instead of starting them again; an
-engine no record claims (a replica given up with its node, which then came back) is
-stale and is stopped.
+any point adopts the engines the agents report instead of starting them again. Engines no
+record claims, on the nodes whose lease this controller holds, are judged by
+:func:`llmgw.decide.adopt.adopt` before each decision: adopted when they are what the catalog
+asks for (a new leader, an older copy of the data dir, an empty one), else stopped (a replica
+given up with its node, which then came back; a version or a model no longer wanted).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import aiohttp
 
 from llmgw.catalog import Catalog, NodeId, NodeSpec
 from llmgw.contract import Endpoint, EndpointSink, NoUsage, UsageSource
+from llmgw.decide.adopt import Adoption, adopt
 from llmgw.decide.replica import Replica, ReplicaState, fingerprint, replica_id, shard_agent_id
 from llmgw.decide.replica import ShardStatus as _ShardStatus
 from llmgw.decide.tick import Decisions, Settings, decide
@@ -35,6 +38,11 @@ from llmgw.store.protocol import Store
 from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
+
+# Replica ids this controller gave up (stopped, or lost with a node) that it remembers: an engine of
+# one still running is stale, never adopted again. Beyond this many, the oldest are forgotten (the
+# generation rule of llmgw.decide.adopt still holds for this controller's own).
+GIVEN_UP_KEPT = 4096
 
 
 class Reconciler:
@@ -65,6 +73,10 @@ class Reconciler:
         self.manages = manages
         self.holder = holder  # this controller's lease holder id: engines stamped otherwise are not ours
         self._foreign_seen: set[tuple[str, str]] = set()
+        self._given_up: dict[str, None] = {}  # ordered: the oldest are forgotten first
+        self._waiting_seen: set[str] = set()
+        self._issued = 0  # the store's generation counter when this life began (llmgw.decide.adopt)
+        self._past = 0  # a generation the store's counter is known to be at or past
         self.replicas: dict[str, Replica] = {}
         self.last_decisions = Decisions()
         self._published: tuple | None = None
@@ -85,6 +97,7 @@ class Reconciler:
         self._session = aiohttp.ClientSession()
         self.lifecycle = Lifecycle(self.dispatcher, self._session, self.store, self.config, self.clock)
         self.rollouts.load()
+        self._issued = self._past = self.store.generation()
         for r in self.store.replicas():
             if r.state == ReplicaState.READY:
                 # Adopted from a previous life: probed once before it serves again, never restarted.
@@ -132,6 +145,8 @@ class Reconciler:
             plan = self.rollouts.plan(catalog, self.replicas, self.usage.replica_stats, now)
             self._running = plan.catalog
             self._settle_canaries(plan)
+            # Before decide(): adopted replicas count toward the model's, so none is placed beside them.
+            self._adopt(plan, inventory, now)
             decisions = decide(
                 plan.catalog, inventory, list(self.replicas.values()),
                 last_used=self.usage.last_used(), demand=self.usage.demand(), now=now,
@@ -144,7 +159,7 @@ class Reconciler:
             self.rollouts.decided(decisions, created, now)
             # Withdrawn from the router before anything is stopped.
             self.publish()
-            await self._stop_stale_engines(inventory)
+            await self._stop_stale_engines(plan, inventory, now)
             await self._advance_all(plan, inventory)
             self._save()
             self.rollouts.save()
@@ -192,6 +207,7 @@ class Reconciler:
         for rid, why in d.lost:
             r = self.replicas.pop(rid, None)
             if r is not None:
+                self._give_up(rid)
                 self.store.add_event("replica-lost", rid, f"{r.model}: {why}; placing it elsewhere")
         for rid, why in d.stop:
             r = self.replicas.get(rid)
@@ -205,6 +221,7 @@ class Reconciler:
             if model is None or profile is None:
                 continue
             generation = self.store.next_generation()
+            self._past = max(self._past, generation)
             rid = replica_id(model.name, generation)
             shards = tuple(_ShardStatus(s.node, s.rank, s.gpus, shard_agent_id(rid, s.rank))
                            for s in new.placement.shards)
@@ -220,34 +237,60 @@ class Reconciler:
             self.store.add_event("replica-created", rid, f"{model.name}/{profile.name} on {where}: {new.reason}")
         return canaries
 
-    async def _stop_stale_engines(self, inventory: Inventory) -> None:
-        """Stop engines no record claims: left behind by a replica given up with its node.
+    def _judge_unclaimed(self, plan: Plan, inventory: Inventory, now: float) -> Adoption:
+        """What :func:`adopt` makes of the engines no record claims, on the nodes this controller holds."""
+        return adopt(plan.catalog, inventory, list(self.replicas.values()), now=now, holder=self.holder,
+                     issued=self._issued, given_up=self._given_up.keys(), canaries=plan.canaries,
+                     unreachable_grace=self.config.unreachable_grace)
 
-        Only our own (:func:`engine_is_ours`: stamped with the lease we hold, holder and epoch): an
-        engine another controller started, or a copy of our data dir before a takeover, is
-        reported once and left running, and so is every engine on a node whose lease another
-        controller holds (seen: two controllers stopped each other's engines). A node being handed
-        over from an earlier instance of ours is left alone until it is ours: its engines may be.
+    def _adopt(self, plan: Plan, inventory: Inventory, now: float) -> None:
+        """Take over the engines that are what the catalog asks for: their records rebuilt, in state
+        starting (probed once before they serve, never restarted). What is not adopted is stopped
+        later in the tick (:meth:`_stop_stale_engines`), after the router has its new list."""
+        found = self._judge_unclaimed(plan, inventory, now)
+        if found.highest > self._past:
+            # Past every generation adopted (or seen on a node): no new replica takes one's id.
+            self._past = self.store.next_generation(above=found.highest)
+        for r in found.adopt:
+            self.replicas[r.id] = r
+            self._waiting_seen.discard(r.id)
+            self.store.add_event("replica-adopted", r.id, f"{r.model}/{r.profile}: {_engines_of(r, inventory)}; "
+                                 "adopted (probed before it serves, not restarted)")
+        for rid, why in found.waiting:
+            if rid not in self._waiting_seen:
+                self._waiting_seen.add(rid)
+                log.info("engines of replica %s neither adopted nor stopped yet: %s", rid, why)
+
+    def _give_up(self, rid: str) -> None:
+        """Remember that ``rid`` is no longer this controller's: an engine of it found later is stale."""
+        self._given_up[rid] = None
+        while len(self._given_up) > GIVEN_UP_KEPT:
+            del self._given_up[next(iter(self._given_up))]
+
+    async def _stop_stale_engines(self, plan: Plan, inventory: Inventory, now: float) -> None:
+        """Stop the engines adoption does not take (:func:`adopt`: each with its reason, in the
+        event), on nodes whose lease this controller holds, whoever started them; replicas given up
+        this very tick (lost with a node) are among them.
+
+        On a node another controller drives (fenced) its engines are reported once and left running
+        (seen: two controllers stopped each other's engines); on a node being handed over from an
+        earlier instance of ours nothing is done until it is ours: its engines may be adopted.
         """
         assert self.lifecycle is not None
-        claimed = {(s.node, s.agent_id) for r in self.replicas.values() for s in r.shards}
-        stale = []
         for node in inventory.nodes.values():
-            if node.report is None or node.state == NodeState.HANDOVER:
+            if node.report is None or node.state != NodeState.FENCED:
                 continue
             for e in node.report.engines:
-                if not e.alive or (node.id, e.replica_id) in claimed or e.label("llmgw.replica") is None:
-                    continue
-                if node.state == NodeState.FENCED or not engine_is_ours(e, node.report.lease, holder=self.holder):
+                if e.alive and e.label("llmgw.replica") is not None:
                     self._report_foreign(node.id, e)
-                else:
-                    stale.append((node.id, e.replica_id))
+        found = self._judge_unclaimed(plan, inventory, now)
         # Head first (DESIGN §5): the surviving shards of a replica given up with a node come here
         # in nodes.yaml order, where a worker's node may come before its head's.
-        for node_id, agent_id in sorted(stale, key=lambda e: _rank_of(e[1])):
-            if await self.lifecycle.stop_engine(node_id, agent_id):
-                self.store.add_event("stale-engine-stopped", agent_id,
-                                     f"engine {agent_id} on {node_id} belongs to no replica (stale); stopped")
+        for stale in sorted(found.stop, key=lambda x: x.rank):
+            if await self.lifecycle.stop_engine(stale.node, stale.agent_id):
+                pid = f" (pid {stale.pid})" if stale.pid is not None else ""
+                self.store.add_event("stale-engine-stopped", stale.agent_id,
+                                     f"engine {stale.agent_id} on {stale.node}{pid}: {stale.reason}; stopped")
 
     def _report_foreign(self, node_id: str, e: EngineRecord) -> None:
         if (node_id, e.replica_id) in self._foreign_seen:
@@ -281,6 +324,7 @@ class Reconciler:
         for r in results:
             if r.state == ReplicaState.STOPPED:
                 self.replicas.pop(r.id, None)
+                self._give_up(r.id)
             elif r.id in self.replicas:
                 self.replicas[r.id] = r
 
@@ -410,3 +454,14 @@ def _rank_of(agent_id: str) -> int:
     return int(rank) if sep and rank.isascii() and rank.isdigit() else 0
 
 
+def _engines_of(r: Replica, inventory: Inventory) -> str:
+    """``n1 gpus [0] pid 4242 (started by controller c-1 at epoch 1), ...`` for an adopted replica."""
+    out = []
+    for s in r.shards:
+        node = inventory.node(s.node)
+        e = next((x for x in node.report.engines if x.replica_id == s.agent_id), None) \
+            if node is not None and node.report is not None else None
+        by = f" (started by controller {e.holder} at epoch {e.epoch})" if e is not None and e.holder else ""
+        rank = f" rank {s.rank}" if len(r.shards) > 1 else ""
+        out.append(f"{s.node}{rank} gpus {list(s.gpus)} pid {s.pid}{by}")
+    return f"generation {r.generation} on " + ", ".join(out)
