@@ -14,7 +14,7 @@ import pytest
 
 from tests.admin.conftest import TOKEN, Running
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # ~30 s on a busy box: the default 60 s is near
 
 
 def test_schemathesis_finds_no_server_error_or_schema_violation(running: Running, tmp_path: Path) -> None:

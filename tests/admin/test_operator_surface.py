@@ -8,7 +8,6 @@ import hashlib
 import hmac
 import json
 import subprocess
-import time
 import urllib.error
 import urllib.request
 
@@ -81,20 +80,37 @@ def set_state(running: Running, node: str, state: str) -> None:
 
 
 def test_events_follow_prints_new_events_as_they_happen(running: Running) -> None:
+    import queue
+    import threading
+
+    [last] = running.controller.store.events(limit=1)  # the newest event before the CLI starts
     proc = subprocess.Popen([LLMGW, "events", "--follow", "--interval", "0.2",
                              "--url", running.url, "--token", TOKEN, "-o", "json"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        try:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                lines.put(line)
+        except (OSError, ValueError):  # closed under it once the test is over
+            pass
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def next_event() -> dict:
+        return json.loads(lines.get(timeout=30))  # a bound on a hang
+
     try:
-        time.sleep(1.0)  # it has printed the past and is waiting
+        # The past first, to its last event: the CLI is following (not a guess at how long it takes
+        # to start), so what comes next is an event that happened while it followed.
+        while next_event()["id"] < last.id:
+            pass
         set_state(running, "n2", "cordon")
-        deadline = time.monotonic() + 10
-        seen = []
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()  # type: ignore[union-attr]
-            seen.append(json.loads(line))
-            if seen[-1]["kind"] == "node-cordoned":
-                break
-        assert seen[-1]["kind"] == "node-cordoned" and seen[-1]["subject"] == "n2", seen[-3:]
+        seen = [next_event()]
+        while seen[-1]["kind"] != "node-cordoned":
+            seen.append(next_event())
+        assert seen[-1]["subject"] == "n2" and seen[-1]["id"] > last.id, seen[-3:]
     finally:
         proc.kill()
         proc.wait(5)

@@ -37,7 +37,7 @@ from tests.conftest import REPO_ROOT, git
 from tests.e2e.processes import catalog_repo, controller_config, start, stop, wait_for
 from tests.reconciler.fleet_e2e import sim_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # the fleet's start alone is ~15 s on a busy box
 
 TOKEN = "ci-admin-token"
 WORKFLOWS = {"github": REPO_ROOT / "examples/ci/.github/workflows/llmgw.yaml",

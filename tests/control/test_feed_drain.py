@@ -4,6 +4,7 @@ port, real Routers following it, a real simulated engine streaming, the real ope
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from llmgw.catalog.model import Catalog
@@ -73,7 +74,11 @@ async def test_malformed_in_flight_or_version_is_refused_clearly_and_nothing_is_
 
 async def test_a_standalone_routers_stream_on_a_withdrawn_replica_is_in_flight_until_it_ends() -> None:
     catalog = Catalog(models=(model("chat"),))
-    with SimProcess("chat", "--tokens-per-second", "20") as sim:
+    # The engine holds each stream's first token until two generations run: the router's stream
+    # stays in flight, withdrawn, for as long as the test takes to see it so (a pace of tokens
+    # would have to outlast the reports and the feed on whatever machine), then a second request
+    # straight to the engine lets it go on to its end.
+    with SimProcess("chat", "--tokens-per-second", "20", "--hold-until-running", "2", "--hold-timeout", "60") as sim:
         eps = [endpoint("chat", sim.endpoint, "chat-g1")]
         hub = FeedHub(keepalive=0.2)
         hub.set_catalog(catalog)
@@ -87,15 +92,21 @@ async def test_a_standalone_routers_stream_on_a_withdrawn_replica_is_in_flight_u
             await feed.start()
             try:
                 await until(lambda: standalone.table.has("chat"))
-                async with client(base) as c:
-                    stream = await c.chat.completions.create(model="chat", messages=HELLO, max_tokens=40,
-                                                             stream=True)
-                    chunks = [await anext(aiter(stream))]
+                async with client(base) as c, client(sim.endpoint) as direct:
+                    started = asyncio.create_task(c.chat.completions.create(
+                        model="chat", messages=HELLO, max_tokens=40, stream=True))
                     await until(lambda: merged.in_flight() == {"chat-g1": 1})
                     hub.set_endpoints([])  # withdrawn, as the reconciler does before it stops anything
                     local.set_endpoints([])
                     await until(lambda: not standalone.table.has("chat"))
-                    chunks += [chunk async for chunk in stream]
+                    # Serving without it, and its stream (held) still counted in flight.
+                    await until(lambda: merged.in_flight() == {"chat-g1": 1})
+                    assert not started.done()
+                    release = asyncio.create_task(direct.chat.completions.create(
+                        model="chat", messages=HELLO, max_tokens=1))
+                    stream = await started
+                    chunks = [chunk async for chunk in stream]
+                    assert (await release).choices
                     assert chunks[-1].choices[0].finish_reason == "length"  # the withdrawal cut nothing
                     assert merged.in_flight() in ({"chat-g1": 1}, {})  # the last report may predate the end
                     await until(lambda: merged.in_flight() == {})

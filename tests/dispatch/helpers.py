@@ -32,8 +32,9 @@ def ssh_dispatcher(fleet: SshdFleet, *, agent_dir: str | Path, **options: Any) -
     )
 
 
-async def fetch_done(d: Dispatcher, node_id: str, source: str, *, timeout: float = 15.0) -> dict[str, Any]:
-    """Ask for ``source`` until the node reports it complete (fetch runs detached on the node)."""
+async def fetch_done(d: Dispatcher, node_id: str, source: str, *, timeout: float = 60.0) -> dict[str, Any]:
+    """Ask for ``source`` until the node reports it complete (fetch runs detached on the node).
+    ``timeout``, here and below, is a bound on a hang, not a claim about the machine's speed."""
     deadline = time.monotonic() + timeout
     while True:
         answer = await d.fetch(node_id, source)
@@ -55,7 +56,7 @@ def http_status(url: str) -> int | None:
         return None
 
 
-async def wait_http(url: str, *, up: bool, timeout: float = 10.0) -> None:
+async def wait_http(url: str, *, up: bool, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while (await asyncio.to_thread(http_status, url) is not None) != up:
         assert time.monotonic() < deadline, f"{url} still {'down' if up else 'up'} after {timeout}s"
@@ -88,7 +89,7 @@ def serve_pids(node_dir: Path) -> list[int]:
     return found
 
 
-async def wait_until(predicate: Any, *, timeout: float = 5.0, what: str = "condition") -> None:
+async def wait_until(predicate: Any, *, timeout: float = 30.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"{what} not reached within {timeout}s"

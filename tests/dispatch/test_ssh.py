@@ -196,14 +196,16 @@ async def test_a_slow_stop_holds_up_neither_other_calls_nor_the_connection(fleet
     node = fleet[2]
     async with ssh_dispatcher(fleet, agent_dir=agent_dir) as d:
         started = await d.start(node.id, {"replica_id": "stubborn", "engine": "stubborn"})
-        for _ in range(100):  # until it ignores SIGTERM
-            (engine,) = (await d.status(node.id))["engines"]
-            if "ready" in engine["log_tail"]:
-                break
+        # Until it ignores SIGTERM (it says so), however long its start takes here.
+        deadline = asyncio.get_running_loop().time() + 60
+        while "ready" not in (await d.status(node.id))["engines"][0]["log_tail"]:
+            assert asyncio.get_running_loop().time() < deadline, "the stubborn engine never said ready"
             await asyncio.sleep(0.05)
-        stop = asyncio.create_task(d.stop(node.id, "stubborn", grace_seconds=1.5))
+        # A stop that waits out a 5 s grace; a status call meanwhile, allowed less than the grace,
+        # is answered while the stop is still waiting.
+        stop = asyncio.create_task(d.stop(node.id, "stubborn", grace_seconds=5))
         await asyncio.sleep(0.1)
-        (engine,) = (await d.call(node.id, "status", {}, timeout=1.0))["engines"]
+        (engine,) = (await d.call(node.id, "status", {}, timeout=4.0))["engines"]
         assert engine["alive"] is True and not stop.done()  # answered while the stop waits
         stopped = await stop
         assert stopped["was_running"] is True and stopped["exit_code"] == -9

@@ -74,7 +74,8 @@ async def test_a_hung_node_is_unreachable_within_the_call_timeout(sshd_fleet, ag
         try:
             with pytest.raises(NodeUnreachable, match="said nothing within 1s; connection dropped"):
                 await d.inventory(node.id)
-            assert time.monotonic() - started < 3.0
+            # The 1 s given, not the default 30 s nor a hang (a bound no busy machine trips).
+            assert time.monotonic() - started < 15
             assert not d.stats(node.id).connected
         finally:
             fleet.resume(node)
@@ -117,7 +118,9 @@ async def test_a_silent_server_times_out_at_the_banner(sshd_env: SshdEnvironment
             started = time.monotonic()
             with pytest.raises(NodeUnreachable, match="cannot connect"):
                 await d.inventory("mute")
-            assert time.monotonic() - started < 2.5
+            # Within what the 0.5 s given allows (2 s), far from what the default 10 s would (40 s):
+            # a bound no busy machine trips.
+            assert time.monotonic() - started < 15
 
 
 async def test_locked_node_answers_every_verb_and_runs_nothing_else(

@@ -26,7 +26,7 @@ from tests.e2e.processes import SIM_CHAT_MODEL_YAML, free_port, local_node_yaml,
 from tests.e2e.test_up import processes_under
 from tests.router.test_budget_ledger import redis_server
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # ~15 s on a busy box; its waits allow 90 s and more
 HELLO = [{"role": "user", "content": "Hello"}]
 TOKEN = "budgets-admin-token"
 

@@ -13,7 +13,7 @@ from tests.conftest import git
 from tests.e2e.processes import catalog_repo, controller_config, start, stop, wait_for
 from tests.reconciler.fleet_e2e import sim_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # its waits allow 60 s each (the default timeout: 60)
 
 TOKEN = "restart-admin-token"
 

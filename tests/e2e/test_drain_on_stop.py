@@ -31,11 +31,14 @@ from tests.e2e.processes import (
 )
 from tests.e2e.test_up import processes_under
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # its waits allow 90 s (the default timeout: 60)
 TOKEN = "drain-admin-token"
 TOKENS = 60
-# 10 tokens a second: each stream runs ~6 s, longer than the stop grace the agent allows.
-PACED = SIM_CHAT_MODEL_YAML + '    args: ["--tokens-per-second", "10"]\n'
+# 10 tokens a second: each stream runs ~6 s, longer than the stop grace the agent allows. Two
+# generations at a time: two streams straight to the engine take both, and what the routers send
+# waits at the engine, in flight, until the test lets those two go (not for as long as a pace of
+# tokens outlasts a retirement on whatever machine).
+PACED = SIM_CHAT_MODEL_YAML + '    args: ["--tokens-per-second", "10", "--max-running", "2"]\n'
 
 
 def api(admin: str, path: str, method: str = "GET") -> Any:
@@ -53,20 +56,26 @@ def setup(tmp_path: Path, *, drain: str, grace: str = "3s") -> LocalController:
 class Stream(threading.Thread):
     """One streamed answer, consumed as it comes: its chunks, how it ended."""
 
-    def __init__(self, base: str, max_tokens: int = TOKENS) -> None:
+    def __init__(self, base: str, max_tokens: int = TOKENS, *, model: str = "chat",
+                 leave: threading.Event | None = None) -> None:
         super().__init__(daemon=True)
         self.client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=120, max_retries=0)
         self.max_tokens = max_tokens
+        self.model = model
+        self.leave = leave  # set: the client goes away at its next chunk
         self.chunks: list[Any] = []
         self.error: Exception | None = None
         self.ended_at: float | None = None
 
     def run(self) -> None:
         try:
-            for chunk in self.client.chat.completions.create(
-                    model="chat", messages=[{"role": "user", "content": "a long one"}], max_tokens=self.max_tokens,
-                    stream=True):
-                self.chunks.append(chunk)
+            with self.client.chat.completions.create(
+                    model=self.model, messages=[{"role": "user", "content": "a long one"}],
+                    max_tokens=self.max_tokens, stream=True) as answer:
+                for chunk in answer:
+                    self.chunks.append(chunk)
+                    if self.leave is not None and self.leave.is_set():
+                        break
         except openai.APIError as exc:
             self.error = exc
         self.ended_at = time.monotonic()
@@ -95,6 +104,14 @@ def events(admin: str, kind: str) -> list[dict]:
     return [e for e in api(admin, "/api/v1/events?limit=200") if e["kind"] == kind]
 
 
+def engine_queue(endpoint: str) -> tuple[float, float]:
+    """(running, waiting) as the engine itself counts them."""
+    with urllib.request.urlopen(endpoint + "/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return tuple(sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(name))  # type: ignore[return-value]
+                 for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+
+
 def test_streams_in_flight_on_both_routers_finish_before_the_engine_stops(tmp_path: Path) -> None:
     c = setup(tmp_path, drain="120s")
     url = {"router": c.router, "admin": c.admin}
@@ -116,20 +133,29 @@ def test_streams_in_flight_on_both_routers_finish_before_the_engine_stops(tmp_pa
 
         wait_for(lists_chat, 60, "the standalone router", router)
 
+        # Both of the engine's slots taken straight at the engine (no router knows of these)...
+        [endpoint] = [r["endpoint"] for r in api(url["admin"], "/api/v1/replicas")]
+        let_go = threading.Event()
+        blockers = [Stream(endpoint, 100_000, model="sim-chat", leave=let_go) for _ in range(2)]
+        for b in blockers:
+            b.start()
+        wait_for(lambda: engine_queue(endpoint) == (2, 0), 60, "both engine slots taken", controller)
+        # ...so a stream through each router waits at the engine, in flight, until the test says.
         streams = [Stream(url["router"]), Stream(standalone)]
         for s in streams:
             s.start()
-        wait_for(lambda: all(s.tokens >= 3 for s in streams), 60, "both streams under way", controller)
+        wait_for(lambda: engine_queue(endpoint) == (2, 2), 60, "both streams in flight at the engine", controller)
         retire(c.repo, url["admin"])
         # Withdrawn at once: neither router sends it anything new...
         wait_for(lambda: replica_states(url["admin"]) == ["stopping"], 30, "the replica stopping", controller)
         refused = openai.OpenAI(base_url=url["router"] + "/v1", api_key="unused", timeout=20, max_retries=0)
         with pytest.raises(openai.NotFoundError):
             refused.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}])
-        # ...while what it was answering goes on: still stopping while both streams run.
+        # ...while what it was answering goes on: still stopping while both streams are in flight.
         assert all(s.ended_at is None for s in streams), [(s.tokens, s.error) for s in streams]
         assert replica_states(url["admin"]) == ["stopping"]
-        for s in streams:
+        let_go.set()  # the engine's slots freed: both streams run, at the engine's pace, to their end
+        for s in (*blockers, *streams):
             s.join(60)
         for s in streams:
             assert s.error is None and s.tokens == TOKENS and s.finish == ["length"], (s.tokens, s.error, s.finish)

@@ -4,7 +4,9 @@ models table and the router's /metrics, through a real `llmgw controller` proces
 The router reads each replica's running and waiting requests off the engine's own /metrics to
 route by; an operator could not see them. The simulator here holds one generation at a time
 (``--max-running 1``) at 4 tokens a second, so three streams in flight are one running and two
-waiting on the engine, whatever the router sent.
+waiting on the engine, whatever the router sent. Each asks for more tokens than the test could
+ever wait for: the queue stays as it is until the test ends the streams (their clients leave),
+however long a busy machine takes to read it four ways.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 
 from tests.e2e.processes import LLMGW, SIM_CHAT_MODEL_YAML, local_controller, start, stop_everything, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # its waits allow 90 s (the default timeout: 60)
 TOKEN = "queue-admin-token"
 SLOW_ONE_AT_A_TIME = SIM_CHAT_MODEL_YAML + '    args: ["--max-running", "1", "--tokens-per-second", "4"]\n'
 
@@ -64,10 +66,15 @@ def test_an_engines_running_and_waiting_requests_are_in_llmgw_models_the_dashboa
         idle = wait_for(lambda: queue(admin), 90, "the engine's queue read once", controller)
         assert idle == {"running": 0, "waiting": 0, "replicas": 1}
 
+        leave = threading.Event()
+
         def stream() -> None:
-            for _ in client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "go"}],
-                                                    max_tokens=32, stream=True):
-                pass
+            # 10,000 tokens at 4 a second: the first stream holds the engine's one slot for 40 min.
+            with client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "go"}],
+                                                max_tokens=10_000, stream=True) as answer:
+                for _ in answer:
+                    if leave.is_set():
+                        break  # the client goes away: the router cancels the engine's request
 
         threads = [threading.Thread(target=stream, daemon=True) for _ in range(3)]
         for t in threads:
@@ -82,8 +89,10 @@ def test_an_engines_running_and_waiting_requests_are_in_llmgw_models_the_dashboa
             page = r.read().decode()
         assert re.search(r'class="engine-queue">\s*1 running, 2 waiting', page), page[-3000:]
 
+        leave.set()  # each stream leaves at its next token: the one running, then each waiting one in turn
         for t in threads:
             t.join(60)
+        assert not any(t.is_alive() for t in threads)
         assert wait_for(lambda: queue(admin) == {"running": 0, "waiting": 0, "replicas": 1} or None, 60,
                         "the queue empty again", controller)
     finally:

@@ -31,7 +31,7 @@ from tests.e2e.processes import LLMGW, free_port, start, stop, wait_for
 from tests.fixtures.confinement import confined_settings
 from tests.reconciler.fleet_e2e import nodes_yaml
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # its waits allow 120 s (the default timeout: 60)
 
 TOKEN = "llama-admin-token"
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -125,16 +125,18 @@ def test_llama_cpp_replica_through_fetch_start_probe_router_removal_and_collecti
             return reps[0] if reps else None
 
         def watch() -> bool:
+            # The state read before the engine is asked: a replica already ready then must find its
+            # engine loaded (the state read after could be one the controller reached meanwhile).
             r = replica()
             if r and r["endpoint"]:
                 try:
-                    with urllib.request.urlopen(r["endpoint"] + "/health", timeout=2) as h:
+                    with urllib.request.urlopen(r["endpoint"] + "/health", timeout=30) as h:
                         code = h.status
                 except urllib.error.HTTPError as exc:
                     code = exc.code
                 except OSError:
                     code = 0
-                seen_health.append((code, replica()["state"]))
+                seen_health.append((code, r["state"]))
             return bool(r and r["state"] == "ready")
 
         r = wait_for(lambda: watch() and replica(), 120, "the llama.cpp replica ready", proc)
@@ -174,15 +176,20 @@ def test_llama_cpp_replica_through_fetch_start_probe_router_removal_and_collecti
         assert answer.model == "smollm2"
 
         # While a long streamed answer runs, the router's load reading sees it in llamacpp: metrics.
+        # Long by construction: 1,800 tokens whatever the model would say (ignore_eos), read from the
+        # first chunk until the reading has seen it, then the client leaves (the router cancels it).
+        # 48 tokens once ended before a reading on a machine where SmolLM2 is fast.
         load: list[tuple[int, int] | None] = []
         up = Upstream(Endpoint(r["id"], "smollm2", ("smollm2",), r["endpoint"], "llama.cpp", "cpu", 0))
+        seen_running = threading.Event()
 
         def read_load_during_stream() -> None:
             async def go() -> None:
                 async with aiohttp.ClientSession() as session:
-                    for _ in range(40):
+                    for _ in range(1200):  # a bound on a hang (a minute), not the stream's length
                         load.append(await read_queue(session, up))
                         if load[-1] and load[-1][0] >= 1:
+                            seen_running.set()
                             return
                         await asyncio.sleep(0.05)
 
@@ -190,17 +197,19 @@ def test_llama_cpp_replica_through_fetch_start_probe_router_removal_and_collecti
 
         reader = threading.Thread(target=read_load_during_stream)
         chunks = []
-        stream = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "Tell a short story about a boat."}],
-            max_tokens=48, stream=True)
-        for chunk in stream:
-            if reader.ident is None:  # once, at the first chunk (not "while no content yet": the
-                reader.start()        # reader may finish before a chunk with content arrives)
-            if chunk.choices and chunk.choices[0].delta.content:
-                chunks.append(chunk.choices[0].delta.content)
-        reader.join(10)
+        with client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": "Tell a short story about a boat."}],
+                max_tokens=1800, stream=True, extra_body={"ignore_eos": True}) as stream:
+            for chunk in stream:
+                if reader.ident is None:  # once, at the first chunk (not "while no content yet": the
+                    reader.start()        # reader may finish before a chunk with content arrives)
+                if chunk.choices and chunk.choices[0].delta.content:
+                    chunks.append(chunk.choices[0].delta.content)
+                if not reader.is_alive() and len(chunks) > 3:
+                    break
+        reader.join(60)
         assert len(chunks) > 3 and "".join(chunks).strip()
-        assert any(x is not None and x[0] >= 1 for x in load), load
+        assert seen_running.is_set() and any(x is not None and x[0] >= 1 for x in load), load
 
         # Remove the model in git: withdrawn from the router, stopped, and its weights an orphan.
         (repo / "models" / "smollm2.yaml").unlink()

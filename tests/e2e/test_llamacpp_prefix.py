@@ -24,7 +24,7 @@ from tests.e2e.test_llamacpp_fleet import BINARY, GGUF, requires_engine
 from tests.router.conftest import serving
 from tests.router.fake_controller import model
 
-pytestmark = [pytest.mark.slow, requires_engine]
+pytestmark = [pytest.mark.slow, requires_engine, pytest.mark.timeout(240)]  # real inference: ~12 s on a busy box
 
 WORDS = "river stone cloud paper green light market winter signal garden".split()
 

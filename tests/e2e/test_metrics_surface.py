@@ -18,7 +18,7 @@ import pytest
 from llmgw.router import hash_key
 from tests.e2e.processes import SIM_CHAT_MODEL_YAML, free_port, local_controller, start, stop_everything, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # its waits allow 90 s (the default timeout: 60)
 TOKEN = "metrics-admin-token"
 LLMGW_YAML = """\
 pools:

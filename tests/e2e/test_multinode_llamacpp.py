@@ -24,7 +24,7 @@ from tests.e2e.processes import free_port, start, stop, wait_for
 from tests.e2e.test_llamacpp_fleet import BINARY, GGUF, requires_engine
 from tests.fixtures.confinement import confined_settings
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # its waits allow 240 s for a replica (the default: 60)
 
 TOKEN = "multinode-admin-token"
 RPC = BINARY.parent / "rpc-server" if BINARY is not None else None

@@ -29,7 +29,9 @@ from tests.e2e.test_llamacpp_fleet import BINARY, GGUF, requires_engine
 from tests.router.conftest import serving
 from tests.router.fake_controller import model
 
-pytestmark = [pytest.mark.slow, requires_engine]
+# Four conversations of real inference on one core each: ~25 s on a busy 2-core box, far more on a
+# busier one than the default 60 s timeout allows for.
+pytestmark = [pytest.mark.slow, requires_engine, pytest.mark.timeout(300)]
 
 WORDS = "river stone cloud paper green light market winter signal garden".split()
 

@@ -20,9 +20,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 CHAT = "models/chat.yaml"
 POLICY = canary_policy(steps=(50,), interval="2s", min_requests=5)
-# Each new replica of B takes 8 s to load: the promotion of three replicas, one at a time, lasts
-# well beyond the time a commit takes to be applied (checked below, not assumed).
-BAD = ["--max-tokens-default", "20", "--startup-delay", "8"]
+# Each new replica of B takes 20 s to load: the promotion, replacing the old replicas one at a
+# time, lasts 20 s at the least after its event, some ten times what the revert's commit takes to
+# be applied even on a busy machine (checked below, not assumed).
+BAD = ["--max-tokens-default", "20", "--startup-delay", "20"]
 
 
 def chat(args: list[str] | None = None) -> str:

@@ -47,6 +47,7 @@ def processes_under(root: Path) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # ~12 s on a busy box; its waits allow 60 s each (the default timeout: 60)
 def test_up_serves_applies_commits_and_stops_clean(tmp_path: Path) -> None:
     data = tmp_path / "state"
     router_port, admin_port = free_port(), free_port()

@@ -48,18 +48,26 @@ def admin(url: str, token: str, path: str):  # noqa: ANN201
         return json.loads(r.read())
 
 
-def cancelled(endpoint: str) -> float:
-    with urllib.request.urlopen(endpoint + "/metrics", timeout=5) as r:
+def sim_metric(endpoint: str, name: str) -> float:
+    with urllib.request.urlopen(endpoint + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
-               if x.startswith("llmgw_sim_requests_cancelled_total"))
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name))
 
 
-def post_and_leave(port: int, body: bytes, after: float) -> None:
+def cancelled(endpoint: str) -> float:
+    return sim_metric(endpoint, "llmgw_sim_requests_cancelled_total")
+
+
+def running(endpoint: str) -> float:
+    return sim_metric(endpoint, "vllm:num_requests_running")
+
+
+def post_and_leave(port: int, body: bytes, leave: threading.Event) -> None:
+    """Send a request, then go away without reading an answer once ``leave`` is set (or after 5 min)."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        time.sleep(after)  # then the client goes away without reading an answer
+        leave.wait(300)
 
 
 def test_a_client_that_leaves_cancels_the_engine_and_sighup_stops_everything(tmp_path: Path) -> None:
@@ -84,9 +92,18 @@ def test_a_client_that_leaves_cancels_the_engine_and_sighup_stops_everything(tmp
         before = cancelled(endpoint)
         hi = [{"role": "user", "content": "hi"}]
         body = json.dumps({"model": "slow", "max_tokens": 200, "messages": hi}).encode()
-        post_and_leave(router_port, body, after=0.5)
-        # Without handler cancellation the engine would generate its 200 tokens (40 s) for nobody.
-        wait_for(lambda: cancelled(endpoint) > before, 5, "the engine saw its request cancelled", proc)
+        leave = threading.Event()
+        client_thread = threading.Thread(target=post_and_leave, args=(router_port, body, leave), daemon=True)
+        client_thread.start()
+        # The client leaves once the engine is at work on its request (not after a guess at how long
+        # the router takes to pass it on: gone before that, there is nothing for the engine to cancel).
+        wait_for(lambda: running(endpoint) >= 1, 60, "the engine at work on the request", proc)
+        leave.set()
+        client_thread.join(30)
+        # Without handler cancellation the engine would generate its 200 tokens (40 s) for nobody:
+        # never counted as cancelled, however long this waits.
+        wait_for(lambda: cancelled(endpoint) > before, 30, "the engine saw its request cancelled", proc)
+        wait_for(lambda: running(endpoint) == 0, 30, "the engine idle again", proc)
 
         # A model no node of `up` can run (it wants 16 H100s): answered at once with the reason,
         # not held for the 180 s hold timeout.
@@ -99,16 +116,18 @@ def test_a_client_that_leaves_cancels_the_engine_and_sighup_stops_everything(tmp
         assert err.value.status_code == 503 and "no node can run it" in err.value.message, err.value.message
         assert "llmgw explain llama-3.1-405b-instruct" in err.value.message
 
-        # A request in flight, then the terminal closes.
-        worker = threading.Thread(target=post_and_leave, args=(router_port, body, 20), daemon=True)
-        worker.start()
-        time.sleep(0.5)
+        # A request in flight (the engine at work on it, its client staying), then the terminal closes.
+        stay = threading.Event()
+        threading.Thread(target=post_and_leave, args=(router_port, body, stay), daemon=True).start()
+        wait_for(lambda: running(endpoint) >= 1, 60, "the engine at work on the request", proc)
     finally:
         t0 = time.monotonic()
-        code = stop(proc, signal.SIGHUP, timeout=30)
+        code = stop(proc, signal.SIGHUP, timeout=60)
         took = time.monotonic() - t0
     assert code == 0, log.read_text()[-3000:]
-    assert took < 25, f"stopping took {took:.1f} s"  # the drain (5 s) and the stop grace, not a hang to the kill
+    # The drain (5 s) and the stop grace (5 s), not the request's end (its engine needs 40 s more,
+    # its client never leaves) nor a hang to the kill.
+    assert took < 30, f"stopping took {took:.1f} s"
     assert processes_under(data) == [], log.read_text()[-2000:]
 
 

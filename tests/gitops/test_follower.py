@@ -28,12 +28,48 @@ T = TypeVar("T")
 NEW_MODEL = SMALL.replace("name: small", "name: extra").replace("[tiny]", "[extra-alias]")
 
 
-async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+async def until(check: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Wait for ``check``: a bound on a hang (git runs in subprocesses, slow on a busy machine)."""
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.02)
+
+
+async def until_applied(follower: GitOpsFollower, sha: str | None = None) -> str:
+    """Until ``sha`` (None: a first commit) is applied, and applying it is over: the status says
+    applied a moment before the subscribers hear of it and its event is stored (the last step),
+    all in the follower's worker thread while this one reads."""
+    def done() -> bool:
+        now = follower.status.applied_sha
+        if now is None or sha not in (None, now):
+            return False
+        events = [e for e in follower.store.events() if e.kind == "applied"]
+        return bool(events) and events[-1].subject == now[:12]
+
+    await until(done)
+    assert follower.status.applied_sha is not None
+    return follower.status.applied_sha
+
+
+async def watching(follower: GitOpsFollower, gitdir: Path) -> None:
+    """Until the follower's file-system watch is up (it starts in a task of its own, with no word
+    when it is): HEAD put back as it is, which changes nothing for git, until a fetch follows.
+    Nothing else fetches here (the poll is a minute away), so that fetch is the watch's."""
+    head = gitdir / "HEAD"
+    text = head.read_bytes()
+    deadline = time.monotonic() + 30  # a bound on a hang
+    while True:
+        before = follower.status.fetched_at
+        probe = gitdir / "HEAD.probe"
+        probe.write_bytes(text)
+        probe.replace(head)  # renamed over it, as git itself writes refs: never seen half-written
+        try:
+            await until(lambda before=before: follower.status.fetched_at != before, timeout=1.0)
+            return
+        except AssertionError:
+            assert time.monotonic() < deadline, "the file-system watch never fetched"
 
 
 async def serve_webhook(trigger: Callable[[], None]) -> tuple[web.AppRunner, str]:
@@ -75,15 +111,14 @@ def test_commits_flow_through_webhook_reject_fix_and_force_push(remote: Remote, 
         await follower.start()
         runner, url = await serve_webhook(follower.trigger)
         try:
-            await until(lambda: follower.status.applied_sha is not None)
-            first = follower.status.applied_sha
+            first = await until_applied(follower)
             assert desired.catalog is not None and desired.catalog.revision == first
 
             # A valid commit, applied within one fetch after the webhook.
             good = remote.commit({"models/extra.yaml": NEW_MODEL}, "Add extra")
             body = b'{"ref": "refs/heads/main"}'
             assert await post_hook(url, body, sign(body)) == 202
-            await until(lambda: follower.status.applied_sha == good)
+            await until_applied(follower, good)
             assert follower.status.state == SyncState.SYNCED
             assert desired.catalog.resolve("extra-alias").name == "extra"
 
@@ -104,13 +139,13 @@ def test_commits_flow_through_webhook_reject_fix_and_force_push(remote: Remote, 
             # A fix: applied, and the rejection no longer shows.
             fixed = remote.commit({"models/big.yaml": BIG}, "Fix big's fallback")
             follower.trigger()
-            await until(lambda: follower.status.applied_sha == fixed)
+            await until_applied(follower, fixed)
             assert follower.status.rejected is None
 
             # History rewritten: the older commit is simply the new desired state.
             remote.force_push(first)
             follower.trigger()
-            await until(lambda: follower.status.applied_sha == first)
+            await until_applied(follower, first)
             assert desired.catalog.resolve("extra") is None
             assert seen == [first, good, fixed, first]  # the bad commit never reached a subscriber
 
@@ -245,9 +280,9 @@ def test_commit_in_a_local_repository_is_seen_by_the_watcher(remote: Remote, tmp
         await follower.start()
         try:
             await until(lambda: follower.status.applied_sha is not None)
-            await asyncio.sleep(0.3)  # let the watcher settle on the tree
+            await watching(follower, remote.bare)
             new = remote.commit({"models/extra.yaml": NEW_MODEL}, "Add extra")
-            await until(lambda: follower.status.applied_sha == new, timeout=10)
+            await until(lambda: follower.status.applied_sha == new)  # well inside the 60 s poll
         finally:
             await follower.close()
 
@@ -269,7 +304,7 @@ def test_a_working_repository_is_followed_by_its_refs_within_a_second(remote: Re
         try:
             await until(lambda: follower.status.applied_sha is not None)
             first = follower.status.applied_sha
-            await asyncio.sleep(0.3)  # the watcher is up
+            await watching(follower, work / ".git")
             (work / "models" / "extra.yaml").write_text(NEW_MODEL)
             await asyncio.sleep(3.0)  # a person reading `llmgw diff`
             t0 = time.monotonic()
@@ -280,7 +315,7 @@ def test_a_working_repository_is_followed_by_its_refs_within_a_second(remote: Re
 
             # A reset to the first commit: applied, and said to be a rewind.
             git(work, "reset", "-q", "--hard", first)
-            await until(lambda: follower.status.applied_sha == first, timeout=5)
+            await until_applied(follower, first)  # by the watch: the poll is 60 s away
             rewrite = follower.status.rewrite
             assert rewrite is not None and rewrite.kind == History.REWIND
             assert (rewrite.from_sha, rewrite.to_sha) == (second, first)
@@ -294,14 +329,14 @@ def test_a_working_repository_is_followed_by_its_refs_within_a_second(remote: Re
             git(work, "checkout", "-q", "--orphan", "fresh")
             orphan = commit_files(work, {}, "Start over")
             git(work, "branch", "-q", "-M", "fresh", "main")
-            await until(lambda: follower.status.applied_sha == orphan, timeout=5)
+            await until(lambda: follower.status.applied_sha == orphan)  # the watch: the poll is 60 s away
             assert follower.status.rewrite.kind == History.FORCE_PUSH
             assert "history-rewritten" in [e.kind for e in follower.store.events()]
 
             # The branch deleted: reported as such, the last good state kept.
             git(work, "checkout", "-q", "-b", "elsewhere")
             git(work, "branch", "-q", "-D", "main")
-            await until(lambda: follower.status.state == SyncState.BRANCH_MISSING, timeout=5)
+            await until(lambda: follower.status.state == SyncState.BRANCH_MISSING)
             assert follower.status.applied_sha == orphan and "no branch 'main'" in follower.status.last_error
             assert [e.kind for e in follower.store.events()].count("branch-missing") == 1
         finally:
@@ -343,8 +378,10 @@ def test_a_restart_with_the_mirror_gone_comes_back_on_the_applied_catalog(remote
             await until(lambda: follower.status.applied_sha is not None)
             return follower.status.applied_sha
         finally:
-            follower.store.close()
+            # The follower first: its worker may still be writing the "applied" event (the status
+            # says applied a moment before), and a store closed under it crashed the process.
             await follower.close()
+            follower.store.close()
 
     applied = run_value(life(False))
     shutil.rmtree(tmp_path / "data" / "mirror.git")  # a fresh disk, a cleanup script
@@ -366,9 +403,9 @@ def test_following_another_branch_is_not_a_rewrite_of_history(remote: Remote, tm
             await follower.sync_once()
             return follower.status.applied_sha
         finally:
+            await follower.close()  # before its store (see life() above)
             kinds = [e.kind for e in store.events()]
             store.close()
-            await follower.close()
             assert "history-rewritten" not in kinds and "history-rewound" not in kinds, kinds
 
     run_value(follow("main"))

@@ -10,7 +10,7 @@ from llmgw.gitops import DesiredState
 from llmgw.plan.guard import skips_analysis
 from tests.catalog.corpus import SMALL
 from tests.gitops.conftest import Remote, make_follower
-from tests.gitops.test_follower import run, until
+from tests.gitops.test_follower import run, until, until_applied
 
 
 def test_trailer_is_a_line_of_its_own() -> None:
@@ -26,7 +26,7 @@ def test_the_applied_catalog_skips_analysis_only_for_the_commit_that_says_so(rem
         follower = make_follower(remote, tmp_path / "data")
         await follower.start()
         try:
-            await until(lambda: follower.status.applied_sha is not None)
+            await until_applied(follower)  # subscribers told too, not only the status
             assert follower.desired.catalog is not None and not follower.desired.catalog.skip_analysis
 
             urgent = remote.commit({"models/small.yaml": SMALL.replace("name: small", "name: small\n# hotfix")},

@@ -102,7 +102,7 @@ class Proc:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, ready_path: str = "/", timeout: float = 15.0) -> Proc:
+    def start(self, ready_path: str = "/", timeout: float = 60.0) -> Proc:  # a bound on a hang
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env())
         deadline = time.monotonic() + timeout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from dataclasses import replace
 
 import aiohttp
@@ -22,7 +23,7 @@ from llmgw.router.answer import llama_timings
 from llmgw.router.prefix import PrefixIndex, prompt_key, render_chat, render_prompt
 from llmgw.router.routes import RouteModel
 from llmgw.router.table import EMPTY, build_table, choose, pick_prefix
-from tests.router.conftest import client, endpoint, serving
+from tests.router.conftest import client, endpoint, serving, sim_metric
 from tests.router.fake_controller import model
 
 PREFIX = RouteModel("m", routing="prefix")
@@ -289,6 +290,13 @@ def two_sims(tmp_path):  # noqa: ANN001, ANN201 - each logs the `user` of every 
         yield (a, logs[0]), (b, logs[1])
 
 
+async def until(check: Callable[[], object], timeout: float = 30.0) -> None:
+    """Wait for ``check`` (a bound on a hang, not a claim about the machine's speed)."""
+    async with asyncio.timeout(timeout):
+        while not check():
+            await asyncio.sleep(0.02)
+
+
 def _samples(text: str, name: str) -> dict[str, float]:
     return {s.labels.get("model", ""): s.value for fam in text_string_to_metric_families(text)
             for s in fam.samples if s.name == name}
@@ -300,7 +308,11 @@ async def test_through_the_router_each_tenant_stays_on_one_engine(two_sims) -> N
     router.set_catalog(Catalog(models=(replace(model("m"), routing="prefix"),)))
     router.set_endpoints([endpoint("m", a.endpoint, "a"), endpoint("m", b.endpoint, "b")])
     tenants = [f"You answer for tenant {n}. Their policy manual follows. " + f"Rule {n}. " * 200 for n in range(6)]
+    ups = router.table.upstreams
     async with serving(router) as base, client(base) as c:
+        # The first reading of each engine's counters is its history (llmgw.router.load.apply_load):
+        # taken before any request, so every request below is counted from a later one.
+        await until(lambda: all(ups[r].prefix_totals is not None for r in ("a", "b")))
         for round_ in range(3):
             for n, system in enumerate(tenants):
                 messages = [{"role": "system", "content": system}, {"role": "user", "content": f"question {round_}"}]
@@ -310,7 +322,10 @@ async def test_through_the_router_each_tenant_stays_on_one_engine(two_sims) -> N
                         pass
                 else:
                     await c.chat.completions.create(model="m", messages=messages, max_tokens=2, user=f"tenant-{n}")
-        await asyncio.sleep(0.6)  # a couple of load readings: the engines' prefix-cache counters
+        # A load reading after the last request: the router holds each engine's final counters.
+        final = {r: (sim_metric(sim.endpoint, "vllm:prefix_cache_queries_total"),
+                     sim_metric(sim.endpoint, "vllm:prefix_cache_hits_total")) for r, sim in (("a", a), ("b", b))}
+        await until(lambda: all(ups[r].prefix_totals == final[r] for r in final))
         async with aiohttp.ClientSession() as http, http.get(base + "/metrics") as r:
             metrics = await r.text()
     on_a, on_b = a_log.read_text().split(), b_log.read_text().split()

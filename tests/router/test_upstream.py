@@ -89,24 +89,29 @@ async def test_chunked_answer_split_at_every_byte_then_the_connection_is_reused(
 
 
 async def test_streamed_pieces_arrive_as_sent() -> None:
-    async def paced(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
+    # Each piece is written only once the client has read the one before: a pool that held a
+    # piece back for the next one (or for the end) never gets the next one, whatever the pace.
+    received = [asyncio.Event() for _ in range(3)]
+
+    async def lockstep(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
         w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for word in (b"one", b"two", b"three"):
+        for word, read in zip((b"one", b"two", b"three"), received, strict=True):
             w.write(b"%x\r\n%s\r\n" % (len(word), word))
             await w.drain()
-            await asyncio.sleep(0.05)
+            await read.wait()
         w.write(b"0\r\n\r\n")
 
-    async with scripted(paced) as (_, origin):
+    async with scripted(lockstep) as (_, origin):
         p = pool()
         conn = await p.request(origin, origin.head("/v1/completions"), b"{}")
         pieces = []
-        while piece := await conn.read_chunk():
-            pieces.append((piece, time.monotonic()))
+        async with asyncio.timeout(30):  # a bound on a hang: a held-back piece never comes
+            while piece := await conn.read_chunk():
+                pieces.append(piece)
+                received[len(pieces) - 1].set()
         conn.release()
         await p.close()
-    assert [x for x, _ in pieces] == [b"one", b"two", b"three"]
-    assert pieces[2][1] - pieces[0][1] > 0.08
+    assert pieces == [b"one", b"two", b"three"]
 
 
 @pytest.mark.parametrize(("answer", "status", "body"), [
@@ -218,11 +223,13 @@ async def test_idle_connections_are_swept() -> None:
         w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
 
     async with scripted(reply) as (server, origin):
-        p = UpstreamPool(connect_timeout=1.0, read_timeout=1.0, keepalive_timeout=0.1)
+        # Fresh means younger than 2 s: no pause of a busy machine between the answer and the
+        # sweep just after it comes near that.
+        p = UpstreamPool(connect_timeout=1.0, read_timeout=1.0, keepalive_timeout=2.0)
         await send(p, origin)
         p.sweep(origin)
         assert len(origin.idle) == 1  # still fresh
-        await asyncio.sleep(0.15)
+        await asyncio.sleep(2.1)
         p.sweep(origin)
         assert origin.idle == []
         await send(p, origin)
@@ -259,7 +266,7 @@ async def test_a_body_until_close_cut_by_a_reset_is_an_error_not_its_end() -> No
 async def test_a_body_until_close_cut_by_a_timeout_is_an_error_even_when_nobody_was_waiting() -> None:
     async def stall(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
         w.write(b"HTTP/1.0 200 OK\r\n\r\npart")
-        await asyncio.sleep(2)
+        await asyncio.sleep(20)  # far past the 0.2 s timeout: its close (the body's end) never comes first
 
     async with scripted(stall) as (_, origin):
         p = pool(read_timeout=0.2)
@@ -275,16 +282,18 @@ async def test_a_body_until_close_cut_by_a_timeout_is_an_error_even_when_nobody_
 
 async def test_time_paused_for_a_slow_reader_is_not_counted_against_the_engine() -> None:
     burst = b"x" * (PAUSE_ABOVE + 4096)
+    resumed = asyncio.Event()
 
     async def burst_then_think(_r: asyncio.StreamReader, w: asyncio.StreamWriter, _i: int) -> None:
         w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(burst) + 4, burst))
-        await asyncio.sleep(0.7)  # 0.2 s after the router resumed reading: within read_timeout
-        w.write(b"done")
+        await resumed.wait()  # silent longer than read_timeout, all of it while the router is paused
+        w.write(b"done")  # and at once once it reads again: well within read_timeout of that
 
     async with scripted(burst_then_think) as (_, origin):
-        p = pool(read_timeout=0.3)
+        p = pool(read_timeout=1.0)
         conn = await p.request(origin, origin.head("/v1/completions"), b"{}")
-        await asyncio.sleep(0.5)  # a slow client: the router paused reading the engine meanwhile
+        await asyncio.sleep(1.5)  # a slow client: the router paused reading the engine meanwhile
+        resumed.set()
         assert await conn.read_all() == burst + b"done"
         conn.release()
         await p.close()
@@ -396,15 +405,20 @@ async def test_connection_close_among_other_tokens_is_honoured() -> None:
 
 
 async def test_a_fresh_connection_the_engine_closed_before_the_request_fails_at_once() -> None:
+    closed = asyncio.Event()
+
     async def close_at_once(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         w.close()  # accepted, then closed unread: an engine shutting down
+        await w.wait_closed()
+        closed.set()
 
     server = await asyncio.start_server(close_at_once, "127.0.0.1", 0)
     origin = Origin(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
     p = pool(read_timeout=60.0)
     try:
         conn = await p._connect(origin)
-        await asyncio.sleep(0.1)  # the close reaches the router before its request is written
+        await asyncio.wait_for(closed.wait(), 30)  # the engine has closed its end (the FIN is sent)...
+        await asyncio.sleep(0.1)  # ...and the router's loop reads it before its request is written
         conn.send(origin.head("/v1/completions"), b"{}")
         t0 = time.monotonic()
         with pytest.raises(UpstreamFailed) as err:
