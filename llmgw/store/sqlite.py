@@ -111,20 +111,7 @@ class SqliteStore(JsonRecords):
                 # 0700: the database holds the fleet's events and state; on a machine that also
                 # runs engines or other users, it is the controller's business only.
                 Path(self.path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            try:
-                db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
-            except sqlite3.Error as exc:
-                raise ConfigError(f"{self.path}: cannot use the store: {exc}") from exc
-            try:
-                db.execute("PRAGMA journal_mode=WAL")
-                _upgrade(db, str(self.path))
-            except sqlite3.Error as exc:  # not a database, unwritable, locked past the timeout
-                db.close()
-                raise ConfigError(f"{self.path}: cannot use the store: {exc}") from exc
-            except BaseException:
-                db.close()
-                raise
-            self._db = db
+            self._db = _opened(str(self.path))
         return self
 
     def close(self) -> None:
@@ -378,6 +365,43 @@ def _version(db: sqlite3.Connection) -> int:
         if row is not None:
             return int(row[0])
     return 1 if "kv" in tables else 0
+
+
+OPEN_PATIENCE = 30.0  # seconds a busy database may keep an opening controller waiting
+
+
+def _opened(where: str) -> sqlite3.Connection:
+    """A connection in WAL mode with the current schema. Processes opening a new file together
+    contend for it: switching to WAL can answer "locked" at once, without SQLite's busy wait,
+    while another connection holds the file, so a locked answer is tried again (bounded)."""
+    deadline = time.monotonic() + OPEN_PATIENCE
+    pause = 0.01
+    while True:
+        try:
+            db = sqlite3.connect(where, check_same_thread=False, isolation_level=None, timeout=10.0)
+        except sqlite3.Error as exc:
+            raise ConfigError(f"{where}: cannot use the store: {exc}") from exc
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            _upgrade(db, where)
+            return db
+        except sqlite3.OperationalError as exc:
+            db.close()
+            if not _busy(exc) or time.monotonic() + pause > deadline:
+                raise ConfigError(f"{where}: cannot use the store: {exc}") from exc
+        except sqlite3.Error as exc:  # not a database, unwritable
+            db.close()
+            raise ConfigError(f"{where}: cannot use the store: {exc}") from exc
+        except BaseException:
+            db.close()
+            raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+
+
+def _busy(exc: sqlite3.OperationalError) -> bool:
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
 
 
 def _upgrade(db: sqlite3.Connection, where: str) -> None:
