@@ -247,3 +247,21 @@ def test_a_stream_cut_before_the_client_leaves_is_lost_not_left(tmp_path: Path) 
 def test_a_stream_the_client_hangs_up_on_is_left(tmp_path: Path) -> None:
     sent, left, lost = asyncio.run(one_streaming_client(10, True, tmp_path))
     assert (left, lost) == (sent, 0)
+
+
+def test_usage_bench_abort_checks_are_not_met_with_nothing_aborted() -> None:
+    judge = load("usage_bench").judge
+    acc = {"tokens_ledger_vs_clients_diff": 0, "tokens_ledger_vs_engines_diff": 0, "aborted": 40,
+           "aborted_tokens_client_read": 100, "aborted_tokens_ledger": 110, "aborted_tokens_engine_wrote": 120,
+           "aborted_counted_from_stream": 0, "capped_overshoot": 0, "one_reservation": 50,
+           "refused_429": {"alpha": 0, "beta": 0, "capped": 3}, "errors": 0, "usage_leaks": 0}
+    cost = {"cost_errors": 0, "redis_calls_per_request": 0.01, "on_vs_off": 0.95}
+    assert all(judge(acc, cost).values())
+    nothing_cut = judge({**acc, "aborted": 0, "aborted_tokens_client_read": 0, "aborted_tokens_ledger": 0,
+                         "aborted_tokens_engine_wrote": 0}, cost)
+    assert [k for k, ok in nothing_cut.items() if not ok] == [
+        "aborted: client read <= ledger <= engine wrote", "aborted: each charged the engine's own count"]
+    estimated = judge({**acc, "aborted_counted_from_stream": 3}, cost)
+    assert estimated["aborted: each charged the engine's own count"] is False
+    no_redis = judge(acc, {**cost, "redis_calls_per_request": 0})
+    assert no_redis["cost run: Redis on the path (limits on)"] is False

@@ -9,7 +9,7 @@ For one router process. Pure: the clock is passed in; nothing here does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from llmgw.catalog.model import Tenant
 from llmgw.contract import period_start
@@ -61,6 +61,9 @@ class Limiter:
 
     def __init__(self, tenants: Iterable[Tenant] = ()) -> None:
         self._tenant_of: dict[str, str] = {}
+        # The tenant of an API key by name (None: in none): asked several times a request, so
+        # the dictionary's own lookup rather than a method around it.
+        self.tenant: Callable[[str], str | None] = self._tenant_of.get
         self._scopes: dict[tuple[str, str], Scope] = {}
         # The ledger's figures, by (tenant, model or ""), and the routers the controller knows of.
         self._ledger: dict[tuple[str, str], tuple[float, int]] = {}
@@ -75,9 +78,6 @@ class Limiter:
             self._scopes[(t.name, "")] = Scope(t.name, t.limits)
             for model, limits in t.models:
                 self._scopes[(t.name, model)] = Scope(f"{t.name}/{model}", limits)
-
-    def tenant(self, key: str) -> str | None:
-        return self._tenant_of.get(key)
 
     def carry_over(self, old: Limiter) -> None:
         """Keep what each scope has used and has in flight across a new catalog: lowering a budget
@@ -211,14 +211,13 @@ class ScopedLimits:
 
     def __init__(self, limiter: Limiter | None = None) -> None:
         self.limiter = limiter if limiter is not None else Limiter()
-
-    def tenant(self, key: str) -> str | None:
-        return self.limiter.tenant(key)
+        self.tenant = self.limiter.tenant  # the current limiter's: see set_tenants
 
     def set_tenants(self, tenants: Iterable[Tenant]) -> None:
         limiter = Limiter(tenants)
         limiter.carry_over(self.limiter)  # a new commit must not hand every tenant a fresh budget
         self.limiter = limiter
+        self.tenant = limiter.tenant
 
     def set_spent(self, figures: Mapping[tuple[str, str], tuple[float, int]], *, routers: int) -> None:
         self.limiter.set_spent(figures, routers=routers)

@@ -6,24 +6,34 @@ one Lua script makes every check-and-take atomic for all routers. Keys:
 ``llmgw:limits:<tenant>[/<model>]:{rpm,tpm,inflight,budget:<period start>}``.
 
 **Allowances.** A router does not ask Redis for every request: it takes an allowance of each
-limit (at most a twentieth of it, and never more than is left) and admits from it locally, so
-one script call serves many requests. A request the allowance cannot cover claims what is
-there and asks Redis for the rest in its own grant step (one step per scope also tops the
-allowance up), so what a router admits is always what Redis granted it. Every
-:data:`SYNC_EVERY` seconds (and at close) it gives back what it will not need (all but what
-requests took since the last sync: an idle router holds nothing after two syncs) and reports
-the budget tokens its finished requests used. What this costs in exactness, and only for
-limits above 20 (smaller ones are asked for request by request): another router may be refused
-for up to 2 x SYNC_EVERY while this one holds an unused allowance. Nothing is ever admitted
-beyond a limit: an allowance is taken from what is left, in one atomic step, so a budget is
-overshot only by a request that uses more than it reserved.
+limit (never more than is left) and admits from it locally, so one script call serves many
+requests. A request the allowance cannot cover claims what is there and asks Redis for the
+rest in its own grant step (one step per scope also tops the allowance up), so what a router
+admits is always what Redis granted it. The top-up is sized by the router's own use: the first
+request of a scope after a while asks for a twentieth of each limit (:data:`CHUNK_SHARE`), later
+ones for :data:`GRANT` times what its requests took of the scope in the last :data:`KEEP`
+seconds (at that pace, if they began less than KEEP seconds ago), never more than a twentieth.
+Every :data:`SYNC_EVERY` seconds (and at close) it gives back what it holds beyond :data:`HOLD`
+times that (down to GRANT times; everything once its requests took nothing for KEEP seconds;
+of slots, all but a twentieth of the concurrency limit, which how many requests come says
+nothing about), and reports the budget tokens its finished requests used (with what it gives
+back, else every :data:`REPORT_EVERY` seconds). A tenant's few requests a second on a router
+are thus admitted from one grant for several seconds (issue 35: given back at every quarter
+second, a tenant at hundreds of requests a minute went to Redis twice a request, and the
+routers served half of what they did with limits off). What this costs in exactness, and only
+for limits above 20 (smaller ones are asked for request by request): another router may be
+refused for up to KEEP + SYNC_EVERY seconds while this one holds an unused allowance, at most
+HOLD times what its own requests took in KEEP seconds and a twentieth of the limit. Nothing is
+ever admitted beyond a limit: an allowance is taken from what is left, in one atomic step, so a
+budget is overshot only by a request that uses more than it reserved.
 
 **Leases.** What a router holds is written down under its instance, with a lease of
 :data:`LEASE` seconds renewed by each of its calls (and every :data:`HEARTBEAT` while its
 requests are in flight). A router killed, or cut off from Redis, gives back nothing itself: the
 first call of any router after its lease ran out gives back what it held. What it costs: the
-budget tokens its requests used in its last SYNC_EVERY are not reported, and a router that
-stalls past its lease with requests in flight may see their reservations granted again.
+budget tokens its requests used since it last reported them (REPORT_EVERY at most) are not
+counted as used, and a router that stalls past its lease with requests in flight may see their
+reservations granted again.
 
 Degraded mode: when Redis does not answer within :data:`TIMEOUT` (a connection refused or
 reset, a timeout: Redis away), the router applies the limits with its own in-memory
@@ -47,8 +57,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,8 +74,15 @@ log = logging.getLogger(__name__)
 
 TIMEOUT = 0.25       # seconds Redis gets per call before the router goes it alone
 RETRY_AFTER = 5.0    # seconds before a degraded router tries Redis again
-SYNC_EVERY = 0.25    # seconds an unused allowance stays with a router
+SYNC_EVERY = 1.0     # seconds between a router's syncs (what it gives back, what its requests used)
 CHUNK_SHARE = 20     # an allowance is at most 1/CHUNK_SHARE of its limit
+# An allowance is sized by its router's own use (see the module's docstring): a top-up asks for
+# GRANT times what requests took of the scope in the last KEEP seconds, a sync gives back what
+# is beyond HOLD times that.
+KEEP = 5.0
+GRANT = 2
+HOLD = 3
+REPORT_EVERY = 5.0   # seconds at most before used budget tokens are reported, if nothing goes back
 LEASE = 15.0         # seconds a router's holdings outlive its last call to Redis
 HEARTBEAT = 3.0      # seconds between calls that renew the lease while requests are in flight
 # Script calls one router has under way at once: each carries every step queued while the
@@ -108,7 +127,33 @@ def redacted(url: str) -> str:
 
 
 def chunk(limit: int | None) -> int:
+    """A twentieth of a limit (at least 1): the most an allowance asks for at once."""
     return max(1, (limit or 0) // CHUNK_SHARE)
+
+
+def keep_syncs() -> int:
+    """The syncs in KEEP seconds."""
+    return max(1, round(KEEP / SYNC_EVERY))
+
+
+def kept(have: int, pace: int) -> int:
+    """What a sync keeps of one count (requests, tokens or budget tokens) of an allowance that
+    holds ``have`` when its requests take ``pace`` of it in KEEP seconds: all of it up to HOLD
+    times that, else GRANT times that (what a top-up asks for: the slack between the two keeps
+    a steady pace from giving back and asking again); nothing once they took none for KEEP
+    seconds, and a debt (below 0) is settled."""
+    if have <= 0:
+        return 0
+    return have if have <= HOLD * pace else GRANT * pace
+
+
+def kept_slots(have: int, pace: int, concurrent: int | None) -> int:
+    """What a sync keeps of an allowance's slots (requests in flight): while requests come, up to
+    a twentieth of the concurrency limit. How many came says nothing of how many ran at once, and
+    slots held idle are what another router's requests would run in."""
+    if have <= 0 or pace <= 0:
+        return 0
+    return min(have, chunk(concurrent))
 
 
 @dataclass
@@ -120,13 +165,20 @@ class Allowance:
     key: str
     scope: Scope
     period: str = "0"
+    # The budget period's bounds on Redis's clock (a scope without a budget: always the one).
+    period_from: float = -math.inf
+    period_end: float = math.inf
     requests: int = 0
     tokens: int = 0
     budget: int = 0
     slots: int = 0
     used: int = 0  # budget tokens finished requests used, not reported yet (in Redis still as reserved)
-    # What requests took of each count since the last sync: as much is kept for the next one.
+    # What requests took of each count since the last sync, in each sync's time before it (KEEP
+    # seconds' worth, oldest first; emptied once they took nothing in all that time), and the
+    # sum of those: what a top-up asks for and a sync keeps is sized by them (:meth:`pace`).
     recent: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    earlier: deque[Counts] = field(default_factory=deque)
+    window: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
 
     def request(self, reserve: int) -> Counts:
         """What one request of ``reserve`` tokens takes of each limit: requests, tokens, budget, slots.
@@ -134,8 +186,13 @@ class Allowance:
         return takes(self.scope.limits, reserve)
 
     def fits(self, reserve: int) -> bool:
-        r = self.request(reserve)
-        return self.requests >= r[0] and self.tokens >= r[1] and self.budget >= r[2] and self.slots >= r[3]
+        """Whether this allowance has all :meth:`request` takes (written out: on every request)."""
+        lim = self.scope.limits
+        tpm = lim.tokens_per_minute
+        return ((not lim.requests_per_minute or self.requests >= 1)
+                and (not tpm or self.tokens >= (reserve if reserve < tpm else tpm))
+                and (lim.budget is None or self.budget >= reserve)
+                and (not lim.concurrent or self.slots >= 1))
 
     def claim(self, wanted: Counts) -> Counts:
         """Take what this allowance has of ``wanted`` (all of it, or part of one count); returns that."""
@@ -151,15 +208,31 @@ class Allowance:
         self.slots += sign * counts[3]
 
     def take(self, reserve: int) -> None:
-        """One request admitted from here (what :meth:`fits` said it has)."""
-        whole = self.request(reserve)
-        self.add(whole, -1)
-        self.took(whole)
-        self.owe(reserve)
+        """One request admitted from here (what :meth:`fits` said it has): :meth:`request`'s
+        counts taken and noted in ``recent``, and a request bigger than the tokens-per-minute
+        bucket takes the rest as a debt (:meth:`owe`). Written out: on every request."""
+        lim = self.scope.limits
+        recent = self.recent
+        if lim.requests_per_minute:
+            self.requests -= 1
+            recent[0] += 1
+        tpm = lim.tokens_per_minute
+        if tpm:
+            self.tokens -= reserve
+            recent[1] += reserve if reserve < tpm else tpm
+        if lim.budget is not None:
+            self.budget -= reserve
+            recent[2] += reserve
+        if lim.concurrent:
+            self.slots -= 1
+            recent[3] += 1
 
     def took(self, counts: Counts) -> None:
-        for i in range(4):
-            self.recent[i] += counts[i]
+        recent = self.recent
+        recent[0] += counts[0]
+        recent[1] += counts[1]
+        recent[2] += counts[2]
+        recent[3] += counts[3]
 
     def owe(self, reserve: int) -> None:
         """A request bigger than the tokens-per-minute bucket takes it below zero (given back as a debt)."""
@@ -178,21 +251,70 @@ class Allowance:
         if lim.concurrent:
             self.slots += 1
 
-    def give_back(self, everything: bool) -> list[Any] | None:
-        """This allowance's part of a sync, or None when there is nothing to give. Kept back (not
-        ``everything``): at most what requests took since the last sync, so a router under steady
-        load does not give back and ask again four times a second, and an idle one holds nothing
-        after two syncs."""
+    def pace(self) -> list[int]:
+        """What requests take of each count in KEEP seconds, at the pace they took it in the last
+        KEEP seconds (or since they began, if later: a tenant that starts is not taken for one
+        that stops)."""
+        w, r = self.window, self.recent
+        syncs = keep_syncs()
+        spans = len(self.earlier) + 1
+        return [(w[0] + r[0]) * syncs // spans, (w[1] + r[1]) * syncs // spans,
+                (w[2] + r[2]) * syncs // spans, (w[3] + r[3]) * syncs // spans]
+
+    def wants(self) -> list[int]:
+        """What a grant that tops this allowance up asks for in all, per count: GRANT times what
+        its requests take in KEEP seconds (:meth:`pace`), at most a chunk of the limit; a chunk
+        when they took nothing (the first request after a while, perhaps of a burst)."""
+        lim = self.scope.limits
+        chunks = (chunk(lim.requests_per_minute), chunk(lim.tokens_per_minute),
+                  chunk(lim.budget.tokens if lim.budget else 0), chunk(lim.concurrent))
+        return [min(c, GRANT * p) if p > 0 else c for c, p in zip(chunks, self.pace(), strict=True)]
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing held, nothing to report, and no request took anything for KEEP seconds."""
+        return not (self.requests or self.tokens or self.budget or self.slots or self.used or self.earlier
+                    or any(self.recent))
+
+    def give_back(self, everything: bool, report: bool = True) -> list[Any] | None:
+        """This allowance's part of a sync (what it gives back, and the budget tokens finished
+        requests used), or None when there is nothing to say. Kept back (not ``everything``): see
+        :func:`kept`, so a router under steady load, even a few requests a second, does not give
+        back and ask again at every sync, and one idle for KEEP seconds holds nothing after the
+        next sync. What was used is said with what is given back, or when ``report``; else it
+        waits for the next part."""
+        if self.quiet:
+            return None
         lim = self.scope.limits
         have = (self.requests, self.tokens, self.budget if lim.budget else 0, self.slots)
-        keep = (0, 0, 0, 0) if everything else tuple(max(0, min(h, r)) for h, r in zip(have, self.recent, strict=True))
-        part = give_back_part(lim, period=self.period, given=(have[0] - keep[0], have[1] - keep[1],
-                                                              have[2] - keep[2], have[3] - keep[3]),
-                              used=self.used if lim.budget else 0)
+        pace = self.pace()
+        self._age()
+        keep = (0, 0, 0, 0) if everything else (kept(have[0], pace[0]), kept(have[1], pace[1]), kept(
+            have[2], pace[2]), kept_slots(have[3], pace[3], lim.concurrent))
+        given = (have[0] - keep[0], have[1] - keep[1], have[2] - keep[2], have[3] - keep[3])
+        used = self.used if lim.budget else 0
+        if not any(given) and not (used and report):
+            return None
         self.requests, self.tokens, self.budget, self.slots = keep
         self.used = 0
-        self.recent = [0, 0, 0, 0]
-        return part if any(part[3:]) else None
+        return give_back_part(lim, period=self.period, given=given, used=used)
+
+    def _age(self) -> None:
+        """A sync: what requests took since the last one joins the window, the oldest leaves it."""
+        recent, window, earlier = self.recent, self.window, self.earlier
+        if any(recent):
+            earlier.append((recent[0], recent[1], recent[2], recent[3]))
+            for i in range(4):
+                window[i] += recent[i]
+            self.recent = [0, 0, 0, 0]
+        else:
+            earlier.append((0, 0, 0, 0))
+        while len(earlier) >= keep_syncs():
+            old = earlier.popleft()
+            for i in range(4):
+                window[i] -= old[i]
+        if not any(window):
+            earlier.clear()
 
     @property
     def holds(self) -> bool:
@@ -215,11 +337,12 @@ class SharedTicket:
 
     def settle(self, tokens: int) -> None:
         if self._used is None:
-            self._used = max(0, tokens)
+            self._used = tokens if tokens > 0 else 0
 
     def charge_at_least(self, tokens: int) -> None:
         """What the request is charged if it ends unsettled (as :meth:`Ticket.charge_at_least`)."""
-        self._floor = max(self._floor, tokens)
+        if tokens > self._floor:
+            self._floor = tokens
 
     def release(self) -> None:
         """The request ended; unsettled, it is charged :meth:`charge_at_least`'s figure (0: it
@@ -228,9 +351,13 @@ class SharedTicket:
             return
         self._released = True
         used = self._floor if self._used is None else self._used
+        reserved = self._reserved
         for a in self._allowances:
-            a.end(self._reserved, used)
-        self._owner.ended()
+            a.end(reserved, used)
+        owner = self._owner
+        owner.in_flight -= 1
+        if owner._sync is None or owner._beat is None:  # noqa: SLF001 - SharedLimits.ended, written out
+            owner.schedule_sync()
 
 
 class SharedLimits(ScopedLimits):
@@ -265,6 +392,8 @@ class SharedLimits(ScopedLimits):
         self.degraded = False
         self._steps = self._redis.register_script(_STEPS)
         self._allowances: dict[tuple[str, str], Allowance] = {}  # (scope name, budget period)
+        self._current: dict[str, Allowance] = {}  # scope name -> the allowance of its period last asked for
+        self._syncs = 0
         self._grants: dict[str, asyncio.Future[Any]] = {}  # scope name -> a grant under way
         self._queue: list[Pending] = []
         self._calls: set[asyncio.Task[None]] = set()
@@ -281,12 +410,28 @@ class SharedLimits(ScopedLimits):
         scopes = limiter.scopes_of(key, models)
         if scopes is None:
             return None
-        never = limiter.never_fits(scopes, reserve)
-        if never is not None:
-            return never
+        for s in scopes:  # Limiter.never_fits, written out: this runs on every request
+            b = s.limits.budget
+            if b is not None and reserve > b.tokens:
+                return limiter.never_fits(scopes, reserve)
         now += self.offset  # periods by Redis's clock
-        if self._clock() < self._down_until:
+        if self._down_until and self._clock() < self._down_until:
             return self._alone(limiter, key, models, reserve, now)
+        # The usual case, without a wait: every allowance has what the request takes.
+        allowances = []
+        current = self._current
+        for s in scopes:
+            a = current.get(s.name)  # _allowance's own first step, written out
+            if a is None or a.scope is not s or not a.period_from <= now < a.period_end:
+                a = self._allowance(s, now)
+            allowances.append(a)
+        for a in allowances:
+            if not a.fits(reserve):
+                break
+        else:
+            for a in allowances:
+                a.take(reserve)
+            return SharedTicket(self, allowances, reserve)
         for _ in range(2):
             got = await self._admit(limiter, scopes, reserve, now)
             if not isinstance(got, PeriodMoved):
@@ -307,17 +452,17 @@ class SharedLimits(ScopedLimits):
         trip a hostile tenant's every request would cost), so a tenant over its limits is refused
         without its body being read or parsed."""
         limiter = self.limiter
-        now += self.offset
-        if self._clock() < self._down_until:
+        if self._down_until and self._clock() < self._down_until:
+            now += self.offset
             if not limiter.degraded:
                 limiter.degrade(self._known, now)
             return limiter.precheck(key, reserve, now)
         s = limiter.tenant_scope(key)
         if s is None:
             return None
-        never = limiter.never_fits((s,), reserve)
-        if never is not None:
-            return never
+        b = s.limits.budget
+        if b is not None and reserve > b.tokens:
+            return limiter.never_fits((s,), reserve)
         known = self._refused.get(s.name)
         if known is None:
             return None
@@ -374,26 +519,33 @@ class SharedLimits(ScopedLimits):
         return await self._grant(limiter, allowances, reserve, now)
 
     def _allowance(self, s: Scope, now: float) -> Allowance:
-        period = str(int(period_start(s.limits.budget, now))) if s.limits.budget else "0"
+        a = self._current.get(s.name)  # asked on every request: the one in hand while its period lasts
+        if a is not None and a.scope is s and a.period_from <= now < a.period_end:
+            return a
+        b = s.limits.budget
+        period = str(int(period_start(b, now))) if b else "0"
         a = self._allowances.get((s.name, period))
         if a is None or a.scope is not s:
-            # A new period (the old one's allowance is given back at the next sync, to its own
-            # key) or new limits from a new catalog: start from nothing.
-            a = Allowance(f"llmgw:limits:{s.name}", s, period)
-            old = self._allowances.get((s.name, period))
-            if old is not None:
-                self._retired.append(old)
-            self._allowances[(s.name, period)] = a
+            # A new period (the old one's allowance is given back once unused, to its own key)
+            # or new limits from a new catalog: start from nothing.
+            new = Allowance(f"llmgw:limits:{s.name}", s, period)
+            if b is not None:
+                new.period_from, new.period_end = float(period), next_period(b, now)
+            if a is not None:
+                self._retired.append(a)
+            self._allowances[(s.name, period)] = a = new
+        self._current[s.name] = a
         return a
 
     async def _grant(self, limiter: Limiter, allowances: list[Allowance], reserve: int, now: float,
                      ) -> SharedTicket | Refusal | Exception:
         """This request's own grant: what the allowances have of it is claimed at once (no one
-        else can take it meanwhile), the rest asked of Redis together with a top-up to a chunk
-        of each limit; the answer's part for this request is its own, whoever runs first."""
+        else can take it meanwhile), the rest asked of Redis together with a top-up of each
+        allowance (:meth:`Allowance.wants`); the answer's part for this request is its own,
+        whoever runs first."""
         haves, needs, parts = [], [], []
         for a in allowances:
-            # One grant under way per scope asks for a chunk; the others only for their own request.
+            # One grant under way per scope tops up; the others ask only for their own request.
             top_up = a.scope.name not in self._grants
             whole = a.request(reserve)
             have = a.claim(whole)
@@ -401,12 +553,11 @@ class SharedLimits(ScopedLimits):
             haves.append(have)
             needs.append(need)
             lim = a.scope.limits
-            want = [max(n, chunk(c) - left) if n and top_up else n for n, c, left in zip(
-                need, (lim.requests_per_minute, lim.tokens_per_minute, lim.budget.tokens if lim.budget else 0,
-                       lim.concurrent), (a.requests, a.tokens, a.budget, a.slots), strict=True)]
+            want = [max(n, w - left) if n and top_up else n for n, w, left in zip(
+                need, a.wants(), (a.requests, a.tokens, a.budget, a.slots), strict=True)]
             parts.append(grant_part(lim, period=a.period, need=need, want=want,
                                     floor=a.scope.ledger_used(float(a.period)),
-                                    period_end=next_period(lim.budget, now) if lim.budget else 0))
+                                    period_end=a.period_end if lim.budget else 0))
         if not any(any(n) for n in needs):  # all of it was here after all
             for a, have in zip(allowances, haves, strict=True):
                 a.took(have)
@@ -480,7 +631,8 @@ class SharedLimits(ScopedLimits):
         self.schedule_sync()  # the requests it was for may be gone: it goes back unused
 
     def ended(self) -> None:
-        """A request admitted from the allowances ended: what it did not use goes back within SYNC_EVERY."""
+        """A request admitted from the allowances ended: what it did not use goes back to them, and to
+        Redis with the syncs that follow once unused (:meth:`Allowance.give_back`)."""
         self.in_flight -= 1
         self.schedule_sync()
 
@@ -507,13 +659,15 @@ class SharedLimits(ScopedLimits):
             if (part := a.give_back(True)) is not None:
                 by_key.setdefault(a.key, []).append(part)
         self._retired = []
+        self._syncs += 1
+        report = everything or self._syncs % max(1, round(REPORT_EVERY / SYNC_EVERY)) == 0
         kept = False
         for a in self._allowances.values():
-            if (part := a.give_back(everything)) is not None:
+            if (part := a.give_back(everything, report)) is not None:
                 by_key.setdefault(a.key, []).append(part)
-            kept = kept or a.holds
+            kept = kept or not a.quiet
         if kept and not everything:
-            self.schedule_sync()  # given back at the next sync if no request takes it meanwhile
+            self.schedule_sync()  # given back once unused, if no request takes it meanwhile
         if by_key:
             keys = [k for k, ps in by_key.items() for _ in ps]
             self._enqueue(Pending(["y", keys, [p for ps in by_key.values() for p in ps]]))
@@ -610,6 +764,7 @@ class SharedLimits(ScopedLimits):
         end into the old allowances, which are not given back: their lease does it.)"""
         self.instance = secrets.token_hex(8)
         self._allowances = {}
+        self._current = {}
         self._retired = []
 
     def _went_down(self, exc: BaseException) -> None:
