@@ -742,6 +742,14 @@ def rmtree_at(parent_fd: int, name: str, *, expected: Optional[os.stat_result] =
 # adopting its engines. The grace is four missed beats of a live holder (its keeper renews every
 # few seconds between polls): a live instance that stalls longer than that (SIGSTOP, a VM paused
 # or migrated, a host deep in swap) loses the node to a sibling and is told so when it resumes.
+#
+# Several controllers on one PostgreSQL store share one holder id (the store's) and elect a leader
+# there; the leader's term (the store lease's epoch, raised at every change of leader) travels
+# with its requests. A higher term than the lease's is the proof a restart's ``succeeds`` is, and
+# a stronger one: the store handed the leadership over, so the silent instance cannot act any
+# more (a leader stops before its store lease can lapse). It takes over at once and at the same
+# epoch: the old leader's engines stay the controller's, adopted, not restarted. A lower term
+# never takes the lease (an old leader that has not noticed yet), and its changes are refused.
 MAX_LEASE_TTL = 3600.0
 DEFAULT_SUCCESSION_GRACE = 20.0
 
@@ -820,6 +828,7 @@ class Asker:
     ttl: float = 60.0
     grace: float = DEFAULT_SUCCESSION_GRACE
     succeeds: Optional[str] = None  # the instance of the same holder this one replaces, if it knows
+    term: Optional[int] = None  # the leader's term on the controllers' shared store, if it has one
 
 
 def _lease_grace(lease: JsonDict) -> float:
@@ -838,13 +847,14 @@ def lease_view(lease: Optional[JsonDict], asker: Optional[Asker], now: float, *,
     """
     if lease is None:
         return {"holder": None, "epoch": 0, "expires": None, "held": False, "expired": True, "sibling": False,
-                "heard": None, "grace": None}
+                "heard": None, "grace": None, "term": None}
     damaged = lease["holder"] == DAMAGED
     same = not damaged and asker is not None and lease["holder"] == asker.holder
     mine = same and asker is not None and lease.get("instance") == asker.instance
     return {"holder": lease["holder"], "epoch": lease["epoch"], "expires": lease.get("expires"),
             "held": mine, "expired": not damaged and now >= float(lease["expires"]),
-            "sibling": same and not mine, "heard": heard or None, "grace": None if damaged else _lease_grace(lease)}
+            "sibling": same and not mine, "heard": heard or None, "grace": None if damaged else _lease_grace(lease),
+            "term": _term(lease)}
 
 
 def _lease_request(raw: Any) -> Asker:
@@ -855,6 +865,9 @@ def _lease_request(raw: Any) -> Asker:
     ttl = raw.get("ttl", 60)
     if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not 1 <= ttl <= MAX_LEASE_TTL:
         raise AgentError(f"lease: ttl must be a number of seconds from 1 to {MAX_LEASE_TTL:g}")
+    term = raw.get("term")
+    if term is not None and (not _is_int(term) or term < 0):
+        raise AgentError("lease: term must be a non-negative integer")
     instance, succeeds = raw.get("instance"), raw.get("succeeds")
     for name, value in (("instance", instance), ("succeeds", succeeds)):
         if value is not None and (not isinstance(value, str) or not value.strip() or len(value) > MAX_HOLDER):
@@ -863,19 +876,46 @@ def _lease_request(raw: Any) -> Asker:
     if (not isinstance(grace, (int, float)) or isinstance(grace, bool) or not math.isfinite(grace)
             or not 1 <= grace <= ttl):
         raise AgentError("lease: grace must be a number of seconds from 1 to the ttl")
-    return Asker(raw["holder"], instance, float(ttl), float(grace), succeeds)
+    return Asker(raw["holder"], instance, float(ttl), float(grace), succeeds, term)
 
 
 def _lease_lock(cfg: NodeConfig) -> str:
     return _lease_path(cfg) + ".lock"
 
 
-def _succeeds(lease: Optional[JsonDict], view: JsonDict, asker: Asker, now: float) -> bool:
-    """A sibling may take a live lease whose instance has been silent past the lease's grace, or
-    at once when it names that very instance as the one it replaces."""
-    if not view["sibling"] or lease is None:
+def _term(lease: Optional[JsonDict]) -> Optional[int]:
+    term = lease.get("term") if lease is not None else None
+    return term if _is_int(term) and term >= 0 else None
+
+
+def _later_term(lease: Optional[JsonDict], asker: Asker) -> bool:
+    """The asker leads the holder's controllers at a later term than the lease was taken at."""
+    held = _term(lease)
+    return asker.term is not None and held is not None and asker.term > held
+
+
+def _earlier_term(lease: Optional[JsonDict], asker: Asker) -> bool:
+    """The asker's term is over: the lease was taken at a later one (by the same holder's leader)."""
+    held = _term(lease)
+    return asker.term is not None and held is not None and asker.term < held
+
+
+def _proven(lease: Optional[JsonDict], asker: Asker) -> bool:
+    """The asker is the holding instance, or proves it replaces it: a restart naming it
+    (``succeeds``), or the holder's leader at a later term."""
+    if lease is None or lease["holder"] != asker.holder or _earlier_term(lease, asker):
         return False
-    if asker.succeeds is not None and lease.get("instance") == asker.succeeds:
+    return (lease.get("instance") == asker.instance or _later_term(lease, asker)
+            or (asker.succeeds is not None and lease.get("instance") == asker.succeeds))
+
+
+def _succeeds(lease: Optional[JsonDict], view: JsonDict, asker: Asker, now: float) -> bool:
+    """A sibling may take a live lease at once when it proves it replaces the holding instance
+    (:func:`_proven`), or once that instance has been silent past the lease's grace; never at an
+    earlier term than the lease's."""
+    if not view["sibling"] or lease is None or _earlier_term(lease, asker):
+        return False
+    if _proven(lease, asker):
         return True
     return view["heard"] is not None and now - float(view["heard"]) >= float(view["grace"])
 
@@ -898,6 +938,8 @@ def take_lease(cfg: NodeConfig, asker: Asker, *, takeover: bool) -> JsonDict:
         now = time.time()
         lease = read_lease(cfg)
         current_view = lease_view(lease, asker, now, heard=lease_heard(cfg))
+        if not takeover and _earlier_term(lease, asker):
+            return current_view  # a leader whose term is over, even once the lease has expired
         if not (current_view["held"] or current_view["expired"] or takeover
                 or _succeeds(lease, current_view, asker, now)):
             return current_view
@@ -909,15 +951,13 @@ def take_lease(cfg: NodeConfig, asker: Asker, *, takeover: bool) -> JsonDict:
         # epoch the old instance's engines would be "ours" to it and stopped as stale (seen: a
         # fenced copy stopped every engine of the original once it stopped cleanly or paused).
         same = lease is not None and lease["holder"] == asker.holder
-        proven = same and lease is not None and (
-            lease.get("instance") == asker.instance
-            or (asker.succeeds is not None and lease.get("instance") == asker.succeeds))
         epoch = int(lease["epoch"]) if lease is not None else 0
-        if not proven or takeover:
+        if not _proven(lease, asker) or takeover:
             epoch += 1
         since = lease.get("since", now) if lease is not None and same else now
+        term = asker.term if asker.term is not None else (_term(lease) if same else None)
         lease = {"holder": asker.holder, "instance": asker.instance, "epoch": epoch, "expires": now + asker.ttl,
-                 "since": since, "grace": asker.grace}
+                 "since": since, "grace": asker.grace, **({"term": term} if term is not None else {})}
         write_json_atomic(_lease_path(cfg), lease, durable=True)
         _beat(cfg)
         return lease_view(lease, asker, now, heard=now)
@@ -966,9 +1006,14 @@ def fenced(cfg: NodeConfig, verb: str, request: JsonDict, *, hold: bool = True) 
             holder = fence.get("holder") if isinstance(fence, dict) else None
             epoch = fence.get("epoch") if isinstance(fence, dict) else None
             instance = fence.get("instance") if isinstance(fence, dict) else None
+            term = fence.get("term") if isinstance(fence, dict) else None
             if lease["holder"] == DAMAGED:
                 raise Refused(f"{verb}: this node's lease file is unreadable, so it obeys no controller until one "
                               "takes it over (`llmgw node takeover`)", setting="lease")
+            if holder == lease["holder"] and instance != lease.get("instance") and _term(lease) is not None:
+                raise Refused(f"{verb}: this node is driven by the leader of controller {lease['holder']!r} at term "
+                              f"{_term(lease)}; refused from {'term ' + str(term) if _is_int(term) else 'another'} "
+                              "instance, which no longer leads", setting="lease")
             if holder == lease["holder"] and instance != lease.get("instance"):
                 raise Refused(f"{verb}: this node is driven by another instance of controller {lease['holder']!r} "
                               f"(a copied data dir?) (epoch {lease['epoch']}); refused from this one; stop the "

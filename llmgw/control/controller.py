@@ -135,6 +135,9 @@ class Controller:
             self.reconciler = self._make_reconciler()
         self._led = True
         self.reconciler.holder = self.fleet.holder
+        # The store's epoch is this leader's term on the nodes: they hand it the old leader's
+        # leases at once (same node epoch: its engines are adopted) and refuse the old leader.
+        self.fleet.term = epoch
         log.warning("this controller leads (epoch %d): reconciling", epoch)
         await self._open_fleet()
         await self.reconciler.start()

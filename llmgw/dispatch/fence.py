@@ -15,6 +15,12 @@ silent one's engines are foreign to it, never stopped as stale), and the keeper 
 controller from looking dead to a copy. A restart on the same data dir and machine knows the
 instance it replaces (``predecessor``) and names it: the node hands that one's leases over at once
 and at the same epoch, so the restart adopts its engines. Only that proof keeps the epoch.
+
+Controllers sharing a PostgreSQL store share its holder id; the one leading sets ``term`` to its
+store lease's epoch before it asks for a node, and every lease request and change carries it. That
+is the other proof a node accepts (one fencing mechanism: the store's epoch is the nodes' token):
+a later term takes the lease at once, at the same epoch, so a new leader drives the old one's
+engines within a poll instead of waiting out the grace, and the old leader is refused.
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ class FencedDispatcher(AgentVerbs):
         # The instance of this controller that ran before this one on the same data dir, when it is
         # known to have ended (llmgw.control.datadir.succeed): its leases are handed over at once.
         self.predecessor: str | None = None
+        # The leader's term on a shared store (None: this controller leads alone, on SQLite).
+        self.term: int | None = None
         self.leases: dict[str, Answer] = {}  # node → the lease as its last answer showed it
         self._heard: dict[str, float] = {}  # node → when (monotonic) it last renewed our lease
         self._keeper: asyncio.Task[None] | None = None
@@ -92,6 +100,8 @@ class FencedDispatcher(AgentVerbs):
 
     def _asking(self, **extra: Any) -> Answer:
         asked = {"holder": self.holder, "instance": self.instance, "ttl": self.ttl, "grace": self.grace, **extra}
+        if self.term is not None:
+            asked["term"] = self.term
         return {**asked, "succeeds": self.predecessor} if self.predecessor else asked
 
     def _saw(self, node_id: str, lease: Any) -> None:
@@ -148,5 +158,7 @@ class FencedDispatcher(AgentVerbs):
             lease = self.leases.get(node_id) or {}
             # The epoch last granted to us, or the one we saw (then the node refuses, with the reason).
             fence: dict[str, Any] = {"holder": self.holder, "epoch": lease.get("epoch", 0), "instance": self.instance}
+            if self.term is not None:
+                fence["term"] = self.term
             request = {**request, "fence": fence}
         return await self.inner.call(node_id, verb, request, timeout=timeout)

@@ -58,7 +58,7 @@ def test_an_expired_or_released_lease_goes_to_the_next_controller_at_a_higher_ep
     path.write_text(json.dumps({**lease, "expires": time.time() - 1}))  # A has been gone a minute
     assert node.ok("inventory", {"lease": B})["lease"] | {"expires": None, "heard": None} == {
         "holder": "ctl-b", "epoch": 2, "expires": None, "held": True, "expired": False, "sibling": False,
-        "heard": None, "grace": 20.0}
+        "heard": None, "grace": 20.0, "term": None}
     released = node.ok("lease", {**B, "release": True})
     assert released["expired"] and released["holder"] == "ctl-b"
     assert node.ok("lease", A)["epoch"] == 3  # no takeover needed after a release
@@ -236,3 +236,39 @@ def test_an_instance_that_names_the_one_it_replaces_takes_over_at_once(node: Nod
     # ...and only for the same holder id: another controller naming i1 gets nothing.
     assert not node.ok("inventory", {"lease": {**B, "succeeds": "i2"}})["lease"]["held"]
     assert "succeeds must be" in node.fail("lease", {**A1, "succeeds": ""})[1]
+
+
+def test_a_later_leader_of_a_shared_store_takes_over_at_once_and_keeps_the_engines(node: Node) -> None:
+    # Controllers on one PostgreSQL store share a holder id; the store's leader term is the proof.
+    lead1 = {**A1, "term": 4}
+    assert node.ok("inventory", {"lease": lead1})["lease"]["term"] == 4
+    node.ok("start", {**ENGINE, "fence": {**FENCE_1, "term": 4}})
+    lead2 = {**A2, "term": 5}
+    fence2 = {**FENCE_2, "term": 5}
+    try:
+        # The old leader was heard from just now: a later term does not wait for its silence...
+        view = node.ok("inventory", {"lease": lead2})["lease"]
+        # ...and keeps the node's epoch: the old leader's engine is the new one's, not foreign.
+        assert (view["held"], view["epoch"], view["term"]) == (True, 1, 5)
+        again = node.ok("start", {**ENGINE, "fence": fence2})
+        assert again["already_running"]
+        # The old leader is refused, saying why, and cannot take the lease back, even expired.
+        message = refused(node, "stop", {"replica_id": "r1", "fence": {**FENCE_1, "term": 4}})
+        assert "leader of controller 'ctl-a' at term 5" in message and "term 4" in message
+        silence(node, 120)
+        path = node.state / "lease.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "expires": time.time() - 1}))
+        assert not node.ok("inventory", {"lease": lead1})["lease"]["held"]
+        # An equal term proves nothing more than an instance does: fenced while heard from.
+        assert node.ok("inventory", {"lease": lead2})["lease"]["held"]
+        assert not node.ok("inventory", {"lease": {**A1, "instance": "i9", "term": 5}})["lease"]["held"]
+        # An operator's takeover still goes through, at a raised epoch.
+        taken = node.ok("lease", {**lead1, "takeover": True})
+        assert (taken["held"], taken["epoch"]) == (True, 2)
+    finally:
+        node.ok("stop", {"replica_id": "r1", "grace_seconds": 1, "fence": {**FENCE_1, "epoch": 2, "term": 4}})
+
+
+def test_a_term_must_be_a_non_negative_integer(node: Node) -> None:
+    for term in (-1, 1.5, True, "5"):
+        assert "term must be" in node.fail("lease", {**A1, "term": term})[1], term
