@@ -18,6 +18,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from llmgw.catalog.durations import DurationError, parse_duration
+from llmgw.control.leadership import LeadershipConfig
 from llmgw.errors import ConfigError
 from llmgw.paths import default_data_dir
 from llmgw.reconciler.config import ReconcilerConfig
@@ -32,7 +33,7 @@ ENV_STORE = "LLMGW_STORE"  # a postgresql:// URL may hold a password: settable o
 
 KNOWN = {"repo", "branch", "path", "data_dir", "fetch_interval", "watch", "listen", "ssh", "local_agent_config",
          "admin_token", "admin_token_file", "webhook_secret", "webhook_secret_file", "api_keys", "reconciler",
-         "router", "store"}
+         "router", "store", "leadership"}
 
 
 @dataclass
@@ -66,6 +67,9 @@ class ControllerConfig:
     # it; else a path (SQLite) or a postgresql:// URL, whose password is shown only redacted.
     store: str | None = field(default=None, repr=False)
     reconciler: ReconcilerConfig = field(default_factory=ReconcilerConfig)
+    # With a shared store: how long the leader's lease lasts, how often it is renewed and tried
+    # for. A longer TTL rides out a slower database; a failover then takes about as long.
+    leadership: LeadershipConfig = field(default_factory=LeadershipConfig)
 
 
 @dataclass
@@ -216,6 +220,10 @@ def _load(raw: dict[str, Any], path: Path) -> ServerConfig:
             _value(value, str, f"{'ssh' if key in ssh else 'listen'}.{key}")
     reconciler = ReconcilerConfig(**typed_section(ReconcilerConfig, raw.get("reconciler"), "reconciler"))
     router = typed_section(RouterConfig, raw.get("router"), "router")
+    try:
+        leadership = LeadershipConfig(**typed_section(LeadershipConfig, raw.get("leadership"), "leadership"))
+    except ValueError as exc:  # the timings do not fit together (a renewal after the lease ends)
+        raise ConfigError(f"leadership: {exc}") from None
     api_keys = raw.get("api_keys") or []
     if not isinstance(api_keys, list):
         raise ConfigError("api_keys: expected a list of {name, sha256, models}")
@@ -242,6 +250,7 @@ def _load(raw: dict[str, Any], path: Path) -> ServerConfig:
             local_agent_config=rel(raw.get("local_agent_config")),
             reconciler=reconciler,
             store=store,
+            leadership=leadership,
         ),
         router_listen=Listen.parse(listen.get("router", "127.0.0.1:8080"), "router"),
         admin_listen=Listen.parse(listen.get("admin", "127.0.0.1:8081"), "admin"),

@@ -69,7 +69,7 @@ class Controller:
         # The admin URL routers and operators are sent to while this controller leads (a standby's
         # answers name the leader's); the lease's timing when the store is shared.
         self.advertise = advertise
-        self.lease_config = lease or LeadershipConfig()
+        self.lease_config = lease or config.leadership
         self.leadership: Leadership | None = None  # made by start() for a shared (PostgreSQL) store
         self._lease_store: Store | None = None
         self._fleet_open = False

@@ -96,3 +96,15 @@ def test_secrets_come_from_the_environment_then_the_file_then_the_yaml(tmp_path:
     missing = write(tmp_path, "admin_token_file: nowhere.token\n")
     with pytest.raises(ConfigError, match="admin_token_file: cannot read"):
         load_config(missing)
+
+
+def test_the_leader_lease_timing_is_a_setting_checked_whole(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "leadership:\n  ttl: 10s\n  renew: 2s\n  retry: 500ms\n  margin: 2s\n"))
+    lead = cfg.controller.leadership
+    assert (lead.ttl, lead.renew, lead.retry, lead.margin) == (10.0, 2.0, 0.5, 2.0)
+    assert load_config(write(tmp_path, "")).controller.leadership.ttl == 4.0
+    # A renewal later than the lease can last would let two controllers lead.
+    with pytest.raises(ConfigError, match=r"controller\.yaml: leadership: .*renew < ttl - margin"):
+        load_config(write(tmp_path, "leadership:\n  ttl: 2s\n  renew: 3s\n"))
+    with pytest.raises(ConfigError, match=r"leadership: unknown key\(s\): tll"):
+        load_config(write(tmp_path, "leadership:\n  tll: 2s\n"))
