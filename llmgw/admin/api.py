@@ -181,6 +181,10 @@ async def healthz(request: web.Request) -> web.Response:  # noqa: ARG001 - aioht
 
 # --- actions ----------------------------------------------------------------------------
 async def post_sync(request: web.Request) -> web.Response:
+    # A standby's follower does not run: a sync here would apply a commit to the shared store
+    # beside the leader's follower, the race that keeps followers to the leader.
+    if (refused := standby(request)) is not None:
+        return refused
     body = await json_body(request)
     if isinstance(body, web.Response):
         return body

@@ -112,6 +112,8 @@ async def test_only_the_leader_drives_nodes_and_the_standby_names_it(tmp_path: P
             assert status == 503 and body["leader"] == "http://ctl-a:8081"
             status, body = await ask("POST", url + "/api/v1/nodes/n1/state", {"state": "cordon"})
             assert status == 503 and "http://ctl-a:8081" in body["error"] and body["leader"] == "http://ctl-a:8081"
+            status, body = await ask("POST", url + "/api/v1/sync", {})  # a standby's follower does not run
+            assert status == 503 and body["leader"] == "http://ctl-a:8081"
             status, body = await ask("GET", url + "/api/v1/summary")
             assert status == 200 and body["leadership"]["role"] == "standby"
             status, metrics = await ask_text(url + "/api/v1/metrics")
