@@ -157,6 +157,10 @@ class Reconciler:
             self._publish_unrunnable(plan.catalog, inventory)
             created = self._apply_decisions(plan, decisions, now)
             self.rollouts.decided(decisions, created, now)
+            # Recorded before any start is sent: a leader that dies between a start and the end
+            # of its tick leaves an engine its successor finds a record for (and keeps), not one
+            # it must take for given up and stop.
+            self._save()
             # Withdrawn from the router before anything is stopped.
             self.publish()
             await self._stop_stale_engines(plan, inventory, now)

@@ -265,3 +265,31 @@ def test_a_returned_record_is_saved_so_a_restart_claims_it(tmp_path) -> None:
         store.close()
 
     asyncio.run(main())
+
+
+def test_a_replica_is_recorded_before_its_start_is_sent(tmp_path) -> None:
+    # A leader killed between a start and the end of its tick left an engine no record claimed:
+    # its successor on the shared store took it for given up (its generation already issued)
+    # and stopped it, a restart the failover promised not to make.
+    class Recorded(LeasedNodes):
+        def __init__(self, store: Store) -> None:
+            super().__init__("ctl-a")
+            self.store = store
+            self.recorded_at_start: list[bool] = []
+
+        def _start(self, node: FakeNode, request: Any) -> Any:
+            rid = request["replica_id"].rsplit(".r", 1)[0]
+            self.recorded_at_start.append(rid in {r.id for r in self.store.replicas()})
+            return super()._start(node, request)
+
+    async def main() -> None:
+        store = Store(tmp_path / "a.db").open()
+        d, clock = Recorded(store), Clock()
+        rec = controller(d, store, catalog(sim("chat", min_=2, max_=2)), "ctl-a", clock)
+        await rec.start(loop=False)
+        await ticks(rec, clock, 1)
+        await rec.close()
+        store.close()
+        assert d.recorded_at_start == [True, True]
+
+    asyncio.run(main())
