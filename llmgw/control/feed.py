@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from llmgw.contract import (
     wire_str,
 )
 from llmgw.control.usage import BudgetBook
+from llmgw.errors import StoreError
 from llmgw.router.changes import Changes
 from llmgw.serving import read_plain
 
@@ -388,7 +388,7 @@ class FeedHub:
             try:
                 self.ledger.record_usage(batch)
                 answer["usage_acked"] = batch.seq
-            except sqlite3.Error as exc:
+            except StoreError as exc:
                 log.warning("usage ledger: could not record a batch from %s (%s)", router_id, exc)
         answer.update(self.spent())  # with its own batch in them
         return web.json_response(answer)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -20,6 +19,7 @@ from typing import Any, Protocol
 from llmgw.catalog import Catalog
 from llmgw.catalog.model import Budget, Tenant
 from llmgw.contract import SpentFigures, UsageBatch, UsageLedger, UsageOutboxLike, period_start
+from llmgw.errors import StoreError
 from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class BudgetBook:
         try:
             while await self.load(store) and not self.loaded:
                 pass  # budgets new in a catalog that came while reading the others
-        except sqlite3.Error as exc:  # tried again at the next flush; meanwhile routers keep their own counts
+        except StoreError as exc:  # tried again at the next flush; meanwhile routers keep their own counts
             log.warning("usage ledger: could not read what budgets used (%s); will try again", exc)
 
     def recorded(self, batch: UsageBatch) -> None:
@@ -232,7 +232,7 @@ class UsageFlusher:
             return
         try:
             self.ledger.record_usage(batch)
-        except sqlite3.Error as exc:  # a full disk, a locked database: counted again next time
+        except StoreError as exc:  # a full disk, a locked database: counted again next time
             if not self._failing:
                 log.warning("usage ledger: could not record %d rows (%s); will keep trying", len(batch.rows), exc)
             self._failing = True
@@ -253,7 +253,7 @@ class UsageFlusher:
                 self._compacted = self.clock()
                 try:
                     self.compact()
-                except sqlite3.Error as exc:
+                except StoreError as exc:
                     log.warning("usage ledger: compaction failed (%s)", exc)
 
     async def close(self) -> None:

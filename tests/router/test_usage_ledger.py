@@ -284,3 +284,70 @@ def test_a_ledger_query_does_not_wait_for_the_writer(tmp_path: Path) -> None:
     reader.join(5)
     assert answered and got[0]["requests"] == 2
     store.close()
+
+
+class StoreAway:
+    """The store as a database that went away: each record_usage fails with the store's own error
+    until ``back`` is set (what a PostgreSQL store raises when the server restarts)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.back = asyncio.Event()
+        self.failed = 0
+
+    def record_usage(self, batch: UsageBatch) -> None:
+        if not self.back.is_set():
+            from llmgw.errors import StoreError
+
+            self.failed += 1
+            raise StoreError("the database is away (test)")
+        self.store.record_usage(batch)
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - the rest of the store as it is
+        return getattr(self.store, name)
+
+
+async def test_a_store_away_costs_neither_the_report_nor_a_token(chat_sim: SimProcess, tmp_path: Path) -> None:
+    # Seen: the report caught only sqlite3's errors, and the store raises its own (StoreError):
+    # a database away answered the router's report with a 500 and the flush loop died.
+    store = Store(tmp_path / "llmgw.db").open()
+    away = StoreAway(store)
+    hub = FeedHub(keepalive=0.2)
+    hub.ledger = away  # type: ignore[assignment]
+    hub.set_catalog(CATALOG)
+    hub.set_endpoints([endpoint("chat", chat_sim.endpoint)])
+    app = make_app(hub, TOKEN)
+    statuses: list[int] = []
+
+    @web.middleware
+    async def status_of_reports(request: web.Request, handler):  # noqa: ANN001, ANN202 - aiohttp middleware
+        try:
+            resp = await handler(request)
+        except web.HTTPException as exc:
+            resp = exc
+        except Exception:
+            statuses.append(500)
+            raise
+        if request.path == REPORT_PATH:
+            statuses.append(resp.status)
+        return resp
+
+    app.middlewares.append(status_of_reports)
+    router = Router(keys=KEYS, config=RouterConfig())
+    port = free_port()
+    runner = await serve(app, port)
+    try:
+        async with following(router, f"http://127.0.0.1:{port}"), serving(router) as base:
+            await until(lambda: router.table.has("chat"))
+            async with client(base, "sk-web") as web_c:
+                told = await ask(web_c, stream=False)
+            await until(lambda: away.failed >= 2, timeout=10)  # sent, refused, sent again
+            assert router.usage_outbox.pending > 0 and len(hub.routers()) == 1  # the report itself was taken
+            away.back.set()
+            await until(lambda: router.usage_outbox.pending == 0, timeout=10)
+    finally:
+        await runner.cleanup()
+    got = totals(store)
+    store.close()
+    assert (got["requests"], got["prompt_tokens"], got["completion_tokens"]) == (1, *told)
+    assert statuses and set(statuses) == {200}, statuses  # every report answered, none a 500
