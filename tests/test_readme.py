@@ -75,3 +75,20 @@ def test_activating_the_venv_puts_llmgw_on_path_from_any_directory(tmp_path: Pat
         env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path)})
     assert found.returncode == 0, found.stderr
     assert Path(found.stdout.strip()) == venv / "bin" / "llmgw"
+
+
+def test_the_two_controllers_config_in_the_readme_is_one_llmgw_loads(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmgw.control.config import load_config
+
+    text = (REPO_ROOT / "README.md").read_text()
+    section = text[text.index("### Running two controllers"):]
+    block = section[section.index("```yaml\n") + len("```yaml\n"):section.index("```\n", section.index("```yaml"))]
+    monkeypatch.setenv("LLMGW_ADMIN_TOKEN", "from-the-environment")  # the file it names is on the machine
+    monkeypatch.delenv("LLMGW_STORE", raising=False)
+    (tmp_path / "controller.yaml").write_text(block)
+    cfg = load_config(tmp_path / "controller.yaml")
+    assert cfg.controller.store is not None and cfg.controller.store.startswith("postgresql://")
+    lead = cfg.controller.leadership
+    assert (lead.ttl, lead.renew, lead.retry, lead.margin) == (4.0, 1.0, 0.5, 1.0)  # "the defaults", as it says
+    assert "tests/e2e/test_ha_failover.py" in section  # the walkthrough it describes, run by CI

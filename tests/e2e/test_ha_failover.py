@@ -1,7 +1,7 @@
-"""Several controllers on one PostgreSQL store (issue 36): three `llmgw controller` processes share
-a real PostgreSQL server (the Debian package, started by the fixture as sshd is), two sshd nodes,
-two standalone routers given every controller's address, and the openai client sending through
-the routers all along.
+"""Several controllers on one PostgreSQL store (issue 36; the README's "Running two controllers"):
+three `llmgw controller` processes share a real PostgreSQL server (the Debian package, started by
+the fixture as sshd is), two sshd nodes, two standalone routers given every controller's address,
+and the openai client sending through the routers all along.
 
 - ``kill -9`` of the leader: a standby leads, the very engine processes serve (same replica ids,
   same pids, nothing started or stopped), no client request fails, and a commit pushed while no
