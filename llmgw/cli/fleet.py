@@ -66,6 +66,8 @@ def status(args: argparse.Namespace, client: Client, console: Console) -> int:
         console.print(f"[bold]role[/]      {_e(lead['role'])}  leader {_e(lead.get('leader') or 'none')}"
                       f" at {_e(lead.get('leader_url') or 'unknown')}  epoch {_e(lead.get('epoch'))}"
                       f"  since {_e(since)}")
+        for c in lead.get("controllers") or []:  # the others too: is a standby still there to take over?
+            console.print(f"  {_e(c['role']):<8} {_e(c.get('url') or c['holder'])}  seen {_e(c['seen_s_ago'])} s ago")
     sync = s["sync"]
     console.print(f"[bold]sync[/]      {sync['state']}  applied {_e((sync['applied_sha'] or 'none')[:12])}"
                   f"  head {_e((sync['head_sha'] or '')[:12])}  ({_e(sync['branch'])} of {_e(sync['url'])})")

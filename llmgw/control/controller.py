@@ -15,6 +15,7 @@ SQLite (the default, `llmgw up`) the controller leads alone, without a lease loo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import socket
@@ -46,8 +47,12 @@ from llmgw.reconciler.live import LiveInventory
 from llmgw.reconciler.reconciler import Reconciler
 from llmgw.store.opening import is_postgres, store_for
 from llmgw.store.protocol import Store
+from llmgw.store.records import ControllerSeen
+from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
+
+CHECK_IN_EVERY = 2.0  # seconds between a controller's check-ins on a shared store
 
 
 class Controller:
@@ -72,6 +77,9 @@ class Controller:
         self.lease_config = lease or config.leadership
         self.leadership: Leadership | None = None  # made by start() for a shared (PostgreSQL) store
         self._lease_store: Store | None = None
+        # The controllers on the shared store as the last check-in saw them (CHECK_IN_EVERY).
+        self.peers: list[ControllerSeen] = []
+        self._check_ins: asyncio.Task[None] | None = None
         self._fleet_open = False
         self._quiet = False  # quiesce() ran: a lease taken from now on starts nothing
         self._led = False  # this process led once: a new lead gets a fresh reconciler
@@ -126,7 +134,20 @@ class Controller:
         if self.leadership is None:
             return {"role": LEADER, "shared": False, "holder": self.controller_id, "leader": self.controller_id,
                     "leader_url": self.advertise, "epoch": None, "last_takeover": None}
-        return {**self.leadership.summary(), "shared": True}
+        return {**self.leadership.summary(), "shared": True, "controllers": [c.to_json() for c in self.peers]}
+
+    async def _check_in(self) -> None:
+        """Say in the store, every CHECK_IN_EVERY seconds, that this controller is here and in which
+        role; keep what the others said (an operator's view of the standbys: is one still there?)."""
+        assert self.leadership is not None
+        while True:
+            try:
+                self.peers = await asyncio.wait_for(asyncio.to_thread(
+                    self.store.check_in, self.leadership.holder, url=self.advertise, role=self.leadership.role),
+                    timeout=CHECK_IN_EVERY * 5)
+            except (StoreError, TimeoutError) as exc:
+                log.warning("could not check in on the store: %s", exc)
+            await asyncio.sleep(CHECK_IN_EVERY)
 
     async def _lead(self, epoch: int) -> None:
         if self._quiet:
@@ -257,6 +278,7 @@ class Controller:
                                          on_standby=self._stand_by, config=self.lease_config)
             self.desired.subscribe(self._on_catalog, order=RECONCILER)
             await self.leadership.start()
+            self._check_ins = asyncio.create_task(self._check_in(), name="llmgw-check-in")
             return
         await self._open_fleet()
         await self.reconciler.start()
@@ -276,6 +298,7 @@ class Controller:
     async def close(self) -> None:
         await self.quiesce()
         await self._close_fleet()
+        await cancel_and_wait(self._check_ins)
         if self.leadership is not None:  # after the last node command: a standby takes over at once
             await self.leadership.close()
         if self._lease_store is not None:

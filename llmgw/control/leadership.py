@@ -244,6 +244,12 @@ class LeadershipCollector(Collector):
         leader.add_metric([str(v.get("holder") or ""), str(v.get("leader") or ""), str(v.get("leader_url") or "")],
                           1.0 if v.get("role") == LEADER else 0.0)
         yield leader
+        seen = GaugeMetricFamily("llmgw_controller_seen_seconds",
+                                 "Seconds since each controller on the shared store last checked in, by role",
+                                 labels=["holder", "url", "role"])
+        for c in v.get("controllers") or []:
+            seen.add_metric([str(c["holder"]), str(c.get("url") or ""), str(c["role"])], float(c["seen_s_ago"]))
+        yield seen
         if v.get("epoch") is not None:
             yield GaugeMetricFamily("llmgw_controller_lease_epoch",
                                     "The leader lease's epoch (the fencing token), as last read", value=v["epoch"])

@@ -22,6 +22,8 @@ from llmgw.store.records import Applied, PendingPrune, Rejection, Rewrite, SyncK
 # of rows for a dashboard that shows hours).
 USAGE_MINUTES_KEPT = 7 * 86400
 LEASE_NAME = "controller"  # the one lease row: which controller leads
+# A controller not seen (checked in) for this long is forgotten: a standby shut down for good.
+FORGET_AFTER = 3600.0
 BIGINT_MAX = 2 ** 63 - 1
 
 

@@ -39,6 +39,7 @@ from llmgw.errors import ConfigError
 from llmgw.redact import MASK, redact
 from llmgw.store.base import (
     BIGINT_MAX,
+    FORGET_AFTER,
     LEASE_NAME,
     USAGE_MINUTES_KEPT,
     DatabaseError,
@@ -48,7 +49,7 @@ from llmgw.store.base import (
     usage_query,
 )
 from llmgw.store.protocol import USAGE_GROUPS
-from llmgw.store.records import Event, Leadership, LeaseGrant, SyncKind
+from llmgw.store.records import ControllerSeen, Event, Leadership, LeaseGrant, SyncKind
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ MIGRATIONS: tuple[str, ...] = (
         taken TIMESTAMPTZ,
         renewed TIMESTAMPTZ
     );
+    """,
+    """
+    CREATE TABLE controllers (holder TEXT PRIMARY KEY, url TEXT, role TEXT NOT NULL, seen TIMESTAMPTZ NOT NULL);
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -338,6 +342,18 @@ class PostgresStore(JsonRecords):
         assert row is not None  # one row always: the clock's
         now, holder, epoch, expires, taken, renewed = row
         return Leadership(holder, int(epoch or 0), expires, taken, renewed, now)
+
+    def check_in(self, holder: str, *, url: str | None, role: str) -> list[ControllerSeen]:
+        with self._main.use() as conn, conn.transaction():
+            conn.execute(
+                f"INSERT INTO controllers(holder, url, role, seen) SELECT %s, %s, %s, t.now FROM {_NOW} "
+                "ON CONFLICT(holder) DO UPDATE SET url = excluded.url, role = excluded.role, seen = excluded.seen",
+                (_text(holder), _text(url) if url else None, role))
+            conn.execute(f"DELETE FROM controllers USING {_NOW} WHERE seen < t.now - %s * interval '1 second'",
+                         (FORGET_AFTER,))
+            rows = conn.execute(f"SELECT holder, url, role, {_EPOCH.format('t.now - seen')} FROM controllers, "
+                                f"{_NOW} ORDER BY seen DESC").fetchall()
+        return [ControllerSeen(h, u, r, max(0.0, float(age))) for h, u, r, age in rows]
 
 
 class _Line:

@@ -26,7 +26,16 @@ from typing import Any, Protocol, Self
 
 from llmgw.contract import UsageBatch
 from llmgw.decide.replica import Replica
-from llmgw.store.records import Applied, Event, Leadership, LeaseGrant, PendingPrune, Rejection, Rewrite
+from llmgw.store.records import (
+    Applied,
+    ControllerSeen,
+    Event,
+    Leadership,
+    LeaseGrant,
+    PendingPrune,
+    Rejection,
+    Rewrite,
+)
 
 USAGE_GROUPS = ("tenant", "key", "model")
 
@@ -130,3 +139,8 @@ class Store(Protocol):
 
     def leadership(self) -> Leadership:
         """Who leads, at which epoch, until when, since when (the database's clock)."""
+
+    def check_in(self, holder: str, *, url: str | None, role: str) -> list[ControllerSeen]:
+        """Note this controller as seen now (database clock) in ``role``, forget those not seen for
+        FORGET_AFTER seconds, and return every one left, this one included, most recent first:
+        how an operator sees the standbys and whether each is still there."""

@@ -136,6 +136,20 @@ class LeaseGrant:
 
 
 @dataclass(frozen=True)
+class ControllerSeen:
+    """A controller on the store as its last check-in left it (:meth:`Store.check_in`): its holder
+    id, the admin URL it advertises, its role then, and how long ago that was (database clock)."""
+
+    holder: str
+    url: str | None
+    role: str
+    age: float
+
+    def to_json(self) -> dict[str, object]:
+        return {"holder": self.holder, "url": self.url, "role": self.role, "seen_s_ago": round(self.age, 1)}
+
+
+@dataclass(frozen=True)
 class Leadership:
     """Who holds the leader lease, as read from the store; times are the database's clock.
 

@@ -34,6 +34,7 @@ from llmgw.decide.replica import Replica
 from llmgw.errors import ConfigError
 from llmgw.redact import redact
 from llmgw.store.base import (
+    FORGET_AFTER,
     LEASE_NAME,
     USAGE_MINUTES_KEPT,
     DatabaseError,
@@ -43,11 +44,11 @@ from llmgw.store.base import (
     usage_query,
 )
 from llmgw.store.protocol import USAGE_GROUPS
-from llmgw.store.records import Event, Leadership, LeaseGrant, SyncKind
+from llmgw.store.records import ControllerSeen, Event, Leadership, LeaseGrant, SyncKind
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 5  # 5: the leader lease
+SCHEMA_VERSION = 6  # 5: the leader lease; 6: the controllers' check-ins
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sync (kind TEXT PRIMARY KEY, record TEXT NOT NULL);
@@ -82,6 +83,7 @@ CREATE TABLE IF NOT EXISTS lease (
     taken REAL,
     renewed REAL
 );
+CREATE TABLE IF NOT EXISTS controllers (holder TEXT PRIMARY KEY, url TEXT, role TEXT NOT NULL, seen REAL NOT NULL);
 """
 # TOTAL, not SUM: SUM raises on a 64-bit overflow, and one bad router's rows would then fail every
 # query of the ledger; a total is exact below 2**53 and saturates above.
@@ -356,6 +358,16 @@ class SqliteStore(JsonRecords):
         if row is None:
             return Leadership(None, 0, None, None, None, now)
         return Leadership(row[0], row[1], row[2], row[3], row[4], now)
+
+    def check_in(self, holder: str, *, url: str | None, role: str) -> list[ControllerSeen]:
+        with self._transaction() as db:
+            now = db.execute(_NOW).fetchone()[0]
+            db.execute("INSERT INTO controllers(holder, url, role, seen) VALUES(?, ?, ?, ?) ON CONFLICT(holder) "
+                       "DO UPDATE SET url = excluded.url, role = excluded.role, seen = excluded.seen",
+                       (holder, url, role, now))
+            db.execute("DELETE FROM controllers WHERE seen < ?", (now - FORGET_AFTER,))
+            rows = db.execute("SELECT holder, url, role, seen FROM controllers ORDER BY seen DESC").fetchall()
+        return [ControllerSeen(h, u, r, max(0.0, now - seen)) for h, u, r, seen in rows]
 
 
 def _version(db: sqlite3.Connection) -> int:

@@ -105,6 +105,11 @@ async def test_only_the_leader_drives_nodes_and_the_standby_names_it(tmp_path: P
         assert (view["role"], view["leader_url"], view["epoch"], view["shared"]) == \
             ("standby", "http://ctl-a:8081", 1, True)
         assert view["leader"] == a.leadership_view()["holder"] and view["last_takeover"] is not None
+        # Each checks in on the store: the leader's view names the standby, and the other way round.
+        both = {a.leadership_view()["holder"]: "leader", view["holder"]: "standby"}
+        await until(lambda: {c["holder"]: c["role"] for c in a.leadership_view()["controllers"]} == both)
+        await until(lambda: {c["holder"]: c["role"] for c in b.leadership_view()["controllers"]} == both)
+        assert {c["url"] for c in a.leadership_view()["controllers"]} == {"http://ctl-a:8081", "http://ctl-b:8081"}
         async with admin_served(b) as url:
             status, body = await ask("GET", url + WATCH_PATH)
             assert status == 503 and body["error"]["type"] == "standby" and body["leader"] == "http://ctl-a:8081"
@@ -116,8 +121,12 @@ async def test_only_the_leader_drives_nodes_and_the_standby_names_it(tmp_path: P
             assert status == 503 and body["leader"] == "http://ctl-a:8081"
             status, body = await ask("GET", url + "/api/v1/summary")
             assert status == 200 and body["leadership"]["role"] == "standby"
+            shown = status_text(body)  # `llmgw status` on the standby: its role, who leads, both controllers
+            assert "role      standby  leader" in shown and "at http://ctl-a:8081" in shown
+            assert "leader   http://ctl-a:8081  seen" in shown and "standby  http://ctl-b:8081  seen" in shown
             status, metrics = await ask_text(url + "/api/v1/metrics")
             assert 'llmgw_controller_leader{' in metrics and "llmgw_controller_lease_epoch 1.0" in metrics
+            assert 'llmgw_controller_seen_seconds{holder="' in metrics and 'role="leader"' in metrics
         assert nodes_b.calls == []  # not one node command, not even an inventory poll
         handed = time.monotonic()
     finally:
@@ -138,3 +147,21 @@ async def test_only_the_leader_drives_nodes_and_the_standby_names_it(tmp_path: P
 async def ask_text(url: str) -> tuple[int, str]:
     async with aiohttp.ClientSession() as s, s.get(url, headers=AUTH, timeout=aiohttp.ClientTimeout(total=10)) as r:
         return r.status, await r.text()
+
+
+def status_text(summary: dict[str, Any]) -> str:
+    """What `llmgw status` prints for ``summary`` (the admin API's answer), as plain text."""
+    import argparse
+
+    from rich.console import Console
+
+    from llmgw.cli.fleet import status
+
+    class Answers:
+        def request(self, method: str, path: str) -> dict[str, Any]:
+            assert (method, path) == ("GET", "/api/v1/summary")
+            return summary
+
+    console = Console(record=True, width=200, color_system=None)
+    assert status(argparse.Namespace(output="text"), Answers(), console) == 0  # type: ignore[arg-type]
+    return console.export_text()

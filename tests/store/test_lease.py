@@ -167,3 +167,33 @@ def test_a_grant_tells_its_holder_when_to_stop_acting(backend: Backend) -> None:
 def test_a_lease_lasts_a_positive_finite_time(store: Store, ttl: float) -> None:
     with pytest.raises(ValueError, match="positive, finite"):
         store.acquire_lease("ctl-a", ttl=ttl)
+
+
+def test_controllers_check_in_and_see_each_other_most_recent_first(backend: Backend,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = backend.open(), backend.open()
+    first = a.check_in("ctl-a@http://10.0.0.11:8081", url="http://10.0.0.11:8081", role="leader")
+    assert [(c.holder, c.url, c.role) for c in first] == [("ctl-a@http://10.0.0.11:8081", "http://10.0.0.11:8081",
+                                                           "leader")]
+    time.sleep(0.05)  # a later check-in on the database's clock
+    seen = b.check_in("ctl-b", url=None, role="standby")
+    assert [(c.holder, c.role) for c in seen] == [("ctl-b", "standby"), ("ctl-a@http://10.0.0.11:8081", "leader")]
+    assert seen[0].age <= seen[1].age and all(c.age >= 0 for c in seen)
+    # A new role replaces the old; a caller's clock decides nothing.
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 86400)
+    again = a.check_in("ctl-a@http://10.0.0.11:8081", url="http://10.0.0.11:8081", role="standby")
+    assert {c.holder: c.role for c in again} == {"ctl-a@http://10.0.0.11:8081": "standby", "ctl-b": "standby"}
+    assert again[0].to_json()["role"] == "standby" and again[0].to_json()["seen_s_ago"] < 60
+
+
+def test_a_controller_not_seen_for_long_is_forgotten(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    import llmgw.store.postgres
+    import llmgw.store.sqlite
+
+    a, b = backend.open(), backend.open()
+    a.check_in("ctl-gone", url=None, role="standby")
+    for module in (llmgw.store.sqlite, llmgw.store.postgres):
+        monkeypatch.setattr(module, "FORGET_AFTER", 0.2)
+    time.sleep(0.3)  # at least that long later, on any clock
+    assert [c.holder for c in b.check_in("ctl-b", url=None, role="leader")] == ["ctl-b"]

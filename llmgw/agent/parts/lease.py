@@ -177,7 +177,7 @@ def _lease_lock(cfg: NodeConfig) -> str:
 
 def _term(lease: Optional[JsonDict]) -> Optional[int]:
     term = lease.get("term") if lease is not None else None
-    return term if _is_int(term) and term >= 0 else None
+    return term if isinstance(term, int) and _is_int(term) and term >= 0 else None
 
 
 def _later_term(lease: Optional[JsonDict], asker: Asker) -> bool:
