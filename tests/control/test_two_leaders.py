@@ -121,6 +121,9 @@ async def test_only_the_leader_drives_nodes_and_the_standby_names_it(tmp_path: P
             assert status == 503 and body["leader"] == "http://ctl-a:8081"
             status, body = await ask("GET", url + "/api/v1/summary")
             assert status == 200 and body["leadership"]["role"] == "standby"
+            dash_status, page = await ask_text(url + "/")
+            assert dash_status == 200 and 'id="controllers"' in page and "standby" in page
+            assert page.count("data-controller=") == 2 and "http://ctl-a:8081" in page
             shown = status_text(body)  # `llmgw status` on the standby: its role, who leads, both controllers
             assert "role      standby  leader" in shown and "at http://ctl-a:8081" in shown
             assert "leader   http://ctl-a:8081  seen" in shown and "standby  http://ctl-b:8081  seen" in shown
