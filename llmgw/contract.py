@@ -131,56 +131,85 @@ def latency_bucket(seconds: float) -> int:
     return lo
 
 
+HISTOGRAMS = ("ttft", "itl", "tpot")  # ReplicaStats' latency histograms, by name
+
+
 @dataclass
 class ReplicaStats:
     """What one router saw of one replica since it started (cumulative; the controller takes
-    differences over an analysis interval): requests sent, of those errors (a failed attempt,
-    an engine's 4xx or 5xx, 429 included, a stream the engine cut or ended before its end marker,
-    an error event in a stream), and histograms of time to first
-    token (a whole answer: its time) and of each stream's mean inter-token latency."""
+    differences over an analysis interval), each figure measuring one thing (issue 37):
+
+    - ``requests`` sent; of those ``errors``, what the replica caused (a failed attempt, an
+      engine's 5xx or 429, a stream the engine cut or ended before its end marker, an error event
+      in a stream), and ``refused``, the engine's other 4xx: what a client asked that the version
+      would not serve. Refusals are judged apart: a flood of requests every version refuses must
+      not dilute a real error rate, and a version that refuses what the old one served is a
+      finding of its own.
+    - ``ttft``: streams' time to their first chunk; ``itl``: each stream's mean time between
+      content events as the engine's bytes arrived (not as a slow client took them); ``tpot``:
+      whole answers' time per output token (a whole answer has no first token: filed as one, a
+      long answer hid a slow first token).
+    """
 
     requests: int = 0
     errors: int = 0
+    refused: int = 0
     ttft: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
     itl: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
+    tpot: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
 
-    def observe(self, *, error: bool, ttft: float | None = None, itl: float | None = None) -> None:
+    def observe(self, *, error: bool, refused: bool = False, ttft: float | None = None,
+                itl: float | None = None, tpot: float | None = None) -> None:
         self.requests += 1
         self.errors += error
+        self.refused += refused
         if ttft is not None:
             self.ttft[latency_bucket(ttft)] += 1
         if itl is not None:
             self.itl[latency_bucket(itl)] += 1
+        if tpot is not None:
+            self.tpot[latency_bucket(tpot)] += 1
 
     def __add__(self, other: ReplicaStats) -> ReplicaStats:
-        return ReplicaStats(self.requests + other.requests, self.errors + other.errors,
-                            [a + b for a, b in zip(self.ttft, other.ttft, strict=True)],
-                            [a + b for a, b in zip(self.itl, other.itl, strict=True)])
+        return ReplicaStats(self.requests + other.requests, self.errors + other.errors, self.refused + other.refused,
+                            *([a + b for a, b in zip(getattr(self, h), getattr(other, h), strict=True)]
+                              for h in HISTOGRAMS))
 
     def __sub__(self, other: ReplicaStats) -> ReplicaStats:
         """What happened since ``other`` was read (never below zero: a router that restarted)."""
         return ReplicaStats(max(self.requests - other.requests, 0), max(self.errors - other.errors, 0),
-                            [max(a - b, 0) for a, b in zip(self.ttft, other.ttft, strict=True)],
-                            [max(a - b, 0) for a, b in zip(self.itl, other.itl, strict=True)])
+                            max(self.refused - other.refused, 0),
+                            *([max(a - b, 0) for a, b in zip(getattr(self, h), getattr(other, h), strict=True)]
+                              for h in HISTOGRAMS))
+
+    def copy(self) -> ReplicaStats:
+        return ReplicaStats(self.requests, self.errors, self.refused, *(list(getattr(self, h)) for h in HISTOGRAMS))
 
     def covers(self, other: ReplicaStats) -> bool:
         """Every count at least ``other``'s: this is a later reading of the same router's counters."""
-        return (self.requests >= other.requests and self.errors >= other.errors
-                and all(a >= b for a, b in zip(self.ttft, other.ttft, strict=True))
-                and all(a >= b for a, b in zip(self.itl, other.itl, strict=True)))
+        return (self.requests >= other.requests and self.errors >= other.errors and self.refused >= other.refused
+                and all(a >= b for h in HISTOGRAMS
+                        for a, b in zip(getattr(self, h), getattr(other, h), strict=True)))
+
+    @property
+    def served(self) -> int:
+        """Requests the version took on (all but those it refused): what its error rate is of."""
+        return self.requests - self.refused
 
     @property
     def error_rate(self) -> float | None:
-        return self.errors / self.requests if self.requests else None
+        return self.errors / self.served if self.served > 0 else None
 
     def p95(self, which: str) -> float | None:
-        """The 95th percentile of ``ttft`` or ``itl`` (the upper bound of its bucket), or None
-        with no samples."""
-        counts = self.ttft if which == "ttft" else self.itl
+        """The 95th percentile of one histogram (the upper bound of its bucket), or None with no samples."""
+        return self.quantile(which, 0.95)
+
+    def quantile(self, which: str, q: float) -> float | None:
+        counts = getattr(self, which)
         total = sum(counts)
         if not total:
             return None
-        need, seen = 0.95 * total, 0
+        need, seen = q * total, 0
         for i, n in enumerate(counts):
             seen += n
             if seen >= need:
@@ -189,24 +218,24 @@ class ReplicaStats:
 
     def to_json(self) -> dict[str, Any]:
         # Sparse histograms: most buckets of most replicas are empty.
-        return {"requests": self.requests, "errors": self.errors,
-                "ttft": {str(i): n for i, n in enumerate(self.ttft) if n},
-                "itl": {str(i): n for i, n in enumerate(self.itl) if n}}
+        return {"requests": self.requests, "errors": self.errors, "refused": self.refused,
+                **{h: {str(i): n for i, n in enumerate(getattr(self, h)) if n} for h in HISTOGRAMS}}
 
     @classmethod
     def from_json(cls, d: Any) -> ReplicaStats:
-        """Off the wire; ValueError/TypeError when a count or a bucket is malformed."""
+        """Off the wire (a router of an older llmgw sends no ``refused`` nor ``tpot``: zeros);
+        ValueError/TypeError when a count or a bucket is malformed."""
         if not isinstance(d, dict):
             raise TypeError(f"replica stats must be an object, got {type(d).__name__}")
         s = cls()
-        for name in ("requests", "errors"):
+        for name in ("requests", "errors", "refused"):
             v = d.get(name, 0)
             if type(v) is not int or not 0 <= v < MAX_STATS_COUNT:
                 raise ValueError(f"malformed replica stats: {name} must be a whole number from 0 to 2**53")
             setattr(s, name, v)
-        if s.errors > s.requests:
-            raise ValueError("malformed replica stats: more errors than requests")
-        for name in ("ttft", "itl"):
+        if s.errors + s.refused > s.requests:
+            raise ValueError("malformed replica stats: more errors and refusals than requests")
+        for name in HISTOGRAMS:
             hist = d.get(name) or {}
             if not isinstance(hist, dict):
                 raise TypeError(f"malformed replica stats: {name} must be an object")

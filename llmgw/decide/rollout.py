@@ -74,14 +74,31 @@ class Figures:
     errors: int = 0
     ttft_p95: float | None = None
     itl_p95: float | None = None
+    refused: int = 0
+    tpot_p95: float | None = None
 
     @classmethod
     def of(cls, stats: ReplicaStats) -> Figures:
-        return cls(stats.requests, stats.errors, stats.p95("ttft"), stats.p95("itl"))
+        return cls(stats.requests, stats.errors, stats.p95("ttft"), stats.p95("itl"), stats.refused,
+                   stats.p95("tpot"))
+
+    @property
+    def served(self) -> int:
+        return self.requests - self.refused
 
     @property
     def error_rate(self) -> float | None:
-        return self.errors / self.requests if self.requests else None
+        """Of the requests the version took on: refusals are judged apart."""
+        return self.errors / self.served if self.served > 0 else None
+
+    @property
+    def refusal_rate(self) -> float | None:
+        return self.refused / self.requests if self.requests else None
+
+    @property
+    def decode_rate(self) -> float | None:
+        """Tokens a second a stream got at its p95 inter-token latency (the slow end)."""
+        return 1.0 / self.itl_p95 if self.itl_p95 else None
 
 
 @dataclass(frozen=True)
@@ -162,9 +179,12 @@ def _ms(s: float) -> str:
 # rolled back for one error in 20 requests (18 % of good changes) or for two slow whole answers
 # among 20 samples (36 %) — found by review.
 SIGNIFICANCE = 0.01
-# Latency differences below this are no client's concern (a 1 ms stable against a 3 ms canary
-# is "3x" and nothing else); Flagger and Argo judge latency against absolute bounds for this.
-LATENCY_FLOOR = 0.025
+# Latency differences below these are no client's concern (a 1 ms stable against a 3 ms canary is
+# "3x" and nothing else); Flagger and Argo judge latency against absolute bounds for this. Each
+# figure has its own, on its own scale: 25 ms is a first token's noise but a whole token's time on a
+# GPU (one floor for both passed a model at 20 ms between tokens with a canary at 60 ms).
+LATENCY_FLOOR = 0.025  # time to first token
+TOKEN_FLOOR = 0.002  # per token: inter-token latency, a whole answer's time per output token
 
 
 def binomial_tail(k: int, n: int, p: float) -> float:
@@ -187,9 +207,12 @@ def binomial_tail(k: int, n: int, p: float) -> float:
 
 
 def _above(counts: list[int], threshold: float) -> int:
-    """Samples in buckets wholly above ``threshold`` (a bucket's lower bound is the one before it)."""
+    """Samples in buckets that reach above ``threshold`` (the one it falls in included). Only the
+    buckets wholly above it missed most of a canary 3x slower between tokens (60 ms against a
+    58 ms bound: the 55-69 ms bucket did not count), and one bucket more is still far out: the
+    bound is twice the stable p95, a like canary puts well under the 5 % tested for beyond it."""
     last = len(LATENCY_BOUNDS)
-    return sum(n for i, n in enumerate(counts) if i > 0 and LATENCY_BOUNDS[min(i, last) - 1] >= threshold)
+    return sum(n for i, n in enumerate(counts) if i >= last or LATENCY_BOUNDS[i] > threshold)
 
 
 def judge(checks: CanaryChecks, canary: ReplicaStats, stable: ReplicaStats, *, seconds: float,
@@ -197,29 +220,43 @@ def judge(checks: CanaryChecks, canary: ReplicaStats, stable: ReplicaStats, *, s
     """Canary against stable over one window: pass, fail (with the reason in words) or wait for
     traffic. Every failing check is named; the first is the headline.
 
-    Errors: the canary's rate must exceed the stable's plus ``error_rate`` points, and by more than
-    chance would at that rate. Latency: the canary's p95 must exceed ``limit`` x the stable's
-    (plus :data:`LATENCY_FLOOR`), and more of its samples must lie beyond that than the 5 % a
+    Traffic: requests each version took on (a flood of requests every version refuses is not
+    traffic). Errors, of those: the canary's rate must exceed the stable's plus ``error_rate``
+    points, and by more than chance would at that rate. Refusals (4xx) are judged apart, the same
+    way, of all requests: one client's junk lands on both groups alike and dilutes nothing, and a
+    version that refuses what the old one served fails on its own count. Latency, each figure on
+    its own scale: time to first token (streams), inter-token latency (streams, as the engine
+    wrote) and time per output token (whole answers); the canary's p95 must exceed ``limit`` x the
+    stable's plus the figure's floor, and more of its samples must lie beyond that than the 5 % a
     canary like the stable replicas would put there by chance.
     """
     c, s = Figures.of(canary), Figures.of(stable)
-    over = f"over {_seconds(seconds)}, {c.requests} canary requests"
-    if c.requests < checks.min_requests or s.requests < checks.min_requests:
+    over = f"over {_seconds(seconds)}, {c.served} canary requests"
+    if c.served < checks.min_requests or s.served < checks.min_requests:
         return Analysis(now, seconds, c, s, "wait",
-                        f"waiting for traffic: canary {c.requests}, stable {s.requests} of "
-                        f"{checks.min_requests} requests")
+                        f"waiting for traffic: canary {c.served}, stable {s.served} of "
+                        f"{checks.min_requests} requests served")
     failed = []
     c_rate, s_rate = (c.error_rate or 0.0) * 100, (s.error_rate or 0.0) * 100
     allowed = min((s_rate + checks.error_rate) / 100, 1.0)
-    if c_rate > s_rate + checks.error_rate and binomial_tail(c.errors, c.requests, allowed) < SIGNIFICANCE:
+    if c_rate > s_rate + checks.error_rate and binomial_tail(c.errors, c.served, allowed) < SIGNIFICANCE:
         failed.append(f"canary error rate {c_rate:.1f} % > stable {s_rate:.1f} % + {checks.error_rate:g} %")
-    for label, which, limit, cv, sv in (("time to first token", "ttft", checks.ttft_p95, c.ttft_p95, s.ttft_p95),
-                                        ("inter-token latency", "itl", checks.itl_p95, c.itl_p95, s.itl_p95)):
-        # Compared only where both groups have samples (a whole answer has no inter-token latency).
+    c_ref, s_ref = (c.refusal_rate or 0.0) * 100, (s.refusal_rate or 0.0) * 100
+    allowed = min((s_ref + checks.error_rate) / 100, 1.0)
+    if c_ref > s_ref + checks.error_rate and binomial_tail(c.refused, c.requests, allowed) < SIGNIFICANCE:
+        failed.append(f"canary refused {c_ref:.1f} % of requests (4xx) > stable {s_ref:.1f} % + "
+                      f"{checks.error_rate:g} %: it refuses what the serving version serves")
+    for label, which, limit, floor in (("time to first token", "ttft", checks.ttft_p95, LATENCY_FLOOR),
+                                       ("inter-token latency", "itl", checks.itl_p95, TOKEN_FLOOR),
+                                       ("time per output token (whole answers)", "tpot", checks.itl_p95,
+                                        TOKEN_FLOOR)):
+        cv, sv = canary.p95(which), stable.p95(which)
+        # Compared only where both groups have samples (streams for the first two, whole answers
+        # for the last).
         if cv is None or sv is None:
             continue
-        bound = limit * sv + LATENCY_FLOOR
-        counts = canary.ttft if which == "ttft" else canary.itl
+        bound = limit * sv + floor
+        counts = getattr(canary, which)
         slow, samples = _above(counts, bound), sum(counts)
         if cv > bound and binomial_tail(slow, samples, 0.05) < SIGNIFICANCE:
             failed.append(f"canary p95 {label} {_ms(cv)} > {limit:g} x stable {_ms(sv)} "
@@ -227,8 +264,15 @@ def judge(checks: CanaryChecks, canary: ReplicaStats, stable: ReplicaStats, *, s
     if failed:
         return Analysis(now, seconds, c, s, "fail", "; ".join(failed) + f" {over}")
     return Analysis(now, seconds, c, s, "pass",
-                    f"canary error rate {c_rate:.1f} % (stable {s_rate:.1f} %), p95 time to first token "
-                    f"{_fmt(c.ttft_p95)} (stable {_fmt(s.ttft_p95)}) {over}")
+                    f"canary error rate {c_rate:.1f} % (stable {s_rate:.1f} %), refused {c_ref:.1f} % "
+                    f"(stable {s_ref:.1f} %), p95 time to first token {_fmt(c.ttft_p95)} (stable "
+                    f"{_fmt(s.ttft_p95)}), p95 inter-token latency {_fmt(c.itl_p95)} (stable {_fmt(s.itl_p95)}; "
+                    f"decode {_rate(c.decode_rate)} vs {_rate(s.decode_rate)}), p95 time per output token "
+                    f"{_fmt(c.tpot_p95)} (stable {_fmt(s.tpot_p95)}) {over}")
+
+
+def _rate(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f} tokens/s"
 
 
 def _fmt(v: float | None) -> str:

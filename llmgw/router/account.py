@@ -63,7 +63,7 @@ class Accounting:
         prompt-cache hits."""
         timed = engine.timings
 
-        def tap(tail: bytes, events: int, running: tuple[int, int] | None, complete: bool) -> None:
+        def tap(tail: bytes, events: int, running: tuple[int, int] | None, complete: bool) -> tuple[int, int] | None:
             timings = llama_timings(tail) if timed and complete else None
             reported = None if not complete else reported_usage(tail) or (
                 (timings.prompt, timings.predicted) if timings is not None else None)
@@ -80,6 +80,7 @@ class Accounting:
                 counts = self._counts(model)
                 counts[2] += timings.prompt
                 counts[3] += timings.cached
+            return reported
         return tap
 
     def prompt_blocks(self, model: str, *, routed: int, held: int) -> None:
@@ -101,20 +102,23 @@ class Accounting:
         return counts
 
     def observe(self, rid: str, *, failed: bool, status: int | None, whole: bool, tapped: bool, start: float,
-                first: float | None, end: float, events: int, broken: bool) -> None:
+                first: float | None, last: float | None, end: float, events: int, broken: bool,
+                outputs: int | None) -> None:
         """One attempt's outcome in its replica's :class:`ReplicaStats` (what a canary is judged by).
 
-        An error: the attempt failed (any reason), the engine answered 4xx or 5xx, cut a stream
-        (broke it, or ended it before its end marker) or said in the stream that it failed
-        (``broken``: an error event, whether or not the client stayed to read the rest). A 429
-        from the engine too: a version that refuses what the stable one serves is a broken
-        version, and a fleet that is simply overloaded refuses in both groups alike, which the
-        analysis compares; the router's own 429s (tenants' limits) never reach here, as they
-        never reach a replica. Not counted at all: the client went away before the answer was
-        whole (not the replica's doing), nor a replica no longer in the table. Latencies only for
-        answers served (2xx), so fast refusals cannot make a broken version look fast (its error
-        rate judges it): time to the first chunk of a stream (else the whole answer's time) from
-        this attempt's start, and a stream's mean time between its content events.
+        An error, the replica's doing: the attempt failed (any reason), the engine answered 5xx
+        or 429 (a version that cannot keep up with what the stable one serves is a broken
+        version; a fleet simply overloaded refuses in both groups alike, which the analysis
+        compares), cut a stream (broke it, or ended it before its end marker) or said in the
+        stream that it failed (``broken``). A refusal, the request's doing as much as the
+        version's: any other 4xx (every version would refuse ``{"messages": []}``; a client
+        sending only such requests decided a canary when they were errors). The router's own
+        429s (tenants' limits) never reach here, as they never reach a replica. Not counted at
+        all: the client went away before the answer was whole, nor a replica no longer in the
+        table. Latencies only for answers served (2xx), so fast refusals cannot make a broken
+        version look fast: a stream's time to its first chunk and its mean time between content
+        events up to the engine's end marker (``last``: when those bytes came, whatever the
+        client's pace); a whole answer's time per output token (``outputs``, its usage).
         """
         stats = self.stats.get(rid)  # made with the table (replicas_changed): a replica gone is not counted
         if stats is None:
@@ -129,9 +133,15 @@ class Accounting:
                 if tapped and not whole:  # the engine cut it short
                     stats.observe(error=True)
                     return
-                ttft = (end if first is None else first) - start
-                itl = (end - first) / (events - 1) if first is not None and events >= 2 else None
-                stats.observe(error=False, ttft=ttft, itl=itl)
+                if first is None:  # a whole answer
+                    stats.observe(error=False, tpot=(end - start) / outputs if outputs else None)
+                    return
+                until = last if last is not None else end
+                stats.observe(error=False, ttft=first - start,
+                              itl=(until - first) / (events - 1) if events >= 2 else None)
+                return
+            if 400 <= status < 500 and status != 429:
+                stats.observe(error=False, refused=True)
                 return
             failed = status >= 400
         stats.observe(error=failed)
@@ -145,7 +155,7 @@ class Accounting:
         return out
 
     def replica_stats(self) -> dict[str, dict[str, ReplicaStats]]:
-        return {self.instance_id: {rid: ReplicaStats(s.requests, s.errors, list(s.ttft), list(s.itl))
+        return {self.instance_id: {rid: s.copy()
                                    for rid, s in self.stats.items()}}
 
     def usage_by_tenant(self) -> dict[tuple[str, str, str], Usage]:

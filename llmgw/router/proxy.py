@@ -139,7 +139,9 @@ def _headers(conn: Conn, served: str) -> dict[str, str]:
 # client), the stream's content events, the engine's running count at the last event written
 # (None: none came, or not a stream), and whether the answer was complete (read to its end): see
 # answer.py and usage.py.
-Tap = Callable[[bytes, int, tuple[int, int] | None, bool], None]
+# What an answer's end is told (its tail, content events, the engine's running count, whole or not);
+# it may return the (prompt, completion) tokens it counted.
+Tap = Callable[[bytes, int, tuple[int, int] | None, bool], tuple[int, int] | None]
 
 
 async def forward_whole(pool: UpstreamPool, origin: Origin, head: bytes, data: bytes, served: str,
@@ -157,14 +159,16 @@ async def forward_whole(pool: UpstreamPool, origin: Origin, head: bytes, data: b
 
 async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: bytes, served: str,
                          request: web.Request, on_first: Callable[[], None],
-                         tap: Tap | None = None, relay: Relay | None = None) -> tuple[web.StreamResponse, int]:
+                         tap: Tap | None = None, relay: Relay | None = None,
+                         on_end: Callable[[], None] | None = None) -> tuple[web.StreamResponse, int]:
     """A streamed request, passed through chunk by chunk. Returns the response and the status
     to record: the engine's, 502 when it failed mid-stream, 499 when the client went away.
     ``relay``: what the router asked the engine for on the client's behalf, taken out again
     (then a piece that ends inside an event waits for the rest of it, so what is taken out is
     always whole, and an event the engine never finished is not passed on before the error
     event that says the stream was cut), and where the engine's running count is; ``tap`` gets
-    what was written."""
+    what was written. ``on_first`` runs when the engine's first chunk came, ``on_end`` when its
+    end marker did: the engine's pace, not the client's (a slow reader delays only the writes)."""
     conn = await _open(pool, origin, head, data)
     try:
         content_type = conn.headers.get(b"content-type", b"")
@@ -175,13 +179,13 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
                 tap(body if conn.status == 200 else b"", 0, None, conn.status == 200)
             return web.Response(status=conn.status, body=body, headers=_headers(conn, served)), conn.status
         chunk = await conn.read_chunk()  # a failure here is still before the client saw anything
+        on_first()
         out = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
             MODEL_HEADER: served,
         })
         try:
             await out.prepare(request)
-            on_first()
             status = 200
             tail: deque[bytes] | None = None if tap is None else deque(maxlen=TAIL_CHUNKS)
             meter = None if tap is None or relay is None else Meter(relay)
@@ -192,6 +196,13 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
             before = b""  # the chunk before this one: the end marker may be split over two reads
             try:
                 while chunk:
+                    # The engine's end marker makes the answer whole, whatever happens to the
+                    # body's last bytes: a client that got it may hang up at once (the sync
+                    # openai client does), and its usage, just before, is the engine's count.
+                    # Seen before the write: when it came is the engine's pace, not the client's.
+                    ends = not complete and _ends_stream(chunk, before)
+                    if ends and on_end is not None:
+                        on_end()
                     piece = chunk
                     if strip is not None:
                         if held:
@@ -209,10 +220,7 @@ async def forward_stream(pool: UpstreamPool, origin: Origin, head: bytes, data: 
                         events += content_events(piece)
                         if meter is not None:
                             meter.written(piece)
-                    # The engine's end marker makes the answer whole, whatever happens to the
-                    # body's last bytes: a client that got it may hang up at once (the sync
-                    # openai client does), and its usage, just before, is the engine's count.
-                    complete = complete or _ends_stream(chunk, before)
+                    complete = complete or ends
                     before = chunk
                     try:
                         chunk = await conn.read_chunk()

@@ -71,15 +71,18 @@ class Sender:
         # This attempt's own start: time the request waited for a replica is not the replica's.
         start = clock()
         first: float | None = None  # when a stream's first chunk came
+        last: float | None = None  # when its end marker came (the engine's pace, not the client's)
         events = 0
+        outputs: int | None = None  # the completion tokens the answer's usage says
 
         def tap(tail: bytes, n: int, running: tuple[int, int] | None, complete: bool) -> None:
-            nonlocal whole, tapped, events, broken
+            nonlocal whole, tapped, events, broken, outputs
             whole, tapped, events = complete, True, n
             # A 200 stream whose engine failed after it began says so in an error event near its
             # end (vLLM's; answer.stream_error): searched for in the tail only, once per stream.
             broken = stream and stream_error(tail)
-            counted(tail, n, running, complete)
+            used = counted(tail, n, running, complete)
+            outputs = used[1] if used is not None else None
 
         def gone() -> None:
             # The client went away before any answer was counted (a whole one not yet read, a
@@ -98,8 +101,12 @@ class Sender:
                     first = clock()
                     metrics.first_token(label, first - t0)
 
+                def on_end() -> None:
+                    nonlocal last
+                    last = clock()
+
                 resp, status = await forward_stream(pool, up.origin, up.heads[r.path], data, served, r.request,
-                                                    on_first, tap, relay)
+                                                    on_first, tap, relay, on_end)
                 if status == CLIENT_GONE and not tapped:
                     gone()
             else:
@@ -129,4 +136,4 @@ class Sender:
             if status is not None:
                 self._metrics.request(label, status, rid, end - r.t0)
             books.observe(rid, failed=failed, status=status, whole=whole, tapped=tapped, start=start,
-                          first=first, end=end, events=events, broken=broken)
+                          first=first, last=last, end=end, events=events, broken=broken, outputs=outputs)

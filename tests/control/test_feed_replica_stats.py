@@ -102,7 +102,9 @@ async def test_malformed_replica_stats_are_refused_clearly_and_nothing_of_the_re
         ({"instance": 7, "replicas": {"a": good}}, "replica_stats.instance"),
         ({"instance": "i", "replicas": ["a"]}, "replica_stats.replicas must be an object"),
         ({"instance": "i", "replicas": {"a": {"requests": -1}}}, "replica_stats of 'a'"),
-        ({"instance": "i", "replicas": {"a": {"requests": 1, "errors": 2}}}, "more errors than requests"),
+        ({"instance": "i", "replicas": {"a": {"requests": 1, "errors": 2}}}, "more errors and refusals than requests"),
+        ({"instance": "i", "replicas": {"a": {"requests": 2, "errors": 1, "refused": 2}}}, "more errors and refusals"),
+        ({"instance": "i", "replicas": {"a": {"requests": 1, "tpot": {"x": 1}}}}, "tpot bucket"),
         ({"instance": "i", "replicas": {"a": {"requests": 1, "ttft": {"999": 1}}}}, "ttft bucket"),
         ({"instance": "i", "replicas": {"a": {"requests": 1.5}}}, "requests must be a whole number"),
         ({"instance": "i", "replicas": {str(n): {} for n in range(MAX_REPORTED_REPLICAS + 1)}},
@@ -159,4 +161,5 @@ async def test_a_standalone_routers_measurements_reach_the_controller_merged_wit
         assert set(merged) == {local.instance_id, standalone.instance_id}
         assert merged[standalone.instance_id] == standalone.replica_stats()[standalone.instance_id]
         assert merged[local.instance_id]["chat-g1"].requests == 1
-        assert sum(merged[standalone.instance_id]["chat-g1"].ttft) == 3  # histograms survive the wire
+        # Histograms survive the wire: whole answers, each its time per output token.
+        assert sum(merged[standalone.instance_id]["chat-g1"].tpot) == 3

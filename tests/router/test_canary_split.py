@@ -12,6 +12,7 @@ import asyncio
 import random
 from collections import Counter
 from dataclasses import replace
+from types import SimpleNamespace
 
 import aiohttp
 import openai
@@ -210,7 +211,9 @@ async def test_two_engines_split_by_the_share_and_the_router_measures_each() -> 
             assert (mine["stable"].requests, mine["canary"].requests) == (on_stable, on_canary)
             assert mine["stable"].errors == mine["canary"].errors == 0
             for s in mine.values():
-                assert sum(s.ttft) == s.requests  # every answer, streamed or whole, has its time
+                # Every answer has its time, each in its own figure: a stream's first token, a
+                # whole answer's time per output token.
+                assert sum(s.ttft) + sum(s.tpot) == s.requests and sum(s.ttft) > 0 and sum(s.tpot) > 0
                 assert sum(s.itl) > 0  # streams of 6 tokens: a time between tokens
                 assert s.p95("ttft") is not None
 
@@ -269,7 +272,8 @@ async def test_a_canary_failing_half_its_requests_is_counted_and_clients_see_onl
             assert failed_by_engine == (on_canary - 1) // 2
             assert (mine["canary"].requests, mine["canary"].errors) == (on_canary, failed_by_engine)
             assert (mine["stable"].requests, mine["stable"].errors) == (n - on_canary, 0)
-            assert sum(mine["canary"].ttft) == on_canary - failed_by_engine  # latencies of answers only
+            # Latencies of answers only (streams: their first token; whole: per output token).
+            assert sum(mine["canary"].ttft) + sum(mine["canary"].tpot) == on_canary - failed_by_engine
             error_rate = mine["canary"].error_rate
             assert error_rate is not None and 0.4 < error_rate <= 0.5
 
@@ -307,3 +311,29 @@ def test_replica_stats_are_copies() -> None:
     read = router.replica_stats()[router.instance_id]["a"]
     read.observe(error=True, ttft=0.1)
     assert router.replica_stats()[router.instance_id]["a"] == ReplicaStats()
+
+
+
+def test_a_streams_timings_end_at_the_engines_end_marker_not_at_the_clients_last_read() -> None:
+    # Seen: the end of a stream was taken after the last write to the client, so a client that
+    # read slowly (a full socket buffer holds the router's writes back) made its replica's
+    # inter-token latency look slow. The router now notes when the engine's end marker came
+    # (proxy.forward_stream's on_end) and the replica is judged by that.
+    from llmgw.router.account import Accounting
+
+    books = Accounting(SimpleNamespace(limits=None), wall=lambda: 0.0)  # type: ignore[arg-type]
+    books.replicas_changed(gone=(), present=("r",))
+    # 11 content events from t=1.0 to the end marker at t=1.1; the client took until t=9.0.
+    books.observe("r", failed=False, status=200, whole=True, tapped=True, start=0.9, first=1.0, last=1.1, end=9.0,
+                  events=11, broken=False, outputs=11)
+    # A whole answer of 40 tokens in 0.8 s: per output token, not a first token.
+    books.observe("r", failed=False, status=200, whole=True, tapped=True, start=2.0, first=None, last=None, end=2.8,
+                  events=0, broken=False, outputs=40)
+    # A request the version refused: neither an error nor a latency.
+    books.observe("r", failed=False, status=400, whole=False, tapped=True, start=3.0, first=None, last=None,
+                  end=3.01, events=0, broken=False, outputs=None)
+    stats = books.replica_stats()[books.instance_id]["r"]
+    assert (stats.requests, stats.errors, stats.refused) == (3, 0, 1)
+    assert stats.p95("itl") == pytest.approx(0.01, rel=0.25)  # (1.1 - 1.0) / 10, not (9.0 - 1.0) / 10
+    assert stats.p95("ttft") == pytest.approx(0.1, rel=0.25)
+    assert stats.p95("tpot") == pytest.approx(0.02, rel=0.25) and sum(stats.ttft) == 1
