@@ -66,6 +66,8 @@ def build_rollout(
     raw = raw or {}
     # A duration that does not parse is reported here, once; the range rule judges only real ones.
     written = _duration(doc, path + ("interval",), raw["interval"], problems) if "interval" in raw else None
+    timeout = (_duration(doc, path + ("traffic_timeout",), raw["traffic_timeout"], problems)
+               if "traffic_timeout" in raw else None)
     checks = raw.get("checks") or {}
     policy = RolloutPolicy(
         strategy=raw.get("strategy", base.strategy),
@@ -79,6 +81,8 @@ def build_rollout(
         ),
         max_surge=raw.get("max_surge", base.max_surge),
         max_unavailable=raw.get("max_unavailable", base.max_unavailable),
+        traffic_timeout=base.traffic_timeout if timeout is None else timeout,
+        on_no_traffic=raw.get("on_no_traffic", base.on_no_traffic),
     )
     problems += rollout_problems(doc, path, raw, policy, interval=written)
     return policy

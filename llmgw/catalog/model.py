@@ -54,6 +54,7 @@ class Scaling:
 
 
 Strategy = Literal["replace", "canary"]
+NoTraffic = Literal["wait", "promote", "rollback"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,9 @@ class RolloutPolicy:
 
     ``replace``: a new replica beside each old one, the old stopped once the new serves.
     ``canary``: one replica of the new version takes ``steps`` percent of the traffic in turn,
-    each step judged by ``checks`` after ``interval`` seconds; then the rest are replaced.
+    each step judged by ``checks`` after ``interval`` seconds; then the rest are replaced. A step
+    that has not seen ``checks.min_requests`` within ``traffic_timeout`` seconds does what
+    ``on_no_traffic`` says: keep waiting (said, once), promote unjudged, or roll back.
     In both, at most ``max_surge`` new replicas are started beside old ones at a time, and when
     the fleet has no room for them, ``max_unavailable`` old ones are stopped first instead.
     """
@@ -90,6 +93,13 @@ class RolloutPolicy:
     checks: CanaryChecks = field(default_factory=CanaryChecks)
     max_surge: int = 1
     max_unavailable: int = 1
+    traffic_timeout: float | None = None  # None: 3 intervals, at least 15 minutes
+    on_no_traffic: NoTraffic = "rollback"
+
+    @property
+    def traffic_wait(self) -> float:
+        """Seconds a step waits for its requests before ``on_no_traffic``."""
+        return self.traffic_timeout if self.traffic_timeout is not None else max(900.0, 3 * self.interval)
 
 
 @dataclass(frozen=True)

@@ -216,6 +216,11 @@ def rollout_problems(
             out.append(doc.problem(path + ("interval",), (
                 f"{where}.interval: {text} is longer than 24h: each canary step is judged at most a day "
                 "after it starts")))
+    if "traffic_timeout" in raw and policy.traffic_timeout is not None and policy.traffic_timeout < policy.interval:
+        # A step judged after `interval` cannot have run out of time for traffic before it.
+        out.append(doc.problem(path + ("traffic_timeout",), (
+            f"{where}.traffic_timeout: {raw['traffic_timeout']} is shorter than interval ({policy.interval:g} s): "
+            "a step is judged only after its interval")))
     written = [k for k in ("max_surge", "max_unavailable") if k in raw]
     if written and policy.max_surge == 0 and policy.max_unavailable == 0:
         # Neither a new replica beside the old nor an old one stopped first: nothing could move.

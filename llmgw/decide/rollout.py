@@ -313,6 +313,8 @@ def advance(r: Rollout, policy: RolloutPolicy, *, windows: Windows, canary_ready
         return Step(r)
     a = judge(policy.checks, windows.canary, windows.stable, seconds=seconds, now=now)
     if a.verdict == "wait":
+        if seconds >= policy.traffic_wait:
+            return _no_traffic(replace(r, analysis=a), policy, a, seconds, now)
         return Step(replace(r, analysis=a))
     percent = r.percent(policy)
     line = f"step {r.step + 1}/{len(policy.steps)} ({percent:g} %): {a.verdict}: {a.reason}"
@@ -325,6 +327,26 @@ def advance(r: Rollout, policy: RolloutPolicy, *, windows: Windows, canary_ready
                                             f"{policy.steps[r.step + 1]:g} %"),), new_step=True)
     return Step(promoted(replace(r, analysis=a, history=(*r.history, line)), now),
                 (("rollout-promoted", f"{r.model}: every step passed; promoting (the rest replaced)"),))
+
+
+def _no_traffic(r: Rollout, policy: RolloutPolicy, a: Analysis, seconds: float, now: float) -> Step:
+    """A step that saw too few requests within ``traffic_timeout``: what ``on_no_traffic`` says,
+    with an event and a line in the history (a step that waited unseen held a GPU for days)."""
+    step = f"step {r.step + 1}/{len(policy.steps)}"
+    line = (f"{step}: no traffic: {a.reason} after {_seconds(seconds)} (traffic_timeout "
+            f"{_seconds(policy.traffic_wait)}); on_no_traffic: {policy.on_no_traffic}")
+    if policy.on_no_traffic == "rollback":
+        reason = f"{step} saw too few requests to judge within {_seconds(policy.traffic_wait)} ({a.reason})"
+        ended = replace(r.ended(Phase.ROLLED_BACK, now, reason), history=(*r.history, line))
+        return Step(ended, (("rollout-rolled-back", f"{r.model}: rolled back unjudged: {reason}"),))
+    if policy.on_no_traffic == "promote":
+        return Step(promoted(replace(r, history=(*r.history, line)), now),
+                    (("rollout-promoted", f"{r.model}: promoted unjudged (on_no_traffic: promote): {a.reason} "
+                                          f"after {_seconds(seconds)}"),))
+    if r.history and r.history[-1].startswith(f"{step}: no traffic"):
+        return Step(r)  # said once; it waits on
+    return Step(replace(r, history=(*r.history, line)),
+                (("rollout-no-traffic", f"{r.model}: {line}; waiting on"),))
 
 
 def promoted(r: Rollout, now: float) -> Rollout:

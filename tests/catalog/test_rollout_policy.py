@@ -87,6 +87,16 @@ defaults:
     assert result.catalog is not None and result.catalog.settings.default_rollout == default
 
 
+def test_a_step_without_traffic_has_a_bounded_wait_and_a_written_policy(tmp_path: Path) -> None:
+    models, problems = validate(tmp_path, {"models/small.yaml": SMALL + FULL + "  traffic_timeout: 20m\n"
+                                           "  on_no_traffic: wait\n"})
+    assert problems == []
+    assert (small(models).rollout.traffic_wait, small(models).rollout.on_no_traffic) == (1200.0, "wait")
+    # Unwritten: three intervals, at least 15 minutes; rolled back, so no change goes out unjudged.
+    assert RolloutPolicy(interval=30.0).traffic_wait == 900.0 and RolloutPolicy(interval=600.0).traffic_wait == 1800.0
+    assert RolloutPolicy().on_no_traffic == "rollback"
+
+
 def test_a_model_may_go_back_to_replace_under_a_canary_default(tmp_path: Path) -> None:
     settings = SETTINGS + "defaults:\n  rollout: {strategy: canary, steps: [10]}\n"
     models, problems = validate(tmp_path, {"llmgw.yaml": settings,
@@ -129,6 +139,12 @@ RULES = [
     pytest.param("  stratgy: canary\n", 1, 'unknown key "stratgy" (did you mean "strategy"?)', id="typo"),
     pytest.param("  strategy: blue-green\n", 1, 'string "blue-green" is not one of: replace, canary',
                  id="strategy-unknown"),
+    pytest.param("  interval: 10m\n  traffic_timeout: 5m\n", 2,
+                 "traffic_timeout: 5m is shorter than interval (600 s): a step is judged only after its interval",
+                 id="traffic-timeout-short"),
+    pytest.param("  on_no_traffic: ignore\n", 1, 'string "ignore" is not one of: wait, promote, rollback',
+                 id="no-traffic-unknown"),
+    pytest.param("  traffic_timeout: soon\n", 1, "traffic_timeout", id="traffic-timeout-unparsed"),
 ]
 
 

@@ -26,7 +26,7 @@ def stats(requests: int, errors: int = 0, *, ttft: float = 0.1, itl: float | Non
 
 def test_a_step_waits_for_traffic_before_judging() -> None:
     a = judge(CHECKS, stats(5), stats(100), seconds=30, now=1.0)
-    assert a.verdict == "wait" and "canary 5, stable 100 of 20 requests" in a.reason
+    assert a.verdict == "wait" and "canary 5, stable 100 of 20 requests served" in a.reason
 
 
 def test_an_error_rate_above_the_stables_fails_with_the_figures_in_words() -> None:
@@ -200,3 +200,24 @@ def test_a_replica_stopped_first_for_its_replacement_is_not_a_prune() -> None:
     verdict = judge_prune(Catalog(models=(old,)), Catalog(models=(scaled(NEW, 1, REPLACE),)),
                           inventory(node("a", gpus=1)), reps, now=100.0)
     assert not verdict.held and verdict.replicas_stopped == 0
+
+
+def test_no_step_waits_for_traffic_forever() -> None:
+    quiet = Windows(stats(3), stats(300))
+    r = rollout()  # its step began at 0; the interval is 30 s, so traffic_timeout defaults to 15 min
+    assert CANARY.traffic_wait == 900.0
+    waiting = advance(r, CANARY, windows=quiet, canary_ready=True, canary_failed=None, now=899.0)
+    assert waiting.rollout.phase == Phase.CANARY and waiting.events == ()
+    # The default: rolled back, unjudged (no change goes out without a judgement), saying why.
+    s = advance(r, CANARY, windows=quiet, canary_ready=True, canary_failed=None, now=900.0)
+    assert s.rollout.phase == Phase.ROLLED_BACK and s.events[0][0] == "rollout-rolled-back"
+    assert "saw too few requests to judge within 900 s" in s.rollout.reason
+    assert "canary 3, stable 300" in s.rollout.reason and "no traffic" in s.rollout.history[-1]
+    promote = replace(CANARY, on_no_traffic="promote", traffic_timeout=60.0)
+    s = advance(r, promote, windows=quiet, canary_ready=True, canary_failed=None, now=61.0)
+    assert s.rollout.phase == Phase.PROMOTING and "promoted unjudged" in s.events[0][1]
+    wait = replace(CANARY, on_no_traffic="wait", traffic_timeout=60.0)
+    s = advance(r, wait, windows=quiet, canary_ready=True, canary_failed=None, now=61.0)
+    assert s.rollout.phase == Phase.CANARY and s.events[0][0] == "rollout-no-traffic"
+    again = advance(s.rollout, wait, windows=quiet, canary_ready=True, canary_failed=None, now=120.0)
+    assert again.events == () and again.rollout.history == s.rollout.history  # said once
