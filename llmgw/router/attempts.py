@@ -29,7 +29,7 @@ from llmgw.router.demand import DemandBook
 from llmgw.router.hold import Holder
 from llmgw.router.metrics import UNKNOWN, RouterMetrics
 from llmgw.router.paths import CHAT, EMBEDDINGS
-from llmgw.router.prefix import PrefixIndex, PromptKey, prompt_key
+from llmgw.router.prefix import PrefixIndex, PromptKey, conversation_draw, prompt_key
 from llmgw.router.proxy import rewrite_model
 from llmgw.router.retry import RetryTicket, Step, next_step
 from llmgw.router.routes import RouteModel
@@ -72,8 +72,13 @@ class Attempts:
         deliveries = 0  # attempts that reached an engine (DESIGN §6: at most two, each engine once)
         prompt = self._prompt_key(body, r.path, chain, r.prompt_text)
         counted = False  # a retried request's blocks are counted once
-        # Drawn once: a request and its retries stay on one version of a model with a canary.
-        draw = rng.random()
+        # Drawn once: a request and its retries stay on one version of a model with a canary,
+        # and a conversation's turns too (its opening names it: prefix.conversation_draw).
+        draw = None
+        if current.table.splits and r.path != EMBEDDINGS:
+            draw = conversation_draw(body, r.path == CHAT)
+        if draw is None:
+            draw = rng.random()
         while True:
             table = current.table
             choice = choose(table, chain, clock(), rng, tried, prompt, config.prefix_imbalance, draw=draw)

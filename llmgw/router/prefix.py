@@ -62,6 +62,35 @@ def prompt_key(body: Mapping[str, Any], chat: bool, block_chars: int = BLOCK_CHA
                                      digest_size=8).digest())
 
 
+CONVERSATION_CHARS = 1024  # of a conversation's opening, what names it
+
+
+def conversation_draw(body: Mapping[str, Any], chat: bool) -> float | None:
+    """A number in [0, 1) that a conversation keeps over its turns (None: nothing to name it by):
+    a hash of its opening, the messages up to and with the first user message (a chat) or the
+    prompt's start, so each turn of a conversation draws the same canary track and a canary's
+    share is a share of conversations (seen: each turn drew afresh, hopping between versions
+    and their prefix caches). The same in every router process (a keyed digest, not hash())."""
+    if chat:
+        messages = body.get("messages")
+        if type(messages) is not list:
+            return None
+        opening = []
+        for m in messages:
+            if type(m) is not dict:
+                return None
+            opening.append(m)
+            if m.get("role") == "user":
+                break
+        text = render_chat({"messages": opening}, CONVERSATION_CHARS)[:CONVERSATION_CHARS]
+    else:
+        text = render_prompt(body)[:CONVERSATION_CHARS]
+    if not text:
+        return None
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2 ** 64
+
+
 def chain_hashes(text: str, n: int, block_chars: int) -> tuple[int, ...]:
     """Hashes of the first ``n`` blocks of ``text``, each chained onto the one before."""
     out = []

@@ -30,6 +30,13 @@ TOKEN = "rollout-admin-token"
 HELLO = [{"role": "user", "content": "hello"}]
 
 
+def opening(n: int) -> list[dict[str, str]]:
+    """Each load request a conversation of its own: the router splits a canary's traffic by
+    conversation (a conversation's turns stay on one version), so one repeated message would all
+    go to one track."""
+    return [{"role": "user", "content": f"hello from {threading.get_ident()} #{n}"}]
+
+
 def nodes_yaml(fleet: SshdFleet, *, gpus: int = 2) -> str:
     """The fleet's nodes, each declaring ``gpus`` GPUs (fewer than its agent has: a full fleet)."""
     lines = ["nodes:"]
@@ -204,13 +211,13 @@ class Load:
             error = None
             try:
                 if self.stream_every and n % self.stream_every == 0:
-                    with client.chat.completions.create(model=self.model, messages=HELLO, stream=True,
+                    with client.chat.completions.create(model=self.model, messages=opening(n), stream=True,
                                                         max_tokens=self.max_tokens) as stream:
                         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
                     if not text:
                         error = "a stream with no content"
                 else:
-                    answer = client.chat.completions.create(model=self.model, messages=HELLO,
+                    answer = client.chat.completions.create(model=self.model, messages=opening(n),
                                                             max_tokens=self.max_tokens)
                     if not answer.choices[0].message.content:
                         error = "an answer with no content"

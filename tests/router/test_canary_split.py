@@ -33,6 +33,11 @@ PREFIX = RouteModel("m", routing="prefix")
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
+def hello(i: int) -> list[dict[str, str]]:
+    """A conversation's opening of its own: the canary's share is a share of conversations."""
+    return [{"role": "user", "content": f"Hello, this is conversation {i}"}]
+
+
 def canary(ep: Endpoint, percent: float) -> Endpoint:
     return replace(ep, canary=True, canary_percent=percent)
 
@@ -183,9 +188,9 @@ async def send_load(cl: openai.AsyncOpenAI, n: int) -> list[str]:
     async def one(i: int) -> str:
         async with sem:
             if i % 2:
-                stream = await cl.chat.completions.create(model="m", messages=HELLO, stream=True, max_tokens=6)
+                stream = await cl.chat.completions.create(model="m", messages=hello(i), stream=True, max_tokens=6)
                 return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-            whole = await cl.chat.completions.create(model="m", messages=HELLO, max_tokens=6)
+            whole = await cl.chat.completions.create(model="m", messages=hello(i), max_tokens=6)
             return whole.choices[0].message.content or ""
 
     return await asyncio.gather(*(one(i) for i in range(n)))
@@ -252,12 +257,12 @@ async def test_a_canary_failing_half_its_requests_is_counted_and_clients_see_onl
                 async with sem:
                     try:
                         if i % 2:
-                            stream = await cl.chat.completions.create(model="m", messages=HELLO, stream=True,
+                            stream = await cl.chat.completions.create(model="m", messages=hello(i), stream=True,
                                                                       max_tokens=6)
                             async for _ in stream:
                                 pass
                         else:
-                            await cl.chat.completions.create(model="m", messages=HELLO, max_tokens=6)
+                            await cl.chat.completions.create(model="m", messages=hello(i), max_tokens=6)
                         return True
                     except openai.InternalServerError:
                         return False  # the engine's 500 is passed on (not retried: it may have generated)
@@ -337,3 +342,27 @@ def test_a_streams_timings_end_at_the_engines_end_marker_not_at_the_clients_last
     assert stats.p95("itl") == pytest.approx(0.01, rel=0.25)  # (1.1 - 1.0) / 10, not (9.0 - 1.0) / 10
     assert stats.p95("ttft") == pytest.approx(0.1, rel=0.25)
     assert stats.p95("tpot") == pytest.approx(0.02, rel=0.25) and sum(stats.ttft) == 1
+
+
+@pytest.mark.slow
+async def test_a_conversations_turns_stay_on_one_version() -> None:
+    # Seen: each turn drew its track afresh, so a conversation hopped between the canary and the
+    # stable version (and between their prefix caches); a canary's share is now of conversations.
+    with SimProcess("m") as stable, SimProcess("m") as new:
+        router = split_router(stable, new, percent=30.0)
+        async with serving(router) as base, client(base) as cl:
+            on_canary = 0
+            for c in range(40):
+                messages = [{"role": "system", "content": "You are terse."},
+                            {"role": "user", "content": f"Conversation {c}: tell me about GPUs."}]
+                before = (served_by(stable), served_by(new))
+                for turn in range(3):
+                    answer = await cl.chat.completions.create(model="m", messages=messages, max_tokens=4)
+                    messages += [{"role": "assistant", "content": answer.choices[0].message.content or ""},
+                                 {"role": "user", "content": f"and then? ({turn})"}]
+                after = (served_by(stable), served_by(new))
+                moved = (after[0] - before[0], after[1] - before[1])
+                assert moved in ((3, 0), (0, 3)), (c, moved)  # all three turns on one version
+                on_canary += moved[1] == 3
+            # Binomial(40, 0.3): mean 12, sd ~2.9; 3..21 is 3 sd either way.
+            assert 3 <= on_canary <= 21, on_canary

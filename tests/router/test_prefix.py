@@ -440,3 +440,18 @@ def test_engine_wide_counters_stay_out_of_the_reports_routers_sum() -> None:
     router._engine_counts(up, 1000.0, 700.0)  # what the load poller adds for a vLLM engine
     assert router.prompt_cache()["m"] == PromptCache(0, 0, 1000, 700)  # this router's own view
     assert "m" not in router.prompt_cache(polled=False)  # its report: the controller reads the engine too
+
+
+def test_a_conversation_draws_one_number_over_its_turns_and_conversations_spread() -> None:
+    from llmgw.router.prefix import conversation_draw
+
+    opening = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a GPU?"}]
+    later = opening + [{"role": "assistant", "content": "A processor."}, {"role": "user", "content": "And a TPU?"}]
+    first = conversation_draw({"messages": opening}, True)
+    assert first is not None and 0 <= first < 1 and conversation_draw({"messages": later}, True) == first
+    draws = [conversation_draw({"messages": [opening[0], {"role": "user", "content": f"question {i}"}]}, True)
+             for i in range(1000)]
+    assert sum(d is not None and d < 0.1 for d in draws) in range(60, 141)  # ~100: a share of conversations
+    assert conversation_draw({"prompt": "Once upon a time"}, False) == conversation_draw(
+        {"prompt": "Once upon a time"}, False)
+    assert conversation_draw({"messages": "nope"}, True) is None and conversation_draw({"prompt": ""}, False) is None

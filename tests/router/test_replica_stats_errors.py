@@ -202,9 +202,10 @@ async def test_a_canary_that_answers_429_to_every_request_fails_its_analysis() -
                                   replace(endpoint("m", url, "canary"), canary=True, canary_percent=50.0)])
             async with serving(router) as base, client(base) as cl:
                 refused = 0
-                for _ in range(60):
-                    try:
-                        await cl.chat.completions.create(model="m", messages=HELLO, max_tokens=4)
+                for i in range(60):
+                    try:  # 60 conversations: the canary's share is a share of conversations
+                        await cl.chat.completions.create(model="m", max_tokens=4, messages=[
+                            {"role": "user", "content": f"Hello from conversation {i}"}])
                     except openai.RateLimitError:
                         refused += 1
                 mine = router.replica_stats()[router.instance_id]
