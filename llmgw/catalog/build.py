@@ -7,10 +7,12 @@ those come back as Problems beside the built object.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from llmgw.catalog.durations import DurationError, parse_duration
 from llmgw.catalog.model import (
+    Acceptance,
     Budget,
     CanaryChecks,
     GpuSpec,
@@ -27,7 +29,7 @@ from llmgw.catalog.model import (
     Tenant,
 )
 from llmgw.catalog.problems import Problem
-from llmgw.catalog.semantic import rollout_problems
+from llmgw.catalog.semantic import acceptance_problems, rollout_problems
 from llmgw.catalog.yamlpos import Document, Path
 
 
@@ -83,9 +85,31 @@ def build_rollout(
         max_unavailable=raw.get("max_unavailable", base.max_unavailable),
         traffic_timeout=base.traffic_timeout if timeout is None else timeout,
         on_no_traffic=raw.get("on_no_traffic", base.on_no_traffic),
+        acceptance=(tuple(build_acceptance(doc, path + ("acceptance", i), a, i, problems)
+                          for i, a in enumerate(raw["acceptance"])) if "acceptance" in raw else base.acceptance),
     )
     problems += rollout_problems(doc, path, raw, policy, interval=written)
     return policy
+
+
+def build_acceptance(doc: Document, path: Path, raw: dict[str, Any], i: int, problems: list[Problem]) -> Acceptance:
+    """One acceptance prompt; what a schema cannot say (one of messages or prompt, a regular
+    expression that compiles, a JSON Schema that is one) is reported at its key."""
+    expect = raw.get("expect") or {}
+    latency = _duration(doc, path + ("latency",), raw["latency"], problems) if "latency" in raw else None
+    problems += acceptance_problems(doc, path, raw)
+    schema = expect.get("json_schema")
+    return Acceptance(
+        name=raw.get("name") or f"acceptance[{i}]",
+        messages=tuple((m["role"], m["content"]) for m in raw.get("messages") or ()),
+        prompt=raw.get("prompt"),
+        max_tokens=raw.get("max_tokens", 32),
+        contains=tuple(expect.get("contains") or ()),
+        not_contains=tuple(expect.get("not_contains") or ()),
+        matches=expect.get("matches"),
+        json_schema=json.dumps(schema, sort_keys=True) if schema is not None else None,
+        latency=latency,
+    )
 
 
 def build_settings(doc: Document | None, problems: list[Problem]) -> Settings:

@@ -75,6 +75,25 @@ class CanaryChecks:
 
 
 @dataclass(frozen=True)
+class Acceptance:
+    """One prompt a new replica of the model must answer as expected before any client is sent to
+    it (issue 37): deterministic settings (temperature 0, a fixed seed), ``max_tokens`` at most;
+    the answer must contain every ``contains`` and no ``not_contains`` (both case-insensitive),
+    match ``matches`` (a regular expression, searched), parse as JSON valid against
+    ``json_schema`` (kept as its JSON text), and come within ``latency`` seconds."""
+
+    name: str
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content); none: ``prompt`` (a completion)
+    prompt: str | None = None
+    max_tokens: int = 32
+    contains: tuple[str, ...] = ()
+    not_contains: tuple[str, ...] = ()
+    matches: str | None = None
+    json_schema: str | None = None
+    latency: float | None = None
+
+
+@dataclass(frozen=True)
 class RolloutPolicy:
     """How a change of a model's fingerprint reaches its replicas (DESIGN §5, Rollouts).
 
@@ -95,6 +114,7 @@ class RolloutPolicy:
     max_unavailable: int = 1
     traffic_timeout: float | None = None  # None: 3 intervals, at least 15 minutes
     on_no_traffic: NoTraffic = "rollback"
+    acceptance: tuple[Acceptance, ...] = ()
 
     @property
     def traffic_wait(self) -> float:

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import jsonschema
+
 from llmgw.catalog.model import Model, NodeSpec, Profile, RolloutPolicy, Settings
 from llmgw.catalog.problems import Problem
 from llmgw.catalog.schema import dotted
@@ -230,6 +232,29 @@ def rollout_problems(
         out.append(doc.problem(path + (key,), (
             f"{where}.{key}: max_surge and max_unavailable are both 0: the rollout would never make "
             f"progress{tail}")))
+    return out
+
+
+def acceptance_problems(doc: Document, path: KeyPath, raw: dict[str, Any]) -> list[Problem]:
+    """What the schema cannot say about one acceptance prompt."""
+    out = []
+    where = dotted(path)
+    if ("messages" in raw) == ("prompt" in raw):
+        out.append(doc.problem(path, f"{where}: give either messages (a chat) or prompt (a completion), not "
+                                     f"{'both' if 'messages' in raw else 'neither'}"))
+    expect = raw.get("expect") or {}
+    if "matches" in expect:
+        try:
+            re.compile(expect["matches"])
+        except re.error as exc:
+            out.append(doc.problem(path + ("expect", "matches"),
+                                   f"{where}.expect.matches: not a regular expression: {exc}"))
+    if "json_schema" in expect:
+        try:
+            jsonschema.validators.validator_for(expect["json_schema"]).check_schema(expect["json_schema"])
+        except jsonschema.SchemaError as exc:
+            out.append(doc.problem(path + ("expect", "json_schema"),
+                                   f"{where}.expect.json_schema: not a JSON Schema: {exc.message}"))
     return out
 
 

@@ -144,6 +144,23 @@ async def probe_ready(
     return isinstance(answer, dict) and isinstance(answer.get(key), list) and len(answer[key]) > 0
 
 
+async def ask(session: aiohttp.ClientSession, endpoint: str, path: str, body: dict[str, object], *,
+              timeout: float) -> tuple[object | None, str | None]:
+    """POST ``body`` to the engine: (its JSON answer, None), or (None, what went wrong)."""
+    try:
+        async with session.post(_url(endpoint, path), json=body,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                return None, f"the engine answered {resp.status}: {raw[:200].decode('utf-8', 'replace')}"
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        return None, f"no answer within {timeout:g} s ({type(exc).__name__})"
+    try:
+        return json.loads(raw), None
+    except ValueError:
+        return None, "the engine's answer is not JSON"
+
+
 async def read_load(
     session: aiohttp.ClientSession, endpoint: str, engine: Engine, *, timeout: float = METRICS_TIMEOUT
 ) -> Load | None:

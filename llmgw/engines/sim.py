@@ -97,6 +97,9 @@ class SimConfig:
     hold_timeout: float = 60.0
     # Share of inference requests after the first answered 500 (see the module docstring).
     fail_rate: float = 0.0
+    # Which "weights" it answers as: another value, other words for the same prompt (a change that
+    # serves the wrong model behind the same name; what acceptance prompts catch). "": the default.
+    weights: str = ""
 
 
 class Rejected(Exception):
@@ -367,7 +370,7 @@ class Simulator:
             return exc.response
         count = self.config.max_tokens_default if requested is None else requested
         finish = "length" if requested is not None else "stop"
-        plan = _plan(_digest(seed), count)
+        plan = _plan(_digest(self.config.weights + "\0" + seed if self.config.weights else seed), count)
         self.requests_total += 1
         if self._log is not None:  # a failed request reached the engine all the same
             self._log.write(f"{str(body.get('user', '')).replace(chr(10), ' ')}\n")
@@ -603,6 +606,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str, int]:
     p.add_argument("--hold-timeout", type=float, default=60.0, help="seconds a held generation waits at most")
     p.add_argument("--fail-rate", type=_rate, default=0.0, metavar="F",
                    help="answer this share (0 to 1) of inference requests after the first 500, evenly spread")
+    p.add_argument("--weights", default="", help="answer as these weights: other words for the same prompt")
     a = p.parse_args(argv)
     task = "chat" if a.task == "completion" else a.task
     config = SimConfig(model=a.model, aliases=tuple(a.alias), task=task, startup_delay=a.startup_delay,
@@ -610,7 +614,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[SimConfig, str, int]:
                        max_tokens_default=a.max_tokens_default, max_running=a.max_running,
                        embedding_dim=a.embedding_dim, request_log=a.request_log,
                        prefix_cache_blocks=a.prefix_cache_blocks, hold_until_running=a.hold_until_running,
-                       hold_timeout=a.hold_timeout, fail_rate=a.fail_rate)
+                       hold_timeout=a.hold_timeout, fail_rate=a.fail_rate, weights=a.weights)
     return config, a.host, a.port
 
 

@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from llmgw.catalog import Catalog, Model, Profile
+from llmgw.decide import acceptance
 from llmgw.decide.replica import Backoff, Replica, ReplicaState, ShardStatus, fingerprint, next_failure
 from llmgw.dispatch.base import Dispatcher
 from llmgw.engines.argv import RPC_SERVER, engine_args, holds_weights, shard_engine, shard_env
 from llmgw.engines.argv import Shard as EngineShard
-from llmgw.engines.health import check_health, probe_ready
+from llmgw.engines.health import ask, check_health, probe_ready
 from llmgw.errors import DispatchError, EngineArgsError, StartRefused
 from llmgw.inventory import EngineRecord, Inventory
 from llmgw.inventory.model import EngineLabels
@@ -209,6 +210,13 @@ class Lifecycle:
         # Ready means a real one-token answer: /health can say ok before the model serves.
         if health == "ok" and await probe_ready(self.session, endpoint, model.name, model.task,
                                                 timeout=self.config.probe_timeout):
+            # A new replica answers the model's acceptance prompts before any client is sent to
+            # it (an adopted one served already): the wrong words pass every other check.
+            if not r.adopted and model.rollout.acceptance:
+                failed = await self._acceptance(endpoint, model)
+                if failed is not None:
+                    self.store.add_event("replica-acceptance-failed", r.id, f"{model.name}: {failed}")
+                    return self._failed(r, now, failed)
             verb = "adopted" if r.adopted else "ready"
             self.store.add_event("replica-ready", r.id, f"{model.name} {verb} at {endpoint}")
             # The failure count stays: it is forgotten only once the replica has served a while.
@@ -216,6 +224,25 @@ class Lifecycle:
         if now - r.state_since > self.config.start_timeout:
             return self._failed(r, now, f"not ready within {self.config.start_timeout:g}s (health: {health})")
         return replace(r, error=None if health in ("ok", "loading") else f"health: {health}")
+
+    async def _acceptance(self, endpoint: str, model: Model) -> str | None:
+        """None when the replica answered every acceptance prompt as expected, else the first finding."""
+        clock = self.clock
+        for a in model.rollout.acceptance:
+            path, body = acceptance.request_of(a, model.name, model.task)
+            started = clock()
+            answer, error = await ask(self.session, endpoint, path, body,
+                                      timeout=max(self.config.probe_timeout, a.latency or 0.0))
+            took = clock() - started
+            if error is not None:
+                return acceptance.finding(a, error, None)
+            text = acceptance.answer_text(answer)
+            if text is None:
+                return acceptance.finding(a, "the answer has no text", None)
+            problem = acceptance.judge(a, text, took)
+            if problem is not None:
+                return acceptance.finding(a, problem, text)
+        return None
 
     async def _stop(self, r: Replica, now: float) -> Replica:
         await self._stop_shards(r)

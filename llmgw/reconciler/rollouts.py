@@ -20,6 +20,7 @@ from typing import Any
 from llmgw.catalog import Catalog, Model
 from llmgw.catalog.spec import model_from_json, model_to_json
 from llmgw.contract import ReplicaStats
+from llmgw.decide.acceptance import FINDING
 from llmgw.decide.replica import Replica, ReplicaState, fingerprint
 from llmgw.decide.rollout import Phase, Rollout, Windows, advance, model_version, promoted, with_spec
 from llmgw.decide.tick import FITS_NOWHERE, ONLY_REPLICA, CanaryWant, Decisions
@@ -262,7 +263,10 @@ class RolloutDriver:
                 r = replace(r, step_since=now)
         del ready_now
         failed = None
-        if canary is not None and canary.state == ReplicaState.FAILED and canary.failures >= 2:
+        # Twice, for a start (a node's hiccup is tried again); at once for acceptance, whose
+        # prompts are deterministic: the canary said the wrong words, and would again.
+        if canary is not None and canary.state == ReplicaState.FAILED and (
+                canary.failures >= 2 or (canary.error or "").startswith(FINDING)):
             failed = canary.error or "did not start"
         ready = canary is not None and canary.state == ReplicaState.READY
         windows = self._windows(model.name, r, canary, mine, ready)

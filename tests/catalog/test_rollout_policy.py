@@ -230,3 +230,46 @@ def test_the_examples_commented_canary_blocks_are_valid_once_uncommented(tmp_pat
     model = result.catalog.model("llama-3.1-8b-instruct")
     assert model is not None and model.rollout == RolloutPolicy(strategy="canary", steps=(5.0, 25.0, 50.0),
                                                                 interval=120.0)
+
+
+ACCEPTANCE = """\
+rollout:
+  acceptance:
+    - name: capital
+      messages: [{role: user, content: What is the capital of France?}]
+      max_tokens: 8
+      latency: 5s
+      expect: {contains: [Paris], matches: "Paris"}
+    - prompt: "2 + 2 ="
+      expect: {json_schema: {type: integer}}
+"""
+
+
+def test_acceptance_prompts_build_and_their_mistakes_are_reported_at_their_keys(tmp_path: Path) -> None:
+    models, problems = validate(tmp_path, {"models/small.yaml": SMALL + ACCEPTANCE})
+    assert problems == []
+    first, second = small(models).rollout.acceptance
+    assert (first.name, first.messages, first.max_tokens, first.latency, first.contains) == (
+        "capital", (("user", "What is the capital of France?"),), 8, 5.0, ("Paris",))
+    assert (second.name, second.prompt, json.loads(second.json_schema or "{}")) == (
+        "acceptance[1]", "2 + 2 =", {"type": "integer"})
+    bad = """\
+rollout:
+  acceptance:
+    - prompt: x
+      messages: [{role: user, content: y}]
+      expect: {contains: [a]}
+    - prompt: x
+      expect: {matches: "(unclosed"}
+    - prompt: x
+      expect: {json_schema: {type: 12}}
+"""
+    _, problems = validate(tmp_path, {"models/small.yaml": SMALL + bad})
+    found = sorted((p.line, p.message) for p in problems)
+    assert [line for line, _ in found] == [16, 20, 22], found
+    assert "give either messages (a chat) or prompt (a completion), not both" in found[0][1]
+    assert "expect.matches: not a regular expression" in found[1][1]
+    assert "expect.json_schema: not a JSON Schema" in found[2][1]
+    _, problems = validate(tmp_path, {"models/small.yaml": SMALL + "rollout:\n  acceptance:\n    - prompt: x\n"
+                                      "      expect: {}\n"})
+    assert [(p.line, p.message) for p in problems] == [(17, "rollout.acceptance[0].expect: {} should be non-empty")]
