@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import yaml
 from llmgw.catalog.durations import DurationError, parse_duration
 from llmgw.control.leadership import LeadershipConfig
 from llmgw.errors import ConfigError
+from llmgw.gitops.commit_status import CommitStatusConfig
 from llmgw.paths import default_data_dir
 from llmgw.reconciler.config import ReconcilerConfig
 from llmgw.redact import redact
@@ -33,7 +35,8 @@ ENV_STORE = "LLMGW_STORE"  # a postgresql:// URL may hold a password: settable o
 
 KNOWN = {"repo", "branch", "path", "data_dir", "fetch_interval", "watch", "listen", "ssh", "local_agent_config",
          "admin_token", "admin_token_file", "webhook_secret", "webhook_secret_file", "api_keys", "reconciler",
-         "router", "store", "leadership"}
+         "router", "store", "leadership", "commit_status"}
+ENV_COMMIT_STATUS_TOKEN = "LLMGW_COMMIT_STATUS_TOKEN"
 
 
 @dataclass
@@ -70,6 +73,8 @@ class ControllerConfig:
     # With a shared store: how long the leader's lease lasts, how often it is renewed and tried
     # for. A longer TTL rides out a slower database; a failover then takes about as long.
     leadership: LeadershipConfig = field(default_factory=LeadershipConfig)
+    # Where the controller says what became of each commit (GitHub's or Gitea's commit statuses).
+    commit_status: CommitStatusConfig | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -185,6 +190,32 @@ def typed_section(cls: type, raw: Any, what: str) -> dict[str, Any]:
     return {key: _value(value, hints[key], f"{what}.{key}") for key, value in section.items()}
 
 
+def _commit_status(raw: Any, base: Path) -> CommitStatusConfig | None:
+    """The ``commit_status:`` section: provider, url, repo, token (or token_file, or the
+    environment), dashboard. None when absent."""
+    if raw is None:
+        return None
+    section = _mapping(raw, "commit_status")
+    _known(section, ("provider", "url", "repo", "token", "token_file", "dashboard"), "commit_status")
+    for key in ("provider", "url", "repo", "token", "token_file", "dashboard"):
+        if section.get(key) is not None:
+            _value(section[key], str, f"commit_status.{key}")
+    provider = section.get("provider")
+    if provider not in ("github", "gitea"):
+        raise ConfigError(f"commit_status.provider: {provider!r} must be github or gitea")
+    url = section.get("url") or ("https://api.github.com" if provider == "github" else "")
+    if not url.startswith(("https://", "http://")) or "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        raise ConfigError("commit_status.url: the API's base URL (https://api.github.com, or the Gitea server's), "
+                          "without a credential in it (the token has its own key)")
+    repo = section.get("repo") or ""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+", repo):
+        raise ConfigError(f"commit_status.repo: {repo!r} must be owner/name")
+    token = _secret(section, "token", ENV_COMMIT_STATUS_TOKEN, base)
+    if not token:
+        raise ConfigError(f"commit_status: no token (token, token_file or ${ENV_COMMIT_STATUS_TOKEN})")
+    return CommitStatusConfig(provider, url, repo, token, section.get("dashboard") or "")
+
+
 def load_config(path: str | Path) -> ServerConfig:
     """Read and check a controller config file; ConfigError names what is wrong and where."""
     path = Path(path)
@@ -234,6 +265,7 @@ def _load(raw: dict[str, Any], path: Path) -> ServerConfig:
     def rel(p: Any) -> Path | None:
         return None if not p else (Path(p) if Path(p).is_absolute() else (base / p).resolve())
 
+    commit_status = _commit_status(raw.get("commit_status"), base)
     data_dir = rel(raw.get("data_dir")) or default_data_dir()
     store = os.environ.get(ENV_STORE) or raw.get("store") or None
     store_for(store, data_dir)  # a malformed URL or an unknown scheme stops the start here
@@ -251,6 +283,7 @@ def _load(raw: dict[str, Any], path: Path) -> ServerConfig:
             reconciler=reconciler,
             store=store,
             leadership=leadership,
+            commit_status=commit_status,
         ),
         router_listen=Listen.parse(listen.get("router", "127.0.0.1:8080"), "router"),
         admin_listen=Listen.parse(listen.get("admin", "127.0.0.1:8081"), "admin"),

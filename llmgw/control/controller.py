@@ -38,6 +38,7 @@ from llmgw.dispatch.base import AgentVerbs
 from llmgw.dispatch.fence import FencedDispatcher
 from llmgw.errors import StoreError
 from llmgw.gitops import DesiredState, GitMirror, GitOpsFollower
+from llmgw.gitops.commit_status import CommitStatuses
 from llmgw.gitops.desired import RECONCILER
 from llmgw.gitops.repo import normalise_url
 from llmgw.gitops.writer import CommitWriter
@@ -79,6 +80,7 @@ class Controller:
         self._lease_store: Store | None = None
         # The controllers on the shared store as the last check-in saw them (CHECK_IN_EVERY).
         self.peers: list[ControllerSeen] = []
+        self.statuses: CommitStatuses | None = None
         self._check_ins: asyncio.Task[None] | None = None
         self._fleet_open = False
         self._quiet = False  # quiesce() ran: a lease taken from now on starts nothing
@@ -163,6 +165,7 @@ class Controller:
         await self._open_fleet()
         await self.reconciler.start()
         await self.follower.start()
+        await self._statuses_start()
         self.reconciler.notify()
         self._role_changed()
         holder = self.leadership.holder if self.leadership is not None else self.controller_id
@@ -176,8 +179,24 @@ class Controller:
         log.warning("this controller no longer leads: standing by")
         await self.reconciler.close()
         self._role_changed()
+        await self._statuses_close()
         await self.follower.close()
         await self._close_fleet()
+
+    async def _statuses_start(self) -> None:
+        """Commit statuses on the git host (config.commit_status), posted by the leader only."""
+        config = self.config.commit_status
+        if config is None or self.statuses is not None:
+            return
+        self.statuses = CommitStatuses(
+            config, controller=lambda: self.controller_id, sync=lambda: self.follower.status,
+            rollouts=lambda: [rec.rollout for rec in self.reconciler.rollouts.records.values() if rec.rollout])
+        await self.statuses.start()
+
+    async def _statuses_close(self) -> None:
+        statuses, self.statuses = self.statuses, None
+        if statuses is not None:
+            await statuses.close()
 
     def standing_by(self) -> tuple[bool, str | None]:
         """(this controller stands by, the leader's admin URL as known): the feed's question."""
@@ -284,10 +303,12 @@ class Controller:
         await self.reconciler.start()
         self.desired.subscribe(self._on_catalog, order=RECONCILER)
         await self.follower.start()
+        await self._statuses_start()
 
     async def quiesce(self) -> None:
         """Stop following git and reconciling: from here on nothing is started or stopped."""
         self._quiet = True
+        await self._statuses_close()
         await self.follower.close()
         await self.reconciler.close()
 

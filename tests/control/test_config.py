@@ -5,6 +5,7 @@ as a string, and unknown keys inside sections were taken silently)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,32 @@ def test_the_leader_lease_timing_is_a_setting_checked_whole(tmp_path: Path) -> N
         load_config(write(tmp_path, "leadership:\n  ttl: 2s\n  renew: 3s\n"))
     with pytest.raises(ConfigError, match=r"leadership: unknown key\(s\): tll"):
         load_config(write(tmp_path, "leadership:\n  tll: 2s\n"))
+
+
+def test_commit_statuses_are_configured_whole_and_their_token_kept_out_of_sight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LLMGW_COMMIT_STATUS_TOKEN", raising=False)
+    (tmp_path / "status-token").write_text("ghp-secret\n")
+    cfg = load_config(write(tmp_path, "commit_status:\n  provider: github\n  repo: acme/fleet\n"
+                                      "  token_file: status-token\n"))
+    status = cfg.controller.commit_status
+    assert status is not None and (status.url, status.repo, status.token) == (
+        "https://api.github.com", "acme/fleet", "ghp-secret")
+    assert "ghp-secret" not in repr(cfg.controller)
+    assert status.endpoint("a" * 40) == "https://api.github.com/repos/acme/fleet/statuses/" + "a" * 40
+    monkeypatch.setenv("LLMGW_COMMIT_STATUS_TOKEN", "from-env")
+    gitea = load_config(write(tmp_path, "commit_status: {provider: gitea, url: 'https://git.internal', "
+                                        "repo: ops/catalog}\n")).controller.commit_status
+    assert gitea is not None and gitea.token == "from-env"
+    assert gitea.endpoint("b" * 40) == "https://git.internal/api/v1/repos/ops/catalog/statuses/" + "b" * 40
+    for text, words in (("commit_status: {provider: gitlab, repo: a/b}\n", "must be github or gitea"),
+                        ("commit_status: {provider: gitea, repo: a/b}\n", "commit_status.url"),
+                        ("commit_status: {provider: github, url: 'https://u:p@api.github.com', repo: a/b}\n",
+                         "without a credential"),
+                        ("commit_status: {provider: github, repo: 'a b'}\n", "must be owner/name"),
+                        ("commit_status: {provider: github, repo: a/b, tokn: x}\n", "unknown key(s): tokn")):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            load_config(write(tmp_path, text))
+    monkeypatch.delenv("LLMGW_COMMIT_STATUS_TOKEN")
+    with pytest.raises(ConfigError, match="no token"):
+        load_config(write(tmp_path, "commit_status: {provider: github, repo: a/b}\n"))
