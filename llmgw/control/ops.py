@@ -101,7 +101,9 @@ class FleetOps:
 
     def snapshot(self) -> FleetSnapshot:
         """The fleet as `llmgw inventory export` writes it (the input of a plan)."""
-        return FleetSnapshot(self.inventory(), tuple(self.replicas()), time.time())
+        records = self._c.reconciler.rollouts.records.values()
+        return FleetSnapshot(self.inventory(), tuple(self.replicas()), time.time(),
+                             tuple(rec.rollout for rec in records if rec.rollout is not None))
 
     def events(self, *, after: int = 0, limit: int = 200) -> list[Event]:
         return self._c.store.events(after=after, limit=limit)

@@ -14,6 +14,7 @@ from typing import Any
 
 from llmgw.catalog import Catalog
 from llmgw.decide.replica import Replica, ReplicaState
+from llmgw.decide.rollout import Rollout
 from llmgw.decide.tick import decide
 from llmgw.inventory import Inventory, follow_nodes
 from llmgw.placement import Placement, Rejection
@@ -30,15 +31,18 @@ class FleetSnapshot:
     inventory: Inventory
     replicas: tuple[Replica, ...] = ()
     taken_at: float | None = None
+    # The controller's rollouts (each model's last): a change to a model mid-rollout says so.
+    rollouts: tuple[Rollout, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {"taken_at": self.taken_at, "inventory": self.inventory.to_json(),
-                "replicas": [r.to_json() for r in self.replicas]}
+                "replicas": [r.to_json() for r in self.replicas], "rollouts": [r.to_json() for r in self.rollouts]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FleetSnapshot:
         return cls(Inventory.from_json(data["inventory"]),
-                   tuple(Replica.from_json(r) for r in data.get("replicas", ())), data.get("taken_at"))
+                   tuple(Replica.from_json(r) for r in data.get("replicas", ())), data.get("taken_at"),
+                   tuple(Rollout.from_json(r) for r in data.get("rollouts") or ()))
 
 
 @dataclass(frozen=True)
@@ -183,5 +187,6 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
         node_use=tuple(u for u in use if u.gpus_before != u.gpus_after or u.disk_before_gb != u.disk_after_gb),
         without_ready=tuple(without),
         prune=prune,
-        rollouts=plan_rollouts(base, head, inv, replicas, now=now, starts=[n.placement for n in d.create]),
+        rollouts=plan_rollouts(base, head, inv, replicas, now=now, starts=[n.placement for n in d.create],
+                               live=fleet.rollouts),
     )

@@ -169,6 +169,9 @@ def render_text(r: DiffReport) -> str:
             out.append(f"  no ready replica during the change: {model} ({why})")
         for ro in p.rollouts:
             out.append(f"  rollout {ro.text()}")
+        for ro in p.rollouts:  # said plainly, not as one line among others
+            if ro.unjudged:
+                out.append(f"  ! {ro.model} goes out UNJUDGED: {ro.unjudged}")
     out.append("")
     prune = prune_line(p)
     if prune:
@@ -252,8 +255,10 @@ def render_markdown(r: DiffReport) -> str:
             out.append(f"- :hourglass: no ready replica during the change: **{_md(model)}** ({_md(why)})")
         if p.rollouts:
             out += ([""] if out[-1] else []) + ["| rollout | strategy | how long | room |", "|---|---|---|---|"]
-            out += [f"| {_md(ro.model)} | {_md(ro.policy_text)} | {ro.at_least_text} | {_md(ro.how)} |"
-                    for ro in p.rollouts]
+            out += [f"| {_md(ro.model)} | {_md(ro.policy_text)} | {ro.at_least_text} | {_md(ro.how)}"
+                    f"{_md('; now: ' + ro.live) if ro.live else ''} |" for ro in p.rollouts]
+            out += [f"\n> :warning: **{_md(ro.model)} goes out unjudged**: {_md(ro.unjudged)}"
+                    for ro in p.rollouts if ro.unjudged]
     text = "\n".join(out).rstrip() + "\n"
     if len(text) > MARKDOWN_LIMIT:
         note = "\n\n_…truncated: the full plan is longer than a PR comment allows; run `llmgw diff` locally._\n"

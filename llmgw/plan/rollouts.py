@@ -17,7 +17,7 @@ from typing import Any
 from llmgw.catalog import Catalog, Model
 from llmgw.catalog.durations import format_duration
 from llmgw.decide.replica import Replica, fingerprint
-from llmgw.decide.rollout import duration_at_least, model_version
+from llmgw.decide.rollout import Phase, Rollout, duration_at_least, model_version
 from llmgw.decide.tick import holding
 from llmgw.inventory import Inventory
 from llmgw.placement import Placement, place
@@ -34,6 +34,21 @@ class RolloutPlan:
     room_to_surge: bool  # one more replica of the new version fits beside the running ones
     max_surge: int
     max_unavailable: int
+    acceptance: int = 0  # acceptance prompts each new replica answers first
+    live: str = ""  # the rollout of this model under way on the controller, in words
+
+    @property
+    def unjudged(self) -> str:
+        """Why the new version will reach clients without a canary's analysis ("" when it has one)."""
+        if self.strategy != "canary":
+            why = "strategy replace"
+        elif not (self.room_to_surge and self.max_surge > 0) and self.replicas < 2 and self.max_unavailable >= 1:
+            why = "a single replica and no room for a canary beside it"
+        else:
+            return ""
+        first = (f"each new replica answers {self.acceptance} acceptance prompt(s) first" if self.acceptance
+                 else "no acceptance prompts either")
+        return f"{why}: no canary analysis; {first}"
 
     @property
     def how(self) -> str:
@@ -61,17 +76,20 @@ class RolloutPlan:
 
     def text(self) -> str:
         longest = f", {self.at_least_text}" if self.strategy == "canary" else ""
-        return f"{self.model}: {self.policy_text}{longest}; {self.how}"
+        live = f"; now: {self.live}" if self.live else ""
+        return f"{self.model}: {self.policy_text}{longest}; {self.how}{live}"
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "strategy": self.strategy, "steps": list(self.steps), "interval": self.interval,
                 "at_least_seconds": self.at_least, "replicas": self.replicas, "room_to_surge": self.room_to_surge,
                 "max_surge": self.max_surge, "max_unavailable": self.max_unavailable, "how": self.how,
+                "acceptance": self.acceptance, "unjudged": self.unjudged or None, "live": self.live or None,
                 "text": self.text()}
 
 
 def plan_rollouts(base: Catalog | None, head: Catalog, inventory: Inventory, replicas: list[Replica], *,
-                  now: float, starts: Sequence[Placement] = ()) -> tuple[RolloutPlan, ...]:
+                  now: float, starts: Sequence[Placement] = (),
+                  live: Sequence[Rollout] = ()) -> tuple[RolloutPlan, ...]:
     """Per model whose version ``head`` changes and which has live replicas: its rollout.
 
     Room is judged by placing one extra replica of the new version on ``inventory`` with what
@@ -90,8 +108,22 @@ def plan_rollouts(base: Catalog | None, head: Catalog, inventory: Inventory, rep
         if before is None or model_version(before) == model_version(model) or not _outdated(model, running):
             continue
         held = holds + [p for p in starts if p.model != model.name]
-        out.append(_one(head, model, inventory, held, len(running), now=now))
+        out.append(replace(_one(head, model, inventory, held, len(running), now=now),
+                           live=live_text(next((r for r in live if r.model == model.name), None))))
     return tuple(out)
+
+
+def live_text(r: Rollout | None) -> str:
+    """A rollout under way, in words ("" for none or one that ended): the change supersedes it."""
+    if r is None or not r.phase.active:
+        return ""
+    if r.phase == Phase.CANARY:
+        return f"a canary of {_rev(r.revision)} is at step {r.step + 1}; this change supersedes it"
+    return f"{_rev(r.revision)} is replacing the replicas; this change supersedes it"
+
+
+def _rev(sha: str | None) -> str:
+    return f"revision {sha[:12]}" if sha else "an earlier revision"
 
 
 def _outdated(model: Model, running: list[Replica]) -> bool:
@@ -110,4 +142,4 @@ def _one(head: Catalog, model: Model, inventory: Inventory, held: list, running:
     if head.skip_analysis:  # the commit's trailer Llmgw-Skip-Analysis: replaced at once
         p = replace(p, strategy="replace")
     return RolloutPlan(model.name, p.strategy, tuple(p.steps) if p.strategy == "canary" else (), p.interval,
-                       duration_at_least(p), running, room, p.max_surge, p.max_unavailable)
+                       duration_at_least(p), running, room, p.max_surge, p.max_unavailable, len(p.acceptance))

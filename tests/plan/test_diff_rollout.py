@@ -129,3 +129,33 @@ def test_no_rollout_for_what_does_not_change_a_running_version(run_cli, repo: Pa
     assert not [f for f in qwen["fields"] if f["path"].startswith("rollout.")]  # nothing to roll out: not shown
     code, out = diff(run_cli, repo, snapshots["room"], files, "text")
     assert "rollout " not in out and "Rollouts:" not in out
+
+
+def test_a_change_that_goes_out_unjudged_or_supersedes_a_live_rollout_says_so_plainly(
+        run_cli, repo: Path, snapshots: dict[str, Path], tmp_path: Path) -> None:
+    from llmgw.decide.rollout import Phase, Rollout
+    from llmgw.plan import FleetSnapshot
+
+    # The fleet with chat's canary of an earlier revision at its second step, as a controller exports it.
+    snap = FleetSnapshot.from_json(json.loads(snapshots["full"].read_text()))
+    live = Rollout("chat", "v2", "v1", "canary", Phase.CANARY, started_at=0.0, revision="c" * 40, step=1)
+    mid = tmp_path / "fleet.json"
+    mid.write_text(json.dumps(dataclasses.replace(snap, rollouts=(live,)).to_json()))
+    files = {"models/chat.yaml": CHAT.replace("profiles:", CANARY + "profiles:") + ARGS}
+    code, out = diff(run_cli, repo, mid, files, "text")
+    lines = out.splitlines()
+    # A single replica on a full fleet: no canary can run beside it.
+    assert ("  ! chat goes out UNJUDGED: a single replica and no room for a canary beside it: no canary analysis; "
+            "no acceptance prompts either") in lines, out
+    assert any(f"now: a canary of revision {'c' * 12} is at step 2; this change supersedes it" in line
+               for line in lines), out
+    # With acceptance prompts it is still unjudged by a canary, and says what it has instead.
+    accept = ('  acceptance:\n    - prompt: "2 + 2 ="\n      expect: {contains: ["4"]}\n')
+    files = {"models/chat.yaml": CHAT.replace("profiles:", CANARY + accept + "profiles:") + ARGS}
+    code, out = diff(run_cli, repo, snapshots["full"], files)
+    (ro,) = json.loads(out)["plan"]["rollouts"]
+    assert ro["unjudged"] == ("a single replica and no room for a canary beside it: no canary analysis; each new "
+                              "replica answers 1 acceptance prompt(s) first") and ro["live"] is None
+    # A canary with room is judged: nothing to warn about.
+    code, out = diff(run_cli, repo, snapshots["room"], files)
+    assert json.loads(out)["plan"]["rollouts"][0]["unjudged"] is None
