@@ -900,13 +900,25 @@ def _earlier_term(lease: Optional[JsonDict], asker: Asker) -> bool:
     return asker.term is not None and held is not None and asker.term < held
 
 
+def _holding(lease: Optional[JsonDict], asker: Asker) -> bool:
+    return lease is not None and lease["holder"] == asker.holder and lease.get("instance") == asker.instance
+
+
 def _proven(lease: Optional[JsonDict], asker: Asker) -> bool:
     """The asker is the holding instance, or proves it replaces it: a restart naming it
     (``succeeds``), or the holder's leader at a later term."""
-    if lease is None or lease["holder"] != asker.holder or _earlier_term(lease, asker):
+    if lease is None or lease["holder"] != asker.holder:
         return False
-    return (lease.get("instance") == asker.instance or _later_term(lease, asker)
-            or (asker.succeeds is not None and lease.get("instance") == asker.succeeds))
+    if _holding(lease, asker):
+        return True
+    if _earlier_term(lease, asker):
+        return False
+    return _later_term(lease, asker) or (asker.succeeds is not None and lease.get("instance") == asker.succeeds)
+
+
+def _silent(lease: Optional[JsonDict], heard: float, now: float) -> bool:
+    """The holding instance has not been heard from for the lease's grace."""
+    return lease is not None and bool(heard) and now - heard >= _lease_grace(lease)
 
 
 def _succeeds(lease: Optional[JsonDict], view: JsonDict, asker: Asker, now: float) -> bool:
@@ -938,8 +950,13 @@ def take_lease(cfg: NodeConfig, asker: Asker, *, takeover: bool) -> JsonDict:
         now = time.time()
         lease = read_lease(cfg)
         current_view = lease_view(lease, asker, now, heard=lease_heard(cfg))
-        if not takeover and _earlier_term(lease, asker):
-            return current_view  # a leader whose term is over, even once the lease has expired
+        # A leader whose term is over does not take the lease back: not while it is held, nor
+        # when it has just expired. Only once it has also been silent for its grace (the term it
+        # was taken at may be a restored store's, or a number nobody leads at any more: a node
+        # must not refuse the real leader for ever) does it go, at a raised epoch, like any lapse.
+        if not takeover and not _holding(lease, asker) and _earlier_term(lease, asker) and not (
+                current_view["expired"] and _silent(lease, lease_heard(cfg), now)):
+            return current_view
         if not (current_view["held"] or current_view["expired"] or takeover
                 or _succeeds(lease, current_view, asker, now)):
             return current_view
@@ -955,7 +972,12 @@ def take_lease(cfg: NodeConfig, asker: Asker, *, takeover: bool) -> JsonDict:
         if not _proven(lease, asker) or takeover:
             epoch += 1
         since = lease.get("since", now) if lease is not None and same else now
-        term = asker.term if asker.term is not None else (_term(lease) if same else None)
+        # The asker's term (none from a controller that leads alone: a term it did not give is
+        # not carried on); a takeover never lowers it (an operator's, from a leader whose term
+        # was over, made the node go back to it and the new leader's engines foreign).
+        term = asker.term
+        if takeover and same and term is not None and (_term(lease) or 0) > term:
+            term = _term(lease)
         lease = {"holder": asker.holder, "instance": asker.instance, "epoch": epoch, "expires": now + asker.ttl,
                  "since": since, "grace": asker.grace, **({"term": term} if term is not None else {})}
         write_json_atomic(_lease_path(cfg), lease, durable=True)

@@ -96,6 +96,7 @@ class Controller:
         self.fleet = FencedDispatcher(dispatcher or FleetDispatcher(
             ssh_key=config.ssh_key, known_hosts=config.known_hosts, local_agent_config=config.local_agent_config),
             holder="")
+        self.fleet.may_act = lambda: self.leading
         self.inventory = LiveInventory(self.fleet, self.store)
         self._sink, self._usage, self._clock = sink, usage, clock
         self.reconciler = self._make_reconciler()
@@ -177,6 +178,7 @@ class Controller:
     async def _stand_by(self) -> None:
         """Stop acting at once: the reconciler first (no more node commands), then the nodes' leases."""
         log.warning("this controller no longer leads: standing by")
+        self.fleet.term = None  # nothing more goes out at the term that ended
         await self.reconciler.close()
         self._role_changed()
         await self._statuses_close()

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from llmgw.catalog import NodeSpec
@@ -70,6 +70,11 @@ class FencedDispatcher(AgentVerbs):
         self.predecessor: str | None = None
         # The leader's term on a shared store (None: this controller leads alone, on SQLite).
         self.term: int | None = None
+        # Whether this controller may act now (a shared store: it leads, within its lease's
+        # deadline). Asked before every change and every lease taken or renewed: a leader that
+        # stalled past its deadline and resumed must not send one more (review: timers overdue
+        # after SIGCONT fired a tick before the lease loop noticed the deadline had passed).
+        self.may_act: Callable[[], bool] = lambda: True
         self.leases: dict[str, Answer] = {}  # node → the lease as its last answer showed it
         self._heard: dict[str, float] = {}  # node → when (monotonic) it last renewed our lease
         self._keeper: asyncio.Task[None] | None = None
@@ -110,19 +115,26 @@ class FencedDispatcher(AgentVerbs):
             if lease.get("held"):
                 self._heard[node_id] = time.monotonic()
 
+    def _acting(self, what: str) -> None:
+        if not self.may_act():
+            raise DispatchError(f"{what}: this controller no longer leads; nothing sent")
+
     async def inventory(self, node_id: str) -> Answer:
-        answer = await self.inner.call(node_id, "inventory", {"lease": self._asking()})
+        # A poll of a controller that no longer leads only reads: no lease taken or renewed.
+        answer = await self.inner.call(node_id, "inventory", {"lease": self._asking()} if self.may_act() else {})
         self._saw(node_id, answer.get("lease"))
         return answer
 
     async def takeover(self, node_id: str) -> Answer:
         """Take the node's lease even from a live holder; the epoch goes up, the old holder is refused."""
+        self._acting("takeover")
         lease = await self.inner.call(node_id, "lease", self._asking(takeover=True))
         self._saw(node_id, lease)
         return lease
 
     async def renew(self, node_id: str) -> Answer:
         """Renew (or take, when it is free) the node's lease without a whole inventory."""
+        self._acting("lease renewal")
         lease = await self.inner.call(node_id, "lease", self._asking(), timeout=min(self.call_timeout, self.grace / 2))
         self._saw(node_id, lease)
         return lease
@@ -155,6 +167,7 @@ class FencedDispatcher(AgentVerbs):
 
     async def call(self, node_id: str, verb: str, request: Answer, *, timeout: float | None = None) -> Answer:
         if verb in FENCED_VERBS:
+            self._acting(verb)
             lease = self.leases.get(node_id) or {}
             # The epoch last granted to us, or the one we saw (then the node refuses, with the reason).
             fence: dict[str, Any] = {"holder": self.holder, "epoch": lease.get("epoch", 0), "instance": self.instance}
