@@ -255,6 +255,9 @@ class Round:
     engines_restarted: int | None = None
     failed: int = 0
     failures: list[str] = field(default_factory=list)
+    # a restore: what the clients were answered between the copy and the kill (requests, prompt and
+    # completion tokens): the ledger the copy holds has none of it
+    answered_copy_to_kill: list[int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "failures"} | {"failures": self.failures[:3]}
@@ -353,7 +356,8 @@ def postgres_part(work: Path, env: SshdEnvironment, pg: PostgresServer, *, kills
         for i, how in enumerate(plan):
             old = wait_for(leader, 60, "one leader")
             others = [n for n in cluster.admins if n != old]
-            wait_for(lambda: all(role(cluster.admins[n]) == "standby" for n in others), 60, "two standbys")
+            wait_for(lambda others=others: all(role(cluster.admins[n]) == "standby" for n in others), 60,
+                     "two standbys")
             pids = ready(cluster.admins[old])
             rnd = Round(how, old)
             killed_at = time.monotonic()
@@ -369,7 +373,7 @@ def postgres_part(work: Path, env: SshdEnvironment, pg: PostgresServer, *, kills
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
             cluster.start_controller(old)  # it comes back on its own data dir and stands by
-            wait_for(lambda: role(cluster.admins[old]) == "standby", 60, f"{old} stands by again")
+            wait_for(lambda old=old: role(cluster.admins[old]) == "standby", 60, f"{old} stands by again")
             settle(load, 10)
             rnd.failures = load.failed_between(killed_at, time.monotonic())
             rnd.failed = len(rnd.failures)
@@ -418,6 +422,7 @@ def sqlite_part(work: Path, env: SshdEnvironment, *, restores: int, lag: float, 
             rnd = Round("restore", old)
             killed_at = time.monotonic()
             os.killpg(cluster.procs[old].pid, signal.SIGKILL)
+            rnd.answered_copy_to_kill = [a - b for a, b in zip(load.totals(), copied, strict=True)]
             cluster.start_controller(new)  # at once, on the copy
             observe_takeover(rnd, killed_at, cluster, load, [new], pids, deadline=90)
             cluster.procs[old].wait(10)
@@ -425,11 +430,11 @@ def sqlite_part(work: Path, env: SshdEnvironment, *, restores: int, lag: float, 
             rnd.failures = load.failed_between(killed_at, time.monotonic())
             rnd.failed = len(rnd.failures)
             rounds.append(rnd)
-            since_copy = [a - b for a, b in zip(load.totals(), copied, strict=True)]
             log(f"sqlite restore {i + 1}/{restores} ({old} -> {new}, copy {lag:.0f}s old): takeover {rnd.takeover_s}s "
                 f"(leads {rnd.led_s}, routers follow {rnd.routers_follow_s}, answer {rnd.routers_answer_s}), "
                 f"node leases {rnd.node_leases_s}s, restarted {rnd.engines_restarted}, failed {rnd.failed}; "
-                f"answered since the copy (requests, prompt, completion tokens) {since_copy}")
+                f"answered between the copy and the kill (requests, prompt, completion tokens) "
+                f"{rnd.answered_copy_to_kill}")
     finally:
         load.stop()
     failed_total = len(load.failures)

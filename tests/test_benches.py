@@ -265,3 +265,33 @@ def test_usage_bench_abort_checks_are_not_met_with_nothing_aborted() -> None:
     assert estimated["aborted: each charged the engine's own count"] is False
     no_redis = judge(acc, {**cost, "redis_calls_per_request": 0})
     assert no_redis["cost run: Redis on the path (limits on)"] is False
+
+
+def test_ha_bench_verdict_fails_on_a_slow_graceful_stop_lost_usage_or_a_missing_figure() -> None:
+    ha = load("ha_bench")
+    zero = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+    usage = {"clients": {"requests": 10, "prompt_tokens": 30, "completion_tokens": 80},
+             "ledger": {"requests": 10, "prompt_tokens": 30, "completion_tokens": 80}, "lost": zero, "doubled": zero}
+
+    def rnd(how: str, takeover: float | None) -> dict:
+        return {"how": how, "takeover_s": takeover, "led_s": takeover, "node_leases_s": 4.0, "engines_restarted": 0}
+
+    pg = {"rounds": [rnd("kill", 4.1), rnd("kill", 4.6), rnd("kill", 4.0), rnd("graceful", 0.4)],
+          "failed_total": 0, "usage": usage}
+    sqlite = {"rounds": [rnd("restore", 2.6)], "failed_total": 0, "usage": usage}
+    good = ha.figures(pg, sqlite, kills=3, graceful=1, restores=1)
+    checks, missing = ha.judge(good)
+    assert all(checks.values()) and missing == []
+    slow = ha.figures({**pg, "rounds": [*pg["rounds"][:3], rnd("graceful", 10.3)]}, sqlite, kills=3, graceful=1,
+                      restores=1)
+    assert [k for k, ok in ha.judge(slow)[0].items() if not ok] == ["pg graceful: takeover p99 <= 1.0 s"]
+    lost = {**usage, "lost": {**zero, "requests": 152}}
+    assert ha.judge(ha.figures(pg, {**sqlite, "usage": lost}, kills=3, graceful=1, restores=1))[0][
+        "sqlite restore: 0 usage lost"] is False
+    unseen = ha.figures({**pg, "rounds": [rnd("kill", None), *pg["rounds"][1:]]}, None, kills=3, graceful=1,
+                        restores=1)
+    checks, missing = ha.judge(unseen)
+    assert "pg_kill_takeover_p99_s" in missing and "sqlite_failed_requests" in missing
+    assert checks["pg kill -9: takeover p99 <= 6.0 s"] is False
+    assert ha.judge(ha.figures(pg, sqlite, kills=10, graceful=1, restores=1))[0][
+        "pg: >= 10 kill -9 rounds measured"] is False
