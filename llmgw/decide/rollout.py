@@ -140,6 +140,10 @@ class Rollout:
     ended_at: float | None = None
     analysis: Analysis | None = None
     history: tuple[str, ...] = ()  # one line per step judged, for status and the dashboard
+    # A change no canary could judge (a single replica, no room): the old version's figures just
+    # before it (ReplicaStats JSON), against which the new one is judged once it serves alone.
+    before: dict[str, Any] | None = None
+    verifying: bool = False  # the new version serves; its window against ``before`` runs from step_since
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -347,6 +351,36 @@ def _no_traffic(r: Rollout, policy: RolloutPolicy, a: Analysis, seconds: float, 
         return Step(r)  # said once; it waits on
     return Step(replace(r, history=(*r.history, line)),
                 (("rollout-no-traffic", f"{r.model}: {line}; waiting on"),))
+
+
+def verify(r: Rollout, policy: RolloutPolicy, *, window: ReplicaStats, now: float) -> Step:
+    """A change replaced without a canary, judged once it serves alone against the figures the old
+    version had just before it (``r.before``): passed, the rollout is done; failed, the model goes
+    back to the version before by itself (the applier reverts it), with the reason. A window
+    without traffic follows ``on_no_traffic`` as a canary step does."""
+    assert r.before is not None
+    seconds = now - r.step_since
+    if seconds < policy.interval:
+        return Step(r)
+    a = judge(policy.checks, window, ReplicaStats.from_json(r.before), seconds=seconds, now=now)
+    line = f"after the change (no canary could run): {a.verdict}: {a.reason}"
+    if a.verdict == "wait":
+        if seconds < policy.traffic_wait:
+            return Step(replace(r, analysis=a))
+        if policy.on_no_traffic == "wait":
+            return Step(replace(r, analysis=a))
+        if policy.on_no_traffic == "promote":
+            done = replace(r, phase=Phase.DONE, ended_at=now, analysis=a, before=None, verifying=False,
+                           reason="unjudged: no traffic after the change", history=(*r.history, line))
+            return Step(done, (("rollout-done", f"{r.model}: done unjudged: {a.reason}"),))
+    if a.verdict == "pass":
+        done = replace(r, phase=Phase.DONE, ended_at=now, analysis=a, before=None, verifying=False,
+                       reason="judged after the change against the old version's figures", history=(*r.history, line))
+        return Step(done, (("rollout-done", f"{r.model}: {line}"),))
+    reason = f"after the change, against the old version's figures: {a.reason}"
+    back = replace(r.ended(Phase.ROLLED_BACK, now, reason), analysis=a, before=None, verifying=False,
+                   history=(*r.history, line))
+    return Step(back, (("rollout-rolled-back", f"{r.model}: reverted to the version before: {reason}"),))
 
 
 def promoted(r: Rollout, now: float) -> Rollout:

@@ -43,7 +43,8 @@ class RolloutPlan:
         if self.strategy != "canary":
             why = "strategy replace"
         elif not (self.room_to_surge and self.max_surge > 0) and self.replicas < 2 and self.max_unavailable >= 1:
-            why = "a single replica and no room for a canary beside it"
+            why = ("a single replica and no room for a canary beside it: it takes all traffic at once, judged "
+                   "after against the old version's figures and reverted if worse")
         else:
             return ""
         first = (f"each new replica answers {self.acceptance} acceptance prompt(s) first" if self.acceptance
@@ -59,7 +60,8 @@ class RolloutPlan:
             return f"room to surge: new replicas start beside the old, {self.max_surge} at a time"
         why = "max_surge 0" if self.max_surge < 1 else "no room to surge"
         if self.strategy == "canary" and self.replicas < 2:
-            return f"{why} and a single replica: replaced without analysis, {self.max_unavailable} at a time"
+            return (f"{why} and a single replica: replaced {self.max_unavailable} at a time, then judged against the "
+                    "old version's figures")
         canary = " (the canary takes a stable replica's place)" if self.strategy == "canary" else ""
         return f"{why}: {self.max_unavailable} old replica(s) stopped at a time before the new start{canary}"
 

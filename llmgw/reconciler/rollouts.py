@@ -22,7 +22,7 @@ from llmgw.catalog.spec import model_from_json, model_to_json
 from llmgw.contract import ReplicaStats
 from llmgw.decide.acceptance import FINDING
 from llmgw.decide.replica import Replica, ReplicaState, fingerprint
-from llmgw.decide.rollout import Phase, Rollout, Windows, advance, model_version, promoted, with_spec
+from llmgw.decide.rollout import Phase, Rollout, Windows, advance, model_version, promoted, verify, with_spec
 from llmgw.decide.tick import FITS_NOWHERE, ONLY_REPLICA, CanaryWant, Decisions
 from llmgw.errors import LlmgwError
 
@@ -106,6 +106,9 @@ class RolloutDriver:
         self.records: dict[str, ModelRecord] = {}
         self.meter = StatsMeter()
         self._baselines: dict[str, tuple[float, dict[str, ReplicaStats]]] = {}  # model → (step_since, totals)
+        # This tick's: the routers' readings, and each model's live replicas that are not canaries.
+        self._readings: Callable[[], Mapping[str, Mapping[str, ReplicaStats]]] | None = None
+        self._live_ids: dict[str, set[str]] = {}
         self._saved: dict[str, Any] | None = None
         self.desired: Catalog | None = None  # the catalog as git has it, for canaries and operators
 
@@ -141,8 +144,14 @@ class RolloutDriver:
         by_model: dict[str, list[Replica]] = {}
         for r in replicas.values():
             by_model.setdefault(r.model, []).append(r)
+        self._readings = readings
+        self._live_ids = {}
+        for r in replicas.values():
+            if r.state.live and not r.canary:
+                self._live_ids.setdefault(r.model, set()).add(r.id)
         judged = [r.id for r in replicas.values()
-                  if (rec := self.records.get(r.model)) and rec.rollout and rec.rollout.phase == Phase.CANARY]
+                  if (rec := self.records.get(r.model)) and rec.rollout and (
+                      rec.rollout.phase == Phase.CANARY or rec.rollout.before is not None)]
         self.meter.fold(readings() if judged else {}, judged)
         models: list[Model] = []
         canaries: dict[str, CanaryWant] = {}
@@ -155,10 +164,14 @@ class RolloutDriver:
             ro = rec.rollout
             if ro is not None and ro.phase == Phase.PROMOTING and not self._outdated(rec.serving, mine) \
                     and all(x.state == ReplicaState.READY for x in mine if x.state.live):
-                rec.rollout = replace(ro, phase=Phase.DONE, ended_at=now, reason="every replica runs the new version")
-                took = now - ro.started_at
-                self.store.add_event("rollout-done", model.name,
-                                     f"{model.name}: rollout to {_rev(ro.revision)} done in {took:.0f} s")
+                if ro.before is not None:
+                    self._verify(model, rec, mine, now)
+                else:
+                    rec.rollout = replace(ro, phase=Phase.DONE, ended_at=now,
+                                          reason="every replica runs the new version")
+                    took = now - ro.started_at
+                    self.store.add_event("rollout-done", model.name,
+                                         f"{model.name}: rollout to {_rev(ro.revision)} done in {took:.0f} s")
             ro = rec.rollout
             if ro is not None and ro.phase == Phase.CANARY:
                 canaries[model.name] = CanaryWant(spec=model, borrowed=ro.borrowed)
@@ -278,6 +291,37 @@ class RolloutDriver:
             rec.serving = model
         return out
 
+    def _verify(self, model: Model, rec: ModelRecord, mine: list[Replica], now: float) -> None:
+        """A change no canary could judge, serving alone now: its window against the old version's
+        figures (decide.rollout.verify); failed, back to the version before."""
+        ro = rec.rollout
+        assert ro is not None
+        serving = [x for x in mine if x.state == ReplicaState.READY and not x.canary]
+        base = self._baselines.get(model.name)
+        if not ro.verifying or base is None or base[0] != ro.step_since:
+            # The window begins when the new version serves alone (or again, in a restarted controller).
+            if not ro.verifying:
+                ro = replace(ro, verifying=True, step_since=now,
+                             reason="judged against the old version's figures while it serves")
+                self.store.add_event("rollout-step", model.name,
+                                     f"{model.name}: the new version serves alone; judged against the old "
+                                     f"version's figures for {model.rollout.interval:g} s")
+            self._baselines[model.name] = (ro.step_since, {x.id: self.meter.total(x.id) for x in serving})
+            rec.rollout = ro
+            return
+        zero = ReplicaStats()
+        window = ReplicaStats()
+        for x in serving:
+            window = window + (self.meter.total(x.id) - base[1].get(x.id, zero))
+        step = verify(ro, model.rollout, window=window, now=now)
+        for kind, message in step.events:
+            self.store.add_event(kind, model.name, message)
+        rec.rollout = step.rollout
+        if step.rollout.phase == Phase.ROLLED_BACK:
+            self._baselines.pop(model.name, None)
+            if rec.previous is not None:  # back to the version before, by ordinary replacement
+                rec.serving = rec.previous
+
     def _windows(self, name: str, r: Rollout, canary: Replica | None, mine: list[Replica], ready: bool) -> Windows:
         """The step's measurements: totals now minus totals when the step began (taken then)."""
         stable = [x for x in mine if not x.canary and x.state == ReplicaState.READY]
@@ -334,10 +378,26 @@ class RolloutDriver:
                 rec.rollout = replace(rec.rollout, reason=why + ": waiting")
                 continue
             # One replica and no spare GPU: a canary would have nothing to be compared with, and
-            # waiting would never end (the issue's full fleet). Replaced, and said so.
-            rec.rollout = replace(promoted(rec.rollout, now), reason=why + ": replaced without analysis")
-            rec.serving = model
-            self.store.add_event("rollout-promoted", name, f"{name}: {why}: replaced without analysis")
+            # waiting would never end (the issue's full fleet). Replaced (after its acceptance
+            # prompts), then judged against the figures the old version had just before (what the
+            # routers measured of it in their lives), and taken back by itself if worse.
+            before = self._figures_of(name)
+            rec.rollout = replace(promoted(rec.rollout, now), before=before.to_json(),
+                                  reason=why + ": replaced, then judged against the old version's figures")
+            rec.previous, rec.serving = rec.serving, model
+            self.store.add_event("rollout-promoted", name, f"{name}: {why}: replaced without a canary; judged "
+                                                           f"once it serves against the old version's figures "
+                                                           f"({before.served} requests)")
+
+    def _figures_of(self, model: str) -> ReplicaStats:
+        """What the routers measured of ``model``'s replicas over their lives (their cumulative readings)."""
+        total = ReplicaStats()
+        live = self._live_ids.get(model, ())
+        for stats in (self._readings() if self._readings is not None else {}).values():
+            for rid, s in stats.items():
+                if rid in live:
+                    total = total + s
+        return total
 
     def canary_percent(self, name: str) -> float:
         rec = self.records.get(name)

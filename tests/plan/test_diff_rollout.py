@@ -106,7 +106,7 @@ def test_a_canary_of_a_single_replica_on_a_full_fleet_and_max_unavailable_zero(
     canary = {"models/chat.yaml": CHAT.replace("profiles:", CANARY + "profiles:") + ARGS}
     code, out = diff(run_cli, repo, snapshots["full"], canary, "text")
     assert ("  rollout chat: canary, steps 5 %, 25 %, 50 %, 2m each, at least 6m; no room to surge and a single "
-            "replica: replaced without analysis, 1 at a time") in out.splitlines()
+            "replica: replaced 1 at a time, then judged against the old version's figures") in out.splitlines()
 
     stuck = {"models/chat.yaml": CHAT.replace("profiles:", "rollout:\n  max_unavailable: 0\nprofiles:") + ARGS}
     code, out = diff(run_cli, repo, snapshots["full"], stuck)
@@ -145,8 +145,9 @@ def test_a_change_that_goes_out_unjudged_or_supersedes_a_live_rollout_says_so_pl
     code, out = diff(run_cli, repo, mid, files, "text")
     lines = out.splitlines()
     # A single replica on a full fleet: no canary can run beside it.
-    assert ("  ! chat goes out UNJUDGED: a single replica and no room for a canary beside it: no canary analysis; "
-            "no acceptance prompts either") in lines, out
+    assert ("  ! chat goes out UNJUDGED: a single replica and no room for a canary beside it: it takes all traffic "
+            "at once, judged after against the old version's figures and reverted if worse: no canary analysis; no "
+            "acceptance prompts either") in lines, out
     assert any(f"now: a canary of revision {'c' * 12} is at step 2; this change supersedes it" in line
                for line in lines), out
     # With acceptance prompts it is still unjudged by a canary, and says what it has instead.
@@ -154,8 +155,8 @@ def test_a_change_that_goes_out_unjudged_or_supersedes_a_live_rollout_says_so_pl
     files = {"models/chat.yaml": CHAT.replace("profiles:", CANARY + accept + "profiles:") + ARGS}
     code, out = diff(run_cli, repo, snapshots["full"], files)
     (ro,) = json.loads(out)["plan"]["rollouts"]
-    assert ro["unjudged"] == ("a single replica and no room for a canary beside it: no canary analysis; each new "
-                              "replica answers 1 acceptance prompt(s) first") and ro["live"] is None
+    assert ro["unjudged"].endswith("reverted if worse: no canary analysis; each new replica answers 1 acceptance "
+                                   "prompt(s) first") and ro["live"] is None
     # A canary with room is judged: nothing to warn about.
     code, out = diff(run_cli, repo, snapshots["room"], files)
     assert json.loads(out)["plan"]["rollouts"][0]["unjudged"] is None

@@ -146,3 +146,51 @@ def test_the_meter_adds_what_routers_measured_across_their_restarts() -> None:
     assert meter.total("x").requests == 22
     meter.fold({}, [])
     assert meter.total("x").requests == 0
+
+
+def single_replica_change(store: Store, new_errors: float) -> RolloutDriver:
+    """A model with one replica on a full fleet: no canary can run. Before the change the old
+    replica served 300 requests without an error; after it, the new one serves, with
+    ``new_errors`` of its requests failing."""
+    from llmgw.decide.tick import ONLY_REPLICA
+
+    d = driver(store)
+    old, new = scaled(M, 1), scaled(NEW, 1)
+    d.plan(Catalog(models=(old,), revision="a" * 40), fleet(make_replica("m-g1", old)), dict, now=0.0)
+    lived = {"router-1": {"m-g1": stats(300)}}
+    d.plan(Catalog(models=(new,), revision="b" * 40), fleet(make_replica("m-g1", old)), lambda: lived, now=1.0)
+    d.decided(Decisions(no_canary_room={"m": ONLY_REPLICA}), {}, now=1.0)
+    r = d.rollout("m")
+    assert r.phase == Phase.PROMOTING and r.before is not None and ReplicaStats.from_json(r.before).requests == 300
+    assert "judged once it serves against the old version's figures (300 requests)" in [
+        e.message for e in store.events() if e.kind == "rollout-promoted"][-1]
+    # The new replica serves alone: its window against the old version's figures begins.
+    reps = fleet(make_replica("m-g2", new))
+    d.plan(Catalog(models=(new,), revision="b" * 40), reps, lambda: {"router-1": {"m-g2": ReplicaStats()}}, now=2.0)
+    assert d.rollout("m").verifying and d.rollout("m").phase == Phase.PROMOTING
+    after = stats(60, int(60 * new_errors))
+    d.plan(Catalog(models=(new,), revision="b" * 40), reps, lambda: {"router-1": {"m-g2": after}},
+           now=2.0 + CANARY.interval + 1)
+    return d
+
+
+def test_a_single_replica_change_is_judged_after_it_against_the_old_versions_figures(store: Store) -> None:
+    d = single_replica_change(store, 0.0)
+    r = d.rollout("m")
+    assert r.phase == Phase.DONE and r.reason == "judged after the change against the old version's figures"
+    assert d.records["m"].serving.profiles == NEW.profiles
+
+
+def test_a_single_replica_change_worse_than_the_old_version_is_reverted_by_itself(store: Store) -> None:
+    # Seen: the README's own tour, a bad change on a single replica reached all traffic (50 % errors)
+    # until it was reverted by hand.
+    d = single_replica_change(store, 0.3)
+    r = d.rollout("m")
+    assert r.phase == Phase.ROLLED_BACK and "against the old version's figures: canary error rate 30" in r.reason
+    assert d.records["m"].serving.profiles == M.profiles  # the version before: the replica is replaced back
+    assert [e.message for e in store.events() if e.kind == "rollout-rolled-back"][-1].startswith(
+        "m: reverted to the version before")
+    # The tick runs the old version again (an ordinary replacement of the new replica).
+    plan = d.plan(Catalog(models=(scaled(NEW, 1),), revision="b" * 40), fleet(make_replica("m-g2", scaled(NEW, 1))),
+                  dict, now=500.0)
+    assert plan.catalog.model("m").profiles == M.profiles
