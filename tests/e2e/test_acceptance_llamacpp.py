@@ -18,10 +18,9 @@ import openai
 import pytest
 
 from tests.conftest import git
-from tests.e2e.processes import free_port, start, stop, wait_for
+from tests.e2e.processes import catalog_repo, controller_config, start, stop, wait_for
 from tests.e2e.test_llamacpp_fleet import BINARY, GGUF, TOKEN, admin, requires_engine
 from tests.fixtures.confinement import confined_settings
-from tests.reconciler.fleet_e2e import nodes_yaml
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -61,24 +60,13 @@ def test_a_broken_chat_template_is_caught_before_any_client_sees_it(sshd_fleet, 
     fleet = sshd_fleet(1, agent_extra={"engines": {"llama.cpp": str(BINARY)},
                                        "sandbox_paths": [*confined["sandbox_paths"], str(BINARY.parents[1])]})
     source = f"file://{GGUF}"
-    repo = tmp_path / "catalog"
-    (repo / "models").mkdir(parents=True)
-    git(repo, "init", "-q", "-b", "main")
-    (repo / "nodes.yaml").write_text(nodes_yaml(fleet))
+    repo = catalog_repo(tmp_path, fleet, {"smollm2": MODEL.format(source=source, args=json.dumps(ARGS))},
+                        "SmolLM2 on llama.cpp, with acceptance prompts")
     model = repo / "models" / "smollm2.yaml"
-    model.write_text(MODEL.format(source=source, args=json.dumps(ARGS)))
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "SmolLM2 on llama.cpp, with acceptance prompts")
-    router_port, admin_port = free_port(), free_port()
-    config = tmp_path / "controller.yaml"
-    config.write_text(json.dumps({
-        "repo": str(repo), "data_dir": str(tmp_path / "data"), "fetch_interval": "1s",
-        "listen": {"router": f"127.0.0.1:{router_port}", "admin": f"127.0.0.1:{admin_port}"},
-        "ssh": {"key": str(fleet.client_key), "known_hosts": str(fleet.known_hosts)},
-        "admin_token": TOKEN, "reconciler": {"tick_interval": "500ms", "stop_grace": "5s", "probe_timeout": "60s"},
-    }))
+    config, url = controller_config(tmp_path, "data", repo, fleet, TOKEN, fetch_interval="1s",
+                                    reconciler={"tick_interval": "500ms", "stop_grace": "5s", "probe_timeout": "60s"})
     proc = start(["controller", "--config", str(config)], tmp_path / "controller.log")
-    url = f"http://127.0.0.1:{admin_port}"
+    router_port = json.loads(config.read_text())["listen"]["router"].rsplit(":", 1)[1]
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="unused", timeout=120,
                            max_retries=0)
 
