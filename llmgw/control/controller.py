@@ -116,9 +116,11 @@ class Controller:
 
     def _make_reconciler(self) -> Reconciler:
         config = self.config
-        return Reconciler(self.desired, self.inventory, self.fleet, self.store, sink=self._sink, usage=self._usage,
-                          config=config.reconciler, manages=lambda n: n.transport in config.transports,
-                          clock=self._clock)
+        reconciler = Reconciler(self.desired, self.inventory, self.fleet, self.store, sink=self._sink,
+                                usage=self._usage, config=config.reconciler,
+                                manages=lambda n: n.transport in config.transports, clock=self._clock)
+        reconciler.may_act = lambda: self.leading
+        return reconciler
 
     # --- leading (DESIGN §5) --------------------------------------------------------------------
     @property

@@ -88,6 +88,10 @@ class Reconciler:
         self.lifecycle: Lifecycle | None = None
         self._nodes_for: Catalog | None = None
         self._saved: tuple[Replica, ...] | None = None
+        # Whether this controller may still write the fleet's records (a shared store: it leads).
+        # A leader that stalled past its lease and resumed must not overwrite, with what it saw
+        # before, the records its successor keeps in the same store.
+        self.may_act: Callable[[], bool] = lambda: True
         self.rollouts = RolloutDriver(store, clock=clock)
         self._running: Catalog | None = None  # the catalog with each model on its serving version
 
@@ -166,7 +170,8 @@ class Reconciler:
             await self._stop_stale_engines(plan, inventory, now)
             await self._advance_all(plan, inventory)
             self._save()
-            self.rollouts.save()
+            if self.may_act():
+                self.rollouts.save()
             self.publish()
             return decisions
 
@@ -361,7 +366,7 @@ class Reconciler:
     def _save(self) -> None:
         """Persist the replica records, only when they changed (a tick usually changes nothing)."""
         records = tuple(self.replicas.values())  # frozen records: equal when nothing changed
-        if records != self._saved:
+        if records != self._saved and self.may_act():
             self.store.save_replicas(records)
             self._saved = records
 

@@ -293,3 +293,23 @@ def test_a_replica_is_recorded_before_its_start_is_sent(tmp_path) -> None:
         assert d.recorded_at_start == [True, True]
 
     asyncio.run(main())
+
+
+def test_a_controller_that_no_longer_leads_writes_no_record(tmp_path) -> None:
+    # Review: a leader that stalled past its lease and resumed ran a tick before its lease loop
+    # noticed, and saved what it had seen over the records its successor keeps in the shared store.
+    async def main() -> None:
+        store = Store(tmp_path / "a.db").open()
+        d, clock = LeasedNodes("ctl-a"), Clock()
+        rec = controller(d, store, catalog(sim("chat", min_=1, max_=1)), "ctl-a", clock)
+        rec.may_act = lambda: False
+        await rec.start(loop=False)
+        await ticks(rec, clock, 2)
+        assert store.replicas() == [] and store.rollout_records() == {}
+        rec.may_act = lambda: True
+        await ticks(rec, clock, 1)
+        assert [r.model for r in store.replicas()] == ["chat"]
+        await rec.close()
+        store.close()
+
+    asyncio.run(main())
