@@ -162,3 +162,10 @@ def fingerprint(model: Model, profile: Profile) -> str:
         "profile": asdict(profile),
     }
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def runs(replica: Replica, model: Model | None) -> bool:
+    """The replica runs ``model``'s version of its profile: the one test of "this replica runs
+    that version" (the profile it runs still exists, and its engine is built from the same)."""
+    profile = model.profile(replica.profile) if model is not None else None
+    return profile is not None and fingerprint(model, profile) == replica.fingerprint  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ from typing import Any
 
 from llmgw.catalog import Catalog, Model
 from llmgw.catalog.durations import format_duration
-from llmgw.decide.replica import Replica, fingerprint
+from llmgw.decide.replica import Replica, runs
 from llmgw.decide.rollout import Phase, Rollout, duration_at_least, model_version
 from llmgw.decide.tick import holding
 from llmgw.inventory import Inventory
@@ -131,11 +131,7 @@ def _rev(sha: str | None) -> str:
 def _outdated(model: Model, running: list[Replica]) -> bool:
     """Some running replica would change under ``model`` (as the controller decides to start a
     rollout: a profile no replica uses changes nothing running, and applies without one)."""
-    for r in running:
-        profile = model.profile(r.profile)
-        if profile is None or fingerprint(model, profile) != r.fingerprint:
-            return True
-    return False
+    return any(not runs(r, model) for r in running)
 
 
 def _one(head: Catalog, model: Model, inventory: Inventory, held: list, running: int, *, now: float) -> RolloutPlan:

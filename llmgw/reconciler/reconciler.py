@@ -22,7 +22,7 @@ import aiohttp
 from llmgw.catalog import Catalog, NodeId, NodeSpec
 from llmgw.contract import Endpoint, EndpointSink, NoUsage, UsageSource
 from llmgw.decide.adopt import Adoption, adopt
-from llmgw.decide.replica import Replica, ReplicaState, fingerprint, replica_id, shard_agent_id
+from llmgw.decide.replica import Replica, ReplicaState, fingerprint, replica_id, runs, shard_agent_id
 from llmgw.decide.replica import ShardStatus as _ShardStatus
 from llmgw.decide.tick import Decisions, Settings, decide
 from llmgw.dispatch.base import Dispatcher
@@ -182,15 +182,14 @@ class Reconciler:
             if not r.canary or r.model in plan.canaries:
                 continue
             model = plan.catalog.model(r.model)
-            profile = model.profile(r.profile) if model else None
-            if model is None or profile is None or fingerprint(model, profile) != r.fingerprint:
+            if model is None or not runs(r, model):
                 continue  # a canary of a rollout that ended: decide() stops it
             # Without this the model had one replica too many, and scaling stopped one of the
             # three at random (seen: the canary that had just passed), then replaced both old ones.
             replaced = {x.replaces for x in self.replicas.values() if x.replaces and x.state.live}
             stable = [x for x in self.replicas.values() if x.model == r.model and x.state.live and not x.canary]
             old = [x for x in stable if x.id not in replaced and x.state != ReplicaState.STOPPING
-                   and ((p := model.profile(x.profile)) is None or fingerprint(model, p) != x.fingerprint)]
+                   and not runs(x, model)]
             surplus = len(stable) >= model.scaling.min
             self.replicas[rid] = replace(r, canary=False, replaces=old[0].id if old and surplus else None)
 

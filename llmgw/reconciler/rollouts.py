@@ -21,7 +21,7 @@ from llmgw.catalog import Catalog, Model
 from llmgw.catalog.spec import model_from_json, model_to_json
 from llmgw.contract import ReplicaStats
 from llmgw.decide.acceptance import FINDING
-from llmgw.decide.replica import Replica, ReplicaState, fingerprint
+from llmgw.decide.replica import Replica, ReplicaState, runs
 from llmgw.decide.rollout import Phase, Rollout, Windows, advance, model_version, promoted, verify, with_spec
 from llmgw.decide.tick import FITS_NOWHERE, ONLY_REPLICA, CanaryWant, Decisions
 from llmgw.errors import LlmgwError
@@ -265,8 +265,7 @@ class RolloutDriver:
             return r
         # The canary of THIS version: one of a superseded commit may still be stopping (review: a
         # quick fix was rolled back for the failures of the canary it replaced).
-        canary = next((x for x in mine if x.canary and x.state.live and (p := model.profile(x.profile)) is not None
-                       and fingerprint(model, p) == x.fingerprint), None)
+        canary = next((x for x in mine if x.canary and x.state.live and runs(x, model)), None)
         if canary is None and r.canary is not None:
             r = replace(r, canary=None)  # lost with its node, or stopped: another is placed
         if ready_now := (canary is not None and canary.state == ReplicaState.READY):
@@ -343,13 +342,7 @@ class RolloutDriver:
     @staticmethod
     def _outdated(spec: Model, replicas: Iterable[Replica]) -> bool:
         """Some replica runs another version than ``spec``."""
-        for x in replicas:
-            if not x.state.live or x.canary:
-                continue
-            profile = spec.profile(x.profile)
-            if profile is None or fingerprint(spec, profile) != x.fingerprint:
-                return True
-        return False
+        return any(x.state.live and not x.canary and not runs(x, spec) for x in replicas)
 
     # --- after decide() ------------------------------------------------------------------------
     def decided(self, d: Decisions, created: Mapping[str, str], now: float) -> None:
