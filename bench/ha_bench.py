@@ -14,7 +14,8 @@ along.
    - ``takeover_s``: kill → a standby says it leads (its admin API's summary) AND both routers
      follow it (their ``llmgw_router_controller_following`` metric) AND each router has answered
      a client request sent after the kill;
-   - ``node_leases_s``: kill → the new leader holds every node's lease (``/api/v1/nodes``);
+   - ``first_node_lease_s``, ``node_leases_s``: kill → the new leader holds one node's lease, and
+     every node's (``/api/v1/nodes``);
    - ``engines_restarted``: the ready replicas' shard pids before the kill against after the
      takeover (a pid gone, or a new one; each should be 0);
    - ``failed``: client requests that failed between the kill and the next round.
@@ -112,9 +113,14 @@ def ready(admin: str) -> dict[str, list[int]]:
             if r["state"] == "ready" and r["model"] == "chat"}
 
 
+def leases_held(admin: str) -> tuple[bool, bool]:
+    """(the controller holds at least one node's lease, it holds every node's)."""
+    held = [bool((n.get("lease") or {}).get("held")) for n in api(admin, "/api/v1/nodes", timeout=3)]
+    return any(held), bool(held) and all(held)
+
+
 def all_held(admin: str) -> bool:
-    nodes = api(admin, "/api/v1/nodes", timeout=3)
-    return bool(nodes) and all((n.get("lease") or {}).get("held") for n in nodes)
+    return leases_held(admin)[1]
 
 
 def following(router: str) -> int | None:
@@ -253,7 +259,8 @@ class Round:
     routers_follow_s: float | None = None
     routers_answer_s: float | None = None
     takeover_s: float | None = None
-    node_leases_s: float | None = None
+    first_node_lease_s: float | None = None  # the new leader holds one node's lease
+    node_leases_s: float | None = None  # ... every node's
     engines_restarted: int | None = None
     failed: int = 0
     failures: list[str] = field(default_factory=list)
@@ -281,10 +288,13 @@ def observe_takeover(rnd: Round, killed_at: float, cluster: Cluster, load: Load,
                 rnd.routers_follow_s = round(time.monotonic() - killed_at, 3)
             if rnd.node_leases_s is None:
                 try:
-                    if all_held(cluster.admins[rnd.new]):
-                        rnd.node_leases_s = round(time.monotonic() - killed_at, 3)
+                    some, every = leases_held(cluster.admins[rnd.new])
                 except (OSError, ValueError):
-                    pass
+                    some = every = False
+                if some and rnd.first_node_lease_s is None:
+                    rnd.first_node_lease_s = round(time.monotonic() - killed_at, 3)
+                if every:
+                    rnd.node_leases_s = round(time.monotonic() - killed_at, 3)
         answered = [load.answered_since(r, killed_at) for r in cluster.routers]
         if rnd.routers_answer_s is None and all(a is not None for a in answered):
             rnd.routers_answer_s = round(max(answered) - killed_at, 3)  # type: ignore[type-var]
@@ -325,6 +335,27 @@ def usage_figures(load: Load, admin: str) -> dict[str, Any]:
             "lost": {k: max(0, -d) for k, d in diff.items()}, "doubled": {k: max(0, d) for k, d in diff.items()}}
 
 
+EXPECTED = (AssertionError, OSError, RuntimeError, ValueError, KeyError, subprocess.SubprocessError)
+
+
+def finish(cluster: Cluster, load: Load, admin: str) -> dict[str, Any]:
+    """Stop the clients, then the routers (SIGTERM: each sends its last usage batch), then read
+    the ledger on ``admin`` against what the clients received."""
+    load.stop()
+    cluster.stop_routers()
+    return usage_figures(load, admin)
+
+
+def stopped_early(part: str, exc: BaseException, cluster: Cluster) -> str:
+    """Say why a part stopped, with the tail of every log it wrote (the evidence), on stderr."""
+    why = f"{type(exc).__name__}: {exc}"
+    log(f"{part}: stopped early: {why}")
+    for path in sorted(cluster.work.glob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-15:]
+        log(f"--- {path.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return why
+
+
 def postgres_part(work: Path, env: SshdEnvironment, pg: PostgresServer, *, kills: int, graceful: int,
                   threads: int) -> dict[str, Any]:
     fleet = env.fleet(2)
@@ -335,6 +366,7 @@ def postgres_part(work: Path, env: SshdEnvironment, pg: PostgresServer, *, kills
         cluster.configs[name], cluster.admins[name] = controller_config(work, name, repo, fleet, TOKEN, store=url)
     load = Load([])
     rounds: list[Round] = []
+    usage = error = None
     try:
         for name in cluster.admins:
             cluster.start_controller(name)
@@ -375,24 +407,28 @@ def postgres_part(work: Path, env: SshdEnvironment, pg: PostgresServer, *, kills
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
             cluster.start_controller(old)  # it comes back on its own data dir and stands by
-            wait_for(lambda old=old: role(cluster.admins[old]) == "standby", 60, f"{old} stands by again")
+            seen: list[str | None] = []  # what it answered while coming back (None: nothing)
+            try:
+                wait_for(lambda old=old, seen=seen: (seen.append(role(cluster.admins[old])) or seen[-1]) == "standby",
+                         60, f"{old} stands by again", cluster.procs[old])
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; roles it reported: {sorted(set(map(str, seen)))}") from None
             settle(load, 10)
             rnd.failures = load.failed_between(killed_at, time.monotonic())
             rnd.failed = len(rnd.failures)
             rounds.append(rnd)
             log(f"pg round {i + 1}/{len(plan)} ({how} {old} -> {rnd.new}): takeover {rnd.takeover_s}s "
                 f"(leads {rnd.led_s}, routers follow {rnd.routers_follow_s}, answer {rnd.routers_answer_s}), "
-                f"node leases {rnd.node_leases_s}s, restarted {rnd.engines_restarted}, failed {rnd.failed}")
+                f"node leases first {rnd.first_node_lease_s}s all {rnd.node_leases_s}s, "
+                f"restarted {rnd.engines_restarted}, failed {rnd.failed}")
         final = wait_for(leader, 60, "one leader at the end")
+        usage = finish(cluster, load, cluster.admins[final])
+    except EXPECTED as exc:
+        error = stopped_early("pg", exc, cluster)
     finally:
         load.stop()
-    failed_total = len(load.failures)
-    cluster.stop_routers()
-    try:
-        usage = usage_figures(load, cluster.admins[final])
-    finally:
         cluster.close()
-    return {"rounds": [r.to_json() for r in rounds], "failed_total": failed_total,
+    return {"rounds": [r.to_json() for r in rounds], "failed_total": len(load.failures), "error": error,
             "failures": [why for _, why in load.failures[:5]], "usage": usage}
 
 
@@ -405,6 +441,7 @@ def sqlite_part(work: Path, env: SshdEnvironment, *, restores: int, lag: float, 
         cluster.configs[name], cluster.admins[name] = controller_config(work, name, repo, fleet, TOKEN)
     load = Load([])
     rounds: list[Round] = []
+    usage = error = None
     try:
         cluster.start_controller(names[0])
         cluster.start_routers()
@@ -434,19 +471,18 @@ def sqlite_part(work: Path, env: SshdEnvironment, *, restores: int, lag: float, 
             rounds.append(rnd)
             log(f"sqlite restore {i + 1}/{restores} ({old} -> {new}, copy {lag:.0f}s old): takeover {rnd.takeover_s}s "
                 f"(leads {rnd.led_s}, routers follow {rnd.routers_follow_s}, answer {rnd.routers_answer_s}), "
-                f"node leases {rnd.node_leases_s}s, restarted {rnd.engines_restarted}, failed {rnd.failed}; "
+                f"node leases first {rnd.first_node_lease_s}s all {rnd.node_leases_s}s, "
+                f"restarted {rnd.engines_restarted}, failed {rnd.failed}; "
                 f"answered between the copy and the kill (requests, prompt, completion tokens) "
                 f"{rnd.answered_copy_to_kill}")
+        usage = finish(cluster, load, cluster.admins[names[-1]])
+    except EXPECTED as exc:
+        error = stopped_early("sqlite", exc, cluster)
     finally:
         load.stop()
-    failed_total = len(load.failures)
-    cluster.stop_routers()
-    try:
-        usage = usage_figures(load, cluster.admins[names[-1]])
-    finally:
         cluster.close()
-    return {"rounds": [r.to_json() for r in rounds], "failed_total": failed_total, "lag_s": lag,
-            "failures": [why for _, why in load.failures[:5]], "usage": usage}
+    return {"rounds": [r.to_json() for r in rounds], "failed_total": len(load.failures), "lag_s": lag,
+            "error": error, "failures": [why for _, why in load.failures[:5]], "usage": usage}
 
 
 def p99(xs: list[float]) -> float:
@@ -459,7 +495,7 @@ def figures(pg: dict[str, Any] | None, sqlite: dict[str, Any] | None, *, kills: 
             restores: int) -> dict[str, Any]:
     """The flat figures the verdict reads; a figure not measured is None."""
     def of(part: dict[str, Any] | None, how: str, key: str) -> list[Any]:
-        return [r[key] for r in (part or {}).get("rounds", []) if r["how"] == how]
+        return [r.get(key) for r in (part or {}).get("rounds", []) if r["how"] == how]
 
     def total(xs: list[Any]) -> int | None:
         return None if not xs or None in xs else sum(xs)
@@ -469,6 +505,7 @@ def figures(pg: dict[str, Any] | None, sqlite: dict[str, Any] | None, *, kills: 
         part = sqlite if how == "restore" else pg
         takeovers = of(part, how, "takeover_s")
         leases = of(part, how, "node_leases_s")
+        out[f"{prefix}_first_node_lease_s"] = of(part, how, "first_node_lease_s")
         out[f"{prefix}_rounds"] = len(takeovers)
         out[f"{prefix}_takeover_s"] = takeovers
         measured = [t for t in takeovers if t is not None]
@@ -481,6 +518,7 @@ def figures(pg: dict[str, Any] | None, sqlite: dict[str, Any] | None, *, kills: 
         out[f"{prefix}_engines_restarted"] = total(of(part, how, "engines_restarted"))
     for name, part in (("pg", pg), ("sqlite", sqlite)):
         usage = (part or {}).get("usage")
+        out[f"{name}_error"] = (part or {}).get("error") if part else "did not run"
         out[f"{name}_failed_requests"] = part.get("failed_total") if part else None
         out[f"{name}_requests_answered"] = usage["clients"]["requests"] if usage else None
         out[f"{name}_tokens_clients"] = (usage["clients"]["prompt_tokens"] + usage["clients"]["completion_tokens"]
@@ -510,6 +548,8 @@ def judge(f: dict[str, Any]) -> tuple[dict[str, bool], list[str]]:
         return v is not None and v <= bound
 
     checks = {
+        "pg: ran to the end": f.get("pg_error") is None,
+        "sqlite: ran to the end": f.get("sqlite_error") is None,
         f"pg: >= {f['kills_wanted']} kill -9 rounds measured": f.get("pg_kill_rounds", 0) >= f["kills_wanted"] > 0,
         f"pg: >= {f['graceful_wanted']} graceful rounds measured":
             f.get("pg_graceful_rounds", 0) >= f["graceful_wanted"] > 0,
