@@ -85,6 +85,7 @@ class Controller:
         self._fleet_open = False
         self._quiet = False  # quiesce() ran: a lease taken from now on starts nothing
         self._led = False  # this process led once: a new lead gets a fresh reconciler
+        self._handed_over = False  # hand_over() ran: stopping, it leads no more
         self.role_listeners: list[Callable[[], None]] = []  # told when this controller leads or stops
         self.registry = registry or CollectorRegistry()
         data = Path(config.data_dir)
@@ -125,12 +126,15 @@ class Controller:
     # --- leading (DESIGN §5) --------------------------------------------------------------------
     @property
     def leading(self) -> bool:
-        """This controller may act on the fleet: alone on its store, or holding the lease in time."""
-        return self.leadership is None or self.leadership.leading
+        """This controller may act on the fleet: alone on its store, or holding the lease in time
+        (and not handed over for a clean stop)."""
+        return not self._handed_over and (self.leadership is None or self.leadership.leading)
 
     @property
     def leader_url(self) -> str | None:
         """The leader's advertised admin URL as known here (this controller's own when it leads)."""
+        if self._handed_over:
+            return None  # stopping: not this one, and the one it knew of was itself
         return self.advertise if self.leadership is None else self.leadership.leader_url
 
     def leadership_view(self) -> dict[str, Any]:
@@ -315,6 +319,17 @@ class Controller:
         await self._statuses_close()
         await self.follower.close()
         await self.reconciler.close()
+
+    async def hand_over(self) -> None:
+        """A clean stop, once nothing reconciles: the nodes' leases and the lead go back at once,
+        and the routers' watches here end, so they follow whoever leads next (the admin API goes
+        on answering, as a standby, until the process ends)."""
+        await self._statuses_close()
+        await self._close_fleet()
+        self._handed_over = True
+        if self.leadership is not None:
+            await self.leadership.close()
+        self._role_changed()
 
     async def stop_engines(self) -> None:
         """Stop every engine this controller runs (for `up`, whose engines end with it)."""

@@ -79,6 +79,9 @@ class Running:
             if stop_engines:
                 await self.controller.stop_engines()
                 log.info("engines stopped at %.1f s", time.monotonic() - t0)
+        # Before the listeners drain: their routers' watches stay open until ended, and a standby
+        # waited for the lead for as long (10 s) while nothing reconciled.
+        await self.controller.hand_over()
         for runner in self.runners:
             await runner.cleanup()
         await self.controller.close()
