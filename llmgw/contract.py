@@ -29,12 +29,16 @@ controller's clock, so it grows across restarts too). Routers report back::
                                    "demand": {model: {"held": n, "inflight": n}},
                                    "prompt_cache": {model: PromptCache.to_json()},
                                    "usage": UsageBatch.to_json()}     (only when it has rows)
-    → {"ok": true, "version": ..., "usage_acked": seq}
+    → {"ok": true, "version": ..., "usage_acked": seq}   (or "usage_resend_from": seq)
 
 Usage goes as numbered batches of deltas (:class:`UsageBatch`): a router sends the same batch
 again until the controller acknowledges its ``seq``, and the controller records each
 (``instance``, ``seq``) once, in the same transaction as the rows, so a lost answer, a resent
-report or a restart on either side counts nothing twice.
+report or a restart on either side counts nothing twice. A controller whose store lacks the
+batches before this one (restored from an older copy of its data dir: the batches since were
+acknowledged by the store that was lost) answers ``usage_resend_from`` instead of an ack, once per
+gap: the router sends again, in order, the acknowledged batches it keeps from that number on
+(USAGE_RETAINED), then the rest.
 """
 
 from __future__ import annotations
@@ -464,6 +468,9 @@ class UsageLedger(Protocol):
     def record_usage(self, batch: UsageBatch) -> bool:
         """True when recorded now, False when this (instance, seq) was recorded before."""
 
+    def usage_seq(self, instance: str) -> int:
+        """The last batch number recorded for a router instance (0: none)."""
+
 
 class UsageOutboxLike(Protocol):
     """A router's usage not yet in the ledger: the batch to send, and its acknowledgement."""
@@ -472,6 +479,12 @@ class UsageOutboxLike(Protocol):
 
     def acked(self, seq: int) -> None: ...
 
+    def resend_from(self, seq: int) -> None: ...
+
+
+# Acknowledged batches a router keeps, to send again to a controller restored from an older copy
+# of its store (``usage_resend_from``): at a report every second or two, the last hour or so.
+USAGE_RETAINED = 2_000
 
 class EndpointSink(Protocol):
     """Receives the endpoint list (only ready replicas). The router implements it."""

@@ -108,6 +108,8 @@ class FeedHub:
         self._line: bytes | None = None
         self._changes = Changes()
         self._reports: dict[str, Report] = {}
+        # Per router instance: the store's last batch when this controller asked for the ones after it.
+        self._resend_asked: dict[str, int] = {}
         # Replicas taken out of the endpoint list, with the version that took them out: until
         # every router serves from that version, one may still send them a request.
         self._withdrawn: dict[str, int] = {}
@@ -386,8 +388,18 @@ class FeedHub:
             # Recorded now or before: either way the router may drop it. Not recorded (the
             # store failed): no ack, and the router sends the same batch again.
             try:
-                self.ledger.record_usage(batch)
-                answer["usage_acked"] = batch.seq
+                known = self.ledger.usage_seq(batch.instance)
+                if batch.seq > known + 1 and self._resend_asked.get(batch.instance) != known:
+                    # The store lacks this router's batches known+1 .. seq-1: restored from an older
+                    # copy, after they were acknowledged. Asked once per gap (a batch refused as
+                    # malformed is a gap too, and is not sent better the second time).
+                    self._resend_asked[batch.instance] = known
+                    answer["usage_resend_from"] = known + 1
+                    log.warning("usage ledger: router %s's batches %d to %d are not in the store (restored from "
+                                "an older copy?); asked for them again", router_id, known + 1, batch.seq - 1)
+                else:
+                    self.ledger.record_usage(batch)
+                    answer["usage_acked"] = batch.seq
             except StoreError as exc:
                 log.warning("usage ledger: could not record a batch from %s (%s)", router_id, exc)
         answer.update(self.spent())  # with its own batch in them

@@ -207,6 +207,9 @@ class BookedLedger:
             self.book.recorded(batch)
         return recorded
 
+    def usage_seq(self, instance: str) -> int:
+        return self.ledger.usage_seq(instance)
+
 
 class UsageFlusher:
     """Moves ``outbox`` (the in-process router's) into ``ledger`` every ``interval`` and at close;

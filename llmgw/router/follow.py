@@ -375,8 +375,16 @@ class FeedClient:
         if batch is not None:
             acked = answer.get("usage_acked") if isinstance(answer, dict) else None
             rejected = answer.get("usage_rejected") if isinstance(answer, dict) else None
+            resend = answer.get("usage_resend_from") if isinstance(answer, dict) else None
             if acked == batch.seq:
                 outbox.acked(batch.seq)
+            elif type(resend) is int and 0 < resend <= batch.seq:
+                kept = outbox.kept_from()
+                if resend < batch.seq and (kept is None or kept > resend):
+                    log.error("usage batches %d to %d are no longer kept here and are lost to the controller's "
+                              "ledger (its store was restored from an older copy)", resend,
+                              (kept or batch.seq) - 1)
+                outbox.resend_from(resend)
             elif rejected == batch.seq:  # sending it again cannot help: dropped, and said so
                 log.error("usage batch %d (%d rows) was refused by the controller and is dropped",
                           batch.seq, len(batch.rows))

@@ -274,6 +274,11 @@ class PostgresStore(JsonRecords):
                 cur.executemany(upsert, rows)
         return True
 
+    def usage_seq(self, instance: str) -> int:
+        with self._main.use() as conn:
+            row = conn.execute("SELECT seq FROM usage_batches WHERE instance = %s", (_text(instance),)).fetchone()
+        return int(row[0]) if row is not None else 0
+
     def usage(self, since: float, until: float, *, by: tuple[str, ...] = USAGE_GROUPS, step: int = 0,
               where: dict[str, str] | None = None) -> list[dict[str, Any]]:
         sql, names = usage_query(by, step, where, sums=_USAGE_SUMS, mark="%s")

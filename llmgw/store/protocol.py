@@ -114,6 +114,9 @@ class Store(Protocol):
         """Add the batch's rows unless its (instance, seq) was recorded before (or a later seq of
         that instance was): True when recorded now. Rows and seq in one transaction."""
 
+    def usage_seq(self, instance: str) -> int:
+        """The last batch number recorded for a router instance (0: none)."""
+
     def usage(self, since: float, until: float, *, by: tuple[str, ...] = USAGE_GROUPS, step: int = 0,
               where: dict[str, str] | None = None) -> list[dict[str, Any]]:
         """Sums over minutes in [since, until), grouped by ``by`` (of tenant, key, model) and, with

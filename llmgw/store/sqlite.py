@@ -278,6 +278,11 @@ class SqliteStore(JsonRecords):
                        "DO UPDATE SET seq = excluded.seq, time = excluded.time", (batch.instance, batch.seq, t))
         return True
 
+    def usage_seq(self, instance: str) -> int:
+        with self._locked() as db:
+            row = db.execute("SELECT seq FROM usage_batches WHERE instance = ?", (instance,)).fetchone()
+        return int(row[0]) if row is not None else 0
+
     def usage(self, since: float, until: float, *, by: tuple[str, ...] = USAGE_GROUPS, step: int = 0,
               where: dict[str, str] | None = None) -> list[dict[str, Any]]:
         sql, names = usage_query(by, step, where, sums=_USAGE_SUMS, mark="?")

@@ -10,9 +10,10 @@ reserved) and counts them per key and model, and by minute for the ledger. Pure:
 from __future__ import annotations
 
 import secrets
+from collections import deque
 from dataclasses import dataclass, fields
 
-from llmgw.contract import MAX_USAGE_ROWS, UsageBatch, UsageRow
+from llmgw.contract import MAX_USAGE_ROWS, USAGE_RETAINED, UsageBatch, UsageRow
 from llmgw.tenancy.admission import Admitted
 
 
@@ -67,6 +68,8 @@ class UsageOutbox:
         self._seq = 0
         self._open: dict[tuple[int, str, str, str], Usage] = {}
         self._sent: UsageBatch | None = None
+        self._done: deque[UsageBatch] = deque(maxlen=USAGE_RETAINED)  # acknowledged, newest last
+        self._again: deque[UsageBatch] = deque()  # to send again, in order, before anything new
 
     def add(self, minute: int, tenant: str, key: str, model: str, delta: Usage) -> None:
         entry = self._open.get((minute, tenant, key, model))
@@ -76,6 +79,8 @@ class UsageOutbox:
 
     def take(self) -> UsageBatch | None:
         """The batch to send: the one not acknowledged yet, else what was counted since (or None)."""
+        if self._sent is None and self._again:
+            self._sent = self._again.popleft()
         if self._sent is None and self._open:
             self._seq += 1
             # Oldest first, at most MAX_USAGE_ROWS: the rest goes in the batches after.
@@ -86,12 +91,29 @@ class UsageOutbox:
 
     def acked(self, seq: int) -> None:
         if self._sent is not None and self._sent.seq == seq:
+            self._done.append(self._sent)
             self._sent = None
+
+    def resend_from(self, seq: int) -> None:
+        """The controller's store lacks the batches from ``seq`` on (restored from an older copy):
+        the acknowledged ones kept from there go again, in order, then the one in flight. What
+        is no longer kept is lost (said in the log by the caller)."""
+        again = [b for b in self._done if b.seq >= seq]
+        if self._sent is not None:
+            again.append(self._sent)
+            self._sent = None
+        self._again = deque(sorted(again, key=lambda b: b.seq))
+        self._done = deque((b for b in self._done if b.seq < seq), maxlen=USAGE_RETAINED)
+
+    def kept_from(self) -> int | None:
+        """The oldest acknowledged batch kept (None: none)."""
+        return self._done[0].seq if self._done else None
 
     @property
     def pending(self) -> int:
         """Rows not yet acknowledged."""
-        return len(self._open) + (len(self._sent.rows) if self._sent is not None else 0)
+        return (len(self._open) + (len(self._sent.rows) if self._sent is not None else 0)
+                + sum(len(b.rows) for b in self._again))
 
 
 class UsageBook:

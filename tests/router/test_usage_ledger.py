@@ -351,3 +351,50 @@ async def test_a_store_away_costs_neither_the_report_nor_a_token(chat_sim: SimPr
     store.close()
     assert (got["requests"], got["prompt_tokens"], got["completion_tokens"]) == (1, *told)
     assert statuses and set(statuses) == {200}, statuses  # every report answered, none a 500
+
+
+async def test_a_controller_restored_from_an_older_copy_gets_the_batches_it_lost(
+        chat_sim: SimProcess, tmp_path: Path) -> None:
+    # Seen (bench/ha_bench.py): a controller started on an older copy of its data dir lacked every
+    # batch acknowledged since the copy (1,059 requests in one run), and budgets would grant that
+    # use again. Its first report from a router that has batches beyond what the store knows asks
+    # for them again; the router still keeps them and sends them in order.
+    import sqlite3
+
+    store = Store(tmp_path / "live" / "llmgw.db").open()
+    hub = FeedHub(keepalive=0.2)
+    hub.ledger = store
+    hub.set_catalog(CATALOG)
+    hub.set_endpoints([endpoint("chat", chat_sim.endpoint)])
+    router = Router(keys=KEYS, config=RouterConfig())
+    port = free_port()
+    runner = await serve(make_app(hub, TOKEN), port)
+    sent = [0, 0, 0]
+    try:
+        async with following(router, f"http://127.0.0.1:{port}"), serving(router) as base, \
+                client(base, "sk-web") as web_c:
+            async def some(n: int) -> None:
+                for i in range(n):
+                    p, c = await ask(web_c, stream=i % 2 == 1)
+                    sent[0] += 1
+                    sent[1] += p
+                    sent[2] += c
+                    await until(lambda: router.usage_outbox.pending == 0, timeout=10)  # a batch each
+
+            await until(lambda: router.table.has("chat"))
+            await some(2)
+            (tmp_path / "copy").mkdir()
+            with sqlite3.connect(tmp_path / "live" / "llmgw.db") as live, \
+                    sqlite3.connect(tmp_path / "copy" / "llmgw.db") as copy:
+                live.backup(copy)  # what a backup of the data dir holds (WAL included)
+            await some(3)  # acknowledged by the live store, which is then lost
+            restored = Store(tmp_path / "copy" / "llmgw.db").open()
+            hub.ledger = restored
+            await some(2)
+            await until(lambda: router.usage_outbox.pending == 0, timeout=10)
+    finally:
+        await runner.cleanup()
+    got = totals(restored)
+    restored.close()
+    store.close()
+    assert (got["requests"], got["prompt_tokens"], got["completion_tokens"]) == tuple(sent)

@@ -54,6 +54,8 @@ def test_a_batch_is_counted_once_by_instance_and_seq(store: Store) -> None:
     assert store.record_usage(UsageBatch("router-1", 2, (row(60),))) is True
     sums = {(r["key"], r["model"]): r["prompt_tokens"] for r in store.usage(*ALL, by=("key", "model"))}
     assert sums == {("k", "m"): 40, ("k2", "m"): 10}
+    # What a controller asks a router to send again after a restore starts from here.
+    assert (store.usage_seq("router-1"), store.usage_seq("router-2"), store.usage_seq("never")) == (2, 1, 0)
 
 
 def test_one_batch_recorded_by_two_controllers_at_once_counts_once(backend: Backend) -> None:
