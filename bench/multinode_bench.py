@@ -72,7 +72,7 @@ def streamed(client: openai.OpenAI, model: str, tokens: int) -> tuple[float, flo
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             stamps.append(time.perf_counter())
-    if len(stamps) < 2:
+    if len(stamps) < 2 or stamps[-1] == stamps[0]:
         raise RuntimeError(f"{model}: {len(stamps)} token(s) streamed; nothing to time")
     return (stamps[0] - sent) * 1000, (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
@@ -172,14 +172,29 @@ def main() -> None:
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 9)
     tokens = args.tokens or (32 if args.quick else 96)
-    with tempfile.TemporaryDirectory(prefix="llmgw-multinode-bench-") as tmp:
-        report = run(Path(tmp), rounds, tokens)
-    report["split_tok_s_ratio"] = round(report["split_tok_s"] / report["one_tok_s"], 3)
-    report["split_ttft_ratio"] = round(report["split_ttft_ms"] / report["one_ttft_ms"], 3)
-    report["engine_split_tok_s_ratio"] = round(report["engine_split_tok_s"] / report["engine_one_tok_s"], 3)
-    met = report["split_tok_s_ratio"] >= 0.5 and report["split_ttft_ratio"] <= 3.0
+    not_measured: list[str] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="llmgw-multinode-bench-") as tmp:
+            report = run(Path(tmp), rounds, tokens)
+    except Exception as exc:  # noqa: BLE001 - the verdict line is printed whatever failed
+        report = {"error": f"{type(exc).__name__}: {exc}"}
+        not_measured.append("the run did not finish")
+
+    def ratio(name: str, top: str, bottom: str) -> float | None:
+        # A figure missing or zero (nothing timed) is not measured, not a division by zero.
+        a, b = report.get(top), report.get(bottom)
+        if not a or not b:
+            not_measured.append(name)
+            return None
+        return round(a / b, 3)
+
+    report["split_tok_s_ratio"] = ratio("split_tok_s_ratio", "split_tok_s", "one_tok_s")
+    report["split_ttft_ratio"] = ratio("split_ttft_ratio", "split_ttft_ms", "one_ttft_ms")
+    report["engine_split_tok_s_ratio"] = ratio("engine_split_tok_s_ratio", "engine_split_tok_s", "engine_one_tok_s")
+    met = (not not_measured and report["split_tok_s_ratio"] >= 0.5  # type: ignore[operator]
+           and report["split_ttft_ratio"] <= 3.0)  # type: ignore[operator]
     print(json.dumps({"bench": "multinode", "metric": report["split_tok_s_ratio"], **report, "goal": GOAL,
-                      "met": met}))
+                      "not_measured": not_measured, "met": met}))
     sys.exit(0 if met else 1)
 
 

@@ -627,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
                    and isolated["hostile_bodies_refused"] >= 2
                    and sum(isolated["hostile_answers"].values()) == isolated["hostile_bodies_refused"])
     checks = {
+        # A soak in which no request completed loses nothing and proves nothing.
+        "requests completed (soak and warm-up)": tally.complete > 0 and warm.complete > 0,
         "0 lost": tally.lost == 0,
         "0 lost and 0 errors in the warm-up (nothing killed)": warm.lost == 0 and warm.errors == 0,
         "every error answered is explained by the engine killed": not unexplained,

@@ -133,8 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         "check_jsonschema_median_s": round(statistics.median(times["peer"]), 4) if "peer" in times else None,
         "speedup_vs_check_jsonschema": round(statistics.median(speedups), 2) if speedups else None,
         "peer": "check-jsonschema" if "peer" in times else f"missing: {peer_exe} (pip install check-jsonschema)",
-        "goal": "llmgw validate on a 1,000-model catalog under 1 s (CLI, median)",
-        "met": cli_median < 1.0,
+        "goal": "llmgw validate on a 1,000-model catalog under 1 s (CLI, median), with the peer measured in the "
+                "same run",
+        # The peer is measured beside it (DESIGN §8): a run without it is not the comparison it claims.
+        "not_measured": [] if "peer" in times else ["check_jsonschema_median_s: the peer is not installed"],
+        "met": cli_median < 1.0 and "peer" in times,
     }
     print(f"llmgw validate (CLI):        {cli_median * 1000:.0f} ms median of {runs}")
     print(f"llmgw validate (in-process): {report['llmgw_validate_inprocess_median_s'] * 1000:.0f} ms")

@@ -295,3 +295,12 @@ def test_ha_bench_verdict_fails_on_a_slow_graceful_stop_lost_usage_or_a_missing_
     assert checks["pg kill -9: takeover p99 <= 6.0 s"] is False
     assert ha.judge(ha.figures(pg, sqlite, kills=10, graceful=1, restores=1))[0][
         "pg: >= 10 kill -9 rounds measured"] is False
+
+
+def test_sim_bench_without_wrk_still_ends_with_its_verdict_not_met(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load("sim_bench")
+    monkeypatch.setattr(bench.shutil, "which", lambda _name: None)
+    assert bench.main(["--quick"]) == 1
+    verdict = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert verdict["met"] is False and verdict["not_measured"]
