@@ -64,7 +64,7 @@ def test_a_model_at_zero_is_woken_scaled_up_and_back_to_zero_by_a_routers_report
         wait_for(lambda: [m.id for m in client.models.list().data] == ["lazy"], 60, "router follows", router)
         assert live(admin) == []  # min 0: nothing runs before anyone asks
         stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="guess", max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
+        with stranger, pytest.raises(openai.AuthenticationError):  # closed: its socket is not left to the GC
             stranger.chat.completions.create(model="lazy", messages=[{"role": "user", "content": "hi"}])
         assert live(admin) == []  # a refused request wakes nothing
 
@@ -115,6 +115,7 @@ def test_a_model_at_zero_is_woken_scaled_up_and_back_to_zero_by_a_routers_report
         wait_for(lambda: live(admin) == [], 120, "idle replicas stopped", ctl)  # a bound on a hang
         stops = [e for e in api(admin, "/api/v1/events?limit=1000") if e["kind"] == "replica-stopping"]  # type: ignore
         assert len(stops) == 2 and all("idle for" in e["message"] for e in stops)
+        client.close()
     finally:
         if router is not None:
             stop(router, signal.SIGTERM)
