@@ -16,6 +16,7 @@ from enum import Enum
 from llmgw.catalog import Catalog, Model, ModelName, NodeId, Profile
 from llmgw.contract import Demand
 from llmgw.decide.replica import Replica, ReplicaState, fingerprint
+from llmgw.decide.rollout_rule import canary_blocked
 from llmgw.inventory import Inventory, NodeState
 from llmgw.placement import Placement, PlacementResult, Rejection, Shard, place
 
@@ -33,11 +34,6 @@ class NewReplica:
     canary: bool = False  # the new version of a model in a canary rollout
 
 
-# Why a canary cannot run (Decisions.no_canary_room): the rollout acts on which.
-ONLY_REPLICA = "no room for a canary beside the only replica"
-NO_UNAVAILABLE = "no room for a canary beside the stable replicas and max_unavailable 0"
-FITS_NOWHERE = "the new version does not fit even in a stable replica's place"
-ALREADY_SHORT = "no room for a canary, and the model is already short of max_unavailable replicas"
 
 
 @dataclass(frozen=True)
@@ -413,17 +409,11 @@ def _place_canaries(t: _Tick, placed: Sequence[Placement]) -> list[NewReplica]:
                         key=lambda r: (r.state == ReplicaState.READY, -_idle_for(r, t.last_used, t.now)))
         ready = sum(1 for r in stable if r.state == ReplicaState.READY)
         missing = max(t.targets.get(name, 0) - ready, 0)
-        if not stable or not _fits_instead(t, catalog, name, stable[0], placed):
-            t.no_canary_room[name] = FITS_NOWHERE
-        elif policy.max_unavailable < 1:
-            t.no_canary_room[name] = NO_UNAVAILABLE
-        elif len(stable) < 2:
-            t.no_canary_room[name] = ONLY_REPLICA
-        elif missing + (stable[0].state == ReplicaState.READY) > policy.max_unavailable:
-            # Replicas already missing count against max_unavailable (review: a model of 3 with
-            # one slot empty lost a second one to its canary).
-            t.no_canary_room[name] = ALREADY_SHORT
-        if name in t.no_canary_room:
+        blocked = canary_blocked(policy.max_unavailable, stable=len(stable),
+                                 fits_instead=bool(stable) and _fits_instead(t, catalog, name, stable[0], placed),
+                                 missing=missing, first_ready=bool(stable) and stable[0].state == ReplicaState.READY)
+        if blocked is not None:
+            t.no_canary_room[name] = blocked
             continue
         t.stop[stable[0].id] = ("making room for the canary of the new version "
                                 f"(no room to start it beside; max_unavailable {policy.max_unavailable})")

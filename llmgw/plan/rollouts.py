@@ -1,11 +1,12 @@
 """The rollout a change will get, for `llmgw diff` (DESIGN §5, Rollouts). Pure.
 
-A model whose change reaches replicas of it that run (their fingerprint changes: the controller's
-test for starting a rollout, llmgw.reconciler.rollouts) is rolled out by its policy: a canary
-judged step by step, or replacement. Either way new replicas start beside the old ones only
-where the fleet has room (a GPU fleet is usually full); where it has none, ``max_unavailable``
-old replicas are stopped first. A reviewer should know which before
-merging: on a full fleet the change costs capacity while it rolls out.
+The controller's own rule says it (llmgw.decide.rollout_rule.transition, asked with the base's
+record): a model whose change reaches replicas of it that run is rolled out by its policy, a
+canary judged step by step, or replacement; where no canary fits, the rule's answer to "no room"
+(judged after the change, or waiting, or given up) is what the diff shows. Either way new
+replicas start beside the old ones only where the fleet has room (a GPU fleet is usually full);
+where it has none, ``max_unavailable`` old replicas are stopped first. A reviewer should know
+which before merging: on a full fleet the change costs capacity while it rolls out.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any
 
 from llmgw.catalog import Catalog, Model
 from llmgw.catalog.durations import format_duration
-from llmgw.decide.replica import Replica, runs
-from llmgw.decide.rollout import Phase, Rollout, duration_at_least, model_version
+from llmgw.decide.replica import Replica
+from llmgw.decide.rollout import Phase, Rollout, duration_at_least
+from llmgw.decide.rollout_rule import ModelRecord, NoRoom, Tick, canary_blocked, transition
 from llmgw.decide.tick import holding
 from llmgw.inventory import Inventory
 from llmgw.placement import Placement, place
@@ -36,13 +38,15 @@ class RolloutPlan:
     max_unavailable: int
     acceptance: int = 0  # acceptance prompts each new replica answers first
     live: str = ""  # the rollout of this model under way on the controller, in words
+    judged_after: bool = False  # no canary can run: replaced, then judged against the old version's figures
+    blocked: str = ""  # why no canary can run beside the stable replicas ("" when one can)
 
     @property
     def unjudged(self) -> str:
         """Why the new version will reach clients without a canary's analysis ("" when it has one)."""
         if self.strategy != "canary":
             why = "strategy replace"
-        elif not (self.room_to_surge and self.max_surge > 0) and self.replicas < 2 and self.max_unavailable >= 1:
+        elif self.judged_after:
             why = ("a single replica and no room for a canary beside it: it takes all traffic at once, judged "
                    "after against the old version's figures and reverted if worse")
         else:
@@ -59,7 +63,9 @@ class RolloutPlan:
         if self.room_to_surge and self.max_surge > 0:
             return f"room to surge: new replicas start beside the old, {self.max_surge} at a time"
         why = "max_surge 0" if self.max_surge < 1 else "no room to surge"
-        if self.strategy == "canary" and self.replicas < 2:
+        if self.strategy == "canary" and self.blocked and not self.judged_after:
+            return f"{why}: {self.blocked}: the canary waits (the controller says so in `llmgw rollout status`)"
+        if self.judged_after:
             return (f"{why} and a single replica: replaced {self.max_unavailable} at a time, then judged against the "
                     "old version's figures")
         canary = " (the canary takes a stable replica's place)" if self.strategy == "canary" else ""
@@ -86,6 +92,7 @@ class RolloutPlan:
                 "at_least_seconds": self.at_least, "replicas": self.replicas, "room_to_surge": self.room_to_surge,
                 "max_surge": self.max_surge, "max_unavailable": self.max_unavailable, "how": self.how,
                 "acceptance": self.acceptance, "unjudged": self.unjudged or None, "live": self.live or None,
+                "judged_after": self.judged_after, "blocked": self.blocked or None,
                 "text": self.text()}
 
 
@@ -103,15 +110,19 @@ def plan_rollouts(base: Catalog | None, head: Catalog, inventory: Inventory, rep
     holds = holding(inventory, replicas)
     out = []
     for model in head.models:
-        running = [r for r in replicas if r.model == model.name and r.state.live and not r.canary]
         before = base.model(model.name)
-        # The head must change the model's engines: a commit that leaves them as the base has them
-        # starts nothing (a model rolled back stays so when a later commit changes only its scaling).
-        if before is None or model_version(before) == model_version(model) or not _outdated(model, running):
+        if before is None:
             continue
+        # The controller's rule, asked as if the base were in force: a commit that leaves the
+        # engines as the base has them starts nothing (a model rolled back stays so when a later
+        # commit changes only its scaling), nor one that changes nothing running.
+        started = transition(ModelRecord(serving=before), head, model.name, replicas, Tick(), now).record
+        if started is None or started.rollout is None or not started.rollout.phase.active:
+            continue
+        running = [r for r in replicas if r.model == model.name and r.state.live and not r.canary]
         held = holds + [p for p in starts if p.model != model.name]
-        out.append(replace(_one(head, model, inventory, held, len(running), now=now),
-                           live=live_text(next((r for r in live if r.model == model.name), None))))
+        plan = _one(head, model, inventory, held, running, started, now=now)
+        out.append(replace(plan, live=live_text(next((r for r in live if r.model == model.name), None))))
     return tuple(out)
 
 
@@ -128,16 +139,28 @@ def _rev(sha: str | None) -> str:
     return f"revision {sha[:12]}" if sha else "an earlier revision"
 
 
-def _outdated(model: Model, running: list[Replica]) -> bool:
-    """Some running replica would change under ``model`` (as the controller decides to start a
-    rollout: a profile no replica uses changes nothing running, and applies without one)."""
-    return any(not runs(r, model) for r in running)
+def _fits(head: Catalog, inventory: Inventory, held: list[Placement], name: str, now: float) -> bool:
+    return bool(place(head, inventory, held, now=now, wanted={name: 1}, reasons=False).placements)
 
 
-def _one(head: Catalog, model: Model, inventory: Inventory, held: list, running: int, *, now: float) -> RolloutPlan:
-    room = bool(place(head, inventory, held, now=now, wanted={model.name: 1}, reasons=False).placements)
+def _one(head: Catalog, model: Model, inventory: Inventory, held: list[Placement], running: list[Replica],
+         started: ModelRecord, *, now: float) -> RolloutPlan:
+    room = _fits(head, inventory, held, model.name, now)
     p = model.rollout
-    if head.skip_analysis:  # the commit's trailer Llmgw-Skip-Analysis: replaced at once
-        p = replace(p, strategy="replace")
-    return RolloutPlan(model.name, p.strategy, tuple(p.steps) if p.strategy == "canary" else (), p.interval,
-                       duration_at_least(p), running, room, p.max_surge, p.max_unavailable, len(p.acceptance))
+    ro = started.rollout
+    assert ro is not None
+    canary = ro.phase == Phase.CANARY  # the policy's, unless the commit's trailer skips analysis
+    blocked, judged_after = "", False
+    if canary and not (room and p.max_surge > 0):
+        # No room beside: what the tick would say (decide.tick) and what the rule does with it.
+        first = running[0] if running else None
+        instead = first is not None and _fits(head, inventory, [h for h in held if h is not first.placement],
+                                              model.name, now)
+        why = canary_blocked(p.max_unavailable, stable=len(running), fits_instead=instead, missing=0, first_ready=True)
+        if why is not None:
+            blocked = why
+            after = transition(started, head, model.name, running, NoRoom(why), now).record
+            judged_after = after is not None and after.rollout is not None and after.rollout.before is not None
+    return RolloutPlan(model.name, "canary" if canary else "replace", tuple(p.steps) if canary else (), p.interval,
+                       duration_at_least(p) if canary else 0.0, len(running), room, p.max_surge, p.max_unavailable,
+                       len(p.acceptance), judged_after=judged_after, blocked=blocked)

@@ -24,6 +24,7 @@ from llmgw.contract import Endpoint, EndpointSink, NoUsage, UsageSource
 from llmgw.decide.adopt import Adoption, adopt
 from llmgw.decide.replica import Replica, ReplicaState, fingerprint, replica_id, runs, shard_agent_id
 from llmgw.decide.replica import ShardStatus as _ShardStatus
+from llmgw.decide.rollout_rule import settled
 from llmgw.decide.tick import Decisions, Settings, decide
 from llmgw.dispatch.base import Dispatcher
 from llmgw.errors import DispatchError
@@ -160,7 +161,7 @@ class Reconciler:
             self.last_decisions = decisions
             self._publish_unrunnable(plan.catalog, inventory)
             created = self._apply_decisions(plan, decisions, now)
-            self.rollouts.decided(decisions, created, now)
+            self.rollouts.decided(decisions, created, now, self.replicas.values())
             # Recorded before any start is sent: a leader that dies between a start and the end
             # of its tick leaves an engine its successor finds a record for (and keeps), not one
             # it must take for given up and stop.
@@ -176,22 +177,14 @@ class Reconciler:
             return decisions
 
     def _settle_canaries(self, plan: Plan) -> None:
-        """A promoted canary is an ordinary replica of the version now serving: the replacement of
-        one old replica (it beside them was a surge), unless it took a stable replica's place."""
+        """A promoted canary is an ordinary replica of the version now serving (decide.rollout_rule.settled)."""
         for rid, r in list(self.replicas.items()):
             if not r.canary or r.model in plan.canaries:
                 continue
             model = plan.catalog.model(r.model)
             if model is None or not runs(r, model):
                 continue  # a canary of a rollout that ended: decide() stops it
-            # Without this the model had one replica too many, and scaling stopped one of the
-            # three at random (seen: the canary that had just passed), then replaced both old ones.
-            replaced = {x.replaces for x in self.replicas.values() if x.replaces and x.state.live}
-            stable = [x for x in self.replicas.values() if x.model == r.model and x.state.live and not x.canary]
-            old = [x for x in stable if x.id not in replaced and x.state != ReplicaState.STOPPING
-                   and not runs(x, model)]
-            surplus = len(stable) >= model.scaling.min
-            self.replicas[rid] = replace(r, canary=False, replaces=old[0].id if old and surplus else None)
+            self.replicas[rid] = settled(r, model, list(self.replicas.values()))
 
     async def _follow_nodes(self, catalog: Catalog) -> None:
         """Point the inventory and the dispatcher at the catalog's nodes before polling them."""

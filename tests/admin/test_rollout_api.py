@@ -131,8 +131,9 @@ def _rolled_back(running: Running, reason: str, ttft: str) -> str:
         assert rec.rollout is not None and rec.rollout.phase == Phase.CANARY
         analysis = Analysis(at=1000.0, seconds=60.0, canary=Figures(140, 17, 0.25, 0.05),
                             stable=Figures(400, 2, 0.1, 0.02), verdict="fail", reason=reason)
-        rec.rollout = replace(rec.rollout.ended(Phase.ROLLED_BACK, c.reconciler.clock(), reason), analysis=analysis,
-                              history=(f"step 1/1 (50 %): fail: {reason}",))
+        ended = replace(rec.rollout.ended(Phase.ROLLED_BACK, c.reconciler.clock(), reason), analysis=analysis,
+                        history=(f"step 1/1 (50 %): fail: {reason}",))
+        c.reconciler.rollouts.records["chat"] = replace(rec, rollout=ended)
 
     running.call(put())
     running.wait(lambda: not any(x.canary for x in c.reconciler.snapshot()), timeout=30, what="canary stopped")

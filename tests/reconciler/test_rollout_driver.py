@@ -152,7 +152,7 @@ def single_replica_change(store: Store, new_errors: float) -> RolloutDriver:
     """A model with one replica on a full fleet: no canary can run. Before the change the old
     replica served 300 requests without an error; after it, the new one serves, with
     ``new_errors`` of its requests failing."""
-    from llmgw.decide.tick import ONLY_REPLICA
+    from llmgw.decide.rollout_rule import ONLY_REPLICA
 
     d = driver(store)
     old, new = scaled(M, 1), scaled(NEW, 1)
