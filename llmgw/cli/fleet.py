@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from llmgw.admin.labels import confinement_label, node_problems
+from llmgw.catalog import read_directory
 from llmgw.cli.client import ApiError, Client, add_options, resolve_client
 from llmgw.cli.output import fail, print_json
 from llmgw.cli.rollout import add_parser as add_rollout_parser
@@ -119,8 +120,46 @@ def nodes(args: argparse.Namespace, client: Client, console: Console) -> int:
     return 0
 
 
+def _own_model(args: argparse.Namespace, client: Client, console: Console) -> int:
+    """`llmgw models add PATH` with a model's files: served by the `llmgw up` on this machine
+    (its data dir), as `llmgw up --model PATH` would: the local node may read the folder, then
+    the catalog entry is committed through the API."""
+    from llmgw.control.up import UpLayout, check_served, model_to_serve, serve_folder, write_agent_config
+    from llmgw.errors import ConfigError
+    from llmgw.paths import default_data_dir
+
+    layout = UpLayout(Path(args.data_dir).resolve() if args.data_dir else default_data_dir())
+    if not layout.agent_config.exists():
+        return fail(console, f"{args.file}: a model's files are served by the `llmgw up` of this machine, and "
+                             f"{layout.data_dir} is not one's data dir (give --data-dir); for a fleet, add a YAML "
+                             "file whose source names where the nodes get the weights")
+    try:
+        served = model_to_serve(layout, Path(args.file), layout.catalog, name=args.name)
+        if check_served(read_directory(layout.catalog), served):
+            console.print(f"{_e(served.model.name)} is served already ({_e(served.model.source)})")
+            return 0
+        serve_folder(layout, served.model.folder)
+        write_agent_config(layout)  # the running local agent starts again on it
+    except ConfigError as exc:
+        return fail(console, str(exc))
+    code = _write(args, client, console, "POST", "/api/v1/models", {"yaml": served.text})
+    if code == 0 and args.output != "json":
+        console.print(f"{_e(served.model.name)} on {_e(served.engine)}, read from {_e(served.model.source)}; "
+                      "`llmgw replicas` says when it is ready")
+    return code
+
+
+def _is_model_files(arg: str) -> bool:
+    path = Path(arg).expanduser()
+    return arg != "-" and (path.is_dir() or path.suffix.lower() == ".gguf")
+
+
 def models(args: argparse.Namespace, client: Client, console: Console) -> int:
+    if args.models_action == "add" and _is_model_files(args.file):
+        return _own_model(args, client, console)
     if args.models_action == "add":
+        if args.name is not None:
+            return fail(console, "--name: names a model given by its files (a .gguf or a model directory)")
         try:  # a missing or binary file is an error message, not a traceback
             text = Path(args.file).read_text(encoding="utf-8") if args.file != "-" else sys.stdin.read()
         except (OSError, UnicodeDecodeError) as exc:
@@ -352,8 +391,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add("nodes", nodes, "nodes with GPUs, disk and state")
     p = add("models", models, "list, add or remove models (adding/removing writes a git commit)")
     msub = p.add_subparsers(dest="models_action")
-    a = msub.add_parser("add", parents=[c], help="add a model from a YAML file")
-    a.add_argument("file")
+    a = msub.add_parser("add", parents=[c], help="add a model from a YAML file, or serve a .gguf file or model "
+                                                 "directory on this machine's `llmgw up`")
+    a.add_argument("file", help="a model's YAML (- for stdin), a .gguf file, or a directory with config.json "
+                                "and *.safetensors")
+    a.add_argument("--name", help="with a model's files: the name clients ask for (default: from the file name)")
     a.add_argument("--actor", help="commit author (default: the API's name)")
     r = msub.add_parser("remove", parents=[c], help="remove a model")
     r.add_argument("name")

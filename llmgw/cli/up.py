@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 
 from llmgw.cli.client import URL_FILE
@@ -31,6 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", help=f"where state lives (default: {default_data_dir()})")
     p.add_argument("--router-port", type=_port, default=8080, help="OpenAI-compatible API port (default 8080)")
     p.add_argument("--admin-port", type=_port, default=8081, help="admin API and dashboard port (default 8081)")
+    p.add_argument("--model", metavar="PATH",
+                   help="also serve your own model: a .gguf file (llama.cpp) or a directory with config.json "
+                        "and *.safetensors (vLLM); committed to the catalog, read where it lies")
+    p.add_argument("--name", help="the name clients ask for (with --model; default: from the file name)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -52,6 +57,10 @@ def _option_errors(args: argparse.Namespace) -> list[str]:
     errors = [f"{flag}: an empty path (an unset shell variable?); leave the option out for the default"
               for flag, value in (("--catalog", args.catalog), ("--data-dir", args.data_dir))
               if value is not None and not value.strip()]
+    if args.name is not None and args.model is None:
+        errors.append("--name: names the model given with --model, and there is none")
+    if args.model is not None and not args.model.strip():
+        errors.append("--model: an empty path (an unset shell variable?)")
     if args.router_port == args.admin_port:
         errors.append(f"--router-port and --admin-port are both {args.router_port}: each listener needs its own port")
     return errors
@@ -59,6 +68,7 @@ def _option_errors(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from llmgw.cli.output import fail
+    from llmgw.control.own_model import describe
     from llmgw.control.server import start
     from llmgw.control.up import UpLayout, prepare
     from llmgw.errors import LlmgwError
@@ -75,10 +85,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     data_dir = Path(args.data_dir).resolve() if args.data_dir is not None else default_data_dir()
     try:
         cfg = prepare(data_dir, catalog=Path(args.catalog).resolve() if args.catalog is not None else None,
-                      router_port=args.router_port, admin_port=args.admin_port, lock=True)
+                      router_port=args.router_port, admin_port=args.admin_port, lock=True,
+                      model=Path(args.model) if args.model else None, name=args.name)
     except LlmgwError as exc:
         return fail(console, str(exc))
     layout = UpLayout(data_dir)
+    own = describe(Path(args.model), name=args.name).name if args.model else None
 
     async def main(stop: asyncio.Event) -> None:
         running = await start(cfg, router_flag="--router-port", admin_flag="--admin-port", owns_engines=True)
@@ -89,7 +101,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             # With admin.token, the address operator commands (`--data-dir`, or none) and `llmgw diff`
             # in the catalog repository send that token to: written only once this controller listens.
             _write_atomically(url_file, running.admin_url + "\n")
-            _welcome(console, running.router_url, running.admin_url, layout, cfg.admin_token)
+            _welcome(console, running.router_url, running.admin_url, layout, cfg.admin_token, own)
             await stop.wait()
         finally:
             await _shut_down(console, running, url_file)
@@ -153,8 +165,8 @@ def _command() -> str:
     return str(started.absolute())
 
 
-def _welcome(console: Console, router: str, admin: str, layout: UpLayout, token: str) -> None:
-    model = "gpt-4o-mini"
+def _welcome(console: Console, router: str, admin: str, layout: UpLayout, token: str, own: str | None) -> None:
+    model = own or "gpt-4o-mini"
     curl = (f"curl -s {router}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"  -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
     py = (f"from openai import OpenAI\nclient = OpenAI(base_url=\"{router}/v1\", api_key=\"unused\")\n"
@@ -166,6 +178,10 @@ def _welcome(console: Console, router: str, admin: str, layout: UpLayout, token:
         f"[bold]admin API[/]  {admin}/api/v1   token in {layout.token_file}\n"
         f"[bold]catalog[/]    {layout.catalog}   edit, `git commit`, and it is applied live\n",
         title="llmgw is up", border_style="green"))
+    if own:
+        replicas = escape(f"{_command()} replicas --data-dir {layout.data_dir}")
+        console.print(f"[bold]{own}[/] is loading on this machine; `{replicas}` says when it is ready (a real "
+                      "engine takes seconds to minutes).")
     console.print("Ask a model:", style="bold")
     console.print(curl, markup=False, highlight=False)
     console.print(py, markup=False, highlight=False)

@@ -25,8 +25,11 @@ from llmgw.catalog import RawFile, read_directory, validate_files
 from llmgw.catalog.schema import SCHEMA_DIR
 from llmgw.control.config import ControllerConfig, Listen, ServerConfig
 from llmgw.control.datadir import hold_data_dir
+from llmgw.control.local_engines import found_engines, install_prefix, nvidia_gpus
+from llmgw.control.own_model import OwnModel, catalog_entry, describe, engine_for, entry_yaml
 from llmgw.errors import CatalogError, ConfigError, GitError
 from llmgw.gitops.gitcli import run_git
+from llmgw.gitops.writer import model_file_name
 from llmgw.reconciler import ReconcilerConfig
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "catalog"
@@ -60,6 +63,16 @@ class UpLayout:
     @property
     def controller_dir(self) -> Path:
         return self.data_dir / "controller"
+
+    @property
+    def node_settings(self) -> Path:
+        """The local node's settings a person changes: `up` writes it once, never again."""
+        return self.node_dir / "settings.yaml"
+
+    @property
+    def served(self) -> Path:
+        """The folders of the models `up --model` / `models add PATH` serve (written by `up`)."""
+        return self.node_dir / "served.json"
 
 
 def _git(cwd: Path, *args: str, check: bool = True) -> str | None:
@@ -197,32 +210,119 @@ def local_confinement(needed: list[Path]) -> dict:
     return settings
 
 
+SETTINGS_TEMPLATE = """\
+# The local node's own settings, kept by `llmgw up` (it writes this file once and never again;
+# node/agent.json is made from it at each start and rewritten each time). Every key is optional:
+#
+# engines:          {llama.cpp: /opt/llama/bin/llama-server}   engines by name (found ones: llama-server
+#                   from scripts/build-llama-server or PATH, vllm from scripts/build-vllm-cpu or PATH)
+# model_dirs:       [/srv/models]      weights served where they lie (`llmgw up --model` adds its own)
+# local_sources:    [/srv/exports]     directories file:// sources may be copied from
+# sandbox_paths:    [/opt/cuda]        directories engines may read (everything else is hidden)
+# engine_env:       {OMP_NUM_THREADS: "4"}
+"""
+SETTINGS_LISTS = ("model_dirs", "local_sources", "sandbox_paths")
+SETTINGS_MAPS = ("engines", "engine_env")
+
+
+def node_settings(layout: UpLayout) -> dict[str, Any]:
+    """``node/settings.yaml`` read and checked (written with its commented template when absent)."""
+    f = layout.node_settings
+    if not f.exists():
+        return {}
+    try:
+        data = yaml.safe_load(f.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{f}: cannot read it: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{f}: a mapping of settings is expected, not {type(data).__name__}")
+    for key, value in data.items():
+        if key in SETTINGS_LISTS:
+            if not isinstance(value, list) or not all(isinstance(v, str) and v.startswith("/") for v in value):
+                raise ConfigError(f"{f}: {key}: a list of absolute paths is expected")
+        elif key in SETTINGS_MAPS:
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise ConfigError(f"{f}: {key}: a mapping is expected")
+            if key == "engine_env" and not all(isinstance(v, str) for v in value.values()):
+                raise ConfigError(f"{f}: engine_env: every value must be a string (quote numbers)")
+        else:
+            raise ConfigError(f"{f}: unknown setting {key!r} (known: {', '.join(SETTINGS_LISTS + SETTINGS_MAPS)})")
+    return data
+
+
+def served_folders(layout: UpLayout) -> list[str]:
+    try:
+        data = json.loads(layout.served.read_text())
+    except (OSError, ValueError):
+        return []
+    return [d for d in data.get("model_dirs", []) if isinstance(d, str)] if isinstance(data, dict) else []
+
+
+def serve_folder(layout: UpLayout, folder: Path) -> None:
+    """Let the local node read models in ``folder`` (kept across runs in node/served.json)."""
+    folders = served_folders(layout)
+    if str(folder) not in folders:
+        _write_atomically(layout.served, json.dumps({"model_dirs": [*folders, str(folder)]}, indent=2) + "\n")
+
+
+def local_engines(layout: UpLayout) -> dict[str, Any]:
+    """Engine name → argv or path on the local node: the simulator, the engines found here, and
+    the person's own (settings.yaml, which wins)."""
+    engines: dict[str, Any] = {"sim": [sys.executable, "-m", "llmgw.engines.sim"]}
+    engines.update({name: str(e.executable) for name, e in found_engines().items()})
+    engines.update(node_settings(layout).get("engines") or {})
+    return engines
+
+
 def write_agent_config(layout: UpLayout) -> None:
-    """The local node's own config (rewritten each run: it only describes this machine)."""
+    """The local node's agent config, made from what this machine has and node/settings.yaml."""
     spec = local_node_spec(layout.catalog)
     gpus = spec.get("gpus") or {}
+    settings = node_settings(layout)
+    found = found_engines()
     config: dict[str, Any] = {
         "cache_dir": str(layout.node_dir / "cache"),
-        "model_dirs": [],
+        "model_dirs": list(dict.fromkeys([*served_folders(layout), *settings.get("model_dirs", [])])),
         "state_dir": str(layout.node_dir / "state"),
         "port_range": list(ENGINE_PORTS),
         "advertise_address": "127.0.0.1",
-        "engines": {"sim": [sys.executable, "-m", "llmgw.engines.sim"]},
-        # Declared, not detected: this machine may have no GPU, and the sim needs none.
+        "engines": local_engines(layout),
+        # Declared, not detected: this machine may have no GPU, and the sim needs none (where
+        # nvidia-smi answers, the agent reports the real ones instead).
         "gpus": [{"index": i, "class": gpus.get("class", "sim"), "memory_gb": gpus.get("memory_gb", 24)}
                  for i in range(int(gpus.get("count", 0)))],
     }
-    llama = shutil.which("llama-server")
-    if llama:
-        config["engines"]["llama.cpp"] = llama
-    config.update(local_confinement([Path(p) for p in (sys.prefix, sys.base_prefix, PACKAGE_ROOT)]
-                                    + ([Path(llama).resolve().parents[1]] if llama else [])))
+    if settings.get("local_sources"):
+        config["local_sources"] = settings["local_sources"]
+    needed = [Path(p) for p in (sys.prefix, sys.base_prefix, PACKAGE_ROOT)]
+    needed += [p for e in found.values() for p in e.exposes]
+    needed += [Path(p) for p in settings.get("sandbox_paths", [])]
+    # The person's own engines come with their install directory, as found ones do.
+    for argv in (settings.get("engines") or {}).values():
+        exe = argv[0] if isinstance(argv, list) and argv else argv
+        if isinstance(exe, str) and exe.startswith("/") and Path(exe).exists():
+            needed += install_prefix(Path(exe))
+    config.update(local_confinement(needed))
+    env = {k: v for e in found.values() for k, v in e.env}
+    env.update(settings.get("engine_env") or {})
+    if env:
+        config["engine_env"] = env
     # The controller's data (its database, the admin token) lives beside the node here: hidden
     # from engines as a whole; the node's own cache and state are bound back one entry at a time.
     config["sandbox_hide"] = [str(layout.data_dir.resolve())]
     for d in (layout.node_dir / "cache", layout.node_dir / "state"):
         d.mkdir(parents=True, exist_ok=True)
-    layout.agent_config.write_text(json.dumps(config, indent=2))
+    if not layout.node_settings.exists():
+        layout.node_settings.write_text(SETTINGS_TEMPLATE)
+    # Whole or not at all: a running local agent is started again when this file changes.
+    _write_atomically(layout.agent_config, json.dumps(config, indent=2))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def admin_token(layout: UpLayout) -> str:
@@ -236,8 +336,62 @@ def admin_token(layout: UpLayout) -> str:
     return token
 
 
+@dataclass(frozen=True)
+class ModelToServe:
+    """A person's model, checked, with its catalog file: what `up --model` commits."""
+
+    model: OwnModel
+    engine: str
+    file: str  # in the catalog
+    text: str
+
+
+def model_to_serve(layout: UpLayout, path: Path, catalog_dir: Path, *, name: str | None = None) -> ModelToServe:
+    """``path`` described, its engine chosen among this node's, its catalog file written out for
+    the local node of the catalog in ``catalog_dir`` (nothing is written yet: errors come first)."""
+    own = describe(path, name=name)
+    engine = engine_for(own, local_engines(layout))
+    entry = catalog_entry(own, engine, gpus=nvidia_gpus(), pool=local_node_spec(catalog_dir).get("pool"))
+    return ModelToServe(own, engine, model_file_name(own.name), entry_yaml(own, entry))
+
+
+def check_served(files: dict[str, RawFile], served: ModelToServe) -> bool:
+    """Whether the catalog ``files`` already serve this model (True: nothing to commit), or a
+    ConfigError when its name is another model's or the catalog would be invalid with it."""
+    result = validate_files(files)
+    existing = result.catalog.resolve(served.model.name) if result.catalog else None
+    if existing is not None:
+        if existing.source == served.model.source:
+            return True  # a second `up --model` of the same file
+        raise ConfigError(f"--model {served.model.path}: the catalog already has a model named "
+                          f"{served.model.name!r} ({existing.source}); give this one another with --name")
+    data = served.text.encode()
+    merged = {**files, served.file: RawFile(served.file, data, len(data))}
+    after = validate_files(merged)
+    if not after.ok:
+        raise ConfigError(f"--model {served.model.path}: the catalog would not be valid with it:\n"
+                          + "\n".join(f"  {p}" for p in after.problems[:SHOWN_PROBLEMS]))
+    return False
+
+
+def commit_served(layout: UpLayout, served: ModelToServe) -> bool:
+    """The model's file committed to the data dir's catalog, and its folder readable by the
+    local node; False when the catalog served it already."""
+    if check_served(read_directory(layout.catalog), served):
+        serve_folder(layout, served.model.folder)
+        return False
+    serve_folder(layout, served.model.folder)
+    target = layout.catalog / served.file
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(served.text)
+    _git(layout.catalog, "add", "--", served.file)
+    _git(layout.catalog, "commit", "-q", "-m", f"Serve {served.model.name} (llmgw up --model)",
+         "-m", f"From {served.model.path}, on {served.engine}.", "--", served.file)
+    return True
+
+
 def prepare(data_dir: Path, *, catalog: Path | None, router_port: int, admin_port: int,
-            lock: bool = False) -> ServerConfig:
+            lock: bool = False, model: Path | None = None, name: str | None = None) -> ServerConfig:
     """The data dir made ready (its catalog seeded on first run), and the config serving it.
 
     Every check comes before anything is written, so a refused `up` leaves nothing behind. With
@@ -255,6 +409,10 @@ def prepare(data_dir: Path, *, catalog: Path | None, router_port: int, admin_por
                           "made by llmgw up); move it away, or use another --data-dir")
     else:
         seed = read_seed(catalog)
+    to_serve = None
+    if model is not None:
+        to_serve = model_to_serve(layout, model, seed.source if seed else layout.catalog, name=name)
+        check_served(seed.files if seed else read_directory(layout.catalog), to_serve)
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -263,6 +421,8 @@ def prepare(data_dir: Path, *, catalog: Path | None, router_port: int, admin_por
         hold_data_dir(layout.controller_dir)  # before anything is written: a second `up` must not touch it
     if seed is not None:
         init_catalog(layout, seed)
+    if to_serve is not None:
+        commit_served(layout, to_serve)
     write_agent_config(layout)
     return ServerConfig(
         controller=ControllerConfig(

@@ -38,9 +38,10 @@ STDERR_TAIL = 2048
 class _LocalAgent:
     """One ``serve`` subprocess and the calls waiting on it."""
 
-    def __init__(self, node_id: str, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, node_id: str, proc: asyncio.subprocess.Process, config: tuple[int, ...] | None = None) -> None:
         self.node_id = node_id
         self.proc = proc
+        self.config = config  # the node config's identity when it started (see _config_identity)
         self.pending = PendingCalls(node_id)
         self.stderr = bytearray()
         self.closed = False
@@ -166,7 +167,7 @@ class LocalDispatcher(AgentVerbs):
 
     async def _agent(self, node_id: str) -> _LocalAgent:
         agent = self._agents.get(node_id)
-        if agent is not None and not agent.closed:
+        if agent is not None and not agent.closed and not self._config_changed(agent):
             return agent
         if not self._open:
             raise NodeUnreachable(f"{node_id}: the dispatcher is not open")
@@ -176,11 +177,31 @@ class LocalDispatcher(AgentVerbs):
             raise DispatchError(f"{node_id}: no such node in this dispatcher") from None
         async with self._locks.setdefault(node_id, asyncio.Lock()):
             agent = self._agents.get(node_id)
+            if agent is not None and not agent.closed and self._config_changed(agent):
+                # The node's owner changed its config (`llmgw models add PATH` lets it read a new
+                # folder): a fresh agent reads it. Engines are the node's, not the agent's: they
+                # run on. A call still in flight on the old one finishes first.
+                log.info("%s: the node config changed; starting the local agent again", node_id)
+                old = agent
+                asyncio.get_running_loop().create_task(self._retire(old))
+                agent = None
             if agent is None or agent.closed:
                 agent = self._agents[node_id] = await self._spawn(target)
             return agent
 
+    def _config_changed(self, agent: _LocalAgent) -> bool:
+        target = self._targets.get(agent.node_id)
+        return agent.config is not None and target is not None and _config_identity(target) != agent.config
+
+    @staticmethod
+    async def _retire(agent: _LocalAgent, *, wait: float = 30.0) -> None:
+        deadline = asyncio.get_running_loop().time() + wait
+        while len(agent.pending) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        await agent.close("replaced after a change of the node config")
+
     async def _spawn(self, target: NodeTarget) -> _LocalAgent:
+        config = _config_identity(target)  # before the agent reads it: a change meanwhile starts another
         argv = [self.python, str(self.agent_path)]
         if target.agent_config:
             argv += ["--config", target.agent_config]
@@ -198,4 +219,15 @@ class LocalDispatcher(AgentVerbs):
         except OSError as exc:
             raise NodeUnreachable(f"{target.id}: cannot start the local agent {argv}: {exc}") from exc
         log.info("%s: started the local agent (pid %d)", target.id, proc.pid)
-        return _LocalAgent(target.id, proc)
+        return _LocalAgent(target.id, proc, config)
+
+
+def _config_identity(target: NodeTarget) -> tuple[int, ...] | None:
+    """What tells one version of the node config file from the next (None: not known or not read)."""
+    if not target.agent_config:
+        return None
+    try:
+        st = os.stat(target.agent_config)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
