@@ -75,7 +75,9 @@ def install_prefix(exe: Path) -> tuple[Path, ...]:
 def vllm() -> FoundEngine | None:
     env = os.environ.get("LLMGW_VLLM")
     root = Path(os.environ.get("LLMGW_VLLM_CACHE") or cache_root() / "vllm-cpu")
-    built = _newest("*/bin/vllm", root)
+    # Only a build the script finished (it writes BUILT last): a stage or a half-built tree is not vLLM.
+    built = next((exe for exe in sorted(root.glob("*/bin/vllm"), reverse=True)
+                  if (exe.parent.parent / "BUILT").exists() and os.access(exe, os.X_OK)), None)
     on_path = shutil.which("vllm")
     if env and Path(env).is_file():
         exe, where = Path(env), "LLMGW_VLLM"
