@@ -69,9 +69,7 @@ class Lifecycle:
                 # a reinstalled agent) or it was stopped behind our back. Start it again.
                 return self._failed(r, now, f"engine on {shard.node} is gone (pid {shard.pid})")
             if record is not None and not record.alive and record.pid == shard.pid:
-                tail = " | ".join(record.log_tail[-3:])
-                return self._failed(r, now, f"engine on {shard.node} exited with code {record.exit_code}"
-                                    + (f": {tail}" if tail else ""))
+                return self._failed(r, now, exit_message(shard.node, record.exit_code, record.log_tail))
         return r
 
     # --- one step ----------------------------------------------------------------------
@@ -322,3 +320,21 @@ def _engine(inventory: Inventory, shard: ShardStatus) -> EngineRecord | None:
     if node is None or node.report is None:
         return None
     return next((e for e in node.report.engines if e.replica_id == shard.agent_id), None)
+
+
+# The agent's own line in an engine's log: the argv it started, sandbox included (thousands of
+# characters). Seen: a shared library missing beside llama-server was the last words of a
+# 2,777-character message that was mostly bubblewrap's command line.
+AGENT_LINE = "=== llmgw-agent"
+EXIT_HINTS = {126: "the engine's executable cannot be run (its permissions, or the sandbox hides it)",
+              127: "the engine's executable or a library it needs was not found (inside the sandbox: "
+                   "its directory must be in sandbox_paths)"}
+LINE_CHARS = 300
+
+
+def exit_message(node: str, code: int | None, log_tail: tuple[str, ...] | list[str]) -> str:
+    """Why an engine ended, its own last words first; never the agent's argv line."""
+    own = [line.strip()[:LINE_CHARS] for line in log_tail if line.strip() and not line.startswith(AGENT_LINE)]
+    said = " | ".join(own[-3:]) if own else "it wrote nothing to stderr"
+    hint = f" ({EXIT_HINTS[code]})" if code in EXIT_HINTS else ""
+    return f"engine on {node} exited with code {code}{hint}: {said}"
