@@ -197,6 +197,16 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class Offers:
+    """What a node's owner lets engines use (its agent config): a start outside it is refused by
+    the node, so placement, `explain` and `llmgw diff` say so first."""
+
+    engines: tuple[str, ...] = ()  # engine names it can start
+    local_roots: tuple[str, ...] = ()  # where file:// sources may be copied from (local_sources, model_dirs)
+    model_dirs: tuple[str, ...] = ()  # where plain-path sources (an operator's copy) may lie
+
+
+@dataclass(frozen=True)
 class NodeReport:
     """One agent inventory answer, typed."""
 
@@ -213,6 +223,7 @@ class NodeReport:
     env_allow: tuple[str, ...] = ()
     lease: Lease | None = None
     fabric_address: str | None = None  # where this node's shards of a multi-node replica meet the others
+    offers: Offers | None = None  # None: an agent older than this report (nothing is checked)
 
     @property
     def cache_fs(self) -> Filesystem | None:
@@ -359,6 +370,7 @@ def _node_from_json(raw: Mapping[str, Any]) -> Node:
             env_allow=tuple(r.get("env_allow", ())),
             lease=Lease(**r["lease"]) if r.get("lease") else None,
             fabric_address=r.get("fabric_address"),
+            offers=parse_offers(r.get("offers")),
         )
     return Node(
         spec=spec, state=NodeState(raw.get("state", "unknown")), report=report,
@@ -438,7 +450,19 @@ def parse_report(raw: Mapping[str, Any]) -> NodeReport:
         env_allow=tuple(str(n) for n in raw.get("env_allow") or ()),
         lease=parse_lease(raw.get("lease")),
         fabric_address=raw["fabric_address"] if isinstance(raw.get("fabric_address"), str) else None,
+        offers=parse_offers(raw.get("offers")),
     )
+
+
+def parse_offers(raw: Any) -> Offers | None:
+    if not isinstance(raw, Mapping):
+        return None
+
+    def strings(key: str) -> tuple[str, ...]:
+        value = raw.get(key)
+        return tuple(str(v) for v in value if isinstance(v, str)) if isinstance(value, list | tuple) else ()
+
+    return Offers(strings("engines"), strings("local_roots"), strings("model_dirs"))
 
 
 def parse_lease(raw: Any) -> Lease | None:

@@ -7,11 +7,14 @@ disagree with a decision.
 
 from __future__ import annotations
 
+import posixpath
+import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from llmgw.catalog import Model, NodeId, Profile
-from llmgw.engines.argv import holds_weights
+from llmgw.catalog.model import is_operator_path
+from llmgw.engines.argv import holds_weights, shard_engine
 from llmgw.inventory import Gpu, Inventory, Node, NodeState
 from llmgw.inventory.model import GB, gpu_groups
 from llmgw.placement.types import Placement
@@ -125,11 +128,42 @@ def node_reasons(model: Model, profile: Profile, nf: NodeFree, *, rank: int = 0)
         reasons.append(f"node has {_fmt(ram)} GB RAM in all, needs {_fmt(profile.memory_gb)}: {NEVER}"
                        if ram < profile.memory_gb else
                        f"needs {_fmt(profile.memory_gb)} GB RAM free, has {_fmt(max(nf.ram_gb, 0))}")
+    reasons += offer_reasons(model, profile, node, rank=rank)
     weights = model.cache_name if holds_weights(profile, rank) else None
     # A node holding the file needs no room for it; an operator's own copy is never fetched.
     if weights is not None and weights not in nf.held and nf.disk_gb < model.size_gb:
         reasons.append(_disk_reason(model, nf))
     return reasons
+
+
+def offer_reasons(model: Model, profile: Profile, node: Node, *, rank: int = 0) -> list[str]:
+    """What the node's owner does not offer this shard (its engines, where it reads weights from),
+    from its report: the node would refuse the start, so the plan must not promise it (seen:
+    `llmgw diff` said "start" four times, and the node refused four times)."""
+    offers = node.report.offers if node.report else None
+    if offers is None:
+        return []  # an agent older than the report: the node's answer to the start says it
+    reasons = []
+    engine = shard_engine(profile, rank)
+    if engine not in offers.engines:
+        reasons.append(f"node has no {engine} engine (its agent config has {', '.join(offers.engines) or 'none'}): "
+                       f"{NEVER}")
+    if not holds_weights(profile, rank):
+        return reasons
+    if is_operator_path(model.source) and not _inside_any(model.source, offers.model_dirs):
+        reasons.append(f"node reads a plain-path source only inside its model_dirs, and {model.source} is not: "
+                       f"{NEVER}")
+    elif model.source.startswith("file://"):
+        path = posixpath.normpath(urllib.parse.unquote(urllib.parse.urlsplit(model.source).path))
+        if not _inside_any(path, offers.local_roots):
+            reasons.append(f"node copies file:// sources only from its local_sources and model_dirs, and {path} "
+                           f"is in neither: {NEVER}")
+    return reasons
+
+
+def _inside_any(path: str, roots: Iterable[str]) -> bool:
+    path = posixpath.normpath(path)
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in map(posixpath.normpath, roots))
 
 
 def _disk_reason(model: Model, nf: NodeFree) -> str:

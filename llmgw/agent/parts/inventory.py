@@ -16,6 +16,7 @@ from llmgw.agent.parts.config import NodeConfig
 from llmgw.agent.parts.fetch import fetch_views
 from llmgw.agent.parts.files import _inside, _listdir, tree_bytes
 from llmgw.agent.parts.lease import _lease_request, lease_heard, lease_view, read_lease, take_lease
+from llmgw.agent.parts.local import local_source_roots
 from llmgw.agent.parts.protocol import (
     AGENT_PATH,
     AGENT_VERSION,
@@ -73,6 +74,12 @@ def verb_inventory(cfg: NodeConfig, request: JsonDict) -> JsonDict:
         "env_allow": sorted(cfg.env_allow),
         # Where this node's shards of a replica across nodes meet the others (rpc-server, vLLM's master).
         "fabric_address": cfg.fabric_address,
+        # What this node's owner lets engines use: the controller plans within it (a start outside
+        # it would be refused here after the plan had promised it).
+        # Each root as configured and as resolved: a catalog may name it either way.
+        "offers": {"engines": sorted(cfg.engines),
+                   "local_roots": sorted(set(cfg.local_sources + cfg.model_dirs + local_source_roots(cfg))),
+                   "model_dirs": sorted(set(cfg.model_dirs + tuple(os.path.realpath(d) for d in cfg.model_dirs)))},
         "lease": lease,
     }
 

@@ -1,0 +1,44 @@
+"""A node's owner decides what engines run and where weights are read (its agent config, DESIGN §4);
+placement, `explain` and `llmgw diff` plan within what the node reports it offers, rather than
+promising a start the node then refuses (seen: "+ start smollm2/cpu on local", four refusals)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llmgw.inventory import Offers
+from llmgw.placement import explain, place
+from tests.placement.fleet import catalog, inventory, model, node, profile
+
+OFFERS = Offers(engines=("sim", "vllm"), local_roots=("/srv/exports", "/srv/models"), model_dirs=("/srv/models",))
+
+
+def offering(n, offers: Offers = OFFERS):  # noqa: ANN001, ANN201
+    return replace(n, report=replace(n.report, offers=offers))
+
+
+def placed(m, *nodes) -> bool:  # noqa: ANN001
+    return bool(place(catalog(m), inventory(*nodes), [], now=0.0, wanted={m.name: 1}).placements)
+
+
+def test_an_engine_the_node_does_not_have_is_not_placed_there_and_explain_says_so() -> None:
+    m = model("smollm2", profile("cpu", gpus=0, engine="llama.cpp"), source="/srv/models/s.gguf")
+    assert not placed(m, offering(node("local")))
+    text = "\n".join(explain(catalog(m), inventory(offering(node("local"))), [], "smollm2").lines())
+    assert "node has no llama.cpp engine (its agent config has sim, vllm)" in text
+    assert placed(m, offering(node("local"), replace(OFFERS, engines=("llama.cpp",))))
+
+
+def test_weights_outside_what_the_node_reads_are_not_placed_there() -> None:
+    vllm = profile("cpu", gpus=0)
+    assert placed(model("a", vllm, source="/srv/models/a"), offering(node("n")))
+    assert not placed(model("b", vllm, source="/root/b"), offering(node("n")))  # a plain path: model_dirs only
+    assert placed(model("c", vllm, source="file:///srv/exports/c.gguf"), offering(node("n")))
+    assert not placed(model("d", vllm, source="file:///srv/exports/../../etc/d"), offering(node("n")))
+    assert not placed(model("e", vllm, source="file:///root/e"), offering(node("n")))
+    assert placed(model("f", vllm, source="hf://org/f"), offering(node("n")))  # fetched: nothing to check
+
+
+def test_a_node_that_reports_no_offers_is_judged_by_its_answer_to_the_start() -> None:
+    m = model("x", profile("cpu", gpus=0, engine="llama.cpp"), source="/anywhere/x.gguf")
+    assert placed(m, node("old-agent"))
