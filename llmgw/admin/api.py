@@ -18,6 +18,7 @@ from llmgw import jsonbody
 from llmgw.admin import views
 from llmgw.admin.usage import UsageQueryError, usage_view
 from llmgw.admin.usage import parse_query as usage_query
+from llmgw.control.keys import KeyRefused
 from llmgw.control.orphans import list_orphans
 from llmgw.decide import holding
 from llmgw.errors import CatalogError, DispatchError, GitError, LlmgwError, PushRejected
@@ -87,7 +88,7 @@ async def summary(request: web.Request) -> web.Response:
     c = ctl(request)
     return web.json_response({**views.summary_view(
         c.catalog, c.inventory(), c.replicas(), c.sync_status.to_json(),
-        c.unplaced(), c.rollouts()), "leadership": c.leadership()})
+        c.unplaced(), c.rollouts()), "leadership": c.leadership(), "warnings": c.key_warnings()})
 
 
 async def get_sync(request: web.Request) -> web.Response:
@@ -285,6 +286,43 @@ async def _write(request: web.Request, change: Any, *, status: int) -> web.Respo
     c.trigger_sync()
     return web.json_response({"commit": sha, "message": "committed and pushed; the controller applies it "
                               "on its next fetch"}, status=status)
+
+
+# --- API keys ---------------------------------------------------------------------------
+async def keys(request: web.Request) -> web.Response:
+    try:
+        return web.json_response(ctl(request).keys())
+    except KeyRefused as exc:
+        return error(exc.status, str(exc))
+
+
+async def create_key(request: web.Request) -> web.Response:
+    if (refused := standby(request)) is not None:
+        return refused
+    body = await json_body(request)
+    if isinstance(body, web.Response):
+        return body
+    name, models = body.get("name"), body.get("models", ["*"])
+    if not isinstance(name, str) or not isinstance(models, list):
+        return error(400, 'send {"name": "...", "models": ["model", ...]} (models: ["*"] for every model)')
+    try:
+        made = ctl(request).create_key(name, models, _actor(request))
+    except KeyRefused as exc:
+        return error(exc.status, str(exc))
+    # The only time the key is said: only its hash is kept.
+    return web.json_response({"name": made.name, "key": made.key, "models": list(made.models)}, status=201,
+                             headers={"Cache-Control": "no-store"})
+
+
+async def revoke_key(request: web.Request) -> web.Response:
+    if (refused := standby(request)) is not None:
+        return refused
+    name = request.match_info["name"]
+    try:
+        ctl(request).revoke_key(name, _actor(request))
+    except KeyRefused as exc:
+        return error(exc.status, str(exc))
+    return web.json_response({"name": name, "revoked": True})
 
 
 # --- rollouts ---------------------------------------------------------------------------

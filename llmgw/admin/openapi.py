@@ -62,7 +62,9 @@ SCHEMAS: dict[str, Any] = {
         "sync": _ref("Sync"), "models": INT, "nodes": INT, "nodes_by_state": _s("object"), "nodes_ready": INT,
         "gpus_total": INT, "gpus_unhealthy": INT, "replicas": INT, "replicas_by_state": _s("object"),
         "replicas_ready": INT, "unplaced": _s("object"), "rollouts": _arr(_ref("Rollout")),
-    }),
+        "warnings": _arr(STR),
+    }, ["sync", "models", "nodes", "nodes_by_state", "nodes_ready", "gpus_total", "gpus_unhealthy", "replicas",
+        "replicas_by_state", "replicas_ready", "unplaced", "rollouts"]),
     "Node": _obj({
         "id": STR, "address": STR, "port": INT, "transport": STR, "pool": STR, "state": STR, "hostname": NSTR,
         "labels": _s("object"), "gpu_total": INT, "gpu_free": INT, "gpu_classes": _arr(STR), "fabrics": _arr(STR),
@@ -189,6 +191,19 @@ def openapi_document(*, feed: bool = True) -> dict[str, Any]:
             "Abort the rollout in progress: the model goes back to the version it ran", _json(_ref("Rollout")),
             errors={"404": "unknown model", "409": "no rollout in progress"}, params=[_p("model")])},
         f"{v}/replicas": {"get": _op("Replicas", _json(_arr(_ref("Replica"))), params=[_q("model", STR)])},
+        f"{v}/keys": {
+            "get": _op("API keys: the controller config's and those made here (names and models, never a digest)",
+                       _json(_arr(_obj({"name": STR, "models": _arr(STR), "source": STR, "created_at": NNUM}))),
+                       errors={"409": "this controller serves no router"}),
+            "post": _op("Make an API key: the key is in this answer only (only its sha256 is kept)",
+                        _json(_obj({"name": STR, "key": STR, "models": _arr(STR)}), "made"), ok_code="201",
+                        errors={**BAD, "409": "a key of that name exists"},
+                        body=_obj({"name": STR, "models": _arr(STR)}, ["name"])),
+        },
+        v + "/keys/{name}": {"delete": _op(
+            "Revoke an API key made here (routers refuse it from their next request)",
+            _json(_obj({"name": STR, "revoked": BOOL})), params=[_p("name")],
+            errors={"404": "no such key", "409": "a key of the controller config"})},
         f"{v}/explain-placement": {"get": _op(
             "Why a model runs where it runs, or cannot run", _json(_ref("Explain")),
             errors={**BAD, "404": "unknown model"}, params=[_q("model", STR, required=True)])},

@@ -98,6 +98,8 @@ def status(args: argparse.Namespace, client: Client, console: Console) -> int:
         console.print(f"[red]unplaced[/]  {_e(model)}: {n} replica(s) (llmgw explain {_e(model)})")
     for r in s.get("rollouts", []):  # a controller from before rollouts has none
         console.print(f"[bold]rollout[/]   {rollout_line(r)}")
+    for w in s.get("warnings", []):
+        console.print(f"[yellow]warning[/]   {_e(w)}")
     return 0
 
 
@@ -217,6 +219,42 @@ def _write(args: argparse.Namespace, client: Client, console: Console, method: s
         print_json(console, data)
     else:
         console.print(f"[green]✓[/] commit {_e(data['commit'][:12])}: {_e(data['message'])}")
+    return 0
+
+
+def keys(args: argparse.Namespace, client: Client, console: Console) -> int:
+    if args.keys_action == "create":
+        models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else ["*"]
+        try:
+            was_open = not client.request("GET", "/api/v1/keys")
+            made = client.request("POST", "/api/v1/keys", {"name": args.name, "models": models}, actor=args.actor)
+        except ApiError as exc:
+            return fail(console, str(exc))
+        if args.output == "json":
+            print_json(console, made)
+            return 0
+        console.print(f"[green]✓[/] API key {_e(made['name'])} for {_e(', '.join(made['models']))}; shown this once, "
+                      "only its hash is kept:")
+        console.print(made["key"], markup=False, highlight=False, soft_wrap=True)  # whole, on its own line
+        if was_open:
+            console.print("[yellow]The router now needs a key for every request[/] (with no keys it served anyone).")
+        return 0
+    if args.keys_action == "revoke":
+        try:
+            client.request("DELETE", f"/api/v1/keys/{args.name}", None, actor=args.actor)
+        except ApiError as exc:
+            return fail(console, str(exc))
+        console.print(f"[green]✓[/] API key {_e(args.name)} revoked: routers refuse it from their next request")
+        return 0
+    data = client.request("GET", "/api/v1/keys")
+    if args.output == "json":
+        print_json(console, data)
+        return 0
+    t = _table("API keys", ["NAME", "MODELS", "KEPT IN", "MADE"])
+    for k in data:
+        made = time.strftime("%Y-%m-%d %H:%M", time.localtime(k["created_at"])) if k.get("created_at") else "-"
+        t.add_row(_e(k["name"]), _e(", ".join(k["models"])), _e(k["source"]), made)
+    console.print(t)
     return 0
 
 
@@ -403,6 +441,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     for q in (a, r):
         q.set_defaults(func=_run(models))
     p.set_defaults(models_action=None)
+    p = add("keys", keys, "API keys: list, create (shown once, only its hash kept) or revoke; no restart")
+    ksub = p.add_subparsers(dest="keys_action")
+    k = ksub.add_parser("create", parents=[c], help="make an API key and print it once")
+    k.add_argument("name")
+    k.add_argument("--models", help="comma-separated model names or aliases it may use (default: every model)")
+    k.add_argument("--actor")
+    k = ksub.add_parser("revoke", parents=[c], help="revoke an API key made with create")
+    k.add_argument("name")
+    k.add_argument("--actor")
+    ksub.add_parser("list", parents=[c], help="list API keys (names and models)")
+    for q in ksub.choices.values():
+        q.set_defaults(func=_run(keys))
+    p.set_defaults(keys_action=None)
     p = add("replicas", replicas, "replicas and where they run")
     p.add_argument("--model")
     p = add("explain", explain, "why a model runs where it runs, or cannot run")

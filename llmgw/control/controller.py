@@ -32,6 +32,7 @@ from llmgw.control.config import ControllerConfig
 from llmgw.control.datadir import held_here, hold_data_dir, release_data_dir, succeed
 from llmgw.control.fleet_dispatch import FleetDispatcher
 from llmgw.control.fleet_metrics import FleetCollector
+from llmgw.control.keys import KeyBook
 from llmgw.control.leadership import LEADER, Leadership, LeadershipCollector, LeadershipConfig
 from llmgw.control.ops import FleetOps
 from llmgw.dispatch.base import AgentVerbs
@@ -110,6 +111,8 @@ class Controller:
             registry=self.registry,
         )
         self.writer = CommitWriter(url, config.branch, data / "writer", subdir=config.subdir)
+        # API keys beside the config's (`llmgw keys`): set by the serving process, which owns the router.
+        self.keys: KeyBook | None = None
         self.ops = FleetOps(self)
         self._own_lock = False  # start() took the data dir's lock itself (an embedding, a test)
         self.registry.register(FleetCollector(self.ops))

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog, RawFile
 from llmgw.contract import PromptCache
+from llmgw.control.keys import KeyBook, KeyRefused, Made, tenants_without_keys
 from llmgw.control.orphans import Orphan, collect
 from llmgw.decide.replica import Replica
 from llmgw.gitops.gitcli import read_tree
@@ -43,6 +44,7 @@ class ControlPlane(Protocol):
     reconciler: Reconciler
     store: Store
     writer: CommitWriter
+    keys: KeyBook | None
     fleet: FencedDispatcher
     registry: CollectorRegistry
 
@@ -175,6 +177,31 @@ class FleetOps:
 
     def remove_model(self, name: str, actor: str) -> str:
         return self._c.writer.remove_model(name, actor)
+
+    # --- API keys (`llmgw keys`) -------------------------------------------------------------
+    def _keys(self) -> KeyBook:
+        if self._c.keys is None:
+            raise KeyRefused("this controller serves no router: API keys are made where one is served "
+                            "(`llmgw controller` or `llmgw up`)")
+        return self._c.keys
+
+    def keys(self) -> list[dict[str, Any]]:
+        return self._keys().listing()
+
+    def create_key(self, name: str, models: Sequence[str], actor: str) -> Made:
+        made = self._keys().create(name, models)
+        self._c.store.add_event("key-created", name, f"API key {name} made by {actor} for models "
+                                                     f"{', '.join(made.models)}")
+        return made
+
+    def revoke_key(self, name: str, actor: str) -> None:
+        self._keys().revoke(name)
+        self._c.store.add_event("key-revoked", name, f"API key {name} revoked by {actor}")
+
+    def key_warnings(self) -> list[str]:
+        """Tenants naming keys no API key has (status, the dashboard, an event once per catalog)."""
+        book = self._c.keys
+        return tenants_without_keys(self.catalog, book.names()) if book is not None else []
 
     @property
     def registry(self) -> CollectorRegistry:

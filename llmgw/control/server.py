@@ -21,7 +21,7 @@ from llmgw.admin.app import build_admin_app
 from llmgw.control.config import Listen, ServerConfig
 from llmgw.control.controller import Controller
 from llmgw.control.usage import BookedLedger, BudgetBook, UsageFlusher
-from llmgw.errors import ConfigError
+from llmgw.errors import ConfigError, StoreError
 from llmgw.gitops.desired import ROUTER, DesiredState
 from llmgw.serving import connection_cap, listen, raise_fd_limit, throttle_loop_errors
 
@@ -101,6 +101,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     raise_fd_limit()
     throttle_loop_errors()
     from llmgw.control.feed import Fanout, FeedHub, MergedUsage
+    from llmgw.control.keys import KeyBook
     from llmgw.router.app import Router
     from llmgw.router.config import RouterConfig
     from llmgw.router.exposure import open_warning
@@ -144,7 +145,35 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
 
     budgets()
     book.on_change = budgets  # a standalone router's report counts for this router at once
-    usage = UsageFlusher(router.usage_outbox, ledger, compact=store.compact_usage, after=budgets)
+
+    said: set[str] = set()
+
+    def tenant_keys(_catalog: object = None) -> None:
+        """A tenant naming a key no API key has is said once, as an event (and in status while it lasts)."""
+        nonlocal said
+        now = set(controller.ops.key_warnings())
+        for warning in sorted(now - said):
+            store.add_event("tenant-key-missing", "catalog", warning)
+        said = now
+
+    def keys_changed(entries: list[dict[str, Any]]) -> None:
+        router.set_keys(KeyRing.from_entries(entries, where="api keys"))
+        hub.set_api_keys(entries)
+        tenant_keys()
+
+    controller.keys = keys_book = KeyBook(cfg.api_keys, store, on_change=keys_changed)
+    keys_book.reload()
+    controller.desired.subscribe(tenant_keys, order=ROUTER)
+    tenant_keys()
+
+    def after_flush() -> None:
+        budgets()
+        try:  # a key made through another controller on the same store
+            keys_book.reload()
+        except StoreError as exc:
+            log.warning("API keys not read from the store: %s", exc)
+
+    usage = UsageFlusher(router.usage_outbox, ledger, compact=store.compact_usage, after=after_flush)
     usage.start()
     runners: list[web.AppRunner] = []
     try:

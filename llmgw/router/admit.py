@@ -139,5 +139,5 @@ def refusal(refused: Refusal) -> web.Response:
                              retry_after=1)
     if refused.fits_never:
         return respond.bad_request(refused.message, "exceeds_budget")
-    return respond.rate_limited(refused.message, refused.retry_after, refused.headers)
+    return respond.rate_limited(refused.message, refused.retry_after, refused.headers, refused.kind)
 

@@ -143,6 +143,13 @@ class Router:
         change before replicas do (`llmgw.control.server.attach_router`)."""
         self.set_routes(route_catalog(catalog))
 
+    def set_keys(self, keys: KeyRing) -> None:
+        """The keys to check from now on (a key made or revoked takes effect at the next request);
+        tenants are matched to keys by name, so they are matched again."""
+        self.keys = keys
+        if self._current.has_catalog:
+            self._admission.set_tenants(self._current.routes, keys)
+
     def set_routes(self, routes: RouteCatalog) -> None:
         chains = {}
         for m in routes.models:

@@ -283,7 +283,7 @@ class FeedClient:
             log.warning("ignoring the budgets' figures in a snapshot from %s (%s)", self.controller, exc)
             spent = None
         if keys is not None:
-            self.router.keys = keys
+            self.router.set_keys(keys)
             if self.on_keys is not None:
                 self.on_keys(keys)
         if self.router.config.limits_redis == "":  # a router given its own Redis keeps it

@@ -66,10 +66,17 @@ def json_response(data: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=json.dumps(data).encode(), content_type=JSON)
 
 
-def rate_limited(message: str, retry_after: float, headers: dict[str, str]) -> web.Response:
+# The error type and code of a 429 per limit: OpenAI's rate limits are "requests" or "tokens" with
+# ``rate_limit_exceeded``; a spent budget is not a rate (waiting a minute does not help) and says so.
+LIMIT_ERRORS = {"requests": ("requests", "rate_limit_exceeded"), "concurrent": ("requests", "rate_limit_exceeded"),
+                "tokens": ("tokens", "rate_limit_exceeded"), "budget": ("budget", "budget_exceeded")}
+
+
+def rate_limited(message: str, retry_after: float, headers: dict[str, str], kind: str = "requests") -> web.Response:
     """429 as OpenAI answers it: ``rate_limit_exceeded``, Retry-After (whole seconds, at least 1) and
     ``retry-after-ms``, which the openai SDKs wait for before retrying, and the x-ratelimit-* headers."""
-    resp = error(429, message, kind="requests", code="rate_limit_exceeded", retry_after=max(1, math.ceil(retry_after)))
+    etype, code = LIMIT_ERRORS.get(kind, LIMIT_ERRORS["requests"])
+    resp = error(429, message, kind=etype, code=code, retry_after=max(1, math.ceil(retry_after)))
     resp.headers["retry-after-ms"] = str(max(1, math.ceil(retry_after * 1000)))
     if retry_after > 60:
         # The openai SDKs retry at once when Retry-After is over a minute (they wait at most 60 s):

@@ -95,6 +95,9 @@ MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE controllers (holder TEXT PRIMARY KEY, url TEXT, role TEXT NOT NULL, seen TIMESTAMPTZ NOT NULL);
     """,
+    """
+    CREATE TABLE api_keys (name TEXT PRIMARY KEY, record TEXT NOT NULL);
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 # SUM of BIGINT is NUMERIC (exact); like the SQLite store's TOTAL, it saturates instead of failing.
@@ -186,6 +189,24 @@ class PostgresStore(JsonRecords):
         else:
             self._write("INSERT INTO sync(kind, record) VALUES(%s, %s) "
                         "ON CONFLICT(kind) DO UPDATE SET record = excluded.record", (kind.value, json.dumps(record)))
+
+    # --- API keys made by `llmgw keys` (hashes only) ------------------------------------------
+    def api_keys(self) -> list[dict[str, Any]]:
+        return [json.loads(r) for (r,) in self._all("SELECT record FROM api_keys ORDER BY name")]
+
+    def add_api_key(self, entry: Mapping[str, Any]) -> bool:
+        with self._main.use() as conn, conn.transaction():
+            cur = conn.execute("INSERT INTO api_keys(name, record) VALUES(%s, %s) ON CONFLICT(name) DO NOTHING",
+                               (_text(str(entry["name"])), json.dumps(dict(entry))))
+            return cur.rowcount == 1
+
+    def replace_api_key(self, name: str, entry: Mapping[str, Any]) -> bool:
+        with self._main.use() as conn, conn.transaction():
+            if conn.execute("DELETE FROM api_keys WHERE name = %s", (_text(name),)).rowcount != 1:
+                return False
+            conn.execute("INSERT INTO api_keys(name, record) VALUES(%s, %s)",
+                         (_text(str(entry["name"])), json.dumps(dict(entry))))
+            return True
 
     # --- the reconciler's memory ------------------------------------------------------------
     def replicas(self) -> list[Replica]:

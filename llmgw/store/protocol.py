@@ -75,6 +75,19 @@ class Store(Protocol):
     def set_rewrite(self, rewrite: Rewrite | None) -> None: ...
 
     # --- the reconciler's memory -----------------------------------------------------------
+    def api_keys(self) -> list[dict[str, Any]]:
+        """Keys made by `llmgw keys create`: ``{name, sha256, models, created_at}`` (never the key)."""
+        ...
+
+    def add_api_key(self, entry: Mapping[str, Any]) -> bool:
+        """False when a key of that name exists (nothing is changed)."""
+        ...
+
+    def replace_api_key(self, name: str, entry: Mapping[str, Any]) -> bool:
+        """``name``'s record replaced by ``entry`` (a revoked key's tombstone), in one transaction;
+        False when there is no ``name``."""
+        ...
+
     def replicas(self) -> list[Replica]:
         """The replica records, by id."""
 

@@ -48,7 +48,7 @@ from llmgw.store.records import ControllerSeen, Event, Leadership, LeaseGrant, S
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 6  # 5: the leader lease; 6: the controllers' check-ins
+SCHEMA_VERSION = 7  # 5: the leader lease; 6: the controllers' check-ins; 7: API keys made by `llmgw keys`
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sync (kind TEXT PRIMARY KEY, record TEXT NOT NULL);
@@ -84,6 +84,7 @@ CREATE TABLE IF NOT EXISTS lease (
     renewed REAL
 );
 CREATE TABLE IF NOT EXISTS controllers (holder TEXT PRIMARY KEY, url TEXT, role TEXT NOT NULL, seen REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS api_keys (name TEXT PRIMARY KEY, record TEXT NOT NULL);
 """
 # TOTAL, not SUM: SUM raises on a 64-bit overflow, and one bad router's rows would then fail every
 # query of the ledger; a total is exact below 2**53 and saturates above.
@@ -182,6 +183,25 @@ class SqliteStore(JsonRecords):
         else:
             self._write("INSERT INTO sync(kind, record) VALUES(?, ?) "
                         "ON CONFLICT(kind) DO UPDATE SET record = excluded.record", (kind.value, json.dumps(record)))
+
+    # --- API keys made by `llmgw keys` (hashes only) ------------------------------------------
+    def api_keys(self) -> list[dict[str, Any]]:
+        with self._locked() as db:
+            rows = db.execute("SELECT record FROM api_keys ORDER BY name").fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def add_api_key(self, entry: Mapping[str, Any]) -> bool:
+        with self._transaction() as db:
+            cur = db.execute("INSERT INTO api_keys(name, record) VALUES(?, ?) ON CONFLICT(name) DO NOTHING",
+                             (str(entry["name"]), json.dumps(dict(entry))))
+            return cur.rowcount == 1
+
+    def replace_api_key(self, name: str, entry: Mapping[str, Any]) -> bool:
+        with self._transaction() as db:
+            if db.execute("DELETE FROM api_keys WHERE name = ?", (name,)).rowcount != 1:
+                return False
+            db.execute("INSERT INTO api_keys(name, record) VALUES(?, ?)", (str(entry["name"]), json.dumps(dict(entry))))
+            return True
 
     # --- the reconciler's memory ------------------------------------------------------------
     def replicas(self) -> list[Replica]:

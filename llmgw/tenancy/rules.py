@@ -120,20 +120,28 @@ class Refusal:
     headers: dict[str, str] = field(default_factory=dict)
     fits_never: bool = False  # the request alone exceeds a limit: waiting cannot help (a 400)
     unavailable: bool = False  # the limits could not be checked (a 503): not the tenant's doing
+    kind: str = "requests"  # which limit: requests, tokens, concurrent, budget (the answer's error type)
 
 
 def refusal(limits: Limits, why: str, retry_after: float, requests_left: float | None,
-            tokens_left: float | None) -> Refusal:
-    """The 429's message and OpenAI's headers, from what is left in each bucket (None: unknown, full)."""
+            tokens_left: float | None, *, kind: str = "requests", budget_left: int | None = None) -> Refusal:
+    """The 429's message and OpenAI's headers, from what is left in each bucket (None: unknown, full).
+    A budget's refusal gives the budget's figures in the token headers (seen: a spent budget
+    answered with the request headers only, and "type": "requests")."""
     headers: dict[str, str] = {}
-    for kind, cap, left in (("requests", limits.requests_per_minute, requests_left),
-                            ("tokens", limits.tokens_per_minute, tokens_left)):
+    for bucket, cap, left in (("requests", limits.requests_per_minute, requests_left),
+                              ("tokens", limits.tokens_per_minute, tokens_left)):
         if cap:
             level = float(cap) if left is None else left
-            headers[f"x-ratelimit-limit-{kind}"] = str(cap)
-            headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(level)))
-            headers[f"x-ratelimit-reset-{kind}"] = duration(max(0.0, (cap - level) * 60.0 / cap))
-    return Refusal(f"Rate limit reached: {why}. Retry in {duration(retry_after)}.", max(0.0, retry_after), headers)
+            headers[f"x-ratelimit-limit-{bucket}"] = str(cap)
+            headers[f"x-ratelimit-remaining-{bucket}"] = str(max(0, math.floor(level)))
+            headers[f"x-ratelimit-reset-{bucket}"] = duration(max(0.0, (cap - level) * 60.0 / cap))
+    if limits.budget is not None and budget_left is not None:
+        headers["x-ratelimit-limit-tokens"] = str(limits.budget.tokens)
+        headers["x-ratelimit-remaining-tokens"] = str(max(0, budget_left))
+        headers["x-ratelimit-reset-tokens"] = duration(max(0.0, retry_after))
+    return Refusal(f"Rate limit reached: {why}. Retry in {duration(retry_after)}.", max(0.0, retry_after), headers,
+                   kind=kind)
 
 
 def duration(seconds: float) -> str:
@@ -238,6 +246,7 @@ def refused(s: Scope, kind: Kind, *, reserve: int, wait: float = 1.0, inflight: 
     includes what routers hold (shared limits); ``requests_left``, ``tokens_left``: what the
     buckets have (None: not known, counted as full)."""
     lim = s.limits
+    budget_left = None
     if kind == "concurrent":
         why = f"{inflight} requests of tenant `{s.name}` are in flight, its limit (concurrent: {lim.concurrent})"
     elif kind == "requests":
@@ -252,7 +261,8 @@ def refused(s: Scope, kind: Kind, *, reserve: int, wait: float = 1.0, inflight: 
         by = "requests in flight or held by routers" if held else "requests in flight"
         why = (f"tenant `{s.name}` has used {used} of its {b.tokens}-token budget per {b.per} (this request "
                f"reserves {reserve}, {reserved} are reserved by {by}{note}); it resets at {_when(resets)}")
-    return refusal(lim, why, wait, requests_left, tokens_left)
+        budget_left = b.tokens - used - reserved
+    return refusal(lim, why, wait, requests_left, tokens_left, kind=kind, budget_left=budget_left)
 
 
 def _when(t: float) -> str:

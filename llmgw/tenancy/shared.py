@@ -473,7 +473,7 @@ class SharedLimits(ScopedLimits):
             return None
         if reserve < least:  # a smaller request may fit where the refused one did not: Redis says
             return None
-        return Refusal(refused.message, max(0.0, retry_at - clock), refused.headers)
+        return Refusal(refused.message, max(0.0, retry_at - clock), refused.headers, kind=refused.kind)
 
     def _remember(self, s: Scope, refused: Refusal, kind: str, used: int, reserve: int) -> None:
         """A refusal of Redis's that holds for a while: for any request (requests per minute, a

@@ -200,6 +200,12 @@ async def test_a_spent_budget_says_which_and_when_it_resets(chat_sim: SimProcess
                 used += r.usage.total_tokens
         assert "budget per day" in refused.value.message and "resets at 2026-12-04 00:00 UTC" in refused.value.message
         assert 0 < used <= 60
+        # Its own type, and the budget's figures in OpenAI's token headers (seen: "type": "requests",
+        # and the request headers only).
+        assert (refused.value.type, refused.value.code) == ("budget", "budget_exceeded")
+        headers = refused.value.response.headers
+        assert headers["x-ratelimit-limit-tokens"] == "60"
+        assert 0 <= int(headers["x-ratelimit-remaining-tokens"]) < 60 and headers["x-ratelimit-reset-tokens"] == "1m0s"
         clock[0] = at("2026-12-04T00:00:01")  # the next day
         r = await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=5)
         assert r.choices

@@ -126,3 +126,15 @@ def test_generations_only_grow_and_never_repeat_across_threads_and_stores(backen
     for t in threads:
         t.join(timeout=60)
     assert sorted(got) == list(range(13, 93))  # 80 generations, none twice, none skipped
+
+
+def test_api_keys_are_added_once_revoked_by_replacement_and_read_back_by_another_opener(backend: Backend) -> None:
+    first = backend.open()
+    entry = {"name": "team-a", "sha256": "ab" * 32, "models": ["chat"], "created_at": 1.5}
+    assert first.add_api_key(entry)
+    assert not first.add_api_key({**entry, "sha256": "cd" * 32})  # a name is made once
+    assert not first.replace_api_key("ghost", {"name": "ghost", "revoked_at": 2.0})
+    second = backend.open()  # a standby, or the same controller restarted
+    assert second.api_keys() == [entry]
+    assert second.replace_api_key("team-a", {"name": "team-a", "revoked_at": 2.0})
+    assert first.api_keys() == [{"name": "team-a", "revoked_at": 2.0}]

@@ -1,0 +1,126 @@
+"""API keys without a text editor: `llmgw keys create|list|revoke`.
+
+A key is made here, shown once, and only its sha256 is kept, in the controller's store (outside
+git: a catalog is read by every reviewer of a pull request). The keys every router checks are the
+controller config's `api_keys` and these together; a change reaches the controller's own router at
+once and standalone routers with their next snapshot, without a restart (seen: a key added to
+controller.yaml was `invalid_api_key` until the controller restarted).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llmgw.catalog import Catalog
+from llmgw.errors import LlmgwError
+from llmgw.router.keys import ALL_MODELS, hash_key
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+CLOSED = "(no key: the last one was revoked)"
+PREFIX = "llmgw-"  # a made key says what it is (secret scanners and people can tell it apart)
+
+
+class KeyRefused(LlmgwError):
+    """A key request that cannot be done (a name taken, none such, a config key); ``status``: the
+    admin API's answer."""
+
+    def __init__(self, message: str, status: int = 409) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Made:
+    name: str
+    key: str  # shown once, never kept
+    models: tuple[str, ...]
+
+
+class KeyBook:
+    """The controller config's keys and the store's, as one list for every router."""
+
+    def __init__(self, config: Sequence[Mapping[str, Any]], store: Any, *,
+                 on_change: Callable[[list[dict[str, Any]]], None],
+                 clock: Callable[[], float] = time.time) -> None:
+        self._config = [dict(e) for e in config]
+        self._store = store
+        self._on_change = on_change
+        self._clock = clock
+        self._made: list[dict[str, Any]] = []  # the store's records, revoked ones included
+        # The digest of a key never made (see entries): random, never kept.
+        self._closed_digest = hash_key(secrets.token_urlsafe(32))
+
+    def reload(self) -> None:
+        """Read the store's keys again (another controller on the same store may have made one)."""
+        made = self._store.api_keys()
+        if made != self._made:
+            self._made = made
+            self._on_change(self.entries())
+
+    @property
+    def _active(self) -> list[dict[str, Any]]:
+        return [e for e in self._made if not e.get("revoked_at")]
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Every key as routers take them: ``{name, sha256, models}``. With none left after a
+        revocation, one no one holds: a router with no keys serves anyone, and revoking the last
+        (perhaps leaked) key must not open it to the world."""
+        keys = [{"name": e.get("name"), "sha256": e["sha256"], "models": list(e.get("models") or [ALL_MODELS])}
+                for e in [*self._config, *self._active]]
+        if not keys and self._made:
+            keys = [{"name": CLOSED, "sha256": self._closed_digest, "models": []}]
+        return keys
+
+    def names(self) -> set[str]:
+        return {str(e.get("name")) for e in [*self._config, *self._active] if e.get("name")}
+
+    def listing(self) -> list[dict[str, Any]]:
+        """For `llmgw keys list`: names, models, where each is kept, when it was made; no digest."""
+        out = [{"name": e.get("name"), "models": list(e.get("models") or [ALL_MODELS]), "source": "config",
+                "created_at": None} for e in self._config]
+        out += [{"name": e["name"], "models": list(e.get("models") or [ALL_MODELS]), "source": "store",
+                 "created_at": e.get("created_at")} for e in self._active]
+        return out
+
+    def create(self, name: str, models: Sequence[str] = (ALL_MODELS,)) -> Made:
+        if not NAME.match(name):
+            raise KeyRefused(f"key name {name!r}: letters, digits, '.', '_' or '-', starting with a letter or digit, "
+                             "at most 64 characters", 400)
+        models = tuple(models) or (ALL_MODELS,)
+        if not all(isinstance(m, str) and m for m in models):
+            raise KeyRefused("models: a list of model names or aliases, or '*'", 400)
+        if name in self.names():
+            raise KeyRefused(f"a key named {name!r} exists; revoke it first, or choose another name")
+        key = PREFIX + secrets.token_urlsafe(32)
+        entry = {"name": name, "sha256": hash_key(key), "models": list(models), "created_at": self._clock()}
+        revoked = next((e for e in self._made if e["name"] == name and e.get("revoked_at")), None)
+        done = self._store.replace_api_key(name, entry) if revoked else self._store.add_api_key(entry)
+        if not done:
+            raise KeyRefused(f"a key named {name!r} exists; revoke it first, or choose another name")
+        self.reload()
+        return Made(name, key, models)
+
+    def revoke(self, name: str) -> None:
+        if any(e.get("name") == name for e in self._config):
+            raise KeyRefused(f"key {name!r} is in the controller config (api_keys): remove it there and restart")
+        entry = next((e for e in self._active if e["name"] == name), None)
+        # Kept as a tombstone (its digest dropped): the name may be made again, and the router
+        # stays closed when it was the last key.
+        if entry is None or not self._store.replace_api_key(name, {"name": name, "revoked_at": self._clock()}):
+            raise KeyRefused(f"no key named {name!r}", 404)
+        self.reload()
+
+
+def tenants_without_keys(catalog: Catalog | None, names: set[str]) -> list[str]:
+    """Each tenant key the catalog names that no API key has, in words (its requests could never be
+    that tenant's: the limits it sets would hold for nobody, silently)."""
+    if catalog is None:
+        return []
+    return [f'tenant "{t.name}" names key "{k}", which no API key has (the controller config\'s api_keys, '
+            "or `llmgw keys create`)"
+            for t in catalog.settings.tenants for k in t.keys if k not in names]
