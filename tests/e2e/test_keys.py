@@ -1,0 +1,101 @@
+"""`llmgw keys` on a running `llmgw up`, as an operator uses it: a key made is printed once and
+works at once, a revoked one stops at once, neither needs a restart, only hashes are kept, and a
+tenant naming a key no one has is said (status, events) rather than accepted in silence."""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.conftest import git
+from tests.e2e.processes import LLMGW, free_port, start, stop, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([LLMGW, *args], capture_output=True, text=True, timeout=60, check=False,
+                          env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+
+
+def answer(url: str, key: str, model: str = "gpt-4o-mini") -> int:
+    """The HTTP status of one chat request with ``key`` (200 when answered)."""
+    client = openai.OpenAI(base_url=url, api_key=key, timeout=10, max_retries=0)
+    try:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}])
+        return 200
+    except openai.APIStatusError as exc:
+        return exc.status_code
+    except openai.APIConnectionError:
+        return 0  # not listening yet
+    finally:
+        client.close()
+
+
+def test_keys_made_and_revoked_on_a_running_up_take_effect_without_a_restart(tmp_path: Path) -> None:
+    data = tmp_path / "state"
+    router_port, admin_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{router_port}/v1"
+    args = ["up", "--data-dir", str(data), "--router-port", str(router_port), "--admin-port", str(admin_port)]
+    up = start(args, tmp_path / "up.log")
+    try:
+        wait_for(lambda: answer(url, "anything") == 200, 60, "the open router answers", up)  # no keys: open
+        made = cli("keys", "create", "team-a", "--models", "gpt-4o-mini", "--data-dir", str(data))
+        assert made.returncode == 0, made.stdout + made.stderr
+        key = re.search(r"^(llmgw-\S{40,})$", made.stdout, re.M).group(1)  # whole, on a line of its own
+        assert "now needs a key" in made.stdout  # the router was open: the operator is told it closed
+        assert answer(url, key) == 200
+        assert answer(url, "anything") == 401
+        assert answer(url, key, "sim-embed") in (403, 404)  # a model the key was not made for
+        listed = json.loads(cli("keys", "list", "-o", "json", "--data-dir", str(data)).stdout)
+        assert [(k["name"], k["models"], k["source"]) for k in listed] == [("team-a", ["gpt-4o-mini"], "store")]
+        again = cli("keys", "create", "team-a", "--data-dir", str(data))
+        assert again.returncode == 1 and "a key named 'team-a' exists" in again.stdout + again.stderr
+        # Only the hash is kept: not the key in the store, the log or the events.
+        db = sqlite3.connect(data / "controller" / "llmgw.db")
+        rows = " ".join(r[0] for r in db.execute("SELECT record FROM api_keys"))
+        db.close()
+        assert key not in rows and "team-a" in rows
+        events = cli("events", "-o", "json", "--data-dir", str(data)).stdout
+        assert "API key team-a made by" in events and key not in events
+        assert key not in (tmp_path / "up.log").read_text()
+
+        # A tenant naming a key that exists nowhere is said, not accepted in silence.
+        repo = data / "catalog"
+        settings = (repo / "llmgw.yaml").read_text()
+        (repo / "llmgw.yaml").write_text(settings + "\ntenants:\n  - name: search\n    keys: [team-a, ghost]\n")
+        git(repo, "commit", "-qam", "Tenant search")
+        status = wait_for(lambda: (s := cli("status", "--data-dir", str(data)).stdout) and "ghost" in s and s, 30,
+                          "status names the missing key", up)
+        assert 'tenant "search" names key "ghost", which no API key has' in status
+        assert "team-a" not in status.split("warning", 1)[1]
+        assert "tenant-key-missing" in cli("events", "-o", "json", "--data-dir", str(data)).stdout
+
+        revoked = cli("keys", "revoke", "team-a", "--data-dir", str(data))
+        assert revoked.returncode == 0, revoked.stdout + revoked.stderr
+        assert answer(url, key) == 401
+        # The last key revoked: the router stays closed (no keys would mean open to anyone).
+        assert answer(url, "anything") == 401
+        assert json.loads(cli("keys", "list", "-o", "json", "--data-dir", str(data)).stdout) == []
+    finally:
+        assert stop(up, timeout=60) == 0
+    # The store keeps what was made across a restart: still closed, and a revoked name may be made again.
+    up = start(args, tmp_path / "up2.log")
+    try:
+        wait_for(lambda: answer(url, "anything") == 401, 60, "still closed after a restart", up)
+        made = cli("keys", "create", "team-a", "--data-dir", str(data))
+        key_b = re.search(r"^(llmgw-\S{40,})$", made.stdout, re.M).group(1)
+    finally:
+        assert stop(up, timeout=60) == 0
+    up = start(args, tmp_path / "up3.log")
+    try:
+        wait_for(lambda: answer(url, key_b) == 200, 60, "team-b's key after a restart", up)
+        assert answer(url, "anything") == 401
+    finally:
+        assert stop(up, timeout=60) == 0
