@@ -54,6 +54,24 @@ def _unauthorized() -> web.Response:
                              status=401, headers={"WWW-Authenticate": "Bearer"})
 
 
+SIGN_IN_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>llmgw: sign in</title></head>
+<body style="font-family: sans-serif; max-width: 40em; margin: 3em auto">
+<h1>llmgw dashboard</h1><p>{why}</p>
+<p>Open the link <code>llmgw up</code> printed (<code>/?token=</code> and the admin token, whole: it is
+43 characters), or add <code>?token=</code> and the token from the data dir's <code>admin.token</code>
+(or the controller's admin token) to this page's address. The token is traded for a cookie and leaves
+the address at once.</p></body></html>"""
+
+
+def _browser_unauthorized(request: web.Request, why: str) -> web.Response:
+    """A person at the dashboard is told how to get in, not shown a JSON error (seen: a link cut at
+    80 columns opened as a raw 401)."""
+    if request.path == DASHBOARD and "text/html" in request.headers.get("Accept", ""):
+        return web.Response(status=401, text=SIGN_IN_PAGE.format(why=why), content_type="text/html",
+                            headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+    return _unauthorized()
+
+
 def _sign_in(request: web.Request, token: str) -> web.Response:
     """``/?token=T``: trade the token for a cookie and 303 to the same page without it.
 
@@ -63,7 +81,7 @@ def _sign_in(request: web.Request, token: str) -> web.Response:
     sets nothing.
     """
     if request.method not in ("GET", "HEAD") or not _token_ok(token, request.query.get("token", "")):
-        return _unauthorized()
+        return _browser_unauthorized(request, "That token is not this controller's (a link cut short?).")
     target = request.rel_url.with_query([(k, v) for k, v in request.query.items() if k != "token"])
     response = web.Response(status=303, headers={
         "Location": str(target), "Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
@@ -93,7 +111,7 @@ def auth_middleware(token: str) -> Any:
         else:
             ok = False
         if not ok:
-            return _unauthorized()
+            return _browser_unauthorized(request, "This browser is not signed in.")
         return await handler(request)
 
     return check

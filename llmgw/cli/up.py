@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
-from rich.panel import Panel
 
 from llmgw.cli.client import URL_FILE
 from llmgw.cli.serve import run_until_signal
@@ -68,8 +67,9 @@ def _option_errors(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from llmgw.cli.output import fail
+    from llmgw.control.config import Listen
     from llmgw.control.own_model import describe
-    from llmgw.control.server import start
+    from llmgw.control.server import check_free, start
     from llmgw.control.up import UpLayout, prepare
     from llmgw.errors import LlmgwError
     from llmgw.stdio import guard
@@ -84,6 +84,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return max(fail(console, e) for e in errors)
     data_dir = Path(args.data_dir).resolve() if args.data_dir is not None else default_data_dir()
     try:
+        # Before anything is written: a refused `up` leaves no data dir behind (seen: a port in use).
+        check_free(Listen("127.0.0.1", args.admin_port), "--admin-port")
+        check_free(Listen("127.0.0.1", args.router_port), "--router-port")
         cfg = prepare(data_dir, catalog=Path(args.catalog).resolve() if args.catalog is not None else None,
                       router_port=args.router_port, admin_port=args.admin_port, lock=True,
                       model=Path(args.model) if args.model else None, name=args.name)
@@ -172,12 +175,15 @@ def _welcome(console: Console, router: str, admin: str, layout: UpLayout, token:
     py = (f"from openai import OpenAI\nclient = OpenAI(base_url=\"{router}/v1\", api_key=\"unused\")\n"
           f"print(client.chat.completions.create(model=\"{model}\", "
           f"messages=[{{\"role\": \"user\", \"content\": \"Hello\"}}]).choices[0].message.content)")
-    console.print(Panel.fit(
-        f"[bold]router[/]     {router}/v1   (OpenAI API)\n"
-        f"[bold]dashboard[/]  {_dashboard_link(console, admin, layout, token)}\n"
-        f"[bold]admin API[/]  {admin}/api/v1   token in {layout.token_file}\n"
-        f"[bold]catalog[/]    {layout.catalog}   edit, `git commit`, and it is applied live\n",
-        title="llmgw is up", border_style="green"))
+    # Lines printed whole, never in a box: a box crops at the terminal's width, and a link cut at 80
+    # columns (36 of the token's 43 characters) opened as a 401.
+    console.rule("[bold green]llmgw is up", align="left", style="green")
+    for line in (f"router     {router}/v1   (OpenAI API)",
+                 f"dashboard  {_dashboard_link(console, admin, layout, token)}",
+                 f"admin API  {admin}/api/v1   token in {layout.token_file}",
+                 f"catalog    {layout.catalog}   edit, `git commit`, and it is applied live"):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    console.rule(style="green")
     if own:
         replicas = escape(f"{_command()} replicas --data-dir {layout.data_dir}")
         console.print(f"[bold]{own}[/] is loading on this machine; `{replicas}` says when it is ready (a real "

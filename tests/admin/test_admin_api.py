@@ -141,3 +141,16 @@ def test_the_browser_ends_on_a_url_without_the_token(running: Running, tmp_path:
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+@pytest.mark.skipif(not shutil.which("chromium"), reason="chromium is not installed (apt-get install chromium)")
+def test_a_link_cut_short_opens_a_page_that_says_how_to_sign_in(running: Running, tmp_path: Path) -> None:
+    """Seen: `up`'s link cut at 80 columns opened as a raw JSON 401 in the browser."""
+    cut = f"{running.url}/?token={TOKEN[:len(TOKEN) // 2]}"
+    dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", cut],
+                         capture_output=True, text=True, timeout=90, check=False).stdout
+    assert "That token is not this controller" in dom and "admin.token" in dom and TOKEN not in dom
+    # A program asking for JSON still gets JSON.
+    status, body, _ = http("GET", running.url + "/", token=None)
+    assert status == 401 and "error" in json.loads(body)
