@@ -113,6 +113,7 @@ class Controller:
         self.writer = CommitWriter(url, config.branch, data / "writer", subdir=config.subdir)
         # API keys beside the config's (`llmgw keys`): set by the serving process, which owns the router.
         self.keys: KeyBook | None = None
+        self.transports = tuple(config.transports)
         self.ops = FleetOps(self)
         self._own_lock = False  # start() took the data dir's lock itself (an embedding, a test)
         self.registry.register(FleetCollector(self.ops))

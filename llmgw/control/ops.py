@@ -45,6 +45,7 @@ class ControlPlane(Protocol):
     store: Store
     writer: CommitWriter
     keys: KeyBook | None
+    transports: tuple[str, ...]  # the node transports it drives
     fleet: FencedDispatcher
     registry: CollectorRegistry
 
@@ -105,7 +106,8 @@ class FleetOps:
         """The fleet as `llmgw inventory export` writes it (the input of a plan)."""
         records = self._c.reconciler.rollouts.records.values()
         return FleetSnapshot(self.inventory(), tuple(self.replicas()), time.time(),
-                             tuple(rec.rollout for rec in records if rec.rollout is not None))
+                             tuple(rec.rollout for rec in records if rec.rollout is not None),
+                             self._c.transports)
 
     def events(self, *, after: int = 0, limit: int = 200) -> list[Event]:
         return self._c.store.events(after=after, limit=limit)

@@ -9,10 +9,10 @@ the old once it serves) is shown as one `replace`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from llmgw.catalog import Catalog
+from llmgw.catalog import Catalog, NodeSpec
 from llmgw.decide.replica import Replica, ReplicaState
 from llmgw.decide.rollout import Rollout
 from llmgw.decide.tick import decide
@@ -33,16 +33,26 @@ class FleetSnapshot:
     taken_at: float | None = None
     # The controller's rollouts (each model's last): a change to a model mid-rollout says so.
     rollouts: tuple[Rollout, ...] = ()
+    # The node transports the controller drives (`llmgw up`: local only); None: every one. A node
+    # of another transport is no candidate of its ticks, so none of the plan's either (seen: five
+    # example nodes `up` never manages listed as "has not reported an inventory").
+    transports: tuple[str, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"taken_at": self.taken_at, "inventory": self.inventory.to_json(),
-                "replicas": [r.to_json() for r in self.replicas], "rollouts": [r.to_json() for r in self.rollouts]}
+                "replicas": [r.to_json() for r in self.replicas], "rollouts": [r.to_json() for r in self.rollouts],
+                "transports": list(self.transports) if self.transports is not None else None}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FleetSnapshot:
+        transports = data.get("transports")
         return cls(Inventory.from_json(data["inventory"]),
                    tuple(Replica.from_json(r) for r in data.get("replicas", ())), data.get("taken_at"),
-                   tuple(Rollout.from_json(r) for r in data.get("rollouts") or ()))
+                   tuple(Rollout.from_json(r) for r in data.get("rollouts") or ()),
+                   tuple(str(t) for t in transports) if isinstance(transports, list) else None)
+
+    def managed(self, catalog: Catalog) -> tuple[NodeSpec, ...]:
+        return tuple(n for n in catalog.nodes if self.transports is None or n.transport in self.transports)
 
 
 @dataclass(frozen=True)
@@ -100,19 +110,36 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
     replicas = list(fleet.replicas)
     # The fleet as each catalog's nodes.yaml has it: a node the head removes is gone, and its
     # replicas with it (a plan against the live node list once showed `nodes: []` stopping nothing).
-    inv = Inventory(follow_nodes(fleet.inventory.nodes, head.nodes), fleet.inventory.taken_at)
+    inv = Inventory(follow_nodes(fleet.inventory.nodes, fleet.managed(head)), fleet.inventory.taken_at)
     # Nothing looks idle in a plan: idleness is the tick's business, not the change's.
     busy = {r.id: now for r in replicas}
     d = decide(head, inv, replicas, last_used=busy, demand={}, now=now, with_reasons=True)
+    creates, unplaced, rejections = list(d.create), dict(d.unplaced), list(d.rejections)
+    if d.unavailable_first:
+        # On a full fleet old replicas stop first and the new ones take their place at the next tick:
+        # the plan says both (seen: "cannot place sim-chat … 2 in use" beside "GPUs free 0/2 → 1/2").
+        first = {rid for rid, _ in d.stop}
+        after = [replace(r, state=ReplicaState.STOPPED) if r.id in first else r for r in replicas]
+        d2 = decide(head, inv, after, last_used=busy, demand={}, now=now, with_reasons=True)
+        later = [n for n in d2.create if n.placement.model in d.unavailable_first]
+        model_of = {r.id: r.model for r in replicas}
+        stopped = {m: ", ".join(sorted(rid for rid in first if model_of.get(rid) == m)) for m in d.unavailable_first}
+        creates += [replace(n, reason=f"{n.reason} (once {stopped[n.placement.model]} has stopped)") for n in later]
+        for m in d.unavailable_first:
+            unplaced.pop(m, None)
+            if d2.unplaced.get(m):
+                unplaced[m] = d2.unplaced[m]
+        rejections = [x for x in rejections if x.model not in d.unavailable_first] + [
+            x for x in d2.rejections if x.model in d.unavailable_first]
     # What could not be placed before the change is not the change's doing: shown apart.
-    unplaced_before = decide(base, Inventory(follow_nodes(fleet.inventory.nodes, base.nodes)), replicas,
+    unplaced_before = decide(base, Inventory(follow_nodes(fleet.inventory.nodes, fleet.managed(base))), replicas,
                              last_used=busy, demand={}, now=now).unplaced if base else {}
-    still = {m: n for m, n in d.unplaced.items() if unplaced_before.get(m, 0) >= n}
-    new_unplaced = {m: n for m, n in d.unplaced.items() if m not in still}
+    still = {m: n for m, n in unplaced.items() if unplaced_before.get(m, 0) >= n}
+    new_unplaced = {m: n for m, n in unplaced.items() if m not in still}
     by_id = {r.id: r for r in replicas}
-    replaced = {n.replaces for n in d.create if n.replaces}
+    replaced = {n.replaces for n in creates if n.replaces}
     steps: list[Step] = []
-    for new in d.create:
+    for new in creates:
         where = tuple((s.node, s.gpus) for s in new.placement.shards)
         if new.replaces:
             steps.append(Step("replace", new.placement.model, new.placement.profile, where, new.reason, new.replaces,
@@ -129,7 +156,7 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
 
     # Weights: fetched where a new shard lands without them; orphaned where no model wants them any more.
     fetches = []
-    for new in d.create:
+    for new in creates:
         model = head.model(new.placement.model)
         if model is None or model.cache_name is None:
             continue
@@ -153,7 +180,7 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
         before = sum(len(s.gpus) for r in _live(replicas) for s in r.placement.shards if s.node == node.id)
         gone = sum(len(s.gpus) for rid in stopping if rid in by_id for s in by_id[rid].placement.shards
                    if s.node == node.id)
-        added = sum(len(s.gpus) for n in d.create for s in n.placement.shards if s.node == node.id)
+        added = sum(len(s.gpus) for n in creates for s in n.placement.shards if s.node == node.id)
         fs = node.report.cache_fs if node.report else None
         local = fs if fs is not None and not fs.shared else None
         total = local.total_bytes / GB if local else None
@@ -172,14 +199,14 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
             continue
         if model.name in new_unplaced:
             without.append((model.name, "cannot be placed"))
-        elif any(n.placement.model == model.name for n in d.create):
+        elif any(n.placement.model == model.name for n in creates):
             without.append((model.name, "until its new replica is ready"))
         elif model.scaling.min == 0:
             continue  # scaled to zero by design; woken by the first request
     prune = judge_prune(base, head, fleet.inventory, fleet.replicas, now=now) if base is not None else None
     return Plan(
         steps=tuple(steps),
-        unplaceable={m: tuple(x for x in d.rejections if x.model == m) for m in new_unplaced},
+        unplaceable={m: tuple(x for x in rejections if x.model == m) for m in new_unplaced},
         unplaced_counts=new_unplaced,
         still_unplaced=still,
         fetches=tuple(fetches),
@@ -187,6 +214,6 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
         node_use=tuple(u for u in use if u.gpus_before != u.gpus_after or u.disk_before_gb != u.disk_after_gb),
         without_ready=tuple(without),
         prune=prune,
-        rollouts=plan_rollouts(base, head, inv, replicas, now=now, starts=[n.placement for n in d.create],
+        rollouts=plan_rollouts(base, head, inv, replicas, now=now, starts=[n.placement for n in creates],
                                live=fleet.rollouts),
     )

@@ -31,9 +31,14 @@ class DiffReport:
 
 
 def summary_line(report: DiffReport) -> str:
+    """One line a reviewer can take at its word. With problems, the controller rejects the commit
+    as a whole (seen: "2 problems … No changes.", when the change was a rejected commit)."""
     n = len(report.problems)
-    prefix = f"{n} problem{'s' * (n != 1)} in the catalog (planned without the broken files). " if n else ""
-    return prefix + _plan_summary(report)
+    if not n:
+        return _plan_summary(report)
+    rest = _plan_summary(report)
+    return (f"{n} problem{'s' * (n != 1)} in the catalog: the controller rejects this commit as it is and keeps "
+            f"the catalog in force. Without the broken files: {rest[0].lower() + rest[1:]}")
 
 
 def _plan_summary(report: DiffReport) -> str:

@@ -83,8 +83,11 @@ def test_a_full_fleet_goes_max_unavailable_at_a_time(run_cli, repo: Path, snapsh
     assert ro["strategy"] == "replace" and ro["room_to_surge"] is False and ro["max_unavailable"] == 1
     assert ro["how"] == "no room to surge: 1 old replica(s) stopped at a time before the new start"
     assert data["rollouts_summary"] == "Rollouts: 1 replace, 1 without room to surge (max_unavailable at a time)."
-    # The plan is the tick's: the old replica is stopped first, since nothing can start beside it.
-    assert [(s["action"], s["replica"]) for s in data["plan"]["steps"]] == [("stop", "chat-g1")]
+    # The old replica is stopped first, since nothing can start beside it, and its replacement
+    # starts in the place it frees (the next tick): the plan says both, not "cannot place".
+    steps = data["plan"]["steps"]
+    assert [(s["action"], s["replica"]) for s in steps] == [("start", None), ("stop", "chat-g1")]
+    assert "once chat-g1 has stopped" in steps[0]["reason"] and not data["plan"]["unplaceable"]
 
     code, out = diff(run_cli, repo, snapshots["room"], files)
     (ro,) = json.loads(out)["plan"]["rollouts"]
