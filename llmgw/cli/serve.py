@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -29,6 +30,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("address", help="HOST or HOST:PORT")
     t.add_argument("--known-hosts", required=True, help="the known_hosts file the controller uses")
     t.add_argument("--replace", action="store_true", help="replace a recorded key that changed")
+    t.add_argument("--fingerprint", help="record the key only if the node presents this one (SHA256:..., as "
+                                         "ssh-keygen -lf prints it on the node)")
+    t.add_argument("--yes", action="store_true", help="record the key presented without comparing it")
     t.add_argument("--timeout", type=float, default=10.0)
     t.set_defaults(func=trust_node)
     k = nsub.add_parser("takeover", parents=[common()],
@@ -39,21 +43,48 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.set_defaults(func=_run(takeover))
 
 
+COMPARE = "ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub"
+
+
 def trust_node(args: argparse.Namespace, console: Console) -> int:
-    from llmgw.dispatch.trust import trust
+    """The fingerprint first, the key recorded after: only with the fingerprint the operator read
+    on the node (--fingerprint), a yes at a terminal, or --yes (seen: the key was recorded before
+    the operator was told to compare it)."""
+    from llmgw.dispatch.trust import fetch_host_key, trust
 
     host, sep, port = args.address.rpartition(":")
     if not sep or not port.isdigit():
         host, port = args.address, "22"
     host = host.strip("[]")
+    expect = args.fingerprint
     try:
-        key = trust(host, int(port), Path(args.known_hosts), replace=args.replace, timeout=args.timeout)
+        if expect is None and not args.yes:
+            key = fetch_host_key(host, int(port), timeout=args.timeout)
+            console.print(f"{host}:{port} {key.key_type} {key.fingerprint}", markup=False, highlight=False)
+            if not _is_tty() or not _confirm(console, f"Is this the fingerprint `{COMPARE}` prints on the node?"):
+                console.print(f"not recorded. Compare it with the node's own ({COMPARE}), then: llmgw node trust "
+                              f"{args.address} --known-hosts {args.known_hosts} --fingerprint {key.fingerprint}",
+                              markup=False, highlight=False, soft_wrap=True)
+                return 2
+            expect = key.fingerprint
+        key = trust(host, int(port), Path(args.known_hosts), replace=args.replace, timeout=args.timeout,
+                    expect=expect)
     except (DispatchError, OSError) as exc:
         return fail(console, str(exc))
-    console.print(f"{host}:{port} {key.key_type} {key.fingerprint}")
-    console.print(f"recorded in {args.known_hosts}. Compare the fingerprint with the node's own "
-                  "(ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub) before trusting it.")
+    console.print(f"{host}:{port} {key.key_type} {key.fingerprint}", markup=False, highlight=False)
+    console.print(f"recorded in {args.known_hosts}", markup=False, highlight=False)
     return 0
+
+
+def _is_tty() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+def _confirm(console: Console, question: str) -> bool:
+    try:
+        return console.input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+    except EOFError:
+        return False
 
 
 def run_controller(args: argparse.Namespace, console: Console) -> int:

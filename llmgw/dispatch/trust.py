@@ -74,8 +74,11 @@ def trust(
     hashed: bool = False,
     replace: bool = False,
     timeout: float = 10.0,
+    expect: str | None = None,
 ) -> HostKey:
     """Fetch the node's host key and record it in ``known_hosts_path``; return what was recorded.
+    ``expect``: the fingerprint the operator read on the node; the key is recorded only if it is the
+    one presented.
 
     Already recorded with the same key: nothing is written. Recorded with a different key:
     ``HostKeyRejected`` naming both fingerprints, unless ``replace`` (then the old entries for this
@@ -83,6 +86,9 @@ def trust(
     never sees half of it.
     """
     key = fetch_host_key(host, port, timeout=timeout)
+    if expect is not None and key.fingerprint != expect.strip():
+        raise HostKeyRejected(f"{host}:{port} presents {key.fingerprint}, not {expect.strip()}: nothing recorded "
+                              "(a wrong copy, another machine at that address, or someone in between)")
     path = Path(known_hosts_path)
     name = known_hosts_name(host, port)
     known = paramiko.HostKeys()

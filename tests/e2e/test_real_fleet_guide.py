@@ -60,10 +60,10 @@ def swap(config: dict[str, Any], key: str, readme: object, ours: object) -> None
     config[key] = ours
 
 
-def llmgw(*args: str, env: dict[str, str] | None = None) -> str:
+def llmgw(*args: str, env: dict[str, str] | None = None, code: int = 0) -> str:
     proc = subprocess.run([LLMGW, *args], capture_output=True, text=True, timeout=120, check=False,
                           env={**os.environ, "COLUMNS": "1000", **(env or {})})
-    assert proc.returncode == 0, f"llmgw {' '.join(args)}: {proc.stdout}{proc.stderr}"
+    assert proc.returncode == code, f"llmgw {' '.join(args)}: {proc.stdout}{proc.stderr}"
     return proc.stdout
 
 
@@ -114,11 +114,13 @@ def catalog(tmp: Path, fleet: SshdFleet, configs: dict[str, Path]) -> Path:
 # --- step 2: SSH ------------------------------------------------------------------------------------
 def trust(fleet: SshdFleet, known_hosts: Path) -> None:
     for node in fleet:
-        said = llmgw("node", "trust", f"{node.host}:{node.port}", "--known-hosts", str(known_hosts))
+        # First the fingerprint, nothing recorded (exit 2); then the key, with the fingerprint read on the node.
+        said = llmgw("node", "trust", f"{node.host}:{node.port}", "--known-hosts", str(known_hosts), code=2)
         pub = f"{fleet.env.host_key_path(node.host)}.pub"
         theirs = subprocess.run(["ssh-keygen", "-lf", pub], capture_output=True, text=True, timeout=30,
                                 check=True).stdout.split()[1]
         assert theirs in said, said  # the fingerprint to compare, as the README says
+        llmgw("node", "trust", f"{node.host}:{node.port}", "--known-hosts", str(known_hosts), "--fingerprint", theirs)
     assert len(known_hosts.read_text().splitlines()) == len(fleet)
 
 
