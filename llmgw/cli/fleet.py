@@ -18,7 +18,7 @@ from rich.table import Table
 from llmgw.admin.labels import confinement_label, node_problems
 from llmgw.catalog import read_directory
 from llmgw.cli.client import ApiError, Client, add_options, resolve_client
-from llmgw.cli.output import fail, print_json
+from llmgw.cli.output import WordTable, fail, print_json
 from llmgw.cli.rollout import add_parser as add_rollout_parser
 from llmgw.cli.rollout import one_line as rollout_line
 
@@ -44,7 +44,7 @@ def _run(fn: Command) -> Callable[[argparse.Namespace, Console], int]:
 
 
 def _table(title: str, columns: list[str]) -> Table:
-    t = Table(title=title, title_justify="left", header_style="bold", expand=False)
+    t = WordTable(title=title, title_justify="left", header_style="bold", expand=False)
     for c in columns:
         t.add_column(c, overflow="fold")
     return t

@@ -10,7 +10,9 @@ import json
 import sys
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.table import Table
+from rich.text import Text
 
 
 def make_console(*, stderr: bool = False) -> Console:
@@ -41,3 +43,40 @@ def _escape(text: str) -> str:
     # text, never as rich markup nor as terminal escapes.
     return escape(visible(text))
 
+
+
+class WordTable(Table):
+    """A table whose cells wrap between words, never inside one; on a terminal too narrow for its
+    longest words, one block per row instead (seen: below ~150 columns every table folded ids and
+    names mid-word, "sim-cha" / "t-g1"). Rows are added as markup strings, as on a rich Table."""
+
+    LONGEST = 48  # a word longer than this (a URL, an error's path) may still fold
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        words = [max((len(w) for r in self._rows_text(i) for w in r.split()), default=0) for i in
+                 range(len(self.columns))]
+        mins = [min(max(w, len(Text.from_markup(str(c.header)).plain)), self.LONGEST)
+                for w, c in zip(words, self.columns, strict=True)]
+        # Borders and padding: one rule per column and a space each side.
+        if sum(mins) + 3 * len(mins) + 1 <= options.max_width:
+            for col, width in zip(self.columns, mins, strict=True):
+                col.min_width = width
+            yield from super().__rich_console__(console, options)
+            return
+        yield from self._blocks()
+
+    def _rows_text(self, index: int) -> list[str]:
+        return [Text.from_markup(str(cell)).plain for cell in self.columns[index]._cells]
+
+    def _blocks(self) -> RenderResult:
+        if self.title:
+            yield Text.from_markup(f"[bold]{self.title}[/]")
+        headers = [Text.from_markup(str(c.header)).plain for c in self.columns]
+        width = max((len(h) for h in headers), default=0)
+        for row in zip(*(c._cells for c in self.columns), strict=True):
+            first, *rest = row
+            yield Text.from_markup(f"[bold]{first}[/]")
+            for header, cell in zip(headers[1:], rest, strict=True):
+                text = Text.from_markup(str(cell))
+                if text.plain.strip() and text.plain != "-":
+                    yield Text(f"  {header:<{width}}  ") + text

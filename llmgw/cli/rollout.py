@@ -85,9 +85,9 @@ def status(args: argparse.Namespace, client: Client, console: Console) -> int:
     if not rows:
         console.print("no rollouts: a commit that changes a model's engines starts one")
         return 0
-    from rich.table import Table
+    from llmgw.cli.output import WordTable
 
-    t = Table(title="rollouts", title_justify="left", header_style="bold", expand=False)
+    t = WordTable(title="rollouts", title_justify="left", header_style="bold", expand=False)
     for col in ("MODEL", "PHASE", "STRATEGY", "STEP", "CANARY %", "COMMIT", "LAST ANALYSIS (CANARY VS STABLE)",
                 "REASON"):
         t.add_column(col, overflow="fold")

@@ -37,3 +37,23 @@ def test_a_refused_up_leaves_no_data_dir(run_cli, tmp_path: Path) -> None:  # no
         code, out = run_cli("up", "--data-dir", str(data), "--router-port", str(port), "--admin-port", str(admin))
     assert code != 0 and "port" in out
     assert not data.exists()
+
+
+def test_tables_wrap_between_words_and_become_blocks_when_the_words_do_not_fit() -> None:
+    """Seen: below ~150 columns every table folded ids mid-word ("sim-cha" / "t-g1")."""
+    from llmgw.cli.fleet import _table
+
+    def render(width: int) -> str:
+        out = io.StringIO()
+        t = _table("replicas", ["REPLICA", "MODEL", "STATE", "WHERE", "ENDPOINT", "ERROR"])
+        t.add_row("sim-chat-g1", "sim-chat", "ready", "local gpus 0", "http://127.0.0.1:39001",
+                  "engine on local exited with code 1: something long happened here")
+        Console(file=out, width=width, color_system=None).print(t)
+        return out.getvalue()
+
+    for width in (200, 100, 60, 40):
+        text = render(width)
+        for word in ("sim-chat-g1", "sim-chat", "http://127.0.0.1:39001", "happened"):
+            assert word in text, (width, text)  # never split inside
+        assert all(len(line.rstrip()) <= width for line in text.splitlines()), text
+    assert "  ENDPOINT  http://127.0.0.1:39001" in render(60)  # one block per row
