@@ -97,7 +97,7 @@ async def get_sync(request: web.Request) -> web.Response:
 
 async def nodes(request: web.Request) -> web.Response:
     c = ctl(request)
-    return web.json_response(views.nodes_view(c.inventory(), c.replicas(), time.time()))
+    return web.json_response(views.nodes_view(c.inventory(), c.replicas(), time.time(), c.drain_waits()))
 
 
 async def models(request: web.Request) -> web.Response:

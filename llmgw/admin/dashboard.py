@@ -58,7 +58,7 @@ async def dashboard(request: web.Request) -> web.Response:
         since=lambda t: _since(t, now),
         sync=c.sync_status.to_json(),
         leadership=c.leadership(),
-        nodes=views.nodes_view(inventory, replicas, now),
+        nodes=views.nodes_view(inventory, replicas, now, c.drain_waits()),
         models=views.models_view(catalog, replicas, unplaced, c.prompt_cache(), c.engine_queue()),
         replicas=views.replicas_view(replicas, catalog, inventory, c.last_used(), now),
         rollouts=views.rollouts_view(c.rollouts()),

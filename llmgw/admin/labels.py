@@ -40,4 +40,5 @@ def node_problems(n: dict[str, Any]) -> list[str]:
     gpus = n.get("gpu_disagreement")  # absent from a controller older than the comparison
     return [*n["unhealthy_gpus"], *([n["error"]] if n["error"] else []),
             *([f"refuses starts: {refused}"] if refused else []),
-            *([f"GPUs: {gpus} (placement counts the agent's)"] if gpus else [])]
+            *([f"GPUs: {gpus} (placement counts the agent's)"] if gpus else []),
+            *(f"draining: {w}" for w in n.get("drain_waits") or ())]

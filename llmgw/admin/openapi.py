@@ -76,6 +76,7 @@ SCHEMAS: dict[str, Any] = {
                           "grace": NNUM}), "nullable": True},
         "unclaimed_engines": _arr(_obj({"id": STR, "model": NSTR, "holder": NSTR, "epoch": {**INT, "nullable": True},
                                         "pid": {**INT, "nullable": True}, "gpus": _arr(INT)})),
+        "drain_waits": _arr(STR),
     }),
     "Takeover": _obj({"node": STR, "holder": STR, "epoch": INT, "stopped": _arr(STR), "already": BOOL}),
     "Model": _obj({

@@ -25,7 +25,7 @@ def _ago(t: float | None, now: float) -> float | None:
 
 
 def node_view(node: Node, replicas: Sequence[Replica], now: float, *,
-              free: Mapping[NodeId, NodeFree] | None = None) -> dict[str, Any]:
+              free: Mapping[NodeId, NodeFree] | None = None, waits: Sequence[str] = ()) -> dict[str, Any]:
     """One node; ``free`` is the fleet's free capacity when the caller has it (:func:`nodes_view`)."""
     r = node.report
     gpus = r.gpus if r else ()
@@ -74,12 +74,16 @@ def node_view(node: Node, replicas: Sequence[Replica], now: float, *,
             {"id": e.replica_id, "model": e.label("llmgw.model"), "holder": e.holder, "epoch": e.epoch,
              "pid": e.pid, "gpus": list(e.gpus)}
             for e in (r.engines if r else ()) if e.alive and e.replica_id not in claimed],
+        "drain_waits": list(waits),  # what a drain of this node waits for, in words
     }
 
 
-def nodes_view(inventory: Inventory, replicas: Sequence[Replica], now: float) -> list[dict[str, Any]]:
+def nodes_view(inventory: Inventory, replicas: Sequence[Replica], now: float,
+               waits: Mapping[str, Sequence[str]] | None = None) -> list[dict[str, Any]]:
+    """``waits``: per draining node, what its drain waits for."""
     free = _free(inventory, replicas)
-    return [node_view(n, replicas, now, free=free) for n in sorted(inventory.nodes.values(), key=lambda n: n.id)]
+    return [node_view(n, replicas, now, free=free, waits=(waits or {}).get(n.id, ()))
+            for n in sorted(inventory.nodes.values(), key=lambda n: n.id)]
 
 
 def _free(inventory: Inventory, replicas: Sequence[Replica]) -> dict[NodeId, NodeFree]:

@@ -93,6 +93,15 @@ class FleetOps:
     def unplaced(self) -> Mapping[str, int]:
         return self._c.reconciler.last_decisions.unplaced
 
+    def drain_waits(self) -> dict[str, list[str]]:
+        """Per draining node: what its drain waits for, in words."""
+        out: dict[str, list[str]] = {}
+        reps = {r.id: r for r in self.replicas()}
+        for rid, why in self._c.reconciler.last_decisions.drain_waits.items():
+            for node in sorted(set(reps[rid].nodes)) if rid in reps else ():
+                out.setdefault(node, []).append(f"waits for replica {rid}: {why}")
+        return out
+
     def last_used(self) -> Mapping[str, float]:
         return self._c.reconciler.usage.last_used()
 

@@ -59,6 +59,9 @@ class Decisions:
     # Stops that are a rollout's, not a removal: an old replica stopped first for its replacement,
     # a stable one making room for a canary (the prune guard does not count them).
     for_rollout: frozenset[str] = frozenset()
+    # Replicas on a draining node whose replacement has no room elsewhere (replica id → why): they
+    # go on serving, so they are not "unplaced", and the drain waits for them (said, not silent).
+    drain_waits: Mapping[str, str] = field(default_factory=dict)
 
 
 def _node_lost(inventory: Inventory, node_id: NodeId, now: float, grace: float) -> bool:
@@ -130,6 +133,7 @@ class _Tick:
     for_rollout: set[str] = field(default_factory=set)
     borrowed: list[str] = field(default_factory=list)
     no_canary_room: dict[str, str] = field(default_factory=dict)
+    drain_waits: dict[str, str] = field(default_factory=dict)
     # A fingerprint hashes the whole model and profile: once per profile per tick, not per replica
     # (it was most of a steady tick's cost on a fleet of 600 replicas).
     fingerprints: dict[tuple[str, str, bool], str] = field(default_factory=dict)
@@ -176,8 +180,13 @@ def decide(
     _scale(t)
     result, create = _place_new(t, replacements, with_reasons=with_reasons)
     create += _place_canaries(t, [c.placement for c in create])
-    return Decisions(tuple(t.stop.items()), tuple(create), tuple(t.lost), result.unplaced, result.rejections,
-                     dict(t.unavailable_first), tuple(t.borrowed), dict(t.no_canary_room), frozenset(t.for_rollout))
+    # Not "unplaced": a replica serving on while its drain waits, and the slot of an old replica
+    # stopped to make room (its replacement is placed there next tick).
+    unplaced = {m: n - sum(1 for w in (*t.drain_waits, *t.for_rollout) if w in t.by_id and t.by_id[w].model == m)
+                for m, n in result.unplaced.items()}
+    return Decisions(tuple(t.stop.items()), tuple(create), tuple(t.lost), {m: n for m, n in unplaced.items() if n > 0},
+                     result.rejections, dict(t.unavailable_first), tuple(t.borrowed), dict(t.no_canary_room),
+                     frozenset(t.for_rollout), dict(t.drain_waits))
 
 
 def _judge_running(t: _Tick) -> None:
@@ -306,9 +315,11 @@ def _place_new(t: _Tick, replacements: dict[str, list[str]], *,
     wanted = dict(t.wanted)
     for name, olds in replacements.items():
         wanted[name] = wanted.get(name, 0) + len(olds)
+    # Only the draining nodes: a replica across nodes may keep its other shards' nodes (avoiding
+    # them all left a two-node replica nowhere to go on a three-node fabric).
     avoid: dict[str, list[NodeId]] = {
-        t.by_id[o].model: list(t.by_id[o].nodes) for olds in replacements.values() for o in olds
-        if t.replace[o] == Replace.NODE_DRAINING}
+        t.by_id[o].model: [n for n in t.by_id[o].nodes if _draining(t.inventory, n)]
+        for olds in replacements.values() for o in olds if t.replace[o] == Replace.NODE_DRAINING}
     # Most ticks want nothing new: skip building the fleet's free-capacity index then.
     if any(wanted.values()):
         held = holding(t.inventory, t.replicas, lost=t.lost_ids)
@@ -324,7 +335,15 @@ def _place_new(t: _Tick, replacements: dict[str, list[str]], *,
             create.append(NewReplica(p, replaces=old, reason=f"replaces {old}: {t.replace[old].value}"))
         else:
             create.append(NewReplica(p, reason=_reason(t.catalog.model(p.model), t.demand)))
-    _unavailable_first(t, {name: olds for name, olds in queue.items() if olds})
+    left = {name: olds for name, olds in queue.items() if olds}
+    _unavailable_first(t, left)
+    for olds in left.values():
+        for old in olds:
+            if t.replace[old] == Replace.NODE_DRAINING and old not in t.stop:
+                r = t.by_id[old]
+                draining = ", ".join(sorted({n for n in r.nodes if _draining(t.inventory, n)}))
+                t.drain_waits[old] = (f"no room for its replacement ({r.model}/{r.profile}) off {draining}: it "
+                                      f"serves on until there is (`llmgw explain {r.model}`)")
     return result, create
 
 

@@ -80,6 +80,7 @@ class Reconciler:
         self._past = 0  # a generation the store's counter is known to be at or past
         self.replicas: dict[str, Replica] = {}
         self.last_decisions = Decisions()
+        self._drain_said: dict[str, str] = {}  # replica → the drain wait last said of it
         self._published: tuple | None = None
         self._unrunnable: dict[str, str] | None = None
         self._wake: asyncio.Event | None = None
@@ -159,6 +160,7 @@ class Reconciler:
                 canaries=plan.canaries, canary_notes=plan.notes, pinned=plan.pinned,
             )
             self.last_decisions = decisions
+            self._say_drain_waits(decisions)
             self._publish_unrunnable(plan.catalog, inventory)
             created = self._apply_decisions(plan, decisions, now)
             self.rollouts.decided(decisions, created, now, self.replicas.values())
@@ -175,6 +177,15 @@ class Reconciler:
                 self.rollouts.save()
             self.publish()
             return decisions
+
+    def _say_drain_waits(self, d: Decisions) -> None:
+        """A drain that cannot finish says why, once per replica and reason (seen: a drain of a node
+        holding one shard of a two-node replica waited forever without a word)."""
+        for rid, why in d.drain_waits.items():
+            if self._drain_said.get(rid) != why and rid in self.replicas:
+                nodes = ", ".join(sorted(set(self.replicas[rid].nodes)))
+                self.store.add_event("drain-waits", nodes, f"drain of {nodes} waits for replica {rid}: {why}")
+        self._drain_said = dict(d.drain_waits)
 
     def _settle_canaries(self, plan: Plan) -> None:
         """A promoted canary is an ordinary replica of the version now serving (decide.rollout_rule.settled)."""
