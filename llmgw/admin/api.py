@@ -159,7 +159,7 @@ async def usage(request: web.Request) -> web.Response:
     series = None
     if q.step:
         series = await asyncio.to_thread(c.usage, q.since, q.until, by=("tenant",), step=q.step, where=q.where)
-    return web.json_response(usage_view(q, rows, series))
+    return web.json_response({**usage_view(q, rows, series), "budgets": c.budgets()})
 
 
 async def orphans(request: web.Request) -> web.Response:

@@ -381,6 +381,15 @@ def usage(args: argparse.Namespace, client: Client, console: Console) -> int:
     if total["counted_from_stream"]:
         console.print(f"requests cut short or without a usage report: {total['counted_from_stream']} (their "
                       "completion tokens were counted from the stream; their prompt tokens are not known)")
+    if data.get("budgets"):
+        b = _table("budgets (this period)", ["TENANT", "MODEL", "BUDGET", "USED", "LEFT", "RESETS"])
+        for x in data["budgets"]:
+            used = "-" if x["used"] is None else f"{x['used']:,}"
+            left = "-" if x["left"] is None else f"{x['left']:,}"
+            resets = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(x["resets_at"]))
+            b.add_row(_e(x["tenant"]), _e(x["model"] or "all"), f"{x['tokens']:,} per {_e(x['per'])}", used, left,
+                      resets)
+        console.print(b)
     return 0
 
 

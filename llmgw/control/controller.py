@@ -35,6 +35,7 @@ from llmgw.control.fleet_metrics import FleetCollector
 from llmgw.control.keys import KeyBook
 from llmgw.control.leadership import LEADER, Leadership, LeadershipCollector, LeadershipConfig
 from llmgw.control.ops import FleetOps
+from llmgw.control.usage import BudgetBook
 from llmgw.dispatch.base import AgentVerbs
 from llmgw.dispatch.fence import FencedDispatcher
 from llmgw.errors import StoreError
@@ -113,6 +114,7 @@ class Controller:
         self.writer = CommitWriter(url, config.branch, data / "writer", subdir=config.subdir)
         # API keys beside the config's (`llmgw keys`): set by the serving process, which owns the router.
         self.keys: KeyBook | None = None
+        self.budgets: BudgetBook | None = None  # what each budget used this period (set with the keys)
         self.transports = tuple(config.transports)
         self.ops = FleetOps(self)
         self._own_lock = False  # start() took the data dir's lock itself (an embedding, a test)

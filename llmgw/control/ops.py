@@ -17,6 +17,7 @@ from llmgw.catalog import Catalog, RawFile
 from llmgw.contract import PromptCache
 from llmgw.control.keys import KeyBook, KeyRefused, Made, tenants_without_keys
 from llmgw.control.orphans import Orphan, collect
+from llmgw.control.usage import BudgetBook
 from llmgw.decide.replica import Replica
 from llmgw.gitops.gitcli import read_tree
 from llmgw.gitops.status import SyncStatus
@@ -45,6 +46,7 @@ class ControlPlane(Protocol):
     store: Store
     writer: CommitWriter
     keys: KeyBook | None
+    budgets: BudgetBook | None
     transports: tuple[str, ...]  # the node transports it drives
     fleet: FencedDispatcher
     registry: CollectorRegistry
@@ -208,6 +210,10 @@ class FleetOps:
     def revoke_key(self, name: str, actor: str) -> None:
         self._keys().revoke(name)
         self._c.store.add_event("key-revoked", name, f"API key {name} revoked by {actor}")
+
+    def budgets(self) -> list[dict[str, Any]]:
+        """Each tenant budget: size, used this period, left, when it resets (none: no router here)."""
+        return self._c.budgets.view() if self._c.budgets is not None else []
 
     def key_warnings(self) -> list[str]:
         """Tenants naming keys no API key has (status, the dashboard, an event once per catalog)."""

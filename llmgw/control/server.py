@@ -161,6 +161,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
         hub.set_api_keys(entries)
         tenant_keys()
 
+    controller.budgets = book
     controller.keys = keys_book = KeyBook(cfg.api_keys, store, on_change=keys_changed)
     keys_book.reload()
     controller.desired.subscribe(tenant_keys, order=ROUTER)

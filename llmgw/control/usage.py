@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from llmgw.catalog import Catalog
 from llmgw.catalog.model import Budget, Tenant
-from llmgw.contract import SpentFigures, UsageBatch, UsageLedger, UsageOutboxLike, period_start
+from llmgw.contract import SpentFigures, UsageBatch, UsageLedger, UsageOutboxLike, next_period, period_start
 from llmgw.errors import StoreError
 from llmgw.tasks import cancel_and_wait
 
@@ -164,6 +164,21 @@ class BudgetBook:
                 self.version += 1
         if changed and self.on_change is not None:
             self.on_change()
+
+    def view(self) -> list[dict[str, Any]]:
+        """Each budget, for `llmgw usage`, the admin API and the dashboard: its size, what it used
+        this period per the ledger, what is left and when it resets (used null: not read yet)."""
+        now = self.clock()
+        figures = self.figures()
+        with self._lock:
+            scopes = dict(self._scopes)
+        out = []
+        for (tenant, model), s in sorted(scopes.items()):
+            used = figures[(tenant, model)][1] if (tenant, model) in figures else None
+            out.append({"tenant": tenant, "model": model or None, "tokens": s.budget.tokens, "per": s.budget.per,
+                        "used": used, "left": max(0, s.budget.tokens - used) if used is not None else None,
+                        "resets_at": next_period(s.budget, now)})
+        return out
 
     def figures(self) -> SpentFigures:
         """(tenant, model or "") → (period start, tokens used in it), for the scopes read so far."""

@@ -69,13 +69,26 @@ def test_keys_made_and_revoked_on_a_running_up_take_effect_without_a_restart(tmp
         # A tenant naming a key that exists nowhere is said, not accepted in silence.
         repo = data / "catalog"
         settings = (repo / "llmgw.yaml").read_text()
-        (repo / "llmgw.yaml").write_text(settings + "\ntenants:\n  - name: search\n    keys: [team-a, ghost]\n")
+        (repo / "llmgw.yaml").write_text(settings + "\ntenants:\n  - name: search\n    keys: [team-a, ghost]\n"
+                                         "    limits: {budget: {tokens: 100000, per: day}}\n")
         git(repo, "commit", "-qam", "Tenant search")
         status = wait_for(lambda: (s := cli("status", "--data-dir", str(data)).stdout) and "ghost" in s and s, 30,
                           "status names the missing key", up)
         assert 'tenant "search" names key "ghost", which no API key has' in status
         assert "team-a" not in status.split("warning", 1)[1]
         assert "tenant-key-missing" in cli("events", "-o", "json", "--data-dir", str(data)).stdout
+
+        # The tenant's budget: its size, what it used (per the ledger), what is left, when it resets.
+        assert answer(url, key) == 200
+
+        def budget() -> dict | None:
+            usage = json.loads(cli("usage", "-o", "json", "--data-dir", str(data)).stdout)
+            found = [b for b in usage.get("budgets", []) if b["tenant"] == "search"]
+            return found[0] if found and found[0]["used"] else None
+
+        b = wait_for(budget, 30, "the budget's use in llmgw usage", up)
+        assert b["tokens"] == 100000 and b["per"] == "day" and b["left"] == 100000 - b["used"] and b["resets_at"]
+        assert "budgets (this period)" in cli("usage", "--data-dir", str(data)).stdout
 
         revoked = cli("keys", "revoke", "team-a", "--data-dir", str(data))
         assert revoked.returncode == 0, revoked.stdout + revoked.stderr
