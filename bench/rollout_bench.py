@@ -1,56 +1,61 @@
-"""bench: a bad change under llmgw's canary vs `strategy: replace`, under constant load (issue 26).
+"""bench: bad changes under llmgw's canary vs `strategy: replace`, under constant load (issues 26, 37).
 
 One `llmgw controller` over two real sshd nodes on loopback addresses (four simulated GPUs each)
 serves two models of two simulated replicas each, identical but for their rollout policy:
 
     canary    strategy: canary, steps [5, 25, 50] %, 2 s each, min_requests 10 (the default checks:
-              error rate at most 2 points over the stable's, p95 TTFT and ITL at most 2x the stable's)
+              error rate at most 2 points over the stable's, p95 TTFT, inter-token latency and time
+              per output token at most 2x the stable's), and one acceptance prompt (a question, and
+              the words the serving version answers it with)
     replace   strategy: replace: a new replica beside each old one, the old stopped once the new one
-              answers: what every peer does without manual weights (the whole fleet gets the change)
+              answers: what every peer does without manual weights (the whole fleet gets the change;
+              no acceptance prompts either)
 
 Each model has its own constant load through the controller's router: ``--clients`` threads of
-the real openai client, one request after another, every other one streamed. Every version
-answers after a 50 ms time to first token (``--ttft 0.05``), so "slow" means something.
+the real openai client, one request after another, every other one streamed, 16 tokens each. Every
+version answers after a 50 ms first token and writes 200 tokens a second (``--ttft 0.05
+--tokens-per-second 200``), so "slow" means something.
 
 Each round commits the same change to both models in ONE commit, so both strategies meet it at
-the same moment, under the same load and the same box (nothing to rotate: neither goes first):
+the same moment, under the same load and the same box:
 
-    fail   the running version plus ``--fail-rate 0.3`` (30 % of requests answered 500)
-    slow   the running version with ``--ttft 0.25`` (5x slower to the first token; not in --quick)
-    good   a harmless change (``--max-tokens-default``), which is also what brings both models back
-           to a good version before the next round
+    fail    the running version plus ``--fail-rate 0.3`` (30 % of requests answered 500)
+    slow    ``--ttft 0.25``: 5x slower to the first token
+    decode  ``--tokens-per-second 25``: the same first token, 8x slower between tokens (a bad kernel,
+            quantisation or batch setting)
+    wrong   ``--weights other``: 200 with other words for the same prompt (other weights behind the
+            same name, a broken template); caught by the acceptance prompt before any client hears it
+    good    a harmless change (``--max-tokens-default``), which is also what brings both models back
+            to a good version before the next round
 
-For a bad change, over the window [commit, commit + ``--window`` s] (the same window for both):
-failed client requests, slow requests (answered in more than 3x the p50 latency of that model's
-requests in the 3 s before the commit), and for the canary:
+Each bad kind runs plain and ``hostile``: with, beside the load, one client sending requests every
+version refuses (``{"messages": []}``, a 400, as fast as it can) and one asking for long whole
+answers (300 tokens, not streamed) to each model. Their own requests are not counted.
 
-    rolled back   the time of the controller's ``rollout-rolled-back`` event (the analysis failed)
-    left router   the first moment no request reaches the canary any more: the canary engine's own
-                  request counter (``llmgw_sim_requests_total``) is read every 50 ms until it is
-                  stopped; "left" is the time the first reading showing its final count came back
-                  (so at most one reading, about 50 ms, after the last request it accepted); at or below 0 s after the
-                  rollback, no request reached it once the analysis had failed (at 5 % of the
-                  traffic the canary gets a request every few hundred ms)
-    stopping      the controller's ``replica-stopping`` event of the canary
+For a bad change, over the window [commit, commit + ``--window`` s] (the same for both): failed
+client requests, slow requests (answered in more than 3x the p50 of that model's requests in the 3 s
+before the commit), wrong answers (a client got the words ``--weights other`` writes for its prompt,
+computed as the simulator does), and for the canary when it was rolled back and when it left the
+router (its engine's own request counter, read every 50 ms, stops moving).
 
-The window also gets the failures of both over the minimal window [commit, canary left]: the
-shortest window in which the canary's damage is complete.
+Goals: for each bad kind, plain and hostile, the canary is rolled back every run, and its clients'
+measure of that kind (failed, slow, wrong) is at least 10x below replace's (when the canary's is 0:
+replace's >= 10; wrong: 0 wrong answers to the canary's clients and some to replace's); the canary
+leaves the router <= 10 s after the analysis fails; every good change is promoted with 0 failed
+requests, and the false-rollback rate of good changes (rolled back / runs, at least 20 runs in the
+full run) is 0.
 
-Goals (issue 26): canary has >= 10x fewer failed requests than replace over the window (ratio =
-median replace failures / median canary failures; when the canary has none, met when replace has
->= 10); the canary leaves the router <= 10 s after the analysis fails (every round); a good change
-under canary has 0 failed requests (every round).
+    python bench/rollout_bench.py [--quick] [--rounds N] [--good N] [--window S] [--clients N]
 
-    python bench/rollout_bench.py [--quick] [--rounds N] [--window S] [--clients N]
-
-``--quick``: one round of the fail and good changes, a 15 s window (about 50 s with the fleet's
-bring-up on 2 cores). The last line is one JSON object with every figure and ``met``; exit 1 when
-a goal is not met.
+``--quick``: the fail change with the hostile clients, a good change, the wrong change, a 12 s
+window (about 55 s here with the fleet's bring-up). The last line is one JSON object with every
+figure and ``met``; exit 1 when a goal is not met.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -70,17 +75,42 @@ from tests.e2e.rollout_fleet import Controller, Load, Outcome, close, model_yaml
 from tests.fixtures.sshd_fleet import SshdEnvironment  # noqa: E402
 
 MODELS = ("canary", "replace")
+QUESTION = "What is the capital of France?"
+ACCEPTANCE_TOKENS = 8
+
+
+def sim_text(messages: Sequence[tuple[str, str]], count: int, weights: str = "") -> str:
+    """The words the simulator writes for ``messages`` and ``count`` tokens as ``weights`` (what a
+    client gets, whole or streamed): the bench's ground truth for a wrong answer."""
+    from llmgw.engines.sim import VOCAB, _chat_seed, _digest, _plan
+
+    seed, _ = _chat_seed({"messages": [{"role": r, "content": c} for r, c in messages]})
+    words = _plan(_digest(weights + "\0" + seed if weights else seed), count).words
+    return " ".join(VOCAB[w] for w in words)
+
+
+ACCEPTANCE = (
+    "  acceptance:\n    - name: capital\n"
+    f"      messages: [{{role: user, content: {json.dumps(QUESTION)}}}]\n"
+    f"      max_tokens: {ACCEPTANCE_TOKENS}\n"
+    f"      expect: {{contains: [{json.dumps(sim_text((('user', QUESTION),), ACCEPTANCE_TOKENS))}]}}\n")
 POLICY = {
     "canary": ("rollout:\n  strategy: canary\n  steps: [5, 25, 50]\n  interval: 2s\n"
-               "  checks: {min_requests: 10}\n"),
+               "  checks: {min_requests: 10}\n" + ACCEPTANCE),
     "replace": "rollout:\n  strategy: replace\n",
 }
 BASE_TTFT, SLOW_TTFT, FAIL_RATE = 0.05, 0.25, 0.3
+BASE_TPS, SLOW_TPS = 200, 25
+LOAD_TOKENS = 16
+KINDS = ("fail", "slow", "decode", "wrong")
+MEASURE = {"fail": "failed", "slow": "slow", "decode": "slow", "wrong": "wrong"}
 SLOW_FACTOR = 3.0  # a request is slow when answered in more than this many times the stable's p50
 BASELINE_S = 3.0  # the stable's p50 is read over this long before each commit
 GPUS_PER_NODE = 4  # 2 + 2 replicas, a canary and two replace surges fit at once
-GOAL = ("canary >= 10x fewer failed client requests than replace over the same window after a bad commit; "
-        "canary out of the router <= 10 s after the analysis fails; 0 failed requests for a good change")
+GOAL = ("per bad kind (fail, slow, decode, wrong), plain and with hostile clients: canary rolled back every run, "
+        ">= 10x fewer failed/slow/wrong client answers than replace (wrong: 0 to the canary's clients); canary out "
+        "of the router <= 10 s after the analysis fails; good changes promoted with 0 failed requests, false "
+        "rollbacks 0 (>= 20 good runs in the full run)")
 
 
 def log(msg: str) -> None:
@@ -90,8 +120,10 @@ def log(msg: str) -> None:
 def args_of(version: int, *, change: str) -> list[str]:
     """Engine args of one version: ``version`` tells good versions apart (a new fingerprint each)."""
     ttft = SLOW_TTFT if change == "slow" else BASE_TTFT
-    out = ["--ttft", str(ttft), "--max-tokens-default", str(16 + version)]
-    return out + (["--fail-rate", str(FAIL_RATE)] if change == "fail" else [])
+    tps = SLOW_TPS if change == "decode" else BASE_TPS
+    out = ["--ttft", str(ttft), "--tokens-per-second", str(tps), "--max-tokens-default", str(16 + version)]
+    out += ["--fail-rate", str(FAIL_RATE)] if change == "fail" else []
+    return out + (["--weights", "other"] if change == "wrong" else [])
 
 
 def files(version: int, *, change: str = "good") -> dict[str, str]:
@@ -185,15 +217,66 @@ def p50(outcomes: Sequence[Outcome]) -> float:
     return statistics.median(ok) if ok else float("nan")
 
 
+def wrong(o: Outcome) -> bool:
+    """The client got the words the bad version (``--weights other``) writes for its prompt."""
+    return o.ok and bool(o.text) and o.text == sim_text(o.messages, LOAD_TOKENS, "other")
+
+
 def tally(load: Load, since: float, until: float, *, slow_above: float) -> dict[str, Any]:
     window = started_in(load.snapshot(), since, until)
     return {"requests": len(window), "failed": sum(1 for o in window if not o.ok),
-            "slow": sum(1 for o in window if o.ok and o.ended - o.started > slow_above)}
+            "slow": sum(1 for o in window if o.ok and o.ended - o.started > slow_above),
+            "wrong": sum(1 for o in window if wrong(o))}
+
+
+class Hostile:
+    """Per model: one client sending requests every version refuses (``{"messages": []}``: a 400)
+    as fast as it can, and one asking for long whole answers (300 tokens, not streamed)."""
+
+    def __init__(self, router: str, models: Sequence[str]) -> None:
+        self.router, self.models = router, models
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.sent = {"refused": 0, "long": 0}
+
+    def __enter__(self) -> Hostile:
+        for m in self.models:
+            for target in (self._junk, self._long):
+                t = threading.Thread(target=target, args=(m,), daemon=True, name=f"hostile-{m}")
+                t.start()
+                self._threads.append(t)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+    def _post(self, body: dict[str, Any]) -> None:
+        req = urllib.request.Request(self.router + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                r.read()
+        except (OSError, ValueError):
+            pass  # a 400 (urllib raises it), or the router busy: either way the client goes on
+
+    def _junk(self, model: str) -> None:
+        while not self._stop.is_set():
+            self._post({"model": model, "messages": []})
+            self.sent["refused"] += 1
+
+    def _long(self, model: str) -> None:
+        while not self._stop.is_set():
+            self._post({"model": model, "messages": [{"role": "user", "content": "Write at length."}],
+                        "max_tokens": 300})
+            self.sent["long"] += 1
 
 
 def bad_change(ctl: Controller, loads: dict[str, Load], *, version: int, change: str,
                window: float) -> dict[str, Any]:
-    """Commit ``change`` to both models at once; figures over [commit, commit + window]."""
+    """Commit ``change`` to both models at once; figures over [commit, commit + window]. A wrong
+    change's canary never serves (its acceptance prompt fails first): nothing to watch leave."""
     slow_above = {m: SLOW_FACTOR * p50(started_in(loads[m].snapshot(), time.time() - BASELINE_S, time.time()))
                   for m in MODELS}
     mark = ctl.last_event_id()
@@ -203,6 +286,8 @@ def bad_change(ctl: Controller, loads: dict[str, Load], *, version: int, change:
         ctl.commit(dict(files(version, change=change)), f"both models: {change} change (round {version})")
         back = ctl.wait_event(("rollout-rolled-back", "rollout-promoted", "rollout-done"), "canary", after=mark,
                               timeout=window + 60)
+        if change == "wrong":
+            watch.close()  # its canary never served (acceptance failed first): no endpoint to watch
         rest = committed + window - time.time()
         if rest > 0:
             time.sleep(rest)  # the window is the same length for both, whenever the canary is done
@@ -252,6 +337,7 @@ def good_change(ctl: Controller, loads: dict[str, Load], *, version: int) -> dic
     done = time.time()
     kinds = [e["kind"] for e in ctl.events(after=mark, subject="canary") if e["kind"].startswith("rollout-")]
     return {"canary_rollout": kinds, "canary_outcome": ends["canary"]["kind"],
+            "canary_reason": ends["canary"]["message"][:300],
             "canary_rollout_s": round(ends["canary"]["time"] - committed, 2),
             "canary_failed": sum(1 for o in started_in(loads["canary"].snapshot(), committed, done) if not o.ok),
             "canary_requests": len(started_in(loads["canary"].snapshot(), committed, done)),
@@ -260,7 +346,14 @@ def good_change(ctl: Controller, loads: dict[str, Load], *, version: int) -> dic
 
 # --- the run --------------------------------------------------------------------------------------
 
-def run(work: Path, *, rounds: int, window: float, clients: int, slow: bool) -> dict[str, Any]:
+def schedule(*, quick: bool, rounds: int) -> list[tuple[str, bool]]:
+    """(kind, hostile) of each bad change, in order."""
+    if quick:
+        return [("fail", True), ("wrong", False)]
+    return [(k, h) for _ in range(rounds) for k in KINDS for h in (False, True)]
+
+
+def run(work: Path, *, rounds: int, window: float, clients: int, quick: bool, goods: int) -> dict[str, Any]:
     env = SshdEnvironment(work / "sshd", worker=0)
     gpus = [{"index": i, "class": "sim", "memory_gb": 24} for i in range(GPUS_PER_NODE)]
     fleet = env.fleet(2, agent_extra={"gpus": gpus})
@@ -272,7 +365,7 @@ def run(work: Path, *, rounds: int, window: float, clients: int, slow: bool) -> 
         for m in MODELS:
             ctl.ready(m, 2)
         log(f"fleet up in {time.time() - began:.1f} s: 2 nodes, 2 x 2 sim replicas")
-        loads = {m: Load(ctl.router, m, clients=clients, pause=0.0, max_tokens=4) for m in MODELS}
+        loads = {m: Load(ctl.router, m, clients=clients, pause=0.0, max_tokens=LOAD_TOKENS) for m in MODELS}
         for load in loads.values():
             load.__enter__()
         try:
@@ -282,20 +375,32 @@ def run(work: Path, *, rounds: int, window: float, clients: int, slow: bool) -> 
             bad: list[dict[str, Any]] = []
             good: list[dict[str, Any]] = []
             version = 0
-            for r in range(rounds):
-                for change in ("fail", "slow") if slow else ("fail",):
+
+            def good_one(label: str) -> None:
+                nonlocal version
+                version += 1
+                g = good_change(ctl, loads, version=version)
+                g["after"] = label
+                good.append(g)
+                log(f"good change {len(good)} (v{version}): canary {' > '.join(g['canary_rollout'])} in "
+                    f"{g['canary_rollout_s']} s, {g['canary_failed']} failed of {g['canary_requests']}; "
+                    f"replace {g['replace_outcome']}")
+                time.sleep(BASELINE_S)
+
+            plan = schedule(quick=quick, rounds=rounds)
+            for n, (change, hostile) in enumerate(plan, start=1):
+                with Hostile(ctl.router, MODELS) if hostile else contextlib.nullcontext() as h:
+                    if hostile:
+                        time.sleep(BASELINE_S)  # the baseline for "slow" with the hostile clients in it
                     res = bad_change(ctl, loads, version=version, change=change, window=window)
-                    res["round"] = r + 1
-                    bad.append(res)
-                    log(describe_bad(res))
-                    version += 1
-                    g = good_change(ctl, loads, version=version)
-                    g["round"] = r + 1
-                    good.append(g)
-                    log(f"round {r + 1} good change (v{version}): canary {' > '.join(g['canary_rollout'])} in "
-                        f"{g['canary_rollout_s']} s, {g['canary_failed']} failed of {g['canary_requests']}; "
-                        f"replace {g['replace_outcome']}")
-                    time.sleep(BASELINE_S)
+                res["round"], res["hostile"] = n, hostile
+                res["hostile_sent"] = dict(h.sent) if h is not None else None
+                bad.append(res)
+                log(describe_bad(res))
+                if n < len(plan) or len(good) < goods:  # back to a good version before the next change
+                    good_one(f"{change}{' hostile' if hostile else ''}")
+            while len(good) < goods:  # the false-rollback rate wants many runs of a good change
+                good_one("good")
         finally:
             for load in loads.values():
                 load.__exit__(None, None, None)
@@ -311,9 +416,10 @@ def run(work: Path, *, rounds: int, window: float, clients: int, slow: bool) -> 
 
 def describe_bad(r: dict[str, Any]) -> str:
     c, p = r["canary"], r["replace"]
-    return (f"round {r['round']} {r['change']} change, {r['window_s']:g} s window: "
-            f"canary {c['failed']} failed / {c['slow']} slow of {c['requests']} "
-            f"(slow > {c['slow_above_ms']} ms); replace {p['failed']} failed / {p['slow']} slow of {p['requests']} "
+    return (f"{r['round']}: {r['change']} change{' (hostile clients)' if r['hostile'] else ''}, {r['window_s']:g} s "
+            f"window: canary {c['failed']} failed / {c['slow']} slow / {c['wrong']} wrong of {c['requests']} "
+            f"(slow > {c['slow_above_ms']} ms); replace {p['failed']} failed / {p['slow']} slow / {p['wrong']} wrong "
+            f"of {p['requests']} "
             f"(slow > {p['slow_above_ms']} ms); canary {r['canary_outcome']} {r['commit_to_rollback_s']} s after "
             f"the commit, left the router {r['rollback_to_left_s']} s after (stopping "
             f"{r['rollback_to_stopping_s']} s after), {r['canary_requests_served']} requests reached it; "
@@ -327,38 +433,44 @@ def med(xs: Sequence[float | None]) -> float | None:
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
+    """Per kind and variant ("fail", "fail hostile", …): medians, the ratio on the kind's measure and
+    whether the canary was rolled back every run; the good changes' failures and false rollbacks."""
     out: dict[str, Any] = {}
-    for change in ("fail", "slow"):
-        rs = [r for r in res["bad"] if r["change"] == change]
-        if not rs:
-            continue
-        s = {
-            "runs": len(rs),
-            "canary_failed": med([r["canary"]["failed"] for r in rs]),
-            "replace_failed": med([r["replace"]["failed"] for r in rs]),
-            "canary_slow": med([r["canary"]["slow"] for r in rs]),
-            "replace_slow": med([r["replace"]["slow"] for r in rs]),
-            "canary_requests": med([r["canary"]["requests"] for r in rs]),
-            "replace_requests": med([r["replace"]["requests"] for r in rs]),
-            "canary_failed_until_left": med([r["canary"].get("failed_until_canary_left") for r in rs]),
-            "replace_failed_until_left": med([r["replace"].get("failed_until_canary_left") for r in rs]),
-            "rollback_to_left_s": med([r["rollback_to_left_s"] for r in rs]),
-            "rollback_to_left_s_max": max((r["rollback_to_left_s"] for r in rs if r["rollback_to_left_s"] is not None),
-                                          default=None),
-            "rollback_to_stopping_s": med([r["rollback_to_stopping_s"] for r in rs]),
-            "commit_to_rollback_s": med([r["commit_to_rollback_s"] for r in rs]),
-            "rolled_back_every_run": all(r["canary_outcome"] == "rollout-rolled-back" for r in rs),
-        }
-        # The goal's measure: failures for a failing change, slow requests for a slow one.
-        key = "failed" if change == "fail" else "slow"
-        cv, rv = float(s[f"canary_{key}"] or 0), float(s[f"replace_{key}"] or 0)
-        s[f"{key}_ratio"] = round(rv / cv, 2) if cv else None
-        s[f"{key}_ratio_rule"] = (f"median replace {key} / median canary {key} = {rv:g} / {cv:g}" if cv else
-                                  f"canary median {key} is 0: met when replace median {key} ({rv:g}) >= 10")
-        s[f"{key}_10x"] = rv >= 10 * max(cv, 1.0)
-        out[change] = s
-    out["good_canary_failed"] = [g["canary_failed"] for g in res["good"]]
-    out["good_promoted_every_run"] = all(g["canary_outcome"] == "rollout-done" for g in res["good"])
+    for change in KINDS:
+        for hostile in (False, True):
+            rs = [r for r in res["bad"] if r["change"] == change and bool(r.get("hostile")) == hostile]
+            if not rs:
+                continue
+            key = MEASURE[change]
+            s: dict[str, Any] = {"runs": len(rs), "measure": key}
+            for m in MODELS:
+                for field_ in ("failed", "slow", "wrong", "requests"):
+                    s[f"{m}_{field_}"] = med([r[m][field_] for r in rs])
+                s[f"{m}_failed_until_left"] = med([r[m].get("failed_until_canary_left") for r in rs])
+            s.update({
+                "rollback_to_left_s": med([r["rollback_to_left_s"] for r in rs]),
+                "rollback_to_left_s_max": max((r["rollback_to_left_s"] for r in rs
+                                               if r["rollback_to_left_s"] is not None), default=None),
+                "commit_to_rollback_s": med([r["commit_to_rollback_s"] for r in rs]),
+                "rolled_back_every_run": all(r["canary_outcome"] == "rollout-rolled-back" for r in rs),
+                "reasons": sorted({r["canary_reason"][:200] for r in rs}),
+            })
+            cv, rv = float(s[f"canary_{key}"] or 0), float(s[f"replace_{key}"] or 0)
+            s["ratio"] = round(rv / cv, 2) if cv else None
+            if key == "wrong":
+                s["rule"] = f"canary's clients got {cv:g} wrong answers (must be 0), replace's {rv:g} (must be > 0)"
+                s["met"] = cv == 0 and rv > 0
+            else:
+                s["rule"] = (f"median replace {key} / median canary {key} = {rv:g} / {cv:g}" if cv else
+                             f"canary median {key} is 0: met when replace median {key} ({rv:g}) >= 10")
+                s["met"] = rv >= 10 * max(cv, 1.0)
+            out[change + (" hostile" if hostile else "")] = s
+    good = res["good"]
+    out["good_runs"] = len(good)
+    out["good_canary_failed"] = [g["canary_failed"] for g in good]
+    out["good_rolled_back"] = [g["canary_reason"] for g in good if g["canary_outcome"] == "rollout-rolled-back"]
+    out["false_rollback_rate"] = round(len(out["good_rolled_back"]) / len(good), 4) if good else None
+    out["good_promoted_every_run"] = all(g["canary_outcome"] == "rollout-done" for g in good)
     return out
 
 
@@ -370,46 +482,41 @@ def within(summary: dict[str, Any], seconds: float) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="one round, fail and good changes, a 15 s window")
-    p.add_argument("--rounds", type=int, default=None, help="rounds (default 3, quick 1)")
+    p.add_argument("--quick", action="store_true", help="fail (hostile) and wrong changes, a 12 s window")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of every kind, plain and hostile (default 1)")
+    p.add_argument("--good", type=int, default=None, help="good changes at least (default 20, quick 1)")
     p.add_argument("--window", type=float, default=None, help="seconds after a bad commit counted (default 20, "
-                                                              "quick 15)")
+                                                              "quick 12)")
     p.add_argument("--clients", type=int, default=4, help="client threads per model")
     a = p.parse_args(argv)
-    rounds = a.rounds or (1 if a.quick else 3)
-    window = a.window or (15.0 if a.quick else 20.0)
+    rounds = a.rounds or 1
+    goods = a.good if a.good is not None else (1 if a.quick else 20)
+    window = a.window or (12.0 if a.quick else 20.0)
     with tempfile.TemporaryDirectory(prefix="llmgw-rollout-bench-") as tmp:
-        res = run(Path(tmp), rounds=rounds, window=window, clients=a.clients, slow=not a.quick)
+        res = run(Path(tmp), rounds=rounds, window=window, clients=a.clients, quick=a.quick, goods=goods)
     s = summarize(res)
-    f = s["fail"]
-    log(f"fail change, medians of {f['runs']}: canary {f['canary_failed']:g} failed vs replace "
-        f"{f['replace_failed']:g} ({f['failed_ratio_rule']}); until the canary left: canary "
-        f"{f['canary_failed_until_left']} vs replace {f['replace_failed_until_left']}; slow: canary "
-        f"{f['canary_slow']:g} vs replace {f['replace_slow']:g}; analysis failed {f['commit_to_rollback_s']} s after "
-        f"the commit, canary out of the router {f['rollback_to_left_s']} s later (max {f['rollback_to_left_s_max']}),"
-        f" stopping {f['rollback_to_stopping_s']} s later")
-    if "slow" in s:
-        w = s["slow"]
-        log(f"slow change, medians of {w['runs']}: slow canary {w['canary_slow']:g} vs replace {w['replace_slow']:g} "
-            f"({w['slow_ratio_rule']}); failed canary {w['canary_failed']:g} vs replace {w['replace_failed']:g}; "
-            f"canary out of the router {w['rollback_to_left_s']} s after the analysis failed")
-    checks = {
-        "fail: canary >= 10x fewer failed requests than replace": f["failed_10x"],
-        "fail: canary rolled back every run": f["rolled_back_every_run"],
-        "fail: canary out of the router <= 10 s after the analysis failed (every run)": within(f, 10.0),
-        "good: 0 failed requests under canary (every run)": all(n == 0 for n in s["good_canary_failed"]),
-        "good: promoted every run": s["good_promoted_every_run"],
-    }
-    if "slow" in s:
-        checks["slow: canary rolled back every run"] = s["slow"]["rolled_back_every_run"]
-        checks["slow: canary out of the router <= 10 s after the analysis failed (every run)"] = within(s["slow"], 10.0)
+    checks: dict[str, bool] = {}
+    for name, k in s.items():
+        if not isinstance(k, dict):
+            continue
+        log(f"{name}, medians of {k['runs']}: {k['rule']}; failed canary {k['canary_failed']:g} vs replace "
+            f"{k['replace_failed']:g}, slow {k['canary_slow']:g} vs {k['replace_slow']:g}, wrong "
+            f"{k['canary_wrong']:g} vs {k['replace_wrong']:g}; rolled back {k['commit_to_rollback_s']} s after the "
+            f"commit, out of the router {k['rollback_to_left_s']} s later (max {k['rollback_to_left_s_max']})")
+        checks[f"{name}: canary rolled back every run"] = k["rolled_back_every_run"]
+        checks[f"{name}: {k['rule']}"] = k["met"]
+        if not name.startswith("wrong"):  # a wrong change's canary never served: nothing to leave
+            checks[f"{name}: canary out of the router <= 10 s after the analysis failed (every run)"] = within(k, 10.0)
+    checks["good: 0 failed requests under canary (every run)"] = all(n == 0 for n in s["good_canary_failed"])
+    checks[f"good: promoted every run ({s['good_runs']} runs, false rollbacks {len(s['good_rolled_back'])})"] = \
+        s["good_promoted_every_run"]
     for name, ok in checks.items():
         log(f"  {'ok  ' if ok else 'FAIL'} {name}")
-    out = {"bench": "rollout", "metric": f["failed_ratio"],
-           "quick": a.quick, "rounds": rounds, "window_s": window, "clients_per_model": a.clients,
-           **{k: v for k, v in s.items()}, "runs": res["bad"], "good_runs": res["good"],
+    fail = s.get("fail hostile") or s.get("fail") or {}
+    out = {"bench": "rollout", "metric": fail.get("ratio"), "quick": a.quick, "rounds": rounds, "window_s": window,
+           "clients_per_model": a.clients, **s, "runs": res["bad"], "good_changes": res["good"],
            "error_kinds": res["error_kinds"], "elapsed_s": res["elapsed_s"], "checks": checks, "goal": GOAL,
-           "met": all(checks.values())}
+           "met": bool(checks) and all(checks.values())}
     print(json.dumps(out, default=str))
     return 0 if out["met"] else 1
 

@@ -304,3 +304,43 @@ def test_sim_bench_without_wrk_still_ends_with_its_verdict_not_met(monkeypatch: 
     assert bench.main(["--quick"]) == 1
     verdict = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert verdict["met"] is False and verdict["not_measured"]
+
+
+def _bad(change: str, *, hostile: bool = False, canary: dict[str, int] | None = None,
+         replace: dict[str, int] | None = None, outcome: str = "rollout-rolled-back") -> dict[str, Any]:
+    zero = {"failed": 0, "slow": 0, "wrong": 0, "requests": 100}
+    return {"change": change, "hostile": hostile, "canary": {**zero, **(canary or {})},
+            "replace": {**zero, **(replace or {})}, "canary_outcome": outcome, "canary_reason": "r",
+            "rollback_to_left_s": 0.1, "commit_to_rollback_s": 4.0}
+
+
+def test_rollout_bench_verdict_per_kind_wrong_answers_and_false_rollbacks() -> None:
+    """Issue 37: a wrong answer a canary client got, a kind the canary let through, or one good
+    change rolled back fails the bench; the wrong kind is judged on answers, not on failures."""
+    rb = load("rollout_bench")
+    good = [{"canary_failed": 0, "canary_outcome": "rollout-done", "canary_reason": ""} for _ in range(20)]
+    res = {"bad": [_bad("fail", hostile=True, replace={"failed": 40}),
+                   _bad("wrong", replace={"wrong": 30}),
+                   _bad("decode", canary={"slow": 1}, replace={"slow": 50})], "good": good}
+    s = rb.summarize(res)
+    assert s["fail hostile"]["met"] and s["wrong"]["met"] and s["decode"]["met"]
+    assert s["false_rollback_rate"] == 0.0 and s["good_promoted_every_run"]
+    res["bad"][1] = _bad("wrong", canary={"wrong": 1}, replace={"wrong": 30})  # one client heard the canary
+    assert not rb.summarize(res)["wrong"]["met"]
+    res["bad"][2] = _bad("decode", canary={"slow": 20}, replace={"slow": 50}, outcome="rollout-done")  # promoted
+    s = rb.summarize(res)
+    assert not s["decode"]["met"] and not s["decode"]["rolled_back_every_run"]
+    good[3] = {"canary_failed": 0, "canary_outcome": "rollout-rolled-back", "canary_reason": "noise"}
+    s = rb.summarize({**res, "good": good})
+    assert s["false_rollback_rate"] == 0.05 and not s["good_promoted_every_run"] and s["good_rolled_back"] == ["noise"]
+
+
+def test_rollout_bench_knows_a_wrong_answer_as_the_simulator_writes_it() -> None:
+    rb = load("rollout_bench")
+    from tests.e2e.rollout_fleet import Outcome
+
+    asked = (("user", "hello #1"),)
+    right = rb.sim_text(asked, rb.LOAD_TOKENS)
+    other = rb.sim_text(asked, rb.LOAD_TOKENS, "other")
+    assert right != other
+    assert rb.wrong(Outcome(0, 1, None, other, asked)) and not rb.wrong(Outcome(0, 1, None, right, asked))

@@ -168,6 +168,8 @@ class Outcome:
     started: float  # time.time()
     ended: float
     error: str | None  # None: answered
+    text: str = ""  # the answer's words (a stream's, joined)
+    messages: tuple[tuple[str, str], ...] = ()  # what was asked: (role, content)
 
     @property
     def ok(self) -> bool:
@@ -209,22 +211,26 @@ class Load:
             n += 1
             t0 = time.time()
             error = None
+            text = ""
+            messages = opening(n)
             try:
                 if self.stream_every and n % self.stream_every == 0:
-                    with client.chat.completions.create(model=self.model, messages=opening(n), stream=True,
+                    with client.chat.completions.create(model=self.model, messages=messages, stream=True,
                                                         max_tokens=self.max_tokens) as stream:
                         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
                     if not text:
                         error = "a stream with no content"
                 else:
-                    answer = client.chat.completions.create(model=self.model, messages=opening(n),
+                    answer = client.chat.completions.create(model=self.model, messages=messages,
                                                             max_tokens=self.max_tokens)
-                    if not answer.choices[0].message.content:
+                    text = answer.choices[0].message.content or ""
+                    if not text:
                         error = "an answer with no content"
             except openai.OpenAIError as exc:
                 error = f"{type(exc).__name__}: {exc}"[:300]
             with self._lock:
-                self.outcomes.append(Outcome(t0, time.time(), error))
+                self.outcomes.append(Outcome(t0, time.time(), error, text,
+                                             tuple((m["role"], m["content"]) for m in messages)))
             self._stop.wait(self.pause)
         client.close()
 
