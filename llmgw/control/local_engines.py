@@ -47,20 +47,25 @@ def _venv_root(executable: Path) -> list[Path]:
     return out
 
 
+def _find(env: str, built: Path | None, command: str, script: str, root: Path) -> tuple[Path, str] | None:
+    """An engine's executable and how it was found: named by ``env``, else built by ``script``
+    into ``root``, else ``command`` on PATH."""
+    named = os.environ.get(env)
+    if named and Path(named).is_file():
+        return Path(named), env
+    if built is not None:
+        return built, f"built by {script} in {root}"
+    on_path = shutil.which(command)
+    return (Path(on_path), "on PATH") if on_path else None
+
+
 def llama_server() -> FoundEngine | None:
-    env = os.environ.get("LLMGW_LLAMA_SERVER")
-    if env and Path(env).is_file():
-        exe, where = Path(env), "LLMGW_LLAMA_SERVER"
-    else:
-        root = Path(os.environ.get("LLMGW_LLAMA_CACHE") or cache_root() / "llama-server")
-        built = _newest("*/bin/llama-server", root)
-        on_path = shutil.which("llama-server")
-        if built is not None:
-            exe, where = built, f"built by scripts/build-llama-server in {root}"
-        elif on_path:
-            exe, where = Path(on_path), "on PATH"
-        else:
-            return None
+    root = Path(os.environ.get("LLMGW_LLAMA_CACHE") or cache_root() / "llama-server")
+    found = _find("LLMGW_LLAMA_SERVER", _newest("*/bin/llama-server", root), "llama-server",
+                  "scripts/build-llama-server", root)
+    if found is None:
+        return None
+    exe, where = found
     return FoundEngine("llama.cpp", exe, install_prefix(exe), where=where)
 
 
@@ -73,20 +78,14 @@ def install_prefix(exe: Path) -> tuple[Path, ...]:
 
 
 def vllm() -> FoundEngine | None:
-    env = os.environ.get("LLMGW_VLLM")
     root = Path(os.environ.get("LLMGW_VLLM_CACHE") or cache_root() / "vllm-cpu")
     # Only a build the script finished (it writes BUILT last): a stage or a half-built tree is not vLLM.
     built = next((exe for exe in sorted(root.glob("*/bin/vllm"), reverse=True)
                   if (exe.parent.parent / "BUILT").exists() and os.access(exe, os.X_OK)), None)
-    on_path = shutil.which("vllm")
-    if env and Path(env).is_file():
-        exe, where = Path(env), "LLMGW_VLLM"
-    elif built is not None:
-        exe, where = built, f"built by scripts/build-vllm-cpu in {root}"
-    elif on_path:
-        exe, where = Path(on_path), "on PATH"
-    else:
+    found = _find("LLMGW_VLLM", built, "vllm", "scripts/build-vllm-cpu", root)
+    if found is None:
         return None
+    exe, where = found
     # The build's launcher sits in <build>/bin beside <build>/venv; a pip-installed vllm in its venv's bin.
     build = exe.resolve().parent.parent
     exposes = [build]
