@@ -79,14 +79,18 @@ def _redact_param(param: str) -> str:
 
 class RedactingFormatter(logging.Formatter):
     """Formats as the formatter it wraps, then redacts: messages, their arguments and tracebacks
-    alike (an exception from git or an HTTP client can carry a URL)."""
+    alike (an exception from git or an HTTP client can carry a URL); and shows every control
+    character but the line breaks of a traceback as an escape (a commit subject or an engine's
+    error quoted in a log line must not drive the terminal reading the log)."""
 
     def __init__(self, inner: logging.Formatter) -> None:
         super().__init__()
         self._inner = inner
 
     def format(self, record: logging.LogRecord) -> str:
-        return redact(self._inner.format(record))
+        from llmgw.safetext import visible
+
+        return "\n".join(visible(line) for line in redact(self._inner.format(record)).split("\n"))
 
 
 def redact_logs(logger: logging.Logger | None = None) -> None:

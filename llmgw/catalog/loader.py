@@ -11,10 +11,12 @@ import errno
 import gc
 import multiprocessing as mp
 import os
+import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from llmgw.catalog.build import build_model, build_node, build_settings
 from llmgw.catalog.model import Catalog, Model, Settings
@@ -259,6 +261,33 @@ def _decode(raw: RawFile) -> tuple[str | None, Problem | None]:
     return text, None
 
 
+# Control characters but a line break and a tab (a prompt, a template may hold those), DEL, C1 and
+# the bidirectional overrides: a catalog string is echoed in events, status, logs and the terminals
+# reading them (seen: an ESC sequence in engine args, echoed back in the engine's error).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def control_problems(doc: Document) -> list[Problem]:
+    """Each key or string of ``doc`` holding a control character, at its ``file:line``."""
+    out: list[Problem] = []
+
+    def walk(value: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(value, str):
+            if m := _CONTROL.search(value):
+                out.append(doc.problem(path, f"control character U+{ord(m.group()):04X} in a string: "
+                                             "not allowed in a catalog (it would reach terminals and logs)"))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(k, path)
+                walk(v, (*path, k))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, (*path, i))
+
+    walk(doc.data, ())
+    return out
+
+
 def _parse(raw: RawFile, kind: str, problems: list[Problem]) -> Document | None:
     """Decode, parse, and schema-check one file; None unless it is fit for the next layer."""
     text, problem = _decode(raw)
@@ -274,7 +303,7 @@ def _parse(raw: RawFile, kind: str, problems: list[Problem]) -> Document | None:
         kind_name = "a list" if isinstance(doc.data, list) else "a single value"
         problems.append(Problem(raw.path, 1, 1, f"expected a mapping at the top level, found {kind_name}"))
         return None
-    schema_problems = check_schema(kind, doc)
+    schema_problems = check_schema(kind, doc) + control_problems(doc)
     problems.extend(schema_problems)
     return None if schema_problems or found else doc
 

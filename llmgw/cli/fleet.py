@@ -21,6 +21,7 @@ from llmgw.cli.client import ApiError, Client, add_options, resolve_client
 from llmgw.cli.output import WordTable, fail, print_json
 from llmgw.cli.rollout import add_parser as add_rollout_parser
 from llmgw.cli.rollout import one_line as rollout_line
+from llmgw.safetext import visible
 
 Command = Callable[[argparse.Namespace, Client, Console], int]
 
@@ -51,7 +52,10 @@ def _table(title: str, columns: list[str]) -> Table:
 
 
 def _e(x: Any) -> str:
-    return escape("" if x is None else str(x))
+    """Text from a commit, a node, an engine or a router, for a rich line: its control characters
+    shown as escapes (an ESC sequence in an engine's error, an OSC 8 link in a commit subject, an
+    OSC 0 in a node's GPU class reached the operator's terminal raw), and never read as markup."""
+    return escape(visible("" if x is None else str(x)))
 
 
 # --- commands ---------------------------------------------------------------------------
