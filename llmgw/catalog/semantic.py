@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import jsonschema
 
+from llmgw.agent.parts.peerflags import PEER_FLAGS, _table_flag
 from llmgw.catalog.model import Model, NodeSpec, Profile, RolloutPolicy, Settings
 from llmgw.catalog.problems import Problem
 from llmgw.catalog.schema import dotted
@@ -314,6 +315,13 @@ def check_profiles(entries: Iterable[ModelEntry], settings: Settings) -> list[Pr
                 out.append(e.doc.problem(
                     ("profiles", i, "gpu_class"), f'profile "{p.name}" asks for 0 GPUs but names a gpu_class'
                 ))
+            for j, arg in enumerate(p.args):
+                peer = _table_flag(p.engine, arg, PEER_FLAGS)
+                if peer is not None:
+                    out.append(e.doc.problem(("profiles", i, "args", j), (
+                        f"{peer[0]} names the machines a rank exchanges with, which the controller sets to the "
+                        "replica's own (its workers, its rank 0): not allowed in a catalog (a replica pointed "
+                        "at another's worker takes it)")))
     return out
 
 

@@ -73,6 +73,8 @@ class StartRequest(TypedDict, total=False):
     port: int | None
     weights: str | None
     labels: dict[str, str]
+    # The replica's own peers (host:port): a rank's peer flags may name only these (DESIGN §4).
+    peers: list[str]
 
 
 @runtime_checkable

@@ -301,6 +301,18 @@ def holds_weights(profile: Profile, rank: int) -> bool:
 # the wrong one: seen as ranks that time out connecting. Checked against NCCL's env docs
 # (NCCL_SOCKET_IFNAME, "=" for an exact name), PyTorch distributed's (GLOO_SOCKET_IFNAME), and
 # vLLM's envs.py (VLLM_HOST_IP: the address this node's workers announce to the others).
+def shard_peers(profile: Profile, shard: Shard | None) -> tuple[str, ...]:
+    """The replica's own peers a rank may be pointed at (``host:port``): a llama.cpp head its
+    workers, a vLLM or SGLang rank rank 0's rendezvous. The start request carries them, and a node
+    accepts a peer flag only to these (issue 39: a catalog pointed a head at another replica's
+    worker, and took it)."""
+    if shard is None:
+        return ()
+    if profile.engine == "llama.cpp":
+        return tuple(shard.workers) if shard.rank == 0 else ()
+    return (shard.rendezvous,)
+
+
 def shard_env(profile: Profile, shard: Shard | None) -> dict[str, str]:
     """Env a rank needs to talk to the others over the fabric; empty off a sharded replica and for
     llama.cpp (its RPC addresses are in its argv). The profile's own env wins over these."""

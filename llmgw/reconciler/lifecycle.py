@@ -25,7 +25,7 @@ from llmgw.catalog import Catalog, Model, Profile
 from llmgw.decide import acceptance
 from llmgw.decide.replica import Backoff, Replica, ReplicaState, ShardStatus, fingerprint, next_failure
 from llmgw.dispatch.base import Dispatcher
-from llmgw.engines.argv import RPC_SERVER, engine_args, holds_weights, shard_engine, shard_env
+from llmgw.engines.argv import RPC_SERVER, engine_args, holds_weights, shard_engine, shard_env, shard_peers
 from llmgw.engines.argv import Shard as EngineShard
 from llmgw.engines.health import ask, check_health, probe_ready
 from llmgw.errors import DispatchError, EngineArgsError, StartRefused
@@ -189,6 +189,7 @@ class Lifecycle:
             "gpus": list(shard.gpus),
             "port": None,
             "weights": model.weights_ref if holds_weights(profile, shard.rank) else None,
+            "peers": list(shard_peers(profile, eshard)),
             # Enough to rebuild this replica's record from what the agents report: a controller with
             # no record of the engine (a new leader, an older copy of the data dir) adopts it. The
             # fingerprint of the spec it is started with, which is what it runs.

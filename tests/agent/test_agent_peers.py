@@ -390,3 +390,49 @@ def test_a_hostname_advertise_address_serves_but_is_no_rpc_server_address(node: 
                                       "args": ["--host", "{host}", "--port", "{port}"]})
     assert code != 0 and answer.get("refused") == {"setting": "fabric_address"}, answer
     assert "IPv4" in answer["error"]
+
+
+# Issue 39: a catalog commit took another replica's llama.cpp worker (rpc_peers is the whole
+# fabric). The start request names the replica's own peers; a rank's peer flags may name only those.
+@pytest.mark.parametrize(("kind", "args", "own"), [
+    ("llama.cpp", ["--rpc", "127.0.0.2:50052,127.0.0.3:50052"], ("127.0.0.2:50052", "127.0.0.3:50052")),
+    ("vllm", ["--master-addr", "127.0.0.2"], ("127.0.0.2:29501",)),
+    ("sglang", ["--dist-init-addr", "127.0.0.2:5000"], ("127.0.0.2:5000",)),
+])
+def test_a_rank_may_name_its_own_replicas_peers(agent_module: ModuleType, kind: str, args: list[str],
+                                                 own: tuple[str, ...]) -> None:
+    agent_module.check_args(kind, args, area="/nonexistent/area", read_roots=(), own_peers=own,
+                            rpc_peers=tuple(ipaddress.ip_network(p) for p in PEERS), fabric_address=OWN)
+
+
+@pytest.mark.parametrize(("kind", "args", "own"), [
+    # Another replica's worker, inside rpc_peers: refused (it served this replica's neighbour).
+    ("llama.cpp", ["--rpc", "127.0.0.2:50052,127.0.0.9:50060"], ("127.0.0.2:50052",)),
+    ("llama.cpp", ["--rpc", "127.0.0.9:50060"], ()),
+    ("vllm", ["--master-addr", "127.0.0.9"], ("127.0.0.2:29501",)),
+    ("vllm", ["--data-parallel-address", "127.0.0.9"], ("127.0.0.2:29501",)),
+    ("sglang", ["--dist-init-addr", "127.0.0.9:5000"], ("127.0.0.2:5000",)),
+    ("sglang", ["--dist-init-addr", "127.0.0.2:5001"], ("127.0.0.2:5000",)),  # another replica's port
+])
+def test_a_peer_of_another_replica_is_refused_even_inside_rpc_peers(agent_module: ModuleType, kind: str,
+                                                                    args: list[str], own: tuple[str, ...]) -> None:
+    with pytest.raises(agent_module.Refused) as refused:
+        agent_module.check_args(kind, args, area="/nonexistent/area", read_roots=(), own_peers=own,
+                                rpc_peers=tuple(ipaddress.ip_network(p) for p in PEERS), fabric_address=OWN)
+    assert "not one of this replica's own peers" in str(refused.value)
+
+
+def test_a_start_request_naming_its_peers_is_held_to_them(node: Node) -> None:
+    """The agent as a process: the head of replica B pointed at replica A's worker is not started."""
+    node.write_config(engines={**node.settings["engines"], "llama.cpp": [sys.executable, "-c", ECHO_ENGINE]},
+                      fabric_address="127.0.0.1", rpc_peers=["127.0.0.0/24"])
+    code, answer = node.run("start", {"replica_id": "b-r0", "engine": "llama.cpp", "peers": ["127.0.0.3:50070"],
+                                      "args": ["--rpc", "127.0.0.2:50052"]})
+    assert code != 0 and "not one of this replica's own peers (127.0.0.3:50070)" in json.dumps(answer), answer
+    code, answer = node.run("start", {"replica_id": "b-r0", "engine": "llama.cpp", "peers": "127.0.0.2:50052",
+                                      "args": []})
+    assert code != 0 and "peers must be a list" in json.dumps(answer)
+    started = node.ok("start", {"replica_id": "b-r0", "engine": "llama.cpp", "peers": ["127.0.0.3:50070"],
+                                "args": ["--rpc", "127.0.0.3:50070"]})
+    assert started["pid"]
+    node.ok("stop", {"replica_id": "b-r0", "grace_seconds": 2})

@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from llmgw.agent.parts.config import NodeConfig, ipv4_literal
 from llmgw.agent.parts.files import _inside
+from llmgw.agent.parts.peerflags import PEER_FLAGS, _table_flag
 from llmgw.agent.parts.protocol import Refused
 
 
@@ -116,7 +117,7 @@ def _value_at(args: List[str], i: int, value: Optional[str]) -> Tuple[str, int]:
 
 def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: Tuple[str, ...],
                rpc_peers: Tuple[Any, ...] = (), fabric_address: str = "", host: Optional[str] = None,
-               port: Optional[int] = None) -> None:
+               port: Optional[int] = None, own_peers: Optional[Tuple[str, ...]] = None) -> None:
     """Refuse args that would make the engine read or write outside what it was given, exchange
     with a machine across nodes that the node's rpc_peers does not list, or listen anywhere but
     ``host``:``port`` (the node's bind_address and the port the agent chose)."""
@@ -135,7 +136,7 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
         if peer is not None:
             flag, form, value = peer
             value, i = _value_at(args, i, value)
-            check_peer(flag, value, form, rpc_peers, own=fabric_address)
+            check_peer(flag, value, form, rpc_peers, own=fabric_address, replica=own_peers)
             continue
         if arg.startswith("-"):
             name, value = _flag_and_value(flags, kind, arg)
@@ -164,20 +165,6 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
             # absolute paths and its ".." escapes are checked all the same.
             _check_value("argument", arg, "r", area=area, read_roots=read_roots, every=False)
         i += 1
-
-
-# Flags naming the machine a rank exchanges with across nodes, and the form of their value:
-# "rpc" a llama.cpp head's comma-separated --rpc host:port list, "host" an address, "hostport"
-# host:port. A llama.cpp head sends its layers to its --rpc servers and trusts what they compute;
-# every vLLM rank joins rank 0's --master-addr (torch.distributed rendezvous, vLLM's pickled
-# message queues), a data-parallel rank its --data-parallel-address, an SGLang rank its
-# --dist-init-addr (--nccl-init-addr, its older name): a tampered controller or a merged catalog
-# commit must not point them at a machine of its own. One rule for all: rpc_peers.
-PEER_FLAGS: Dict[str, Dict[str, str]] = {
-    "llama.cpp": {"--rpc": "rpc"},
-    "vllm": {"--master-addr": "host", "--data-parallel-address": "host", "-dpa": "host"},
-    "sglang": {"--dist-init-addr": "hostport", "--nccl-init-addr": "hostport"},
-}
 
 
 # Where an HTTP engine listens: the node's bind_address ({host}) and the port the agent chose
@@ -211,39 +198,19 @@ def _table_name(flags: Dict[str, str], name: str, kind: Optional[str]) -> str:
     return matches[0] if matches and kind in ("vllm", "sglang") else name
 
 
-def _table_flag(kind: Optional[str], arg: str,
-                tables: Dict[str, Dict[str, str]]) -> Optional[Tuple[str, str, Optional[str]]]:
-    """(flag, form, attached value or None) when ``arg`` is a flag of its engine's table in any
-    spelling the engine takes: --flag=value, --flag_name (vLLM, SGLang; llama-server's --log_file
-    too: normalized for every engine, a spelling it refuses only fails to start), an argparse
-    abbreviation (vLLM, SGLang), -dpaVALUE."""
-    table = tables.get(kind or "")
-    if not table or not arg.startswith("-"):
-        return None
-    name, eq, inline = arg.partition("=")
-    value: Optional[str] = inline if eq else None
-    if name.startswith("--"):
-        normal = "--" + name[2:].replace("_", "-")
-        if normal in table:
-            return normal, table[normal], value
-        if kind in ("vllm", "sglang") and len(normal) >= 4:
-            matches = sorted(f for f in table if f.startswith(normal))
-            if matches:
-                return matches[0], table[matches[0]], value
-        return None
-    for flag in table:
-        if name == flag:
-            return flag, table[flag], value
-        if kind in ("vllm", "sglang") and not eq and arg.startswith(flag) and len(arg) > len(flag):
-            return flag, table[flag], arg[len(flag):]
-    return None
-
-
-def check_peer(flag: str, value: str, form: str, peers: Tuple[Any, ...], *, own: str = "") -> None:
+def check_peer(flag: str, value: str, form: str, peers: Tuple[Any, ...], *, own: str = "",
+               replica: Optional[Tuple[str, ...]] = None) -> None:
     """Refuse ``value`` unless every address in it is parsed exactly as its engine parses it and is
-    this node's own fabric address or in the node's rpc_peers."""
+    this node's own fabric address or in the node's rpc_peers; and, where the request names the
+    replica's own peers (``replica``), one of those: rpc_peers is the whole fabric, and a head
+    pointed at another replica's rpc-server took it (rpc-server has no authentication and serves
+    one client at a time), a vLLM or SGLang rank another replica's rendezvous."""
     items = value.split(",") if form == "rpc" else [value]
     for item in items:
+        if replica is not None and not _own_peer(item, form, replica):
+            raise Refused(f"start: {flag} {item!r} is refused: not one of this replica's own peers "
+                          f"({', '.join(replica) or 'none'}), which the controller names; a catalog cannot point "
+                          "a replica at another's", setting="args")
         address = _peer_address(item, form)
         if address is None or not (str(address) == own or any(address in net for net in peers)):
             allowed = ", ".join(str(n) for n in peers) or "none"
@@ -251,6 +218,17 @@ def check_peer(flag: str, value: str, form: str, peers: Tuple[Any, ...], *, own:
                    if form == "rpc" else "a rank joins only ranks at IP addresses ")
             raise Refused(f"start: {flag} {item!r} is refused: {why}in this node's rpc_peers or its own "
                           f"fabric_address (allowed: {allowed})", setting="rpc_peers")
+
+
+def _own_peer(item: str, form: str, replica: Tuple[str, ...]) -> bool:
+    if form == "host":  # vLLM's --master-addr: rank 0's address without its port
+        return any(_host_of(p) == item.strip("[]") for p in replica)
+    return item in replica
+
+
+def _host_of(hostport: str) -> str:
+    host = hostport.rpartition(":")[0] if not hostport.startswith("[") else hostport[1:].partition("]")[0]
+    return host
 
 
 def _peer_address(item: str, form: str) -> Optional[Any]:

@@ -85,8 +85,11 @@ def parse_start(cfg: NodeConfig, request: JsonDict) -> StartSpec:
     labels = _optional(request, "labels", {})
     if not isinstance(labels, dict):
         raise AgentError("start: labels must be an object")
+    peers = request.get("peers")
+    if peers is not None and (not isinstance(peers, list) or not all(isinstance(p, str) and p for p in peers)):
+        raise AgentError("start: peers must be a list of host:port strings")
     return StartSpec(replica_id, engine, tuple(args), _start_env(_optional(request, "env", {})), tuple(gpus), port,
-                     weights, labels)
+                     weights, labels, tuple(peers) if peers is not None else None)
 
 
 def _start_env(env: Any) -> Dict[str, str]:
@@ -225,7 +228,7 @@ def _start(cfg: NodeConfig, request: JsonDict, lease: Optional[JsonDict]) -> Jso
             check_rpc_server_args(cfg, args, port=port)
         read_roots = tuple(p for p in (weights,) if p is not None) + cfg.sandbox_paths
         check_args(kind, args, area=area, read_roots=read_roots, rpc_peers=cfg.rpc_peers,
-                   fabric_address=cfg.fabric_address, host=values["host"], port=port)
+                   fabric_address=cfg.fabric_address, host=values["host"], port=port, own_peers=spec.peers)
         check_tmp_fits(cfg, conf, spec.replica_id, kind)
         ensure_run_dir(cfg, conf)
         check_visible(cfg, conf, list(prefix), weights=weights, area=area)

@@ -420,3 +420,4 @@ class StartSpec:
     port: Optional[int]
     weights: Optional[str]
     labels: JsonDict
+    peers: Optional[Tuple[str, ...]] = None  # the replica's own peers (host:port); None: an older controller
