@@ -66,6 +66,10 @@ STANDBY_TYPE = "standby"
 
 MAX_REPORTED_MODELS = 10_000
 MAX_REPORTED_REPLICAS = 10_000
+# Routers reporting at once. Each one counts in how routers share tenants' limits while Redis is
+# away (a share of what is left per router) and keeps per-replica figures here: a flood of made-up
+# router ids shrank every real router's share and evicted their canary baselines (issue 39).
+MAX_ROUTERS = 256
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,7 @@ class FeedHub:
         self.ledger: UsageLedger | None = None  # the controller's store; without it no batch is acknowledged
         self.budgets: BudgetBook | None = None  # what budgets used this period, for the routers
         self.local_routers = local_routers  # routers in the controller's own process
+        self.refused_routers = 0  # reports from a new router id refused at MAX_ROUTERS
         self._line_budgets = -1  # the book's version the line was built with
         self.watchers = 0
         # None: this controller leads alone. Else () -> (standing by?, the leader's admin URL).
@@ -338,6 +343,9 @@ class FeedHub:
         try:
             data = jsonbody.loads(await read_plain(request), what="The router report")  # nesting bounded
             router_id = wire_str(data["router_id"])
+            for key, cap in (("last_used", MAX_REPORTED_REPLICAS), ("demand", MAX_REPORTED_MODELS)):
+                if len(data.get(key) or ()) > cap:  # before parsing them: a report costs what is bounded
+                    raise ValueError(f"{len(data[key])} entries in one report's {key} (at most {cap})")
             used = {wire_str(k): float(v) for k, v in (data.get("last_used") or {}).items()}
             dem = {wire_str(m): Demand(held=int(d.get("held", 0)), inflight=int(d.get("inflight", 0)))
                    for m, d in (data.get("demand") or {}).items()}
@@ -358,6 +366,13 @@ class FeedHub:
             return web.json_response({"error": f"malformed router report: {exc.args[0]} is missing"}, status=400)
         except (ValueError, TypeError, AttributeError, OverflowError) as exc:
             return web.json_response({"error": f"malformed router report: {exc}"}, status=400)
+        if router_id not in self._reports and len(self._live_reports()) >= MAX_ROUTERS:
+            self.refused_routers += 1
+            if self.refused_routers & (self.refused_routers - 1) == 0:  # said at 1, 2, 4, 8…: a flood is no log flood
+                    log.warning("router report from %s refused: %d routers report already (at most %d); %d refused so "
+                            "far", router_id, MAX_ROUTERS, MAX_ROUTERS, self.refused_routers)
+            return web.json_response({"error": f"too many routers report to this controller (at most {MAX_ROUTERS} "
+                                               "at once); this one is not counted"}, status=429)
         # The usage on its own: a batch the controller cannot take must not cost the router its
         # demand and last use (scale from zero, idle decisions), nor come back for ever.
         batch, rejected = None, None

@@ -163,3 +163,23 @@ async def test_a_standalone_routers_measurements_reach_the_controller_merged_wit
         assert merged[local.instance_id]["chat-g1"].requests == 1
         # Histograms survive the wire: whole answers, each its time per output token.
         assert sum(merged[standalone.instance_id]["chat-g1"].tpot) == 3
+
+
+async def test_reports_are_bounded_in_routers_and_entries_and_what_is_refused_is_counted() -> None:
+    """Issue 39: made-up router ids shrank every router's share of limits while Redis was away and
+    evicted real routers' canary baselines; last_used and demand were unbounded."""
+    from llmgw.control.feed import MAX_ROUTERS
+
+    hub = FeedHub(clock=Clock())
+    async with hub_served(hub) as url:
+        for i in range(MAX_ROUTERS):
+            assert (await post(url, {"router_id": f"r{i}"}))[0] == 200
+        status, answer = await post(url, {"router_id": "one-too-many"})
+        assert status == 429 and f"at most {MAX_ROUTERS}" in answer["error"]
+        assert hub.refused_routers == 1 and len(hub.routers()) == MAX_ROUTERS and "one-too-many" not in hub.routers()
+        assert (await post(url, {"router_id": "r0"}))[0] == 200  # one already counted goes on reporting
+        big = {f"x{i}": 1.0 for i in range(MAX_REPORTED_REPLICAS + 1)}
+        status, answer = await post(url, {"router_id": "r1", "last_used": big})
+        assert status == 400 and "last_used" in answer["error"]
+        status, answer = await post(url, {"router_id": "r1", "demand": {k: {"held": 1} for k in big}})
+        assert status == 400 and "demand" in answer["error"]
