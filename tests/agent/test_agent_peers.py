@@ -436,3 +436,41 @@ def test_a_start_request_naming_its_peers_is_held_to_them(node: Node) -> None:
                                 "args": ["--rpc", "127.0.0.3:50070"]})
     assert started["pid"]
     node.ok("stop", {"replica_id": "b-r0", "grace_seconds": 2})
+
+
+# Issue 39: SGLang flags that reach other machines passed the agent (a host:port is not a URL; @FILE
+# is read by SGLang as more arguments; a config file shipped in the weights names a remote URL).
+MOONCAKE = json.dumps({"master_server_address": "203.0.113.5:50051", "protocol": "tcp"})
+
+
+@pytest.mark.parametrize("args", [
+    ["--hicache-storage-backend", "mooncake", "--hicache-storage-backend-extra-config", MOONCAKE],
+    ["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config", MOONCAKE],
+    ["--hicache-storage-backend=dynamic"],
+    ["--hicache_storage_backend", "hf3fs"],
+    ["--hicache-storage-backend-e", '{"module_path": "evil", "class_name": "X"}'],
+    ["--hicache-storage-backend-extra-config", "@/etc/llmgw/agent.json"],
+    ["@/etc/llmgw/agent.json"],
+    ["--lmcache-config-file", "/nonexistent/area/lmcache.yaml"],
+    ["--flexkv-config-file=/nonexistent/area/f.json"],
+    ["--hicache-storage-remote-url", "http://203.0.113.5"],  # a flag of the family it does not know
+    ["--mooncake-master", "203.0.113.5:50051"],
+])
+def test_sglang_flags_that_reach_other_machines_are_refused(agent_module: ModuleType, args: list[str]) -> None:
+    with pytest.raises(agent_module.Refused):
+        check(agent_module, "sglang", args)
+
+
+@pytest.mark.parametrize("args", [
+    ["--hicache-ratio", "2", "--hicache-write-policy", "write_through", "--hicache-mem-layout", "page_first"],
+    ["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
+     json.dumps({"file_path": "/nonexistent/area/hicache", "max_size": "20G", "prefetch_threshold": 64})],
+])
+def test_sglang_flags_that_stay_on_the_node_pass(agent_module: ModuleType, args: list[str]) -> None:
+    check(agent_module, "sglang", args)
+
+
+def test_vllm_reads_no_argument_file_and_no_unknown_kv_transfer_flag(agent_module: ModuleType) -> None:
+    for args in (["@args.txt"], ["--kv-transfer-params", "{}"]):
+        with pytest.raises(agent_module.Refused):
+            check(agent_module, "vllm", args)

@@ -72,14 +72,16 @@ PATH_FLAGS: Dict[str, Dict[str, str]] = {
           "--speculative-draft-model --speculative-token-map --speculative-adaptive-config "
           "--speculative-ngram-external-corpus-path --lora-paths --ssl-keyfile --ssl-certfile --ssl-ca-certs "
           "--debug-tensor-dump-input-file --decrypted-config-file --decrypted-draft-config-file --model-checksum "
-          "--deepep-config --init-expert-location --hicache-storage-backend-extra-config --lmcache-config-file "
-          "--flexkv-config-file --pdmux-config-path --dllm-algorithm-config --msprobe-dump-config --kt-weight-path "
+          "--deepep-config --init-expert-location "
+          "--pdmux-config-path --dllm-algorithm-config --msprobe-dump-config --kt-weight-path "
           "--model-loader-extra-config",
         w="--download-dir --modelopt-checkpoint-save-path --modelopt-export-path --spec-trace-dir "
           "--file-storage-path --log-requests-target --crash-dump-folder --export-metrics-to-file-dir "
           "--debug-tensor-dump-output-folder --weight-cache-socket",
         x="--delete-ckpt-after-loading",
-        o="--config",
+        # A config file the engine loads holds remote addresses this agent never sees (LMCache's
+        # remote_url, FlexKV's servers): refused, as a file of arguments is.
+        o="--config --lmcache-config-file --flexkv-config-file",
         # Names from SGLang 0.5's server_args.py (0.5.20's list of them, for the newer ones).
         n="--kv-events-config --otlp-traces-endpoint --encoder-urls --encoder-register-urls "
           "--encoder-bootstrap-port --remote-instance-weight-loader-seed-instance-ip "
@@ -93,6 +95,30 @@ PATH_FLAGS: Dict[str, Dict[str, str]] = {
 
 RPC_SERVER = "rpc-server"
 REFUSED_MODES = ("x", "o", "n")  # strongest first
+
+# Flag families that reach other machines (KV stores, disaggregation, remote weights): a flag of
+# one that these tables do not know is refused, not let through as a path check (seen: SGLang's
+# --hicache-storage-backend mooncake with a master_server_address in its extra config). The flags
+# of a family known to stay on the node are listed; those whose value names a place are parsed
+# (VALUE_RULES). SGLang 0.5.x's server_args.py; vLLM 0.18's.
+FAMILIES: Dict[str, Tuple[str, ...]] = {
+    "sglang": ("--hicache-", "--lmcache-", "--disaggregation-", "--encoder-", "--remote-instance-", "--flexkv-",
+               "--mooncake-", "--pdlb-", "--nixl-", "--hf3fs-", "--eic-", "--aibrix-"),
+    "vllm": ("--kv-transfer-", "--kv-events-", "--ec-transfer-", "--weight-transfer-", "--lmcache-"),
+}
+LOCAL_IN_FAMILY: Dict[str, frozenset] = {
+    "sglang": frozenset(("--hicache-ratio", "--hicache-size", "--hicache-write-policy", "--hicache-io-backend",
+                         "--hicache-mem-layout", "--hicache-storage-prefetch-policy",
+                         "--hicache-storage-backend", "--hicache-storage-backend-extra-config")),
+    "vllm": frozenset(),
+}
+# SGLang's HiCache storage backends: only "file" stays on the node; mooncake, hf3fs, nixl, aibrix,
+# eic and lmcache write every cached prompt's KV to a storage service, and "dynamic" imports a
+# Python module its extra config names.
+LOCAL_HICACHE_BACKENDS = ("file",)
+HICACHE_FILE_KEYS = frozenset(("file_path", "max_size", "min_free_space", "prefetch_threshold",
+                               "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+                               "hicache_storage_pass_prefix_keys", "extra_backend_tag"))
 
 
 def engine_kind(name: str, prefix: Tuple[str, ...]) -> Optional[str]:
@@ -126,6 +152,15 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
     while i < len(args):
         arg = args[i]
         mode = None
+        if kind in ("vllm", "sglang") and arg.startswith("@"):
+            raise Refused(f"start: {arg!r} is refused: {kind} reads @FILE as more arguments, from a file this "
+                          "agent does not check", setting="args")
+        family = _family_flag(kind, arg)
+        if family is not None:
+            flag, value = family
+            value, i = _value_at(args, i, value)
+            _check_family(kind, flag, value, area=area, read_roots=read_roots)
+            continue
         listen = _table_flag(kind, arg, LISTEN_FLAGS)
         if listen is not None:
             flag, what, value = listen
@@ -165,6 +200,48 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
             # absolute paths and its ".." escapes are checked all the same.
             _check_value("argument", arg, "r", area=area, read_roots=read_roots, every=False)
         i += 1
+
+
+def _family_flag(kind: Optional[str], arg: str) -> Optional[Tuple[str, Optional[str]]]:
+    """(flag, attached value or None) when ``arg`` is a flag of a family that reaches other machines,
+    in any spelling the engine takes (--flag_name, an unambiguous abbreviation)."""
+    if kind not in FAMILIES or not arg.startswith("--"):
+        return None
+    name, eq, inline = arg.partition("=")
+    normal = "--" + name[2:].replace("_", "-")
+    known = set(PATH_FLAGS.get(kind, {})) | LOCAL_IN_FAMILY[kind]
+    if normal not in known:
+        prefixed = sorted(f for f in known if f.startswith(normal) and len(normal) >= 4)
+        normal = prefixed[0] if len(prefixed) == 1 else normal
+    if not normal.startswith(FAMILIES[kind]) or normal in PATH_FLAGS.get(kind, {}):
+        return None  # not of a family, or a flag the tables rule on
+    return normal, inline if eq else None
+
+
+def _check_family(kind: Optional[str], flag: str, value: str, *, area: str, read_roots: Tuple[str, ...]) -> None:
+    if flag not in LOCAL_IN_FAMILY.get(kind or "", ()):
+        raise Refused(f"start: {flag} is refused on every node: a flag of a family that reaches other machines "
+                      "(KV stores, disaggregation, remote weights) that this agent does not know to stay on the "
+                      "node", setting="args")
+    if flag == "--hicache-storage-backend" and value not in LOCAL_HICACHE_BACKENDS:
+        raise Refused(f"start: --hicache-storage-backend {value!r} is refused: only 'file' keeps the KV cache on "
+                      "this node (the others send every cached prompt's KV to a storage service; 'dynamic' "
+                      "imports code its config names)", setting="args")
+    if flag == "--hicache-storage-backend-extra-config":
+        try:
+            config = json.loads(value)
+        except (ValueError, RecursionError):
+            config = None
+        if not isinstance(config, dict):
+            raise Refused("start: --hicache-storage-backend-extra-config must be a JSON object (a file, @FILE, "
+                          "is not read by this agent)", setting="args")
+        unknown = sorted(k for k in config if k not in HICACHE_FILE_KEYS)
+        if unknown:
+            raise Refused(f"start: --hicache-storage-backend-extra-config key(s) {', '.join(map(repr, unknown))} "
+                          "refused: only the file backend's own keys are (addresses, module paths and other "
+                          "backends' settings reach beyond this node)", setting="args")
+        if isinstance(config.get("file_path"), str):
+            _check_value(flag, config["file_path"], "w", area=area, read_roots=read_roots, every=True)
 
 
 # Where an HTTP engine listens: the node's bind_address ({host}) and the port the agent chose
