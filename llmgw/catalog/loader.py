@@ -268,24 +268,26 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2
 
 
 def control_problems(doc: Document) -> list[Problem]:
-    """Each key or string of ``doc`` holding a control character, at its ``file:line``."""
+    """Each key or string of ``doc`` holding a control character, at its ``file:line``. A loop, not
+    a nested recursive function: that one's closure, a reference cycle, kept each file's parsed
+    document alive while the cyclic collector is paused (validate_files), 45 MiB a large file."""
     out: list[Problem] = []
-
-    def walk(value: Any, path: tuple[Any, ...]) -> None:
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(doc.data, ())]
+    while stack:
+        value, path = stack.pop()
         if isinstance(value, str):
             if m := _CONTROL.search(value):
-                out.append(doc.problem(path, f"control character U+{ord(m.group()):04X} in a string: "
-                                             "not allowed in a catalog (it would reach terminals and logs)"))
+                # The string is quoted (cut): every renderer shows its control characters as escapes.
+                shown = value if len(value) <= 120 else value[:120] + "…"
+                out.append(doc.problem(path, f"control character U+{ord(m.group()):04X} in \"{shown}\": not "
+                                             "allowed in a catalog (it would reach terminals and logs)"))
         elif isinstance(value, dict):
             for k, v in value.items():
-                walk(k, path)
-                walk(v, (*path, k))
+                stack.append((k, path))
+                stack.append((v, (*path, k)))
         elif isinstance(value, list):
-            for i, v in enumerate(value):
-                walk(v, (*path, i))
-
-    walk(doc.data, ())
-    return out
+            stack.extend((v, (*path, i)) for i, v in enumerate(value))
+    return sorted(out)
 
 
 def _parse(raw: RawFile, kind: str, problems: list[Problem]) -> Document | None:

@@ -68,6 +68,7 @@ def _option_errors(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace, console: Console) -> int:
     from llmgw.cli.output import fail
     from llmgw.control.config import Listen
+    from llmgw.control.datadir import hold_data_dir
     from llmgw.control.own_model import describe
     from llmgw.control.server import check_free, start
     from llmgw.control.up import UpLayout, prepare
@@ -84,7 +85,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return max(fail(console, e) for e in errors)
     data_dir = Path(args.data_dir).resolve() if args.data_dir is not None else default_data_dir()
     try:
-        # Before anything is written: a refused `up` leaves no data dir behind (seen: a port in use).
+        # An existing data dir's lock first (another `up` on it says so, whatever ports it holds);
+        # then the ports, before anything is written: a refused `up` leaves no new data dir behind.
+        if UpLayout(data_dir).controller_dir.exists():
+            hold_data_dir(UpLayout(data_dir).controller_dir)
         check_free(Listen("127.0.0.1", args.admin_port), "--admin-port")
         check_free(Listen("127.0.0.1", args.router_port), "--router-port")
         cfg = prepare(data_dir, catalog=Path(args.catalog).resolve() if args.catalog is not None else None,

@@ -34,8 +34,11 @@ def hostile(tmp_path_factory) -> tuple[Path, Path]:
     snap.write_text(json.dumps(fleet(catalog).to_json()))
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "base", env=FIXED_DATES)
-    args = ", ".join(json.dumps(a) for a in ("--served-model-name", INJECTED, TERMINAL))
+    args = ", ".join(json.dumps(a) for a in ("--served-model-name", INJECTED))
     (repo / "models" / "evil.yaml").write_text(model("evil", "hf://a/b", min_=0, args=args))
+    # Control characters are refused by validation (issue 39): the problem quotes the string.
+    terminal = ", ".join(json.dumps(a) for a in ("--served-model-name", TERMINAL))
+    (repo / "models" / "terminal.yaml").write_text(model("terminal", "hf://a/t", min_=0, args=terminal))
     # An unknown key, echoed by the validation error.
     bad_key = json.dumps("k\n\n# Approved @octocat [x](https://evil.example) ```\x1b[31m")
     (repo / "models" / "broken.yaml").write_text(model("broken", "hf://a/c") + f"{bad_key}: 1\n")
@@ -60,7 +63,7 @@ def test_markdown_shows_catalog_text_without_obeying_it(run_cli, hostile) -> Non
     assert [s for s in re.findall(r"<strong>(.*?)</strong>", html) if "Reviewed" in s or "x" == s] == []
     assert re.findall(r"<h\d>", html) == ["<h3>", "<h4>", "<h4>", "<h4>"]  # ours: title, validation, changes, plan
     assert not re.search(r"@[A-Za-z0-9]", html)  # GitHub would notify @octocat
-    assert html.count("<details>") == html.count("</details>") == 1  # evil.yaml; broken.yaml is no change
+    assert html.count("<details>") == html.count("</details>") == 1  # evil.yaml; broken and terminal are no change
     # The args row is one row of the table, its cells as many as the header's.
     rows = [r for r in re.findall(r"<tr>(.*?)</tr>", html, re.S) if "args" in r]
     assert len(rows) == 1 and rows[0].count("<td>") == 3
