@@ -112,12 +112,14 @@ class Limiter:
     def scopes(self) -> Iterable[Scope]:
         return self._scopes.values()
 
-    def degrade(self, known: Mapping[str, tuple[float, int]], now: float) -> None:
+    def degrade(self, known: Mapping[str, tuple[float, int]], now: float, *, unseen: bool = False) -> None:
         """Redis went away: from now on each budget is granted from this router's share of what
         was left (its remaining tokens per the ledger, or ``known`` — scope name → period, tokens
         Redis last said were used and reserved — whichever says more was spent, divided among the
         routers), never from a fresh budget: N routers alone must not grant N budgets. Scopes
-        already degraded (carried over from the last catalog) keep their share."""
+        already degraded (carried over from the last catalog) keep their share. ``unseen``: this
+        router never reached Redis since it started; it grants no budget (its share before a restart
+        is not known to it)."""
         self.degraded = True
         for s in self._scopes.values():
             b = s.limits.budget
@@ -127,13 +129,15 @@ class Limiter:
             seen = known.get(s.name)
             base = max(s.ledger_used(start), seen[1] if seen is not None and seen[0] == start else 0)
             s.period, s.used, s.base = start, 0, base
-            s.share = max(0, b.tokens - base) // self.routers
+            s.share = 0 if unseen else max(0, b.tokens - base) // self.routers
+            s.unseen = unseen
 
     def undegrade(self) -> None:
         """Redis answers again: budgets are counted there (the in-memory counts wait for the next time)."""
         self.degraded = False
         for s in self._scopes.values():
             s.share = None
+            s.unseen = False
 
     def admit(self, key: str, models: tuple[str, ...], reserve: int, now: float) -> Ticket | Refusal | None:
         """A ticket, a refusal, or None when the key is in no tenant (not limited). ``models``: the

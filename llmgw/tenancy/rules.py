@@ -94,6 +94,10 @@ class Scope:
     # period, its share of what was left; ``used`` then counts what it granted since. None: not degraded.
     share: int | None = None
     base: int = 0  # degraded mode: what was known to be spent (ledger, Redis) when it began
+    # Degraded since this router started (it never reached Redis): it grants no budget at all. What
+    # it granted before a restart is not known to it, and each restart took a fresh share (seen:
+    # four restarts, +42.9 % over a 6,000-token budget).
+    unseen: bool = False
 
     def __post_init__(self) -> None:
         if self.limits.requests_per_minute:
@@ -178,13 +182,15 @@ def check(s: Scope, reserve: int, now: float, *, routers: int = 1) -> Refusal | 
         start = period_start(b, now)
         if start != s.period:
             s.period, s.used = start, 0  # a new period: what was used before no longer counts
-            if s.share is not None:  # degraded across the reset: a share of the new period
+            if s.share is not None and not s.unseen:  # degraded across the reset: a share of the new period
                 s.base = s.ledger_used(start)
                 s.share = max(0, b.tokens - s.base) // routers
         # s.spent(), written out: this runs twice on every request with a budget.
         spent = s.used if s.share is not None else max(s.used, s.ledger[1] if s.ledger[0] == s.period else 0)
         if spent + s.reserved + reserve > (b.tokens if s.share is None else s.share):
             alone = "" if s.share is None else (
+                "; this router started while the routers cannot share limits (Redis away): it grants no "
+                "budget until Redis answers" if s.unseen else
                 f"; while the routers cannot share limits (Redis away) this router may grant {s.share} of "
                 f"the {max(0, b.tokens - s.base)} left, its share of {routers} routers")
             return _refused(s, "budget", reserve=reserve, used=spent if s.share is None else s.base + spent,

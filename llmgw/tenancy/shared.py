@@ -390,6 +390,7 @@ class SharedLimits(ScopedLimits):
         self._wall = wall
         self._down_until = 0.0
         self.degraded = False
+        self._answered = False  # Redis answered this process at least once
         self._steps = self._redis.register_script(_STEPS)
         self._allowances: dict[tuple[str, str], Allowance] = {}  # (scope name, budget period)
         self._current: dict[str, Allowance] = {}  # scope name -> the allowance of its period last asked for
@@ -455,7 +456,7 @@ class SharedLimits(ScopedLimits):
         if self._down_until and self._clock() < self._down_until:
             now += self.offset
             if not limiter.degraded:
-                limiter.degrade(self._known, now)
+                limiter.degrade(self._known, now, unseen=not self._answered)
             return limiter.precheck(key, reserve, now)
         s = limiter.tenant_scope(key)
         if s is None:
@@ -499,7 +500,7 @@ class SharedLimits(ScopedLimits):
                now: float) -> Ticket | Refusal | None:
         """Degraded mode: in memory, each budget from this router's share of what was left."""
         if not limiter.degraded:
-            limiter.degrade(self._known, now)
+            limiter.degrade(self._known, now, unseen=not self._answered)
         return limiter.admit(key, models, reserve, now)
 
     async def _admit(self, limiter: Limiter, scopes: tuple[Scope, ...], reserve: int,
@@ -596,6 +597,7 @@ class SharedLimits(ScopedLimits):
             for a in allowances:
                 if self._grants.get(a.scope.name) is answer:
                     del self._grants[a.scope.name]
+        self._answered = True
         if self.degraded:
             self.degraded = False
             limiter.undegrade()

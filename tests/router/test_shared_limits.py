@@ -504,3 +504,25 @@ async def test_a_small_request_that_fits_is_not_refused_for_a_big_ones_sake(chat
             await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=600)
         small = await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=5)
         assert small.choices[0].message.content
+
+
+async def test_a_router_that_starts_while_redis_is_away_grants_no_budget_until_it_answers(redis_url) -> None:  # noqa: ANN001
+    """Issue 39: each restart while Redis was away took a fresh share of what was left (four
+    restarts: 8,576 tokens served of a 6,000 budget). A router that has not reached Redis since it
+    started grants no budget; rates and concurrency it limits alone, as in degraded mode."""
+    url, proc = redis_url
+    budget = Budget(tokens=6000, per="day")
+    tenants = (Tenant("team", ("team-key",), Limits(budget=budget)),
+               Tenant("rated", ("rated-key",), Limits(requests_per_minute=100)))
+    proc.kill()
+    proc.wait(10)
+    for _ in range(3):  # the same router, started again and again while Redis is away
+        limiter = Limiter(tenants)
+        limiter.set_spent({}, routers=3)
+        fresh = SharedLimits(url, limiter=limiter)
+        got = await fresh.admit("team-key", ("chat",), 10, time.time())
+        assert isinstance(got, Refusal) and "started while the routers cannot share limits" in got.message, got
+        rated = await fresh.admit("rated-key", ("chat",), 10, time.time())
+        assert isinstance(rated, Ticket), rated  # a limit that is no budget: applied alone
+        rated.release()
+        await fresh.close()
