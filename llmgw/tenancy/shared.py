@@ -390,7 +390,14 @@ class SharedLimits(ScopedLimits):
         self._wall = wall
         self._down_until = 0.0
         self.degraded = False
-        self._answered = False  # Redis answered this process at least once
+        # Redis answered this process at least once (a ping at start, then any call): a router that
+        # never reached it since it started takes no share of a budget while it is away.
+        self._answered = False
+        self._hello: asyncio.Task[None] | None = None
+        try:
+            self._hello = asyncio.get_running_loop().create_task(self._say_hello(), name="llmgw-limits-hello")
+        except RuntimeError:
+            pass  # made outside an event loop (a test): the first call says it
         self._steps = self._redis.register_script(_STEPS)
         self._allowances: dict[tuple[str, str], Allowance] = {}  # (scope name, budget period)
         self._current: dict[str, Allowance] = {}  # scope name -> the allowance of its period last asked for
@@ -597,7 +604,6 @@ class SharedLimits(ScopedLimits):
             for a in allowances:
                 if self._grants.get(a.scope.name) is answer:
                     del self._grants[a.scope.name]
-        self._answered = True
         if self.degraded:
             self.degraded = False
             limiter.undegrade()
@@ -695,6 +701,14 @@ class SharedLimits(ScopedLimits):
         if self._queue and not self._kick_scheduled:
             self._kick()
 
+    async def _say_hello(self) -> None:
+        try:
+            async with asyncio.timeout(TIMEOUT):
+                await self._redis.ping()
+            self._answered = True
+        except Exception:  # noqa: BLE001 - away or not, the calls that matter say it themselves
+            pass
+
     async def _call(self, steps: list[Pending]) -> None:
         """Send ``steps`` as one script call; hand each grant its answer."""
         payload = json.dumps([p.step for p in steps], separators=(",", ":"))
@@ -710,6 +724,8 @@ class SharedLimits(ScopedLimits):
         except Exception as exc:  # noqa: BLE001 - not Redis away: a bug, logged with its traceback, counted, refused
             self._broken(exc)
             failed = LimitsBroken(f"{type(exc).__name__}: {exc}")
+        if failed is None:
+            self._answered = True
         if failed is not None:
             # A call that failed may have run in Redis, wholly or in part (a script that raises
             # keeps what it wrote): what this router holds there is not known any more.
@@ -779,6 +795,8 @@ class SharedLimits(ScopedLimits):
 
     async def close(self) -> None:
         """Give back what this router holds (within a second), then disconnect."""
+        if self._hello is not None and not self._hello.done():
+            self._hello.cancel()
         if self._sync is not None:
             self._sync.cancel()
         if self._beat is not None:
