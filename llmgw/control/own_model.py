@@ -40,7 +40,10 @@ class OwnModel:
 
     name: str
     path: Path  # what the engine loads: the .gguf file (a split one's first part), or the directory
-    folder: Path  # the directory the node is allowed to read it in (its model_dirs entry)
+    # What the node is allowed to read (its model_dirs entry): the file itself, or the model's
+    # directory; never the folder a single file lies in (a GGUF in ~/Downloads must not let every
+    # catalog entry name any file of ~/Downloads as its weights).
+    folder: Path
     kind: str  # "gguf" | "safetensors"
     size_gb: float
     parts: int = 1
@@ -71,7 +74,7 @@ def _gguf(path: Path, name: str | None) -> OwnModel:
     _check_gguf(path)
     m = SPLIT.match(path.name)
     if m is None:
-        return OwnModel(_name(name, path.stem, path), path, path.parent, "gguf", _gb(path.stat().st_size))
+        return OwnModel(_name(name, path.stem, path), path, path, "gguf", _gb(path.stat().st_size))
     parts = int(m.group("parts"))
     files = [path.parent / f"{m.group('stem')}-{i:05d}-of-{parts:05d}{path.suffix}" for i in range(1, parts + 1)]
     missing = [f.name for f in files if not f.is_file()]

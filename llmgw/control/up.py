@@ -350,9 +350,22 @@ def model_to_serve(layout: UpLayout, path: Path, catalog_dir: Path, *, name: str
     """``path`` described, its engine chosen among this node's, its catalog file written out for
     the local node of the catalog in ``catalog_dir`` (nothing is written yet: errors come first)."""
     own = describe(path, name=name)
+    _not_too_wide(own.folder, layout)
     engine = engine_for(own, local_engines(layout))
     entry = catalog_entry(own, engine, gpus=nvidia_gpus(), pool=local_node_spec(catalog_dir).get("pool"))
     return ModelToServe(own, engine, model_file_name(own.name), entry_yaml(own, entry))
+
+
+def _not_too_wide(allowed: Path, layout: UpLayout) -> None:
+    """A model's directory becomes readable by engines (and nameable as weights by any catalog
+    entry): never the root, a home directory, nor one holding this data dir (its store, its admin
+    token)."""
+    data = layout.data_dir.resolve()
+    homes = {Path.home().resolve(), Path("/root"), Path("/home")}
+    if allowed == Path("/") or allowed in homes or allowed.parent == Path("/home") \
+            or data == allowed or allowed in data.parents:
+        raise ConfigError(f"--model {allowed}: engines would be let read all of {allowed} (the model is a "
+                          "directory there, or its parts lie there); move the model into a directory of its own")
 
 
 def check_served(files: dict[str, RawFile], served: ModelToServe) -> bool:

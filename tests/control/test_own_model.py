@@ -25,7 +25,7 @@ def test_a_gguf_file_is_named_from_its_file_and_read_where_it_lies(tmp_path: Pat
     m = describe(gguf(tmp_path / "models" / "Qwen2.5-7B-Instruct-Q4_K_M.gguf", 3 * 1024**3 // 100))
     assert (m.name, m.kind, m.source, m.folder) == ("qwen2.5-7b-instruct-q4_k_m", "gguf",
                                                     str(tmp_path / "models" / "Qwen2.5-7B-Instruct-Q4_K_M.gguf"),
-                                                    tmp_path / "models")
+                                                    tmp_path / "models" / "Qwen2.5-7B-Instruct-Q4_K_M.gguf")
     assert m.size_gb == 0.03
 
 
@@ -98,7 +98,7 @@ def test_the_model_is_committed_once_and_its_folder_readable_by_the_node(tmp_pat
     layout = UpLayout(data)
     agent = json.loads(layout.agent_config.read_text())
     assert agent["engines"]["llama.cpp"] == str(exe) and str(tmp_path / "llama") in agent["sandbox_paths"]
-    assert agent["model_dirs"] == [str(tmp_path / "weights")]
+    assert agent["model_dirs"] == [str(model)]  # the file, not the folder it lies in
     entry = yaml.safe_load((layout.catalog / "models" / "tiny.yaml").read_text())
     assert entry["source"] == str(model) and entry["profiles"][0]["engine"] == "llama.cpp"
     # The person's own settings: kept across runs, and they reach the agent config.
@@ -106,7 +106,7 @@ def test_the_model_is_committed_once_and_its_folder_readable_by_the_node(tmp_pat
     layout.node_settings.write_text("model_dirs: [/srv/models]\nengine_env: {OMP_NUM_THREADS: '2'}\n")
     _prepare(data, model=model, name="tiny")  # the same again: nothing new to commit
     agent = json.loads(layout.agent_config.read_text())
-    assert agent["model_dirs"] == [str(tmp_path / "weights"), "/srv/models"]
+    assert agent["model_dirs"] == [str(model), "/srv/models"]
     assert agent["engine_env"]["OMP_NUM_THREADS"] == "2"
     assert layout.node_settings.read_text().startswith("model_dirs: [/srv/models]")
     subjects = subprocess.run(["git", "log", "--format=%s"], cwd=layout.catalog, capture_output=True, text=True,
@@ -127,3 +127,26 @@ def test_a_settings_file_with_a_mistake_is_an_error_naming_it(tmp_path: Path) ->
     layout.node_settings.write_text("engins: {}\n")
     with pytest.raises(ConfigError, match="unknown setting 'engins'"):
         _prepare(data)
+
+
+def test_engines_are_let_read_the_model_and_never_the_folder_it_lies_in(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Seen in review: a GGUF in ~ made all of ~ (its .ssh, the data dir's store and token)
+    readable by engines and nameable as weights by any catalog entry."""
+    exe = tmp_path / "llama" / "bin" / "llama-server"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("LLMGW_LLAMA_SERVER", str(exe))
+    data = tmp_path / "state"
+    model = gguf(tmp_path / "Downloads" / "tiny.gguf")
+    (tmp_path / "Downloads" / "secret.txt").write_text("no")
+    _prepare(data, model=model, name="tiny")
+    assert json.loads(UpLayout(data).agent_config.read_text())["model_dirs"] == [str(model)]  # the file only
+    # A model directory that holds the data dir (or is a home, or /) is refused, nothing written.
+    other = tmp_path / "other-state"
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 64)
+    monkeypatch.setenv("LLMGW_VLLM", str(exe))
+    with pytest.raises(ConfigError, match="engines would be let read all of"):
+        _prepare(tmp_path / "nested" / "state", model=tmp_path, name="wide")
+    assert not other.exists()
