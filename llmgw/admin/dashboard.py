@@ -65,6 +65,7 @@ async def dashboard(request: web.Request) -> web.Response:
         events=list(reversed(c.events(limit=30))),
         unplaced_reasons=_unplaced_reasons(c, unplaced),
         chart=await _usage_chart(c, now),
+        budgets=c.budgets(),
         chart_w=usage.CHART_W, chart_h=usage.CHART_H, pad_l=usage.PAD_L, pad_b=usage.PAD_B,
         clock=lambda t: time.strftime("%m-%d %H:%M", time.gmtime(t)),
     )

@@ -8,6 +8,7 @@ import json
 import re
 import sqlite3
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -89,6 +90,14 @@ def test_keys_made_and_revoked_on_a_running_up_take_effect_without_a_restart(tmp
         b = wait_for(budget, 30, "the budget's use in llmgw usage", up)
         assert b["tokens"] == 100000 and b["per"] == "day" and b["left"] == 100000 - b["used"] and b["resets_at"]
         assert "budgets (this period)" in cli("usage", "--data-dir", str(data)).stdout
+        # And on the dashboard (the admin token as a bearer header, as a program would send it).
+        admin_url = (data / "admin.url").read_text().strip()
+        req = urllib.request.Request(admin_url + "/", headers={
+            "Authorization": "Bearer " + (data / "admin.token").read_text().strip()})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            page = r.read().decode()
+        assert '<table id="budgets">' in page and '<tr data-tenant="search">' in page
+        assert "<td>100,000 per day</td>" in page  # its size, then what it used and what is left
 
         revoked = cli("keys", "revoke", "team-a", "--data-dir", str(data))
         assert revoked.returncode == 0, revoked.stdout + revoked.stderr
