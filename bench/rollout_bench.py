@@ -30,7 +30,9 @@ the same moment, under the same load and the same box:
 
 Each bad kind runs plain and ``hostile``: with, beside the load, one client sending requests every
 version refuses (``{"messages": []}``, a 400, as fast as it can) and one asking for long whole
-answers (300 tokens, not streamed) to each model. Their own requests are not counted.
+answers (300 tokens, not streamed) to each model. Their own requests are not counted. The good
+change that follows a hostile run is made with the hostile clients still there: a canary must not
+be rolled back, nor a legitimate client fail, because someone else sends junk.
 
 For a bad change, over the window [commit, commit + ``--window`` s] (the same for both): failed
 client requests, slow requests (answered in more than 2x the p50 of that model's requests in the 3 s
@@ -42,13 +44,13 @@ Goals: for each bad kind, plain and hostile, the canary is rolled back every run
 measure of that kind (failed, slow, wrong) is at least 10x below replace's (when the canary's is 0:
 replace's >= 10; wrong: 0 wrong answers to the canary's clients and some to replace's); the canary
 leaves the router <= 10 s after the analysis fails; every good change is promoted with 0 failed
-requests, and the false-rollback rate of good changes (rolled back / runs, at least 20 runs in the
-full run) is 0.
+requests (those made with the hostile clients too: at least one when a hostile run was made), and
+the false-rollback rate of good changes (rolled back / runs, at least 20 runs in the full run) is 0.
 
     python bench/rollout_bench.py [--quick] [--rounds N] [--good N] [--window S] [--clients N] [--kinds K,…]
 
-``--quick``: the fail change with the hostile clients, a good change, the wrong change, a 12 s
-window (about 55 s here with the fleet's bring-up). The last line is one JSON object with every
+``--quick``: the fail change with the hostile clients, a good change (hostile clients still there),
+the wrong change, a 12 s window (about 55 s here with the fleet's bring-up). The last line is one JSON object with every
 figure and ``met``; exit 1 when a goal is not met.
 """
 
@@ -112,8 +114,8 @@ BASELINE_S = 3.0  # the stable's p50 is read over this long before each commit
 GPUS_PER_NODE = 4  # 2 + 2 replicas, a canary and two replace surges fit at once
 GOAL = ("per bad kind (fail, slow, decode, wrong), plain and with hostile clients: canary rolled back every run, "
         ">= 10x fewer failed/slow/wrong client answers than replace (wrong: 0 to the canary's clients); canary out "
-        "of the router <= 10 s after the analysis fails; good changes promoted with 0 failed requests, false "
-        "rollbacks 0 (>= 20 good runs in the full run)")
+        "of the router <= 10 s after the analysis fails; good changes promoted with 0 failed requests, with the "
+        "hostile clients too, false rollbacks 0 (>= 20 good runs in the full run)")
 
 
 def log(msg: str) -> None:
@@ -327,8 +329,9 @@ def bad_change(ctl: Controller, loads: dict[str, Load], *, version: int, change:
     return out
 
 
-def good_change(ctl: Controller, loads: dict[str, Load], *, version: int) -> dict[str, Any]:
-    """Commit a good version to both; wait until both rollouts are done; the canary's failures."""
+def good_change(ctl: Controller, loads: dict[str, Load], *, version: int, hostile: bool = False) -> dict[str, Any]:
+    """Commit a good version to both; wait until both rollouts are done; the canary's failures.
+    ``hostile`` only records that the hostile clients were sending meanwhile (the caller runs them)."""
     mark = ctl.last_event_id()
     committed = time.time()
     ctl.commit(dict(files(version)), f"both models: a good change (version {version})")
@@ -344,7 +347,7 @@ def good_change(ctl: Controller, loads: dict[str, Load], *, version: int) -> dic
             "canary_rollout_s": round(ends["canary"]["time"] - committed, 2),
             "canary_failed": sum(1 for o in started_in(loads["canary"].snapshot(), committed, done) if not o.ok),
             "canary_requests": len(started_in(loads["canary"].snapshot(), committed, done)),
-            "replace_outcome": ends["replace"]["kind"]}
+            "replace_outcome": ends["replace"]["kind"], "hostile": hostile}
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -380,16 +383,15 @@ def run(work: Path, *, rounds: int, window: float, clients: int, quick: bool, go
             good: list[dict[str, Any]] = []
             version = 0
 
-            def good_one(label: str) -> None:
+            def good_one(label: str, *, hostile: bool = False) -> None:
                 nonlocal version
                 version += 1
-                g = good_change(ctl, loads, version=version)
+                g = good_change(ctl, loads, version=version, hostile=hostile)
                 g["after"] = label
                 good.append(g)
-                log(f"good change {len(good)} (v{version}): canary {' > '.join(g['canary_rollout'])} in "
-                    f"{g['canary_rollout_s']} s, {g['canary_failed']} failed of {g['canary_requests']}; "
-                    f"replace {g['replace_outcome']}")
-                time.sleep(BASELINE_S)
+                log(f"good change {len(good)} (v{version}{', hostile clients' if hostile else ''}): canary "
+                    f"{' > '.join(g['canary_rollout'])} in {g['canary_rollout_s']} s, {g['canary_failed']} failed "
+                    f"of {g['canary_requests']}; replace {g['replace_outcome']}")
 
             plan = schedule(quick=quick, rounds=rounds, kinds=kinds)
             for n, (change, hostile) in enumerate(plan, start=1):
@@ -397,14 +399,17 @@ def run(work: Path, *, rounds: int, window: float, clients: int, quick: bool, go
                     if hostile:
                         time.sleep(BASELINE_S)  # the baseline for "slow" with the hostile clients in it
                     res = bad_change(ctl, loads, version=version, change=change, window=window)
-                res["round"], res["hostile"] = n, hostile
-                res["hostile_sent"] = dict(h.sent) if h is not None else None
-                bad.append(res)
-                log(describe_bad(res))
-                if n < len(plan) or len(good) < goods:  # back to a good version before the next change
-                    good_one(f"{change}{' hostile' if hostile else ''}")
+                    res["round"], res["hostile"] = n, hostile
+                    res["hostile_sent"] = dict(h.sent) if h is not None else None
+                    bad.append(res)
+                    log(describe_bad(res))
+                    if n < len(plan) or len(good) < goods:  # back to a good version before the next change,
+                        # with the hostile clients still sending when they were
+                        good_one(f"{change}{' hostile' if hostile else ''}", hostile=hostile)
+                time.sleep(BASELINE_S)  # the next change's baseline for "slow", without hostile clients
             while len(good) < goods:  # the false-rollback rate wants many runs of a good change
                 good_one("good")
+                time.sleep(BASELINE_S)
         finally:
             for load in loads.values():
                 load.__exit__(None, None, None)
@@ -475,6 +480,11 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     out["good_rolled_back"] = [g["canary_reason"] for g in good if g["canary_outcome"] == "rollout-rolled-back"]
     out["false_rollback_rate"] = round(len(out["good_rolled_back"]) / len(good), 4) if good else None
     out["good_promoted_every_run"] = all(g["canary_outcome"] == "rollout-done" for g in good)
+    hostile = [g for g in good if g.get("hostile")]
+    out["good_hostile_runs"] = len(hostile)
+    # A good change made while the hostile clients sent junk and long answers: promoted, 0 failed.
+    out["good_hostile_met"] = bool(hostile) and all(g["canary_outcome"] == "rollout-done" and g["canary_failed"] == 0
+                                                    for g in hostile)
     return out
 
 
@@ -519,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     checks["good: 0 failed requests under canary (every run)"] = all(n == 0 for n in s["good_canary_failed"])
     checks[f"good: promoted every run ({s['good_runs']} runs, false rollbacks {len(s['good_rolled_back'])})"] = \
         s["good_promoted_every_run"]
+    if any(r.get("hostile") for r in res["bad"]):
+        checks[f"good with hostile clients: promoted with 0 failed requests ({s['good_hostile_runs']} runs)"] = \
+            s["good_hostile_met"]
     for name, ok in checks.items():
         log(f"  {'ok  ' if ok else 'FAIL'} {name}")
     fail = s.get("fail hostile") or s.get("fail") or {}

@@ -335,6 +335,23 @@ def test_rollout_bench_verdict_per_kind_wrong_answers_and_false_rollbacks() -> N
     assert s["false_rollback_rate"] == 0.05 and not s["good_promoted_every_run"] and s["good_rolled_back"] == ["noise"]
 
 
+def test_rollout_bench_good_change_with_hostile_clients_must_be_made_and_clean() -> None:
+    """Issue 37: the good change made while the hostile clients send junk is promoted with 0 failed
+    legitimate requests; none made at all is not met either."""
+    rb = load("rollout_bench")
+    good = [{"canary_failed": 0, "canary_outcome": "rollout-done", "canary_reason": "", "hostile": i == 0}
+            for i in range(20)]
+    res = {"bad": [_bad("fail", hostile=True, replace={"failed": 40})], "good": good}
+    s = rb.summarize(res)
+    assert s["good_hostile_runs"] == 1 and s["good_hostile_met"]
+    assert not rb.summarize({**res, "good": [{**g, "hostile": False} for g in good]})["good_hostile_met"]
+    good[0] = {**good[0], "canary_failed": 2}  # a legitimate client failed beside the hostile ones
+    assert not rb.summarize(res)["good_hostile_met"]
+    good[0] = {**good[0], "canary_failed": 0, "canary_outcome": "rollout-rolled-back", "canary_reason": "junk"}
+    s = rb.summarize(res)
+    assert not s["good_hostile_met"] and s["false_rollback_rate"] == 0.05
+
+
 def test_rollout_bench_knows_a_wrong_answer_as_the_simulator_writes_it() -> None:
     rb = load("rollout_bench")
     from tests.e2e.rollout_fleet import Outcome
