@@ -45,13 +45,12 @@ from llmgw.inventory.model import (
     Inventory,
     Node,
     NodeState,
+    becomes_ours,
     engine_labels,
     missing_labels,
 )
 from llmgw.placement import Placement, Shard
 
-# Nodes whose lease this controller may yet hold, and whose engines it would then judge.
-_MAY_BECOME_OURS = (NodeState.HANDOVER, NodeState.UNREACHABLE, NodeState.UNKNOWN)
 # Nodes it acts on (an operator's cordon or drain does not change whose node it is).
 _ACTED_ON = (NodeState.READY, NodeState.CORDONED, NodeState.DRAINING)
 
@@ -308,7 +307,8 @@ class _Judge:
     def _may_become_ours(self, node: Node) -> bool:
         if node.state == NodeState.UNREACHABLE:
             return node.unreachable_since is None or self.now - node.unreachable_since < self.grace
-        return node.state in _MAY_BECOME_OURS
+        # Not heard from yet, or its silent holder's lease lapses (llmgw.inventory.becomes_ours).
+        return node.state == NodeState.UNKNOWN or becomes_ours(node)
 
     def _unlike(self, node: Node, e: EngineRecord, rank: int, profile: Profile) -> str | None:
         """Why the shard is not what its profile runs on what its node reports, or None."""

@@ -17,7 +17,8 @@ from llmgw.catalog import Catalog, Model, ModelName, NodeId, Profile
 from llmgw.contract import Demand
 from llmgw.decide.replica import Replica, ReplicaState, fingerprint
 from llmgw.decide.rollout_rule import canary_blocked
-from llmgw.inventory import Inventory, NodeState
+from llmgw.inventory import Inventory, NodeState, becomes_ours
+from llmgw.inventory.model import engine_labels
 from llmgw.placement import Placement, PlacementResult, Rejection, Shard, place
 
 
@@ -68,7 +69,7 @@ def _node_lost(inventory: Inventory, node_id: NodeId, now: float, grace: float) 
     node = inventory.node(node_id)
     if node is None:
         return True  # the node left nodes.yaml
-    if node.state == NodeState.FENCED:
+    if node.state == NodeState.FENCED and not node.lapsing:
         return True  # another controller took it over: its engines are that one's to run
     return node.unreachable_since is not None and now - node.unreachable_since >= grace
 
@@ -80,6 +81,23 @@ def unclaimed_engines(inventory: Inventory, replicas: Sequence[Replica]) -> list
     return [Placement(ModelName(f"(engine {e.replica_id})"), "", (Shard(node.id, 0, e.gpus),))
             for node in inventory.nodes.values() if node.report is not None
             for e in node.report.engines if e.alive and e.gpus and (node.id, e.replica_id) not in claimed]
+
+
+def coming_replicas(inventory: Inventory, replicas: Sequence[Replica]) -> dict[str, int]:
+    """Per model, the replicas whose engines run on nodes that become this controller's once a
+    silent holder's lease lapses (:func:`llmgw.inventory.becomes_ours`) and that no record claims:
+    adopted then, so none is placed meanwhile to be stopped as surplus after. Canaries excepted
+    (a rollout judges those)."""
+    claimed = {(s.node, s.agent_id) for r in replicas for s in r.shards}
+    coming: dict[str, set[tuple[str | None, str]]] = defaultdict(set)
+    for node in inventory.nodes.values():
+        if node.report is None or not becomes_ours(node):
+            continue
+        for e in node.report.engines:
+            labels = engine_labels(e) if e.alive and (node.id, e.replica_id) not in claimed else None
+            if labels is not None and not labels.canary:
+                coming[labels.model].add((e.holder, labels.replica))
+    return {model: len(ids) for model, ids in coming.items()}
 
 
 def holding(inventory: Inventory, replicas: Sequence[Replica], *, lost: Collection[str] = ()) -> list[Placement]:
@@ -264,6 +282,7 @@ def _scale(t: _Tick) -> None:
     for r in t.replicas:
         if r.state.live and r.id not in t.stop and r.id not in lost_ids and not r.canary:
             by_model[r.model].append(r)
+    coming = coming_replicas(t.inventory, t.replicas)
     for model in t.catalog.models:
         mine = by_model.get(model.name, [])
         # A replica and its replacement hold one slot between them, until the old one stops
@@ -304,8 +323,8 @@ def _scale(t: _Tick) -> None:
                 t.stop[r.id] = (f"idle for {int(_idle_for(r, t.last_used, t.now))}s "
                                 f"(idle_after {int(s.idle_after)}s)")
                 target = min(target, count - 1)
-        if target > count:
-            t.wanted[model.name] = target - count
+        if target > count + coming.get(model.name, 0):
+            t.wanted[model.name] = target - count - coming.get(model.name, 0)
 
 
 def _place_new(t: _Tick, replacements: dict[str, list[str]], *,

@@ -250,6 +250,9 @@ class Node:
     unreachable_since: float | None = None
     error: str | None = None
     locked: bool = False
+    # Fenced by a holder not heard from since this controller first saw the node (a killed or
+    # paused controller): its lease lapses and the node, with its engines, becomes this one's.
+    lapsing: bool = False
 
     @property
     def id(self) -> NodeId:
@@ -329,6 +332,14 @@ def _memory_differs(reported_gb: float, label_gb: float) -> bool:
     return reported_gb < label_gb - 0.05 or reported_gb > label_gb * (1 + GPU_MEMORY_OVER_LABEL)
 
 
+def becomes_ours(node: Node) -> bool:
+    """The node's lease is another's for now but falls to this controller once its silent holder's
+    lease lapses (an earlier life of this one in handover, or a killed controller fenced): its
+    replicas are kept, not lost, and its engines are adopted then, not replaced meanwhile (seen:
+    two nodes' leases lapsing 0.15 s apart, a replica placed between them, an engine stopped after)."""
+    return node.state == NodeState.HANDOVER or (node.state == NodeState.FENCED and node.lapsing)
+
+
 def follow_nodes(nodes: Mapping[str, Node], specs: Iterable[NodeSpec]) -> dict[str, Node]:
     """The nodes of ``specs`` (nodes.yaml): what is known of a node that stays is kept under its
     new spec, a node that left is forgotten, a new one is known by its spec alone."""
@@ -375,7 +386,7 @@ def _node_from_json(raw: Mapping[str, Any]) -> Node:
     return Node(
         spec=spec, state=NodeState(raw.get("state", "unknown")), report=report,
         last_seen=raw.get("last_seen"), unreachable_since=raw.get("unreachable_since"),
-        error=raw.get("error"), locked=raw.get("locked", False),
+        error=raw.get("error"), locked=raw.get("locked", False), lapsing=raw.get("lapsing", False),
     )
 
 

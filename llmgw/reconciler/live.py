@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from llmgw.catalog import NodeSpec
 from llmgw.dispatch.base import Dispatcher
@@ -25,6 +25,19 @@ log = logging.getLogger(__name__)
 OPERATOR_STATES = (NodeState.READY, NodeState.CORDONED, NodeState.DRAINING)
 
 
+# How long a holder whose lease states no grace may be silent before its lease is taken to lapse
+# (the agent's default succession grace).
+_GRACE = 20.0
+
+
+@dataclass(frozen=True)
+class _Holder:
+    holder: str
+    epoch: int
+    heard: float | None  # the node's clock: when the holder last polled it, as last seen
+    spoke_at: float | None = None  # this controller's clock: when ``heard`` was last seen to move
+
+
 class LiveInventory:
     def __init__(self, dispatcher: Dispatcher, store: Store, *, clock: Callable[[], float] = time.time) -> None:
         self.dispatcher = dispatcher
@@ -32,9 +45,9 @@ class LiveInventory:
         self.clock = clock
         self._nodes: dict[str, Node] = {}
         self._taken_at: float | None = None
-        # Node → (when the other instance of our holder id holding its lease was first heard from,
-        # whether it has spoken since): a dead predecessor stays silent, a live copy does not.
-        self._siblings: dict[str, tuple[float | None, bool]] = {}
+        # Node → the controller holding its lease when this one is not: a dead predecessor or a
+        # killed leader stays silent (its lease lapses), a live one (or a copy) does not.
+        self._holders: dict[str, _Holder] = {}
         # Node → the epoch at which this instance held its lease before another instance of our
         # holder id took it (we were silent past the grace: paused, stalled, cut off), so the
         # operator is told that, and what to do, not "a copied data dir?" as for one never ours.
@@ -81,19 +94,35 @@ class LiveInventory:
         """FENCED or HANDOVER when the node's lease is not ours; None when it is (or none is asked)."""
         if lease is None or lease.held:
             return None
-        if lease.sibling and node_id not in self._lost and not self._siblings.get(node_id, (None, False))[1]:
+        if lease.sibling and node_id not in self._lost and not self._holder_live(node_id):
             return NodeState.HANDOVER
         return NodeState.FENCED
 
-    def _watch_sibling(self, node_id: str, lease: Lease | None) -> None:
-        """Note whether another instance of our holder id holding the lease is alive: it is once it
-        has been heard from after we first saw it (the node's clock both times, no skew)."""
-        if lease is None or not lease.sibling:
-            self._siblings.pop(node_id, None)
+    def _holder_live(self, node_id: str) -> bool:
+        """The holder has been heard from since this controller first saw the node (a sibling in
+        handover is proven alive by this once; it then keeps the node until it releases it)."""
+        h = self._holders.get(node_id)
+        return h is not None and h.spoke_at is not None
+
+    def _holder_silent(self, node_id: str, lease: Lease | None) -> bool:
+        """Not heard from since first seen, or not for its lease's grace (a leader that spoke while
+        this one stood by, then was killed): its lease lapses and the node becomes ours."""
+        h = self._holders.get(node_id)
+        if h is None or h.spoke_at is None:
+            return True
+        return self.clock() - h.spoke_at >= (lease.grace if lease is not None and lease.grace else _GRACE)
+
+    def _watch_holder(self, node_id: str, lease: Lease | None) -> None:
+        """Note when the controller holding the node's lease, when not this one, last spoke (its
+        "heard" on the node's clock moved; this controller's clock for how long ago: no skew)."""
+        if lease is None or lease.held or lease.holder is None:
+            self._holders.pop(node_id, None)
             return
-        first, live = self._siblings.get(node_id, (lease.heard, False))
-        spoke = lease.heard is not None and (first is None or lease.heard > first)
-        self._siblings[node_id] = (first, live or spoke)
+        h = self._holders.get(node_id)
+        if h is None or (h.holder, h.epoch) != (lease.holder, lease.epoch):  # another took it: judged afresh
+            self._holders[node_id] = _Holder(lease.holder, lease.epoch, lease.heard)
+        elif lease.heard is not None and (h.heard is None or lease.heard > h.heard):
+            self._holders[node_id] = _Holder(h.holder, h.epoch, lease.heard, self.clock())
 
     def _note_lost(self, node_id: str, before: Lease | None, now: Lease | None) -> None:
         """Remember that a lease we held went to another instance of our holder id; forget it
@@ -170,7 +199,7 @@ class LiveInventory:
             self.store.add_event("node-reachable", node_id, f"node {node_id} answers again")
         lease = report.lease
         self._note_lost(node_id, node.report.lease if node.report is not None else None, lease)
-        self._watch_sibling(node_id, lease)
+        self._watch_holder(node_id, lease)
         problem = self._lease_problem(node_id, lease)
         state = self._lease_state(node_id, lease)
         if state is not None and state != node.state:
@@ -181,7 +210,8 @@ class LiveInventory:
             self.store.add_event("node-lease", node_id, f"node {node_id}: this controller holds its lease "
                                  f"(epoch {lease.epoch if lease else '?'})")
         return replace(node, report=report, last_seen=now, unreachable_since=None, error=problem,
-                       locked=bool(raw.get("locked", False)))  # the SSH transport's finding, not the agent's
+                       locked=bool(raw.get("locked", False)),  # the SSH transport's finding, not the agent's
+                       lapsing=state == NodeState.FENCED and self._holder_silent(node_id, lease))
 
     def _note_gpus(self, node: Node) -> None:
         """An event and a log line when nodes.yaml's gpus and the agent's report start, change or stop

@@ -29,7 +29,7 @@ from llmgw.decide.tick import Decisions, Settings, decide
 from llmgw.dispatch.base import Dispatcher
 from llmgw.errors import DispatchError
 from llmgw.gitops.desired import DesiredState
-from llmgw.inventory import EngineRecord, Inventory, NodeState, engine_is_ours, parse_engine
+from llmgw.inventory import EngineRecord, Inventory, NodeState, becomes_ours, engine_is_ours, parse_engine
 from llmgw.placement import unrunnable
 from llmgw.reconciler.config import ReconcilerConfig
 from llmgw.reconciler.lifecycle import Lifecycle
@@ -324,11 +324,11 @@ class Reconciler:
             async with sem:
                 return await lifecycle.advance(r, desired if r.canary else plan.catalog, inventory)
 
-        # On a node being handed over from an earlier instance of this controller nothing is asked
+        # On a node that becomes ours once its silent holder's lease lapses nothing is asked
         # of the node (it would refuse), and its replicas are kept (not failed, not lost) until the
         # node is ours. Adopted engines are probed meanwhile (HTTP to the engine, no command): the
         # router serves them again at once instead of after the grace.
-        waiting = {n.id for n in inventory.nodes.values() if n.state == NodeState.HANDOVER}
+        waiting = {n.id for n in inventory.nodes.values() if becomes_ours(n)}
         draining = self._draining(waiting)
         current = [r for r in self.replicas.values() if r.id not in draining and (
                    (r.state == ReplicaState.STARTING and r.adopted) or not waiting.intersection(r.nodes))]
@@ -412,8 +412,7 @@ class Reconciler:
         names = [m.name for m in catalog.models if m.name not in ready and m.scaling.max > 0]
         # A node being handed over is this controller's within the grace: what it could run is
         # not "cannot run" (the router would refuse at once requests it should hold).
-        handed = {k: replace(n, state=NodeState.READY) for k, n in inventory.nodes.items()
-                  if n.state == NodeState.HANDOVER}
+        handed = {k: replace(n, state=NodeState.READY) for k, n in inventory.nodes.items() if becomes_ours(n)}
         reasons = unrunnable(catalog, Inventory({**inventory.nodes, **handed}, inventory.taken_at) if handed
                              else inventory, names)
         if reasons != self._unrunnable:

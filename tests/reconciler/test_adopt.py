@@ -10,7 +10,7 @@ from dataclasses import replace
 from llmgw.catalog import Catalog, Model, NodeId, Scaling
 from llmgw.decide.adopt import adopt
 from llmgw.decide.replica import Replica, ReplicaState, ShardStatus, fingerprint
-from llmgw.decide.tick import CanaryWant
+from llmgw.decide.tick import CanaryWant, decide
 from llmgw.inventory import EngineRecord, Inventory, Lease, Node, NodeState
 from llmgw.inventory.model import EngineLabels, engine_labels, missing_labels
 from llmgw.placement import Placement, Shard
@@ -151,6 +151,8 @@ def test_engines_on_a_node_another_controller_drives_or_hands_over_are_left_alon
 def test_a_shard_on_a_node_that_may_yet_be_ours_waits() -> None:
     head = held("a", engine("split-g3", SPLIT, rank=0))
     for other in (held("b", engine("split-g3", SPLIT, rank=1), lease=False, state=NodeState.HANDOVER),
+                  replace(held("b", engine("split-g3", SPLIT, rank=1), lease=False, state=NodeState.FENCED),
+                          lapsing=True),
                   replace(held("b"), state=NodeState.UNREACHABLE, unreachable_since=NOW - 5, report=None),
                   replace(held("b"), state=NodeState.UNKNOWN, report=None)):
         result = run(inv(head, other))
@@ -251,3 +253,33 @@ def test_stops_carry_the_rank_so_heads_go_first() -> None:
     result = run(inv(held("a", engine("split-g3", SPLIT, rank=1)), held("b", engine("split-g3", SPLIT, rank=0))),
                  catalog=Catalog(models=(CHAT,)))
     assert sorted((s.rank, s.node) for s in result.stop) == [(0, "b"), (1, "a")]
+
+
+# --- leases lapsing one node after another -----------------------------------------------------
+
+def test_while_leases_lapse_node_by_node_nothing_is_placed_beside_the_engines_still_fenced() -> None:
+    """A killed controller's two nodes lapse a moment apart (seen 0.15 s): in the tick between, the
+    model's engine on the node still fenced is a replica coming, not a gap to fill. A new one placed
+    then was adopted-over: one old engine stopped as above scaling.max, one started for nothing."""
+    chat = replace(CHAT, scaling=Scaling(min=2, max=2))
+    catalog = Catalog(models=(chat,))
+    a = held("a", engine("chat-g1", chat))
+    fenced = held("b", engine("chat-g2", chat), lease=False, state=NodeState.FENCED)
+    for b, placed in ((replace(fenced, lapsing=True), 0), (fenced, 1)):  # silent holder; a live one
+        (first,) = run(inv(a, b), catalog=catalog).adopt
+        decided = decide(catalog, inv(a, b), [first], last_used={}, demand={}, now=NOW)
+        assert len(decided.create) == placed and decided.lost == ()
+    # The lease lapses: that engine is adopted in turn, nothing stopped.
+    result = run(inv(a, held("b", engine("chat-g2", chat))), [first], catalog=catalog)
+    assert [r.id for r in result.adopt] == ["chat-g2"] and result.stop == ()
+
+
+def test_a_replica_on_a_node_whose_silent_holder_lapses_is_kept_not_lost() -> None:
+    """A standby taking over from a killed leader has its records: one on a node whose lease has
+    not lapsed yet is kept (not given up and replaced), one on a node a live controller took is lost."""
+    mine = record("chat-g4", node_id="b")
+    fenced = held("b", lease=False, state=NodeState.FENCED)
+    kept = decide(CATALOG, inv(held("a"), replace(fenced, lapsing=True)), [mine], last_used={}, demand={}, now=NOW)
+    assert kept.lost == () and kept.create == ()
+    lost = decide(CATALOG, inv(held("a"), fenced), [mine], last_used={}, demand={}, now=NOW)
+    assert [rid for rid, _ in lost.lost] == ["chat-g4"] and len(lost.create) == 1

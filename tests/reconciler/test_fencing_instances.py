@@ -10,12 +10,13 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from llmgw.catalog import NodeId, NodeSpec
 from llmgw.catalog.model import GpuSpec
 from llmgw.dispatch.base import NodeTarget
-from llmgw.dispatch.fence import FencedDispatcher
+from llmgw.dispatch.fence import LEASE_BEAT, FencedDispatcher
 from llmgw.dispatch.local import LocalDispatcher
 from llmgw.inventory import NodeState
 from llmgw.inventory.model import engine_is_ours
@@ -28,12 +29,13 @@ ENGINE = {"replica_id": "r1", "engine": "pyhttp", "args": ["{port}", "--bind", "
           "labels": {"llmgw.replica": "r1"}}
 
 
-def instance(node: SshdNode, tmp_path: Path, name: str) -> tuple[FencedDispatcher, LiveInventory]:
+def instance(node: SshdNode, tmp_path: Path, name: str, *, holder: str = "ctl", clock: Callable[[], float] = time.time,
+             beat: float = LEASE_BEAT) -> tuple[FencedDispatcher, LiveInventory]:
     """One controller process: holder "ctl" (both copies share it), its own instance and store."""
     target = NodeTarget(node.id, "localhost", transport="local", agent_config=str(node.config_path))
     local = LocalDispatcher([target], env={MARKER_ENV: str(node.dir)})
-    fleet = FencedDispatcher(local, "ctl", instance=name, grace=GRACE)
-    live = LiveInventory(fleet, Store(tmp_path / f"{name}.db").open())
+    fleet = FencedDispatcher(local, holder, instance=name, grace=GRACE, beat=beat)
+    live = LiveInventory(fleet, Store(tmp_path / f"{name}.db").open(), clock=clock)
     # As its agent config declares them (else the disagreement's event is among the lease's).
     live.set_nodes([NodeSpec(NodeId(node.id), "localhost", transport="local", gpus=GpuSpec(2, "sim", 24))])
     return fleet, live
@@ -173,3 +175,38 @@ async def test_a_restart_that_names_the_instance_it_replaces_gets_its_node_at_on
         await live_b.poll()
         assert state(live_b, node) == NodeState.READY and b.epoch(node.id) == 1
         assert "node-handover" not in [e.kind for e in live_b.store.events()]
+
+
+async def test_a_node_fenced_by_a_silent_controller_is_lapsing_and_by_a_live_one_is_not(local_node, tmp_path) -> None:
+    """Another controller's node (not a copy of this one): fenced either way, but while its holder
+    is silent (killed, paused) its lease lapses to this controller, so its replicas are kept and its
+    engines adopted then, not replaced meanwhile (llmgw.inventory.becomes_ours)."""
+    node = local_node()
+    now = [time.time()]
+    # A's keeper does not renew on its own here: A speaks only when it polls.
+    a, live_a = instance(node, tmp_path, "a", holder="ctl-a", beat=3600)
+    b, live_b = instance(node, tmp_path, "b", holder="ctl-b", clock=lambda: now[0])
+
+    def lapsing() -> bool:
+        n = live_b.snapshot().node(node.id)
+        assert n is not None and n.state == NodeState.FENCED
+        return n.lapsing
+
+    async with a, b:
+        await live_a.poll()
+        silence(node, 1)
+        await live_b.poll()
+        assert lapsing()  # first sight: not heard from since, so it may be a killed one
+        await live_a.poll()
+        await live_b.poll()
+        assert not lapsing()  # it spoke: alive
+        now[0] += GRACE - 1
+        await live_b.poll()
+        assert not lapsing()  # silent for less than its grace
+        now[0] += 2
+        await live_b.poll()
+        assert lapsing()  # silent past its grace: killed, or paused
+        await live_a.poll()
+        now[0] += 1
+        await live_b.poll()
+        assert not lapsing()  # it came back
