@@ -304,7 +304,7 @@ class PromptCache:
         return c
 
 
-USAGE_COUNTS = ("requests", "errors", "prompt_tokens", "completion_tokens", "counted_from_stream")
+USAGE_COUNTS = ("requests", "errors", "prompt_tokens", "completion_tokens", "counted_from_stream", "refused")
 # Rows in one batch: what is counted beyond waits for the next one. ~200 bytes a row, so a batch
 # stays well inside the admin API's body limit (2 MiB): a batch refused for its size would be sent
 # again for ever, and the router's reports with it.
@@ -333,6 +333,9 @@ class UsageRow:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     counted_from_stream: int = 0
+    # Requests its tenant's limits refused (rate, requests in flight, budget): never sent to an
+    # engine, so not among ``requests``. ``model`` is "" for those refused before the body was read.
+    refused: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -35,7 +35,7 @@ STR, NSTR, NUM, NNUM, INT, BOOL = _s("string"), _s("string", nullable=True), _s(
     _s("number", nullable=True), _s("integer"), _s("boolean")
 
 _USAGE_SUMS = {"requests": INT, "errors": INT, "prompt_tokens": INT, "completion_tokens": INT,
-               "counted_from_stream": INT, "total_tokens": INT}
+               "counted_from_stream": INT, "refused": INT, "total_tokens": INT}
 
 SCHEMAS: dict[str, Any] = {
     "Usage": _obj({
@@ -45,7 +45,7 @@ SCHEMAS: dict[str, Any] = {
         "series": _arr(_obj({"time": INT, "tenant": STR, **_USAGE_SUMS})),
         "budgets": _arr(_obj({"tenant": STR, "model": NSTR, "tokens": INT, "per": STR,
                               "used": {**INT, "nullable": True}, "left": {**INT, "nullable": True},
-                              "resets_at": NUM})),
+                              "resets_at": NUM, "refused": {**INT, "nullable": True}})),
     }, ["since", "until", "by", "where", "rows", "total"]),
     "Error": {"type": "object", "properties": {"error": STR}, "required": ["error"]},
     "Problem": _obj({"file": STR, "line": INT, "col": INT, "message": STR}),

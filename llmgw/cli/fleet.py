@@ -373,7 +373,7 @@ def usage(args: argparse.Namespace, client: Client, console: Console) -> int:
     by = data["by"]
     span = f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(data['since']))} to " \
            f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(data['until']))} UTC"
-    t = _table(f"usage, {span}", [g.upper() for g in by] + ["REQUESTS", "ERRORS", "PROMPT", "COMPLETION", "TOTAL"])
+    t = _table(f"usage, {span}", [g.upper() for g in by] + list(_SUM_HEADS.values()))
     for r in data["rows"]:
         t.add_row(*(_e(r[g] or "-") for g in by), *_sums(r))
     total = data["total"]
@@ -386,13 +386,14 @@ def usage(args: argparse.Namespace, client: Client, console: Console) -> int:
         console.print(f"requests cut short or without a usage report: {total['counted_from_stream']} (their "
                       "completion tokens were counted from the stream; their prompt tokens are not known)")
     if data.get("budgets"):
-        b = _table("budgets (this period)", ["TENANT", "MODEL", "BUDGET", "USED", "LEFT", "RESETS"])
+        b = _table("budgets (this period)", ["TENANT", "MODEL", "BUDGET", "USED", "LEFT", "RESETS", "REFUSED"])
         for x in data["budgets"]:
             used = "-" if x["used"] is None else f"{x['used']:,}"
             left = "-" if x["left"] is None else f"{x['left']:,}"
             resets = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(x["resets_at"]))
+            refused = "-" if x.get("refused") is None else f"{x['refused']:,}"
             b.add_row(_e(x["tenant"]), _e(x["model"] or "all"), f"{x['tokens']:,} per {_e(x['per'])}", used, left,
-                      resets)
+                      resets, refused)
         console.print(b)
     return 0
 
@@ -401,15 +402,19 @@ def _series_table(data: dict[str, Any]) -> Table:
     """--step: each tenant's sums per step, oldest first (steps without use are not listed)."""
     step = data["step"]
     width = f"{step // 3600}h" if step % 3600 == 0 else f"{step // 60}m"
-    t = _table(f"per {width}, by tenant", ["FROM (UTC)", "TENANT", "REQUESTS", "ERRORS", "PROMPT", "COMPLETION",
-                                           "TOTAL"])
+    t = _table(f"per {width}, by tenant", ["FROM (UTC)", "TENANT", *_SUM_HEADS.values()])
     for p in sorted(data["series"], key=lambda p: (p["time"], p["tenant"] or "")):
         t.add_row(time.strftime("%Y-%m-%d %H:%M", time.gmtime(p["time"])), _e(p["tenant"] or "-"), *_sums(p))
     return t
 
 
+# REFUSED: requests the tenant's limits turned away (never sent to an engine, not among REQUESTS).
+_SUM_HEADS = {"requests": "REQUESTS", "errors": "ERRORS", "refused": "REFUSED", "prompt_tokens": "PROMPT",
+              "completion_tokens": "COMPLETION", "total_tokens": "TOTAL"}
+
+
 def _sums(r: dict[str, Any]) -> list[str]:
-    return [f"{r[c]:,}" for c in ("requests", "errors", "prompt_tokens", "completion_tokens", "total_tokens")]
+    return [f"{r.get(c, 0):,}" for c in _SUM_HEADS]
 
 
 def sync(args: argparse.Namespace, client: Client, console: Console) -> int:

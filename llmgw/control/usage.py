@@ -36,6 +36,7 @@ class _Spent:
     budget: Budget
     period: float = -1.0  # start of the period ``tokens`` belong to; -1: not read from the ledger yet
     tokens: int = 0
+    refused: int = 0  # requests the tenant's limits refused in the period (for the operator, not the limits)
     loading: bool = False
 
 
@@ -104,7 +105,7 @@ class BudgetBook:
         with self._lock:
             todo = [(k, s) for k, s in self._scopes.items() if s.period < 0 and not s.loading]
             for _, s in todo:
-                s.loading, s.period, s.tokens = True, period_start(s.budget, now), 0
+                s.loading, s.period, s.tokens, s.refused = True, period_start(s.budget, now), 0, 0
         if not todo:
             return False
         try:
@@ -117,7 +118,9 @@ class BudgetBook:
         with self._lock:
             for k, s in todo:
                 s.loading = False
-                s.tokens += sums.get(s.period, {}).get(k, 0)
+                tokens, refused = sums.get(s.period, {}).get(k, (0, 0))
+                s.tokens += tokens
+                s.refused += refused
             self.version += 1
         if self.on_change is not None:
             self.on_change()
@@ -142,9 +145,9 @@ class BudgetBook:
         with self._lock:
             for r in batch.rows:
                 tokens = r.prompt_tokens + r.completion_tokens
-                if not tokens:
+                if not tokens and not r.refused:
                     continue
-                for k in ((r.tenant, ""), (r.tenant, r.model)):
+                for k in ((r.tenant, ""), (r.tenant, r.model)) if r.model else ((r.tenant, ""),):
                     s = self._scopes.get(k)
                     if s is None or s.period < 0:
                         continue
@@ -155,11 +158,12 @@ class BudgetBook:
                     start = min(period_start(s.budget, r.minute), period_start(s.budget, now))
                     if start == s.period:
                         s.tokens += tokens
+                        s.refused += r.refused
                     elif start > s.period and not s.loading:  # the first use of a new period
-                        s.period, s.tokens = start, tokens
+                        s.period, s.tokens, s.refused = start, tokens, r.refused
                     else:
                         continue
-                    changed = True
+                    changed = changed or bool(tokens)  # the routers hear of tokens; refusals are the view's
             if changed:
                 self.version += 1
         if changed and self.on_change is not None:
@@ -167,17 +171,18 @@ class BudgetBook:
 
     def view(self) -> list[dict[str, Any]]:
         """Each budget, for `llmgw usage`, the admin API and the dashboard: its size, what it used
-        this period per the ledger, what is left and when it resets (used null: not read yet)."""
+        this period per the ledger, what is left, when it resets and how many requests the tenant's
+        limits refused in the period (used and refused null: not read yet)."""
         now = self.clock()
         figures = self.figures()
         with self._lock:
-            scopes = dict(self._scopes)
+            scopes = {k: (s.budget, s.refused) for k, s in self._scopes.items()}
         out = []
-        for (tenant, model), s in sorted(scopes.items()):
+        for (tenant, model), (budget, refused) in sorted(scopes.items()):
             used = figures[(tenant, model)][1] if (tenant, model) in figures else None
-            out.append({"tenant": tenant, "model": model or None, "tokens": s.budget.tokens, "per": s.budget.per,
-                        "used": used, "left": max(0, s.budget.tokens - used) if used is not None else None,
-                        "resets_at": next_period(s.budget, now)})
+            out.append({"tenant": tenant, "model": model or None, "tokens": budget.tokens, "per": budget.per,
+                        "used": used, "left": max(0, budget.tokens - used) if used is not None else None,
+                        "resets_at": next_period(budget, now), "refused": refused if used is not None else None})
         return out
 
     def figures(self) -> SpentFigures:
@@ -190,20 +195,23 @@ class BudgetBook:
                     continue
                 start = period_start(s.budget, now)
                 if start > s.period:  # a new period began: nothing used in it yet
-                    s.period, s.tokens = start, 0
+                    s.period, s.tokens, s.refused = start, 0, 0
                 out[k] = (s.period, s.tokens)
             return out
 
 
-def _spent_since(store: UsageQueries, starts: set[float]) -> dict[float, dict[tuple[str, str], int]]:
-    """For each period start: tokens per (tenant, model) and per (tenant, "") since then."""
-    out: dict[float, dict[tuple[str, str], int]] = {}
+def _spent_since(store: UsageQueries, starts: set[float]) -> dict[float, dict[tuple[str, str], tuple[int, int]]]:
+    """For each period start: (tokens, refusals) per (tenant, model) and per (tenant, "") since then
+    (a refusal before the body was read has model "": the tenant's alone)."""
+    out: dict[float, dict[tuple[str, str], tuple[int, int]]] = {}
     for start in starts:
-        sums: dict[tuple[str, str], int] = {}
+        sums: dict[tuple[str, str], tuple[int, int]] = {}
         for row in store.usage(start, 2 ** 40, by=("tenant", "model")):
-            tokens = int(row["prompt_tokens"]) + int(row["completion_tokens"])
-            sums[(row["tenant"], row["model"])] = tokens
-            sums[(row["tenant"], "")] = sums.get((row["tenant"], ""), 0) + tokens
+            tokens, refused = int(row["prompt_tokens"]) + int(row["completion_tokens"]), int(row["refused"])
+            whole = sums.get((row["tenant"], ""), (0, 0))
+            if row["model"]:
+                sums[(row["tenant"], row["model"])] = (tokens, refused)
+            sums[(row["tenant"], "")] = (whole[0] + tokens, whole[1] + refused)
         out[start] = sums
     return out
 

@@ -83,6 +83,13 @@ class Accounting:
             return reported
         return tap
 
+    def refused(self, key: str, model: str) -> None:
+        """A request of ``key`` its tenant's limits refused (``model`` "" when refused before its
+        body was read), counted on the limits' clock like an answer."""
+        limits = self._tenancy.limits
+        self.usage.count(key, model, Usage(refused=1), minute=int(self._wall() + limits.offset) // 60 * 60,
+                         tenant=limits.tenant(key) or "")
+
     def prompt_blocks(self, model: str, *, routed: int, held: int) -> None:
         """A request routed by prefix: ``routed`` prompt blocks, ``held`` of them on the replica chosen."""
         counts = self._counts(model)

@@ -44,6 +44,9 @@ class Admission:
             "reason than Redis being away (a script error, a reply not understood), by error; the requests that "
             "needed them were refused with a 503", ["error"], registry=registry)
         self._unknown_tenant_keys: set[tuple[str, str]] = set()  # already warned about
+        # Told of each request a tenant's limits refused (key name, model; "" before the body is
+        # read): the usage ledger counts refusals, so a budget's owner sees what it turned away.
+        self.on_refused: Callable[[str, str], None] | None = None
 
     # --- what the control plane says ------------------------------------------------------
     def set_tenants(self, routes: RouteCatalog, keys: KeyRing) -> None:
@@ -98,7 +101,7 @@ class Admission:
             return None  # too large, whoever sends it: the 413 that follows says so
         least = prompt_estimate(length or 0)  # what any request with this body reserves at least
         refused = limits.precheck(key.name, least, self._wall())
-        return None if refused is None else refusal(refused)
+        return None if refused is None else self._refused(key.name, "", refused)
 
     async def admit(self, key: ApiKey | None, chain: tuple[RouteModel, ...], *, path: str, raw: bytes,
                     body: dict) -> tuple[bytes, dict, Account] | web.Response:
@@ -116,7 +119,7 @@ class Admission:
             names = tuple(m.name for m in chain)
             admitted = await limits.admit(key.name, names, reserve, self._wall())
             if isinstance(admitted, Refusal):
-                return refusal(admitted)
+                return self._refused(key.name, names[0] if names else "", admitted)
             ticket = admitted
             if ticket is not None and path != EMBEDDINGS:
                 # What is reserved is what the engine may write: every completion-limit field an
@@ -128,6 +131,12 @@ class Admission:
                     raw = with_fields(raw, body, fields)
                     body = {**body, **fields}
         return raw, body, Account(key.name if key is not None else "", ticket, prompt_estimate(raw), reserve)
+
+
+    def _refused(self, key: str, model: str, refused: Refusal) -> web.Response:
+        if self.on_refused is not None:
+            self.on_refused(key, model)
+        return refusal(refused)
 
 
 def refusal(refused: Refusal) -> web.Response:

@@ -89,6 +89,7 @@ class Router:
         self._admission = Admission(config, self.registry, clock=clock, wall=wall)
         self._intake = Intake(config)
         self._accounting = accounting = Accounting(self._admission, wall=wall)
+        self._admission.on_refused = accounting.refused
         self.instance_id = accounting.instance_id
         # The counts by minute, until the controller's ledger has them (llmgw.contract).
         self.usage_outbox = accounting.usage.outbox

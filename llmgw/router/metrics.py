@@ -219,13 +219,19 @@ class _UsageCollector(Collector):
         requests = CounterMetricFamily("llmgw_router_usage_requests", "Answers per tenant, API key and model served, "
                                        "by how their tokens were counted (reported by the engine, or from the stream).",
                                        labels=("tenant", "key", "model", "counted"))
+        refused = CounterMetricFamily("llmgw_router_usage_refused", "Requests the tenant's limits refused (rate, "
+                                      "requests in flight, budget), per tenant, API key and model asked (empty: "
+                                      "refused before the body was read).", labels=("tenant", "key", "model"))
         for (tenant, key, model), u in sorted(snap.usage.items()):
             tokens.add_metric((tenant, key, model, "prompt"), u.prompt_tokens)
             tokens.add_metric((tenant, key, model, "completion"), u.completion_tokens)
             requests.add_metric((tenant, key, model, "engine"), u.requests - u.counted_from_stream)
             requests.add_metric((tenant, key, model, "stream"), u.counted_from_stream)
+            if u.refused:
+                refused.add_metric((tenant, key, model), u.refused)
         yield tokens
         yield requests
+        yield refused
 
 
 _PROMPT_CACHE_COUNTERS = (

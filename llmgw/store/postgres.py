@@ -98,6 +98,9 @@ MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE api_keys (name TEXT PRIMARY KEY, record TEXT NOT NULL);
     """,
+    """
+    ALTER TABLE usage ADD COLUMN refused BIGINT NOT NULL DEFAULT 0;
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 # SUM of BIGINT is NUMERIC (exact); like the SQLite store's TOTAL, it saturates instead of failing.

@@ -48,7 +48,9 @@ from llmgw.store.records import ControllerSeen, Event, Leadership, LeaseGrant, S
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 7  # 5: the leader lease; 6: the controllers' check-ins; 7: API keys made by `llmgw keys`
+# 5: the leader lease; 6: the controllers' check-ins; 7: API keys made by `llmgw keys`; 8: usage counts
+# refusals (a column: the only step that did not add a table)
+SCHEMA_VERSION = 8
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sync (kind TEXT PRIMARY KEY, record TEXT NOT NULL);
@@ -72,6 +74,7 @@ CREATE TABLE IF NOT EXISTS usage (
     prompt_tokens INTEGER NOT NULL,
     completion_tokens INTEGER NOT NULL,
     counted_from_stream INTEGER NOT NULL,
+    refused INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (minute, tenant, key, model)
 );
 CREATE TABLE IF NOT EXISTS usage_batches (instance TEXT PRIMARY KEY, seq INTEGER NOT NULL, time REAL NOT NULL);
@@ -443,8 +446,8 @@ def _busy(exc: sqlite3.OperationalError) -> bool:
 
 def _upgrade(db: sqlite3.Connection, where: str) -> None:
     """Bring the database to SCHEMA_VERSION, in one transaction; refuse one from a newer llmgw.
-    Every version's tables are created if missing (each version only added tables), so one step
-    brings any older schema up; v1's key–value rows are moved into them."""
+    Every version's tables are created if missing and the one column added since (usage's refused)
+    with them, so one step brings any older schema up; v1's key–value rows are moved into them."""
     version = _version(db)
     if version > SCHEMA_VERSION:
         raise ConfigError(f"{where}: made by a newer llmgw (state schema {version}; this one reads up to "
@@ -463,6 +466,8 @@ def _upgrade(db: sqlite3.Connection, where: str) -> None:
                 db.execute(statement)
         if version == 1:
             _migrate_v1(db)
+        if "refused" not in {row[1] for row in db.execute("PRAGMA table_info(usage)")}:
+            db.execute("ALTER TABLE usage ADD COLUMN refused INTEGER NOT NULL DEFAULT 0")
         db.execute("INSERT INTO meta(key, value) VALUES('schema_version', ?) "
                    "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
         db.execute("COMMIT")

@@ -26,10 +26,10 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     counted_from_stream: int = 0  # requests whose tokens were counted from the stream, not reported
+    refused: int = 0  # requests the tenant's limits refused (never sent to an engine)
 
     def to_json(self) -> dict[str, int]:
-        return {"requests": self.requests, "errors": self.errors, "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens, "counted_from_stream": self.counted_from_stream}
+        return {f: getattr(self, f) for f in _FIELDS}
 
     def add(self, other: Usage) -> None:
         for f in _FIELDS:

@@ -48,7 +48,7 @@ def test_the_api_sums_per_group_over_the_range_asked(recorded: Running) -> None:
     assert set(rows) == {("search", "web", "chat"), ("batch", "ci", "chat"), ("batch", "ci", "embed")}
     assert rows[("search", "web", "chat")] | {} == {
         "tenant": "search", "key": "web", "model": "chat", "requests": 5, "errors": 1, "prompt_tokens": 50,
-        "completion_tokens": 85, "counted_from_stream": 1, "total_tokens": 135}
+        "completion_tokens": 85, "counted_from_stream": 1, "refused": 0, "total_tokens": 135}
     assert data["total"]["total_tokens"] == 135 + 1200 + 50
     _, data = usage(recorded, by="tenant", since="30m")
     assert {r["tenant"]: r["total_tokens"] for r in data["rows"]} == {"search": 45, "batch": 1250}
@@ -84,9 +84,9 @@ def test_llmgw_usage_prints_the_table_and_json(recorded: Running, run_cli) -> No
     assert code == 0, out
     cells = [[c.strip() for c in line.strip().strip("│").split("│")] for line in out.splitlines() if "│" in line]
     rows = {(c[0], c[1]): c[2:] for c in cells}
-    assert rows[("batch", "chat")] == ["4", "0", "400", "800", "1,200"]
-    assert rows[("search", "chat")] == ["5", "1", "50", "85", "135"]
-    assert rows[("all", "")] == ["10", "1", "500", "885", "1,385"]
+    assert rows[("batch", "chat")] == ["4", "0", "0", "400", "800", "1,200"]  # requests, errors, refused, ...
+    assert rows[("search", "chat")] == ["5", "1", "0", "50", "85", "135"]
+    assert rows[("all", "")] == ["10", "1", "0", "500", "885", "1,385"]
     assert "cut short or without a usage report: 1" in out
     code, out = run_cli("usage", "--url", recorded.url, "--token", TOKEN, "--tenant", "batch", "-o", "json")
     assert code == 0 and json.loads(out)["total"]["total_tokens"] == 1250

@@ -99,6 +99,31 @@ def test_keys_made_and_revoked_on_a_running_up_take_effect_without_a_restart(tmp
         assert '<table id="budgets">' in page and '<tr data-tenant="search">' in page
         assert "<td>100,000 per day</td>" in page  # its size, then what it used and what is left
 
+        # A spent budget: each refusal is counted, in llmgw usage, its budgets table and the dashboard.
+        (repo / "llmgw.yaml").write_text(settings + "\ntenants:\n  - name: search\n    keys: [team-a, ghost]\n"
+                                         "    limits: {budget: {tokens: 1, per: day}}\n")
+        git(repo, "commit", "-qam", "Search's budget spent")
+        codes: list[int] = []
+        # 400: a request that could never fit the budget (it reserves more than the whole of it).
+        wait_for(lambda: codes.append(answer(url, key)) or codes[-1] in (400, 429), 30, "the budget refusing", up)
+        codes += [answer(url, key) for _ in range(2)]
+        refused = codes.count(400) + codes.count(429)
+        assert set(codes[-3:]) <= {400, 429} and codes.count(200) + refused == len(codes), codes
+
+        def counted() -> dict | None:
+            usage = json.loads(cli("usage", "-o", "json", "--data-dir", str(data)).stdout)
+            found = [b for b in usage.get("budgets", []) if b["tenant"] == "search" and b["refused"] == refused]
+            return usage if found and usage["total"]["refused"] == refused else None
+
+        wait_for(counted, 30, f"{refused} refusals in llmgw usage", up)
+        table = cli("usage", "--data-dir", str(data)).stdout
+        assert "REFUSED" in table
+        with urllib.request.urlopen(req, timeout=30) as r:
+            page = r.read().decode()
+        assert f'<td class="refused">{refused}</td>' in page
+        (repo / "llmgw.yaml").write_text(settings)  # no tenant again: the key's requests unlimited
+        git(repo, "commit", "-qam", "No tenants")
+
         revoked = cli("keys", "revoke", "team-a", "--data-dir", str(data))
         assert revoked.returncode == 0, revoked.stdout + revoked.stderr
         assert answer(url, key) == 401

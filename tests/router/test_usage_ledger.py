@@ -65,7 +65,7 @@ def test_the_store_records_each_batch_once_and_keeps_it_across_a_reopen(tmp_path
     store = Store(tmp_path / "llmgw.db").open()
     assert store.record_usage(batch) is False  # a restarted controller still knows it
     assert totals(store) == {"requests": 3, "errors": 1, "prompt_tokens": 10, "completion_tokens": 23,
-                             "counted_from_stream": 1}
+                             "counted_from_stream": 1, "refused": 0}
     assert store.record_usage(UsageBatch("r-2", 1, batch.rows[:1]))  # another router's first batch
     assert [r["requests"] for r in store.usage(0, 2 ** 40, by=("tenant",), step=60)] == [4, 1]
     assert store.usage(121, 180, by=("key",)) == []  # minutes are counted whole, from their start

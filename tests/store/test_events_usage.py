@@ -49,7 +49,7 @@ def test_a_batch_is_counted_once_by_instance_and_seq(store: Store) -> None:
     assert store.record_usage(batch) is False  # resent: its ack was lost
     assert store.record_usage(UsageBatch("router-1", 0, (row(60),))) is False  # older than the last
     assert store.usage(*ALL, by=()) == [{"requests": 3, "errors": 0, "prompt_tokens": 30, "completion_tokens": 60,
-                                         "counted_from_stream": 0}]
+                                         "counted_from_stream": 0, "refused": 0}]
     assert store.record_usage(UsageBatch("router-2", 1, (row(60),))) is True  # another router's seq 1
     assert store.record_usage(UsageBatch("router-1", 2, (row(60),))) is True
     sums = {(r["key"], r["model"]): r["prompt_tokens"] for r in store.usage(*ALL, by=("key", "model"))}

@@ -106,9 +106,13 @@ def test_the_previous_sqlite_schema_keeps_every_record_and_gains_the_lease(tmp_p
         assert_everything(store)
         assert [e.message for e in store.events()] == ["m"]
         assert store.usage(0, 2 ** 40, by=())[0]["prompt_tokens"] == 10
-        from llmgw.contract import UsageBatch
+        from llmgw.contract import UsageBatch, UsageRow
 
         assert store.record_usage(UsageBatch("router-1", 5, ())) is False  # its seq was kept
+        # The ledger gained refusals (schema 8): none in the old rows, counted in new ones.
+        assert store.usage(0, 2 ** 40, by=())[0]["refused"] == 0
+        assert store.record_usage(UsageBatch("router-1", 6, (UsageRow(60, "t", "k", "m", refused=3),)))
+        assert store.usage(0, 2 ** 40, by=())[0]["refused"] == 3
         grant = store.acquire_lease("ctl-a", ttl=60)
         assert grant is not None and grant.epoch == 1
     finally:
