@@ -3288,7 +3288,20 @@ def verb_inventory(cfg: NodeConfig, request: JsonDict) -> JsonDict:
                    "local_roots": sorted(set(cfg.local_sources + cfg.model_dirs + local_source_roots(cfg))),
                    "model_dirs": sorted(set(cfg.model_dirs + tuple(os.path.realpath(d) for d in cfg.model_dirs)))},
         "lease": lease,
+        # A digest of the node config as its owner wrote it: the controller retries a replica that
+        # failed here at once when it changes (the owner fixed what refused or broke the start),
+        # not after a crash-loop backoff.
+        "settings": settings_digest(cfg),
     }
+
+
+def settings_digest(cfg: NodeConfig) -> Optional[str]:
+    """The first 16 hex digits of the config file's sha256 (None: unreadable now)."""
+    try:
+        with open(cfg.path, "rb") as fh:
+            return hashlib.sha256(fh.read()).hexdigest()[:16]
+    except OSError:
+        return None
 
 
 def gpu_inventory(cfg: NodeConfig) -> Tuple[List[JsonDict], Optional[str]]:

@@ -224,6 +224,7 @@ class NodeReport:
     lease: Lease | None = None
     fabric_address: str | None = None  # where this node's shards of a multi-node replica meet the others
     offers: Offers | None = None  # None: an agent older than this report (nothing is checked)
+    settings: str | None = None  # a digest of the node's config: it changes when its owner edits it
 
     @property
     def cache_fs(self) -> Filesystem | None:
@@ -382,6 +383,7 @@ def _node_from_json(raw: Mapping[str, Any]) -> Node:
             lease=Lease(**r["lease"]) if r.get("lease") else None,
             fabric_address=r.get("fabric_address"),
             offers=parse_offers(r.get("offers")),
+            settings=r.get("settings"),
         )
     return Node(
         spec=spec, state=NodeState(raw.get("state", "unknown")), report=report,
@@ -462,6 +464,7 @@ def parse_report(raw: Mapping[str, Any]) -> NodeReport:
         lease=parse_lease(raw.get("lease")),
         fabric_address=raw["fabric_address"] if isinstance(raw.get("fabric_address"), str) else None,
         offers=parse_offers(raw.get("offers")),
+        settings=raw["settings"] if isinstance(raw.get("settings"), str) else None,
     )
 
 

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 S = ReplicaState
 DIST_PORT_BASE = 29500
+MAX_FAILED_WATCHED = 4096
 
 
 class Lifecycle:
@@ -52,6 +53,9 @@ class Lifecycle:
         self.store = store
         self.config = config
         self.clock = clock
+        # A failed replica → since when, and its nodes' settings digests when first seen failed: a
+        # change (the owner fixed the node config) retries it at once instead of after its backoff.
+        self._failed_on: dict[str, tuple[float, tuple[str | None, ...]]] = {}
 
     # --- observation (no I/O) ------------------------------------------------------------
     def observe(self, r: Replica, inventory: Inventory, now: float) -> Replica:
@@ -92,6 +96,7 @@ class Lifecycle:
                 # At once, not at the retry: the other shards of a replica across nodes would
                 # otherwise hold their nodes (and a head keep serving) for the whole backoff.
                 r = await self._stop_failed(r)
+            r = self._retry_if_settings_changed(r, inventory, now)
             if r.state == S.FAILED and r.retry_at is not None and now >= r.retry_at:
                 await self._stop_shards(r)
                 fresh = tuple(replace(s, pid=None, port=None, endpoint=None, state="pending") for s in r.shards)
@@ -278,6 +283,31 @@ class Lifecycle:
             log.info("stop %s on %s: %s", agent_id, node_id, exc)
             return False
         return True
+
+    def _retry_if_settings_changed(self, r: Replica, inventory: Inventory, now: float) -> Replica:
+        """A failed replica waiting out its backoff is retried now, its count started afresh, when the
+        config of a node it runs on changed since it failed: an owner who fixed what refused or broke
+        the start (engines, sandbox_paths, env_allow, ...) should not wait up to the backoff's cap
+        (seen: 32 s after the fix)."""
+        if r.state != S.FAILED or r.retry_at is None or now >= r.retry_at:
+            self._failed_on.pop(r.id, None)
+            return r
+        nodes = sorted(set(r.nodes))
+        seen = tuple(n.report.settings if (n := inventory.node(x)) is not None and n.report is not None else None
+                     for x in nodes)
+        since, then = self._failed_on.get(r.id, (None, ()))
+        if since != r.state_since:  # failed again since: judged from this failure on
+            while len(self._failed_on) >= MAX_FAILED_WATCHED:  # replicas stopped while failed
+                del self._failed_on[next(iter(self._failed_on))]
+            self._failed_on[r.id] = (r.state_since, seen)
+            return r
+        changed = [x for x, a, b in zip(nodes, then, seen, strict=True) if a is not None and b is not None and a != b]
+        if not changed:
+            return r
+        del self._failed_on[r.id]
+        self.store.add_event("replica-retry", r.id, f"{r.model}: the config of node {', '.join(changed)} changed since "
+                             f"it failed: retried now, not in {r.retry_at - now:.0f}s")
+        return replace(r, retry_at=now, failures=0)
 
     def _failed(self, r: Replica, now: float, error: str, *, permanent: bool = False) -> Replica:
         c = self.config

@@ -77,3 +77,33 @@ async def test_a_refused_start_names_the_variable_and_the_setting_until_the_owne
         assert record["env_keys"] == ["SIM_KNOB"] and record["user"] != "root"
     finally:
         await c.close()
+
+
+async def test_a_replica_failed_on_a_node_is_retried_at_once_when_its_owner_changes_the_node_config(
+        fleet, tmp_path: Path) -> None:
+    """Not after the backoff (seen: 32 s after the fix): the node's config digest moved."""
+    source = tmp_path / "w.bin"
+    source.write_bytes(os.urandom(64))
+    model = sim_model("chat", f"file://{source}", min_=1, max_=1) + "    env: " + json.dumps({"SIM_DIAL": "1"}) + "\n"
+    repo = make_repo(tmp_path, fleet, {})
+    repo.commit({"llmgw.yaml": LLMGW_YAML + "env_allow: [SIM_DIAL]\n", "models/chat.yaml": model}, "Add chat")
+    [node] = list(fleet)
+    original = node.config_path.read_text()
+    # A backoff far longer than the test may wait: only the config change can start it again.
+    c = make_controller(repo, tmp_path / "data", fleet, Recorder(), backoff_base=3600.0, backoff_cap=3600.0)
+    await c.start()
+    try:
+        await until(lambda: any("refused by the node" in (r.error or "") for r in c.reconciler.snapshot()),
+                    timeout=30, what="a refused start")
+        [r] = c.reconciler.snapshot()
+        assert r.state == ReplicaState.FAILED and r.retry_at is not None and r.retry_at - r.state_since >= 3600
+        await c.reconciler.tick()  # seen failed with the config as it was
+        config = json.loads(original)
+        config["env_allow"] = [*config.get("env_allow", []), "SIM_DIAL"]
+        node.config_path.write_text(json.dumps(config))
+        await until(lambda: ready(c, "chat"), timeout=60, what="chat ready once the node allows SIM_DIAL")
+        [retry] = [e for e in c.store.events() if e.kind == "replica-retry"]
+        assert "the config of node n1 changed since it failed: retried now, not in 3600s" in retry.message
+    finally:
+        await c.close()
+        node.config_path.write_text(original)
