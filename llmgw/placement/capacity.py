@@ -144,6 +144,15 @@ def offer_reasons(model: Model, profile: Profile, node: Node, *, rank: int = 0) 
     if offers is None:
         return []  # an agent older than the report: the node's answer to the start says it
     reasons = []
+    confinement = node.report.confinement if node.report else None
+    if confinement is not None and confinement.problem:
+        reasons.append(f"node refuses every start until its owner fixes its sandbox: {confinement.problem}")
+    env_allow = node.report.env_allow if node.report else ()
+    # The start's env is the profile's (the fabric's own names are the agents' defaults): a name the
+    # node's env_allow lacks is refused there, so it is said here, with the setting that decides.
+    refused_env = sorted(k for k, _ in profile.env if k not in env_allow) if env_allow else []
+    if refused_env:
+        reasons.append(f"node does not allow env {', '.join(refused_env)} (its env_allow): {NEVER}")
     engine = shard_engine(profile, rank)
     if engine not in offers.engines:
         reasons.append(f"node has no {engine} engine (its agent config has {', '.join(offers.engines) or 'none'}): "

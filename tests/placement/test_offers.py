@@ -42,3 +42,22 @@ def test_weights_outside_what_the_node_reads_are_not_placed_there() -> None:
 def test_a_node_that_reports_no_offers_is_judged_by_its_answer_to_the_start() -> None:
     m = model("x", profile("cpu", gpus=0, engine="llama.cpp"), source="/anywhere/x.gguf")
     assert placed(m, node("old-agent"))
+
+
+def test_env_the_node_does_not_allow_and_a_broken_sandbox_are_said_before_the_node_refuses() -> None:
+    """The sandbox half of what a node refuses: a profile's env outside the node's env_allow, and a
+    node whose confinement cannot run (it reports why, and refuses every start)."""
+    from llmgw.inventory.model import Confinement
+
+    m = model("chat", replace(profile("cpu", gpus=0), env=(("SIM_DIAL", "1"),)), source="hf://org/chat")
+    n = offering(node("n"))
+    allowing = replace(n, report=replace(n.report, env_allow=("HF_HOME", "SIM_DIAL")))
+    denying = replace(n, report=replace(n.report, env_allow=("HF_HOME",)))
+    assert placed(m, allowing) and not placed(m, denying)
+    text = "\n".join(explain(catalog(m), inventory(denying), [], "chat").lines())
+    assert "node does not allow env SIM_DIAL (its env_allow)" in text
+    broken = replace(allowing, report=replace(allowing.report, confinement=Confinement(
+        "llmgw-engine", "bwrap", problem="bubblewrap cannot run here (setting up uid map: Permission denied)")))
+    assert not placed(m, broken)
+    text = "\n".join(explain(catalog(m), inventory(broken), [], "chat").lines())
+    assert "refuses every start until its owner fixes its sandbox: bubblewrap cannot run here" in text
