@@ -302,16 +302,17 @@ async def create_key(request: web.Request) -> web.Response:
     body = await json_body(request)
     if isinstance(body, web.Response):
         return body
-    name, models = body.get("name"), body.get("models", ["*"])
-    if not isinstance(name, str) or not isinstance(models, list):
-        return error(400, 'send {"name": "...", "models": ["model", ...]} (models: ["*"] for every model)')
+    name, models, tenant = body.get("name"), body.get("models", ["*"]), body.get("tenant")
+    if not isinstance(name, str) or not isinstance(models, list) or not isinstance(tenant, str | None):
+        return error(400, 'send {"name": "...", "models": ["model", ...], "tenant": "..."} (models: ["*"] for '
+                          'every model; tenant optional)')
     try:
-        made = ctl(request).create_key(name, models, _actor(request))
+        made = ctl(request).create_key(name, models, _actor(request), tenant)
     except KeyRefused as exc:
         return error(exc.status, str(exc))
     # The only time the key is said: only its hash is kept.
-    return web.json_response({"name": made.name, "key": made.key, "models": list(made.models)}, status=201,
-                             headers={"Cache-Control": "no-store"})
+    return web.json_response({"name": made.name, "key": made.key, "models": list(made.models),
+                              "tenant": made.tenant}, status=201, headers={"Cache-Control": "no-store"})
 
 
 async def revoke_key(request: web.Request) -> web.Response:

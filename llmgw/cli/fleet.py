@@ -231,14 +231,17 @@ def keys(args: argparse.Namespace, client: Client, console: Console) -> int:
         models = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else ["*"]
         try:
             was_open = not client.request("GET", "/api/v1/keys")
-            made = client.request("POST", "/api/v1/keys", {"name": args.name, "models": models}, actor=args.actor)
+            made = client.request("POST", "/api/v1/keys", {"name": args.name, "models": models,
+                                                           **({"tenant": args.tenant} if args.tenant else {})},
+                                  actor=args.actor)
         except ApiError as exc:
             return fail(console, str(exc))
         if args.output == "json":
             print_json(console, made)
             return 0
-        console.print(f"[green]✓[/] API key {_e(made['name'])} for {_e(', '.join(made['models']))}; shown this once, "
-                      "only its hash is kept:")
+        whose = f", tenant {_e(made['tenant'])}" if made.get("tenant") else ""
+        console.print(f"[green]✓[/] API key {_e(made['name'])} for {_e(', '.join(made['models']))}{whose}; shown this "
+                      "once, only its hash is kept:")
         console.print(made["key"], markup=False, highlight=False, soft_wrap=True)  # whole, on its own line
         if was_open:
             console.print("[yellow]The router now needs a key for every request[/] (with no keys it served anyone).")
@@ -254,10 +257,10 @@ def keys(args: argparse.Namespace, client: Client, console: Console) -> int:
     if args.output == "json":
         print_json(console, data)
         return 0
-    t = _table("API keys", ["NAME", "MODELS", "KEPT IN", "MADE"])
+    t = _table("API keys", ["NAME", "MODELS", "TENANT", "KEPT IN", "MADE"])
     for k in data:
         made = time.strftime("%Y-%m-%d %H:%M", time.localtime(k["created_at"])) if k.get("created_at") else "-"
-        t.add_row(_e(k["name"]), _e(", ".join(k["models"])), _e(k["source"]), made)
+        t.add_row(_e(k["name"]), _e(", ".join(k["models"])), _e(k.get("tenant") or "-"), _e(k["source"]), made)
     console.print(t)
     return 0
 
@@ -464,6 +467,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k = ksub.add_parser("create", parents=[c], help="make an API key and print it once")
     k.add_argument("name")
     k.add_argument("--models", help="comma-separated model names or aliases it may use (default: every model)")
+    k.add_argument("--tenant", help="the tenant whose limits and usage it counts in (a tenant in the catalog that "
+                                    "names the key wins)")
     k.add_argument("--actor")
     k = ksub.add_parser("revoke", parents=[c], help="revoke an API key made with create")
     k.add_argument("name")

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -35,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also serve your own model: a .gguf file (llama.cpp) or a directory with config.json "
                         "and *.safetensors (vLLM); committed to the catalog, read where it lies")
     p.add_argument("--name", help="the name clients ask for (with --model; default: from the file name)")
+    p.add_argument("--key", metavar="NAME",
+                   help="make an API key NAME at start (printed once, only its hash kept) and serve only with "
+                        "keys from then on; an existing NAME is kept")
+    p.add_argument("--tenant", help="with --key: the tenant it counts in")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -58,6 +63,8 @@ def _option_errors(args: argparse.Namespace) -> list[str]:
               if value is not None and not value.strip()]
     if args.name is not None and args.model is None:
         errors.append("--name: names the model given with --model, and there is none")
+    if args.tenant is not None and args.key is None:
+        errors.append("--tenant: is the tenant of the key made with --key, and there is none")
     if args.model is not None and not args.model.strip():
         errors.append("--model: an empty path (an unset shell variable?)")
     if args.router_port == args.admin_port:
@@ -108,7 +115,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
             # With admin.token, the address operator commands (`--data-dir`, or none) and `llmgw diff`
             # in the catalog repository send that token to: written only once this controller listens.
             _write_atomically(url_file, running.admin_url + "\n")
-            _welcome(console, running.router_url, running.admin_url, layout, cfg.admin_token, own)
+            made = _make_key(console, running, args.key, args.tenant) if args.key else None
+            _welcome(console, running.router_url, running.admin_url, layout, cfg.admin_token, own,
+                     (args.key, made) if made else None)
             await stop.wait()
         finally:
             await _shut_down(console, running, url_file)
@@ -172,20 +181,57 @@ def _command() -> str:
     return str(started.absolute())
 
 
-def _welcome(console: Console, router: str, admin: str, layout: UpLayout, token: str, own: str | None) -> None:
+def _make_key(console: Console, running: Running, name: str, tenant: str | None) -> str | None:
+    """`--key NAME`: the key made now, or None when one by that name exists (its value was shown
+    when it was made; only its hash is kept) or it cannot be made (said)."""
+    from llmgw.control.keys import KeyRefused
+
+    if name in {k["name"] for k in running.controller.ops.keys()}:
+        console.print(f"API key {escape(name)} exists (made earlier; only its hash is kept): requests need a key")
+        return None
+    try:
+        made = running.controller.ops.create_key(name, ["*"], "llmgw up", tenant)
+    except KeyRefused as exc:
+        console.print(f"[red]--key: {escape(str(exc))}[/]")
+        return None
+    return made.key
+
+
+def _key_line(console: Console, layout: UpLayout, name: str, key: str) -> str:
+    """The key on a terminal (the user's own); to a log it would outlive the session for anyone who
+    reads logs, so it goes to a file only the user can read instead."""
+    if _is_tty(console):
+        return f"api key    {key}   ({name}: shown this once, only its hash is kept)"
+    path = layout.data_dir / f"{name}.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key + "\n")
+    return f"api key    {name}: in {path} (readable by you only; only its hash is kept)"
+
+
+def _welcome(console: Console, router: str, admin: str, layout: UpLayout, token: str, own: str | None,
+             key: tuple[str, str] | None = None) -> None:
+    """``key``: (name, value) of a key `--key` made now."""
     model = own or "gpt-4o-mini"
-    curl = (f"curl -s {router}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+    lines = [f"router     {router}/v1   (OpenAI API)",
+             f"dashboard  {_dashboard_link(console, admin, layout, token)}",
+             f"admin API  {admin}/api/v1   token in {layout.token_file}",
+             f"catalog    {layout.catalog}   edit, `git commit`, and it is applied live"]
+    bearer, client_key = "", '"unused"'
+    if key is not None:
+        lines.append(_key_line(console, layout, *key))
+        shown, path = _is_tty(console), layout.data_dir / f"{key[0]}.key"
+        bearer = f" -H \"Authorization: Bearer {key[1] if shown else f'$(cat {shlex.quote(str(path))})'}\""
+        client_key = f'"{key[1]}"' if shown else f"open({str(path)!r}).read().strip()"
+    curl = (f"curl -s {router}/v1/chat/completions -H 'Content-Type: application/json'{bearer} \\\n"
             f"  -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
-    py = (f"from openai import OpenAI\nclient = OpenAI(base_url=\"{router}/v1\", api_key=\"unused\")\n"
+    py = (f"from openai import OpenAI\nclient = OpenAI(base_url=\"{router}/v1\", api_key={client_key})\n"
           f"print(client.chat.completions.create(model=\"{model}\", "
           f"messages=[{{\"role\": \"user\", \"content\": \"Hello\"}}]).choices[0].message.content)")
     # Lines printed whole, never in a box: a box crops at the terminal's width, and a link cut at 80
     # columns (36 of the token's 43 characters) opened as a 401.
     console.rule("[bold green]llmgw is up", align="left", style="green")
-    for line in (f"router     {router}/v1   (OpenAI API)",
-                 f"dashboard  {_dashboard_link(console, admin, layout, token)}",
-                 f"admin API  {admin}/api/v1   token in {layout.token_file}",
-                 f"catalog    {layout.catalog}   edit, `git commit`, and it is applied live"):
+    for line in lines:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     console.rule(style="green")
     if own:

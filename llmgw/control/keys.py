@@ -39,6 +39,7 @@ class Made:
     name: str
     key: str  # shown once, never kept
     models: tuple[str, ...]
+    tenant: str | None = None
 
 
 class KeyBook:
@@ -70,7 +71,8 @@ class KeyBook:
         """Every key as routers take them: ``{name, sha256, models}``. With none left after a
         revocation, one no one holds: a router with no keys serves anyone, and revoking the last
         (perhaps leaked) key must not open it to the world."""
-        keys = [{"name": e.get("name"), "sha256": e["sha256"], "models": list(e.get("models") or [ALL_MODELS])}
+        keys = [{"name": e.get("name"), "sha256": e["sha256"], "models": list(e.get("models") or [ALL_MODELS]),
+                 **({"tenant": e["tenant"]} if e.get("tenant") else {})}
                 for e in [*self._config, *self._active]]
         if not keys and self._made:
             keys = [{"name": CLOSED, "sha256": self._closed_digest, "models": []}]
@@ -82,14 +84,17 @@ class KeyBook:
     def listing(self) -> list[dict[str, Any]]:
         """For `llmgw keys list`: names, models, where each is kept, when it was made; no digest."""
         out = [{"name": e.get("name"), "models": list(e.get("models") or [ALL_MODELS]), "source": "config",
-                "created_at": None} for e in self._config]
+                "created_at": None, "tenant": e.get("tenant")} for e in self._config]
         out += [{"name": e["name"], "models": list(e.get("models") or [ALL_MODELS]), "source": "store",
-                 "created_at": e.get("created_at")} for e in self._active]
+                 "created_at": e.get("created_at"), "tenant": e.get("tenant")} for e in self._active]
         return out
 
-    def create(self, name: str, models: Sequence[str] = (ALL_MODELS,)) -> Made:
+    def create(self, name: str, models: Sequence[str] = (ALL_MODELS,), tenant: str | None = None) -> Made:
         if not NAME.match(name):
             raise KeyRefused(f"key name {name!r}: letters, digits, '.', '_' or '-', starting with a letter or digit, "
+                             "at most 64 characters", 400)
+        if tenant is not None and not NAME.match(tenant):
+            raise KeyRefused(f"tenant {tenant!r}: letters, digits, '.', '_' or '-', starting with a letter or digit, "
                              "at most 64 characters", 400)
         models = tuple(models) or (ALL_MODELS,)
         if not all(isinstance(m, str) and m for m in models):
@@ -97,13 +102,14 @@ class KeyBook:
         if name in self.names():
             raise KeyRefused(f"a key named {name!r} exists; revoke it first, or choose another name")
         key = PREFIX + secrets.token_urlsafe(32)
-        entry = {"name": name, "sha256": hash_key(key), "models": list(models), "created_at": self._clock()}
+        entry = {"name": name, "sha256": hash_key(key), "models": list(models), "created_at": self._clock(),
+                 **({"tenant": tenant} if tenant else {})}
         revoked = next((e for e in self._made if e["name"] == name and e.get("revoked_at")), None)
         done = self._store.replace_api_key(name, entry) if revoked else self._store.add_api_key(entry)
         if not done:
             raise KeyRefused(f"a key named {name!r} exists; revoke it first, or choose another name")
         self.reload()
-        return Made(name, key, models)
+        return Made(name, key, models, tenant)
 
     def revoke(self, name: str) -> None:
         if any(e.get("name") == name for e in self._config):
@@ -124,3 +130,14 @@ def tenants_without_keys(catalog: Catalog | None, names: set[str]) -> list[str]:
     return [f'tenant "{t.name}" names key "{k}", which no API key has (the controller config\'s api_keys, '
             "or `llmgw keys create`)"
             for t in catalog.settings.tenants for k in t.keys if k not in names]
+
+
+def tenants_overruled(catalog: Catalog | None, entries: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each key made for one tenant that a catalog tenant names for another, in words: the
+    catalog's word wins (git is the truth), and the operator who made it should know."""
+    if catalog is None:
+        return []
+    whose = {k: t.name for t in catalog.settings.tenants for k in t.keys}
+    return [f'key "{e["name"]}" was made for tenant "{e["tenant"]}", but the catalog\'s tenant "{whose[e["name"]]}" '
+            "names it: it counts as that one's"
+            for e in entries if e.get("tenant") and e.get("name") in whose and whose[e["name"]] != e["tenant"]]

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog, RawFile
 from llmgw.contract import PromptCache
-from llmgw.control.keys import KeyBook, KeyRefused, Made, tenants_without_keys
+from llmgw.control.keys import KeyBook, KeyRefused, Made, tenants_overruled, tenants_without_keys
 from llmgw.control.orphans import Orphan, collect
 from llmgw.control.usage import BudgetBook
 from llmgw.decide.replica import Replica
@@ -201,10 +201,11 @@ class FleetOps:
     def keys(self) -> list[dict[str, Any]]:
         return self._keys().listing()
 
-    def create_key(self, name: str, models: Sequence[str], actor: str) -> Made:
-        made = self._keys().create(name, models)
+    def create_key(self, name: str, models: Sequence[str], actor: str, tenant: str | None = None) -> Made:
+        made = self._keys().create(name, models, tenant)
+        whose = f", tenant {tenant}" if tenant else ""
         self._c.store.add_event("key-created", name, f"API key {name} made by {actor} for models "
-                                                     f"{', '.join(made.models)}")
+                                                     f"{', '.join(made.models)}{whose}")
         return made
 
     def revoke_key(self, name: str, actor: str) -> None:
@@ -216,9 +217,12 @@ class FleetOps:
         return self._c.budgets.view() if self._c.budgets is not None else []
 
     def key_warnings(self) -> list[str]:
-        """Tenants naming keys no API key has (status, the dashboard, an event once per catalog)."""
+        """Tenants naming keys no API key has, keys made for a tenant the catalog overrules (status,
+        the dashboard, an event once per catalog)."""
         book = self._c.keys
-        return tenants_without_keys(self.catalog, book.names()) if book is not None else []
+        if book is None:
+            return []
+        return tenants_without_keys(self.catalog, book.names()) + tenants_overruled(self.catalog, book.listing())
 
     @property
     def registry(self) -> CollectorRegistry:

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from llmgw.router import respond
 from llmgw.router.config import RouterConfig
-from llmgw.router.keys import ApiKey, KeyRing
+from llmgw.router.keys import ApiKey, KeyRing, with_key_tenants
 from llmgw.router.paths import CHAT, EMBEDDINGS
 from llmgw.router.routes import RouteCatalog, RouteModel
 from llmgw.router.usage import with_fields
@@ -51,7 +51,8 @@ class Admission:
     # --- what the control plane says ------------------------------------------------------
     def set_tenants(self, routes: RouteCatalog, keys: KeyRing) -> None:
         self._warn_unknown_tenant_keys(routes, keys)
-        self.limits.set_tenants(routes.tenants)  # what each tenant used goes on: no fresh budgets
+        # What each tenant used goes on: no fresh budgets.
+        self.limits.set_tenants(with_key_tenants(routes.tenants, keys.keys))
 
     def set_spent(self, figures: Mapping[tuple[str, str], tuple[float, int]], *, routers: int) -> None:
         self.limits.set_spent(figures, routers=routers)

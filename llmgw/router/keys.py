@@ -5,7 +5,7 @@ standalone router), never in clear, so a leaked config does not leak a usable ke
 names the models it may use, by canonical name or alias, or ``"*"`` for all::
 
     - {name: team-a, sha256: 9f86d0…, models: ["*"]}
-    - {name: search, sha256: 2c26b4…, models: [embed-small, chat-fast]}
+    - {name: search, sha256: 2c26b4…, models: [embed-small, chat-fast], tenant: search-team}
 
 With **no keys configured the router is open**: every request is served without a key. That
 is the single-machine default (`llmgw up`); a fleet reachable by others should configure keys.
@@ -21,12 +21,13 @@ import hashlib
 import hmac
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypedDict
 
 import yaml
 
+from llmgw.catalog.model import Tenant
 from llmgw.errors import ConfigError
 from llmgw.router.routes import RouteModel
 
@@ -46,6 +47,9 @@ class ApiKey:
     name: str
     digest: bytes  # sha256 of the key
     models: frozenset[str]  # names or aliases; "*" = every model
+    # The tenant it was made for (`llmgw keys create --tenant`), unless a catalog tenant names it:
+    # git's word wins (:func:`with_key_tenants`).
+    tenant: str | None = None
 
     def allows(self, model: RouteModel) -> bool:
         """May this key use ``model``? Listing any of its names (canonical or alias) is enough.
@@ -94,9 +98,13 @@ class KeyRing:
             if not isinstance(raw, dict):
                 raise ConfigError(f"{where}[{i}]: expected a mapping with sha256 and models")
             # A misspelt "models" would otherwise leave the key its default: every model.
-            unknown = sorted(str(k) for k in set(raw) - {"name", "sha256", "models"})
+            unknown = sorted(str(k) for k in set(raw) - {"name", "sha256", "models", "tenant"})
             if unknown:
-                raise ConfigError(f"{where}[{i}]: unknown key(s): {', '.join(unknown)} (known: models, name, sha256)")
+                raise ConfigError(f"{where}[{i}]: unknown key(s): {', '.join(unknown)} "
+                                  "(known: models, name, sha256, tenant)")
+            tenant = raw.get("tenant")
+            if tenant is not None and (not isinstance(tenant, str) or not tenant):
+                raise ConfigError(f"{where}[{i}]: tenant must be a tenant's name")
             digest = raw.get("sha256")
             if not isinstance(digest, str) or len(digest) != 64:
                 raise ConfigError(f"{where}[{i}]: sha256 must be 64 hex digits (the key's sha256, not the key)")
@@ -108,7 +116,7 @@ class KeyRing:
             if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
                 raise ConfigError(f"{where}[{i}]: models must be a list of model names or aliases, or ['*']")
             name = raw.get("name") or f"key-{i}"
-            keys.append(ApiKey(name=str(name), digest=raw_digest, models=frozenset(models)))
+            keys.append(ApiKey(name=str(name), digest=raw_digest, models=frozenset(models), tenant=tenant))
         return cls(keys)
 
     @classmethod
@@ -130,3 +138,18 @@ class KeyRing:
         if not isinstance(data, list):
             raise ConfigError(f"{p}: expected a list of API keys or a mapping with api_keys")
         return cls.from_entries(data, where=str(p))
+
+
+def with_key_tenants(tenants: Sequence[Tenant], keys: Iterable[ApiKey]) -> tuple[Tenant, ...]:
+    """The catalog's tenants with the keys made for a tenant (``ApiKey.tenant``) added to it; a
+    tenant the catalog does not define is one with no limits (its use is still the tenant's in the
+    ledger). A key a catalog tenant names stays that tenant's: git is the truth."""
+    named = {k for t in tenants for k in t.keys}
+    extra: dict[str, list[str]] = {}
+    for key in keys:
+        if key.tenant and key.name not in named:
+            extra.setdefault(key.tenant, []).append(key.name)
+    if not extra:
+        return tuple(tenants)
+    out = [replace(t, keys=(*t.keys, *extra.pop(t.name, ()))) for t in tenants]
+    return (*out, *(Tenant(name, tuple(names)) for name, names in sorted(extra.items())))

@@ -124,6 +124,23 @@ def test_keys_made_and_revoked_on_a_running_up_take_effect_without_a_restart(tmp
         (repo / "llmgw.yaml").write_text(settings)  # no tenant again: the key's requests unlimited
         git(repo, "commit", "-qam", "No tenants")
 
+        # A key made for a tenant, without a commit: its use is that tenant's in the ledger.
+        made = cli("keys", "create", "lab-1", "--tenant", "research", "--data-dir", str(data))
+        assert made.returncode == 0 and "tenant research" in made.stdout, made.stdout + made.stderr
+        lab = re.search(r"^(llmgw-\S{40,})$", made.stdout, re.M).group(1)
+        assert answer(url, lab) == 200
+        listed = json.loads(cli("keys", "list", "-o", "json", "--data-dir", str(data)).stdout)
+        assert {k["name"]: k["tenant"] for k in listed} == {"team-a": None, "lab-1": "research"}
+
+        def research() -> int:
+            usage = json.loads(cli("usage", "--by", "tenant,key", "-o", "json", "--data-dir", str(data)).stdout)
+            return sum(r["requests"] for r in usage["rows"] if (r["tenant"], r["key"]) == ("research", "lab-1"))
+
+        wait_for(lambda: research() == 1, 30, "lab-1's request counted as research's", up)
+        bad = cli("keys", "create", "lab-2", "--tenant", "no tenant", "--data-dir", str(data))
+        assert bad.returncode == 1 and "tenant 'no tenant'" in bad.stdout + bad.stderr
+        assert cli("keys", "revoke", "lab-1", "--data-dir", str(data)).returncode == 0
+
         revoked = cli("keys", "revoke", "team-a", "--data-dir", str(data))
         assert revoked.returncode == 0, revoked.stdout + revoked.stderr
         assert answer(url, key) == 401
@@ -144,5 +161,38 @@ def test_keys_made_and_revoked_on_a_running_up_take_effect_without_a_restart(tmp
     try:
         wait_for(lambda: answer(url, key_b) == 200, 60, "team-b's key after a restart", up)
         assert answer(url, "anything") == 401
+    finally:
+        assert stop(up, timeout=60) == 0
+
+
+def test_up_makes_a_key_at_start_and_keeps_it_out_of_its_log(tmp_path: Path) -> None:
+    """`llmgw up --key NAME`: the router takes keys from the start; writing to a log (not a
+    terminal), the key goes to a file only the user reads and the welcome's examples read it there."""
+    data = tmp_path / "state"
+    router_port, admin_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{router_port}/v1"
+    args = ["up", "--data-dir", str(data), "--router-port", str(router_port), "--admin-port", str(admin_port),
+            "--key", "demo", "--tenant", "lab"]
+    up = start(args, tmp_path / "up.log")
+    try:
+        wait_for(lambda: "llmgw is up" in (tmp_path / "up.log").read_text(), 60, "the welcome", up)
+        key_file = data / "demo.key"
+        key = key_file.read_text().strip()
+        assert key.startswith("llmgw-") and key_file.stat().st_mode & 0o777 == 0o600
+        log = (tmp_path / "up.log").read_text()
+        assert key not in log and f"api key    demo: in {key_file}" in log
+        assert f'Authorization: Bearer $(cat {key_file})' in log
+        assert wait_for(lambda: answer(url, key) == 200 or None, 60, "the key answered", up)
+        assert answer(url, "anything") == 401
+        listed = json.loads(cli("keys", "list", "-o", "json", "--data-dir", str(data)).stdout)
+        assert [(k["name"], k["tenant"]) for k in listed] == [("demo", "lab")]
+    finally:
+        assert stop(up, timeout=60) == 0
+    key_file.unlink()
+    up = start(args, tmp_path / "up2.log")  # again: the key made before is kept, not made twice
+    try:
+        wait_for(lambda: "llmgw is up" in (tmp_path / "up2.log").read_text(), 60, "the welcome", up)
+        assert "API key demo exists (made earlier" in (tmp_path / "up2.log").read_text()
+        assert not key_file.exists() and answer(url, key) == 200
     finally:
         assert stop(up, timeout=60) == 0
