@@ -122,16 +122,6 @@ class KeyBook:
         self.reload()
 
 
-def tenants_without_keys(catalog: Catalog | None, names: set[str]) -> list[str]:
-    """Each tenant key the catalog names that no API key has, in words (its requests could never be
-    that tenant's: the limits it sets would hold for nobody, silently)."""
-    if catalog is None:
-        return []
-    return [f'tenant "{t.name}" names key "{k}", which no API key has (the controller config\'s api_keys, '
-            "or `llmgw keys create`)"
-            for t in catalog.settings.tenants for k in t.keys if k not in names]
-
-
 def tenants_overruled(catalog: Catalog | None, entries: Sequence[Mapping[str, Any]]) -> list[str]:
     """Each key made for one tenant that a catalog tenant names for another, in words: the
     catalog's word wins (git is the truth), and the operator who made it should know."""

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog, RawFile
+from llmgw.catalog.keys import tenants_without_keys
 from llmgw.contract import PromptCache
-from llmgw.control.keys import KeyBook, KeyRefused, Made, tenants_overruled, tenants_without_keys
+from llmgw.control.keys import KeyBook, KeyRefused, Made, tenants_overruled
 from llmgw.control.orphans import Orphan, collect
 from llmgw.control.usage import BudgetBook
 from llmgw.decide.replica import Replica
@@ -116,9 +117,10 @@ class FleetOps:
     def snapshot(self) -> FleetSnapshot:
         """The fleet as `llmgw inventory export` writes it (the input of a plan)."""
         records = self._c.reconciler.rollouts.records.values()
+        book = self._c.keys
         return FleetSnapshot(self.inventory(), tuple(self.replicas()), time.time(),
                              tuple(rec.rollout for rec in records if rec.rollout is not None),
-                             self._c.transports)
+                             self._c.transports, tuple(sorted(book.names())) if book is not None else None)
 
     def events(self, *, after: int = 0, limit: int = 200) -> list[Event]:
         return self._c.store.events(after=after, limit=limit)

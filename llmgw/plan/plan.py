@@ -37,19 +37,24 @@ class FleetSnapshot:
     # of another transport is no candidate of its ticks, so none of the plan's either (seen: five
     # example nodes `up` never manages listed as "has not reported an inventory").
     transports: tuple[str, ...] | None = None
+    # The names of the API keys its routers check (never their digests); None: not known, nothing
+    # said of the tenants that name keys.
+    key_names: tuple[str, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"taken_at": self.taken_at, "inventory": self.inventory.to_json(),
                 "replicas": [r.to_json() for r in self.replicas], "rollouts": [r.to_json() for r in self.rollouts],
-                "transports": list(self.transports) if self.transports is not None else None}
+                "transports": list(self.transports) if self.transports is not None else None,
+                "key_names": list(self.key_names) if self.key_names is not None else None}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FleetSnapshot:
-        transports = data.get("transports")
+        transports, keys = data.get("transports"), data.get("key_names")
         return cls(Inventory.from_json(data["inventory"]),
                    tuple(Replica.from_json(r) for r in data.get("replicas", ())), data.get("taken_at"),
                    tuple(Rollout.from_json(r) for r in data.get("rollouts") or ()),
-                   tuple(str(t) for t in transports) if isinstance(transports, list) else None)
+                   tuple(str(t) for t in transports) if isinstance(transports, list) else None,
+                   tuple(str(k) for k in keys) if isinstance(keys, list) else None)
 
     def managed(self, catalog: Catalog) -> tuple[NodeSpec, ...]:
         return tuple(n for n in catalog.nodes if self.transports is None or n.transport in self.transports)

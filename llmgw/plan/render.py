@@ -24,6 +24,8 @@ class DiffReport:
     problems: tuple[Problem, ...]
     plan: Plan | None
     fleet_note: str = ""
+    # What the controller would accept but say in its status (a tenant naming a key no router has).
+    warnings: tuple[str, ...] = ()
 
     @property
     def changed(self) -> bool:
@@ -138,6 +140,7 @@ def render_text(r: DiffReport) -> str:
             out.append(f"      {f.text() if c.op == '~' else f'{f.path}: {_show(f.after)}'}")
     out += ["", "Validation:"]
     out += [f"  {p}" for p in r.problems] or ["  ok"]
+    out += [f"  warning: {w}" for w in r.warnings]
     out += ["", "Plan against the fleet" + (f" ({r.fleet_note})" if r.fleet_note else "") + ":"]
     p = r.plan
     if p is None:
@@ -211,6 +214,7 @@ def render_markdown(r: DiffReport) -> str:
     if r.problems:
         out += ["#### :x: Validation", ""] + [f"- {_code(f'{p.file}:{p.line}:{p.col}')}: {_md(p.message)}"
                                                for p in r.problems] + [""]
+    out += [f"> :warning: {_md(w)}" for w in r.warnings] + ([""] if r.warnings else [])
     if r.changes:
         out += ["#### Catalog changes", ""]
         for c in r.changes:
@@ -317,6 +321,7 @@ def render_json(r: DiffReport) -> dict[str, Any]:
                      "fields": [{"path": f.path, "before": f.before, "after": f.after} for f in c.fields]}
                     for c in r.changes],
         "problems": [x.to_json() for x in r.problems],
+        "warnings": list(r.warnings),
         "plan": None if p is None else {
             "steps": [{"action": s.action, "model": s.model, "profile": s.profile, "replica": s.replica,
                        "shards": _shards_json(s), "reason": s.reason}

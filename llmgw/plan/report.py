@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from llmgw.catalog import RawFile, validate_files
+from llmgw.catalog.keys import tenants_without_keys
 from llmgw.catalog.loader import validate_best_effort
 from llmgw.plan.changes import catalog_changes
 from llmgw.plan.plan import FleetSnapshot, make_plan
@@ -35,8 +36,10 @@ def build_report(
     if head.catalog is None:
         return DiffReport(base_name, head_name, (), head.problems, None, "the catalog cannot be read")
     plan = make_plan(base, head.catalog, fleet, now=now) if fleet is not None else None
+    warnings = tuple(tenants_without_keys(head.catalog, fleet.key_names)) \
+        if fleet is not None and fleet.key_names is not None else ()
     return DiffReport(base_name, head_name, tuple(catalog_changes(base, head.catalog)), head.problems, plan,
-                      fleet_note)
+                      fleet_note, warnings)
 
 
 def _within(path: str, broken: set[str]) -> bool:

@@ -184,3 +184,26 @@ def test_a_tenants_limits_change_shows_field_by_field(run_cli, repo: Path, snaps
     assert p["plan"]["steps"] == []
     code, text = run_cli("diff", "HEAD~1", "HEAD", "--repo", str(repo), "--snapshot", str(snapshot))
     assert "tenants.search.limits.concurrent: 16 → 8" in text, text
+
+
+def test_a_tenant_naming_a_key_the_controller_does_not_have_is_a_warning(run_cli, repo: Path, snapshot: Path,
+                                                                        tmp_path: Path) -> None:
+    """Keys live outside git (the controller's store and config): against a controller that says
+    which it has, a tenant naming another is said in the plan (status says the same once applied)."""
+    settings = "tenants:\n  - name: search\n    keys: [search-prod, serach-prod]\n"
+    apply(repo, Scenario("tenants", {"llmgw.yaml": settings}, "Tenants"))
+    fleet = json.loads(snapshot.read_text())
+    with_keys = tmp_path / "fleet.json"
+    with_keys.write_text(json.dumps({**fleet, "key_names": ["search-prod"]}))
+    want = 'tenant "search" names key "serach-prod", which no API key has'
+    code, out = run_cli("diff", "HEAD~1", "HEAD", "--repo", str(repo), "--snapshot", str(with_keys), "--format", "json")
+    [warning] = json.loads(out)["warnings"]  # the key it has is not said
+    assert want in warning, out
+    code, text = run_cli("diff", "HEAD~1", "HEAD", "--repo", str(repo), "--snapshot", str(with_keys))
+    assert f"warning: {want}" in text, text
+    code, md = run_cli("diff", "HEAD~1", "HEAD", "--repo", str(repo), "--snapshot", str(with_keys),
+                       "--format", "markdown")
+    assert ":warning: tenant" in md and "serach" in md, md
+    # A snapshot without key names (an older export, or CI's own): nothing said either way.
+    code, out = run_cli("diff", "HEAD~1", "HEAD", "--repo", str(repo), "--snapshot", str(snapshot), "--format", "json")
+    assert json.loads(out)["warnings"] == []
