@@ -55,14 +55,19 @@ class StatsMeter:
     """Totals per replica that only grow, from cumulative readings of routers that may restart."""
 
     def __init__(self) -> None:
-        self._last: dict[str, dict[str, ReplicaStats]] = {}
+        self._last: dict[str, dict[str, ReplicaStats]] = {}  # oldest reading first
         self.totals: dict[str, ReplicaStats] = {}
+        self.forgotten = 0  # router processes whose last reading was dropped (past MAX_SOURCES)
 
     def fold(self, readings: Mapping[str, Mapping[str, ReplicaStats]], replicas: Iterable[str]) -> None:
         """Add what each router measured of ``replicas`` since its last reading."""
         wanted = set(replicas)
         for source, stats in readings.items():
-            last = self._last.setdefault(source, {})
+            # Least recently read first out: a router reporting each tick stays, while one that
+            # sends a new process id with every report (each would count as a router started
+            # again, its whole life counted anew) pushes out only its own earlier ids.
+            last = self._last.pop(source, None) or {}
+            self._last[source] = last
             for rid, now in stats.items():
                 if rid not in wanted:
                     continue
@@ -72,8 +77,12 @@ class StatsMeter:
                 self.totals[rid] = self.totals.get(rid, ReplicaStats()) + delta
                 last[rid] = now + ReplicaStats()  # a copy: a router's live object goes on changing
         if len(self._last) > MAX_SOURCES:
-            for source in list(self._last)[: len(self._last) - MAX_SOURCES]:
+            gone = list(self._last)[: len(self._last) - MAX_SOURCES]
+            for source in gone:
                 del self._last[source]
+            self.forgotten += len(gone)
+            log.warning("router readings: %d process(es) forgotten past %d remembered (%d so far); a router "
+                        "sending a new process id with each report?", len(gone), MAX_SOURCES, self.forgotten)
         for rid in [r for r in self.totals if r not in wanted]:
             del self.totals[rid]
             for last in self._last.values():

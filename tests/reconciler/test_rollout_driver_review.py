@@ -194,3 +194,19 @@ def test_a_rollout_record_that_is_not_json_does_not_stop_the_controller(store: S
     fresh = RolloutDriver(store, clock=lambda: 0.0)
     fresh.load()  # raises json.JSONDecodeError today
     assert "m" in fresh.records
+
+
+def test_a_router_rotating_its_process_id_does_not_push_out_the_readings_of_the_others() -> None:
+    """Each report under a new process id: kept in a bounded memory, but the least recently read go
+    first, so a router read at every tick keeps its last reading (else its next one would count its
+    whole life again: a canary's figures doubled by one hostile router)."""
+    from llmgw.contract import ReplicaStats
+    from llmgw.reconciler.rollouts import MAX_SOURCES, StatsMeter
+
+    meter = StatsMeter()
+    honest = ReplicaStats(requests=10)
+    meter.fold({"honest": {"r1": honest}}, ["r1"])
+    for i in range(MAX_SOURCES + 50):
+        meter.fold({"honest": {"r1": honest}, f"rotating-{i}": {"r1": ReplicaStats()}}, ["r1"])
+    assert meter.total("r1").requests == 10  # counted once, not again after an eviction
+    assert meter.forgotten == 51  # 1,051 processes read, 1,000 remembered
