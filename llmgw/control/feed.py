@@ -120,6 +120,8 @@ class FeedHub:
         self.ledger: UsageLedger | None = None  # the controller's store; without it no batch is acknowledged
         self.budgets: BudgetBook | None = None  # what budgets used this period, for the routers
         self.local_routers = local_routers  # routers in the controller's own process
+        self.configured_routers = 0  # router.limits_routers: the count every router is told (0: learned)
+        self._most_routers = 1  # the most routers heard from at once (the learned count)
         self.refused_routers = 0  # reports from a new router id refused at MAX_ROUTERS
         self._line_budgets = -1  # the book's version the line was built with
         self.watchers = 0
@@ -156,8 +158,8 @@ class FeedHub:
 
     def set_api_keys(self, entries: Sequence[Mapping[str, Any]]) -> None:
         """The controller config's API keys (``{"name", "sha256", "models"}`` each), for every router."""
-        keys = [{"name": e.get("name"), "sha256": e["sha256"], "models": list(e.get("models", ["*"]))}
-                for e in entries]
+        keys = [{"name": e.get("name"), "sha256": e["sha256"], "models": list(e.get("models", ["*"])),
+                 **({"tenant": e["tenant"]} if e.get("tenant") else {})} for e in entries]
         if keys != self._api_keys:
             self._api_keys = keys
             self._publish()
@@ -189,8 +191,15 @@ class FeedHub:
         return {"spent": spent_to_json(self.budgets.figures()), "routers": self.router_count()}
 
     def router_count(self) -> int:
-        """Routers sharing the limits: those heard from within ``report_ttl``, and the controller's own."""
-        return max(1, len(self.routers()) + self.local_routers)
+        """Routers sharing the limits, the one count every router divides a budget's rest by while
+        Redis is away: the configured one, else the most heard from at once (within ``report_ttl``,
+        the controller's own included) since this controller started. Never the count of the moment
+        (seen: routers that heard 3 and 4 at different times granted 12 % past a budget), and never
+        lower because a router went quiet (it may be cut off, granting)."""
+        if self.configured_routers:
+            return self.configured_routers
+        self._most_routers = max(self._most_routers, len(self.routers()) + self.local_routers)
+        return self._most_routers
 
     def _publish(self) -> None:
         self.version += 1

@@ -118,6 +118,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     hub.budgets = book = BudgetBook()  # what each budget used this period, per the ledger: for every router
     hub.set_api_keys(cfg.api_keys)
     hub.set_limits_redis(str(cfg.router.get("limits_redis", "")))
+    hub.configured_routers = int(cfg.router.get("limits_routers", 0) or 0)
     controller = Controller(cfg.controller, sink=Fanout(router, hub), usage=MergedUsage(router, hub),
                             advertise=f"http://{cfg.admin_listen.host}:{cfg.admin_listen.port}")
     hub.standby = controller.standing_by  # a standby (shared store, another leads) sends routers on

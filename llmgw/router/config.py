@@ -51,3 +51,7 @@ class RouterConfig:
     # Tenants' limits counted in this Redis (redis://[:password@]host:port/db), shared by every
     # router given the same URL; empty: each router counts on its own (llmgw.tenancy.shared).
     limits_redis: str = ""
+    # How many routers share the limits, the controller's own included: while Redis is away each
+    # grants 1/limits_routers of a budget's rest. 0: the most routers the controller has heard
+    # from at once since it started (one count for every router, never one per moment).
+    limits_routers: int = 0

@@ -105,9 +105,15 @@ class Limiter:
         """The ledger's figures (tenant, model or "" → period start, tokens used) and how many
         routers share the limits, as the controller last said."""
         self._ledger = dict(figures)
+        more = max(1, routers) > self.routers
         self.routers = max(1, routers)
         for k, s in self._scopes.items():
             s.ledger = self._ledger.get(k, (0.0, 0))
+            b = s.limits.budget
+            if more and s.share is not None and b is not None:
+                # Degraded, and told of more routers: this one's share shrinks to the new one
+                # (never grows: what it granted is granted).
+                s.share = min(s.share, max(0, b.tokens - s.base) // self.routers)
 
     def scopes(self) -> Iterable[Scope]:
         return self._scopes.values()

@@ -69,6 +69,7 @@ def test_every_float_knob_takes_a_duration(tmp_path: Path) -> None:
     ("ssh:\n  key: 5\n", "ssh.key: 5 must be a string"),
     ("reconciler:\n  stop_grace: 15m\n", "reconciler.stop_grace: at most 600 s"),
     ("router:\n  keepalive_timeout: 0\n", "router.keepalive_timeout: must be more than 0"),
+    ("router:\n  limits_routers: -2\n", "router.limits_routers: -2 is negative"),
 ])
 def test_a_wrong_key_or_type_names_the_key_and_the_file(tmp_path: Path, text: str, words: str) -> None:
     path = write(tmp_path, text)

@@ -314,3 +314,28 @@ async def test_with_redis_away_three_routers_grant_no_more_than_what_was_left(ch
     finally:
         redis.kill()
         redis.wait(5)
+
+
+def test_one_router_count_for_every_router_and_a_larger_one_shrinks_a_degraded_share() -> None:
+    """Routers told 3 and 4 at different moments granted 12 % past a budget (issue 39): the
+    controller tells every router the most it has heard from at once (or the configured count),
+    and a router degraded with a share for 3 that then hears of 4 grants a quarter, never more."""
+    heard = 3
+    hub = FeedHub(local_routers=1)
+    hub.routers = lambda: {f"r{i}": 0.0 for i in range(heard)}  # type: ignore[method-assign]
+    assert hub.router_count() == 4  # three standalone routers and the controller's own
+    heard = 1  # two went quiet (cut off, perhaps, and granting alone)
+    assert hub.router_count() == 4
+    hub.configured_routers = 6  # router.limits_routers
+    assert hub.router_count() == 6
+
+    budget = Budget(tokens=1_200, per="day")
+    limiter = Limiter([Tenant("team", ("k",), Limits(budget=budget))])
+    limiter.set_spent({}, routers=3)
+    limiter.degrade({}, 1000.0)
+    [scope] = [s for s in limiter.scopes() if s.limits.budget is not None]
+    assert scope.share == 400
+    limiter.set_spent({}, routers=4)
+    assert scope.share == 300
+    limiter.set_spent({}, routers=2)
+    assert scope.share == 300  # a smaller count never hands out more
