@@ -37,8 +37,12 @@ def give_back_part(limits: Limits, *, period: str, given: Counts, used: int) -> 
 #   ["y", keys, [per scope: rpm, tpm, period, requests, tokens, budget tokens and slots given back,
 #                budget tokens used]]
 #       sync: give back what a router did not use; what its requests used moves from reserved to used
-# ARGV[2]: the calling router's instance; ARGV[3]: its lease, in seconds.
-# Returns {"t": the Redis server's time, "r": [per "g" step in order: [0, [[requests, tokens,
+#   ["h", keys, [per scope: budget period, budget tokens held, slots held]]
+#       hold again: what a router holds, declared to a Redis that lost its data (see the epoch below)
+# ARGV[2]: the calling router's instance; ARGV[3]: its lease, in seconds; ARGV[4]: the data's epoch as
+# the router last saw it ("" when it holds nothing).
+# Returns {"lost": the epoch} (nothing done) when ARGV[4] is not this Redis's epoch, else
+# {"t": the Redis server's time, "e": the epoch, "r": [per "g" step in order: [0, [[requests, tokens,
 # budget, slots, budget used, budget reserved (-1: not read)] per scope]] granted, or [1, scope
 # index, kind, wait, requests left, tokens left ("nil": not read), used, reserved] refused, or [2]
 # when the router's budget period is not the one the server's clock is in]}. (The keys are not
@@ -53,6 +57,13 @@ def give_back_part(limits: Limits, *, period: str, given: Counts, used: int) -> 
 # this period (``floor``), and a budget's ``used`` is never below it, so a Redis restarted without
 # its data (or a new one) does not hand every tenant a fresh budget.
 #
+# The epoch names this Redis's data: set by the first call that finds none (a new Redis, or one that
+# restarted without its data, or was flushed). A router holding allowances of another epoch
+# holds what this Redis never granted: it is told so before anything is done, and calls again
+# declaring what it holds ("h", first) with the same steps, so this Redis counts it as reserved
+# rather than grant it again (seen: routers went on admitting from a lost Redis's allowances,
+# 21,267 of 20,000 tokens).
+#
 # What a router holds (budget tokens reserved, slots in flight) is also written down under its
 # instance, with a lease renewed by each of its calls: the first call after a lease ran out
 # (a router killed, or cut off) gives what that router held back to everyone, so a crash does
@@ -64,6 +75,13 @@ local LEASES = 'llmgw:limits:leases'
 
 local clock = redis.call('TIME')
 clock = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
+
+local epoch = redis.call('GET', 'llmgw:limits:epoch')
+if not epoch then
+  epoch = inst .. '@' .. string.format('%%.6f', clock)
+  redis.call('SET', 'llmgw:limits:epoch', epoch)
+end
+if ARGV[4] ~= '' and ARGV[4] ~= epoch then return cjson.encode({lost = epoch}) end
 
 local function bucket(key, cap)
   local v = redis.call('HMGET', key, 'level', 'at')
@@ -190,14 +208,25 @@ local function give_back(K, L)
   end
 end
 
+local function hold_again(K, L)
+  for i = 1, #K do
+    local x, k = L[i], K[i]
+    if x[2] > 0 then hold(k .. ':budget:' .. x[1], x[2]) end
+    if x[3] > 0 then hold(k .. ':inflight', x[3]) end
+  end
+end
+
 local out = {}
 for _, step in ipairs(cjson.decode(ARGV[1])) do
   if step[1] == 'g' then
     out[#out + 1] = grant(step[2], step[3])
+  elseif step[1] == 'h' then
+    hold_again(step[2], step[3])
   else
     give_back(step[2], step[3])
   end
 end
 -- cjson writes an empty table as {}; the time as a number with its microseconds.
-return '{"t":' .. string.format('%%.6f', clock) .. ',"r":' .. (#out == 0 and '[]' or cjson.encode(out)) .. '}'
+return '{"t":' .. string.format('%%.6f', clock) .. ',"e":' .. cjson.encode(epoch) .. ',"r":'
+  .. (#out == 0 and '[]' or cjson.encode(out)) .. '}'
 """ % (EXPIRE, EXPIRE)

@@ -173,6 +173,10 @@ class Allowance:
     budget: int = 0
     slots: int = 0
     used: int = 0  # budget tokens finished requests used, not reported yet (in Redis still as reserved)
+    # Budget tokens reserved and slots taken by requests admitted from here and not ended (in Redis
+    # as this router's holdings): what it declares again to a Redis that lost its data.
+    out: int = 0
+    out_slots: int = 0
     # What requests took of each count since the last sync, in each sync's time before it (KEEP
     # seconds' worth, oldest first; emptied once they took nothing in all that time), and the
     # sum of those: what a top-up asks for and a sync keeps is sized by them (:meth:`pace`).
@@ -223,16 +227,21 @@ class Allowance:
         if lim.budget is not None:
             self.budget -= reserve
             recent[2] += reserve
+            self.out += reserve
         if lim.concurrent:
             self.slots -= 1
             recent[3] += 1
+            self.out_slots += 1
 
     def took(self, counts: Counts) -> None:
+        """One request admitted with ``counts`` claimed from here and granted by Redis."""
         recent = self.recent
         recent[0] += counts[0]
         recent[1] += counts[1]
         recent[2] += counts[2]
         recent[3] += counts[3]
+        self.out += counts[2]
+        self.out_slots += counts[3]
 
     def owe(self, reserve: int) -> None:
         """A request bigger than the tokens-per-minute bucket takes it below zero (given back as a debt)."""
@@ -248,8 +257,10 @@ class Allowance:
         if lim.budget:
             self.budget += reserved - used
             self.used += used
+            self.out -= reserved
         if lim.concurrent:
             self.slots += 1
+            self.out_slots -= 1
 
     def pace(self) -> list[int]:
         """What requests take of each count in KEEP seconds, at the pace they took it in the last
@@ -384,6 +395,8 @@ class SharedLimits(ScopedLimits):
         # limits it was for; the least a request must reserve for it to hold).
         self._refused: dict[str, tuple[float, float, Refusal, Any, int]] = {}
         self.instance = secrets.token_hex(8)  # whose holdings these are, in Redis
+        self._epoch = ""  # the Redis data's epoch its allowances came from (llmgw.tenancy.script)
+        self.lost_data = 0  # times Redis was found to have lost the data this router held allowances of
         self.in_flight = 0  # requests admitted from allowances and not ended
         self._redis = redis.from_url(url, socket_timeout=TIMEOUT, socket_connect_timeout=TIMEOUT)
         self._clock = clock
@@ -715,8 +728,17 @@ class SharedLimits(ScopedLimits):
         grants = [p for p in steps if p.answer is not None]
         failed: BaseException | None = None
         try:
+            # The epoch only while something is held: with nothing to lose, any epoch will do.
+            epoch = self._epoch if self._allowances or self._retired else ""
             async with asyncio.timeout(TIMEOUT):
-                reply = await self._steps(args=[payload, self.instance, LEASE])
+                reply = await self._steps(args=[payload, self.instance, LEASE, epoch])
+            lost = self._lost_epoch(reply)
+            if lost is not None:  # Redis lost its data: what this router holds is declared, then the steps
+                again = json.dumps([self._hold_again(steps), *(p.step for p in steps)], separators=(",", ":"))
+                async with asyncio.timeout(TIMEOUT):
+                    reply = await self._steps(args=[again, self.instance, LEASE, lost])
+                if self._lost_epoch(reply) is not None:
+                    raise ValueError("Redis lost its data twice in one call")
             results = self._read(reply, grants)
         except self._away as exc:  # the waiting requests go local (degraded mode)
             self._went_down(exc)
@@ -745,6 +767,8 @@ class SharedLimits(ScopedLimits):
         if isinstance(reply, bytes):
             reply = reply.decode()
         data = json.loads(reply)
+        if isinstance(data, dict) and isinstance(data.get("e"), str):
+            self._epoch = data["e"]
         if not isinstance(data, dict) or type(data.get("t")) not in (int, float) or not isinstance(data.get("r"), list):
             raise ValueError(f"unexpected reply {str(reply)[:200]!r}")
         results = data["r"]
@@ -763,6 +787,41 @@ class SharedLimits(ScopedLimits):
                 raise ValueError(f"unexpected answer {str(r)[:200]!r} to a grant of {len(p.allowances)} scopes")
         self.offset = float(data["t"]) - self._wall()
         return results
+
+    def _lost_epoch(self, reply: Any) -> str | None:
+        """The epoch of a Redis that says it lost the data this router's allowances came from, or None."""
+        text = reply.decode() if isinstance(reply, bytes) else reply
+        if not isinstance(text, str) or not text.startswith('{"lost"'):
+            return None
+        lost = json.loads(text).get("lost")
+        if not isinstance(lost, str):
+            raise ValueError(f"unexpected reply {text[:200]!r}")
+        self.lost_data += 1
+        log.warning("the Redis at %s lost the tenants' limits (restarted without its data, or flushed): this "
+                    "router declares what it holds there again", redacted(self.url))
+        self._epoch = lost
+        return lost
+
+    def _hold_again(self, steps: list[Pending]) -> list[Any]:
+        """The "h" step: per allowance, the budget tokens and slots this router holds in Redis (unused,
+        reserved by requests in flight, used and not reported yet), with what ``steps`` give back
+        of them (those steps run after it, as they would have)."""
+        back: dict[tuple[str, str], list[int]] = {}
+        for p in steps:
+            if p.step[0] == "y":
+                for key, part in zip(p.step[1], p.step[2], strict=True):
+                    extra = back.setdefault((key, str(part[2])), [0, 0])
+                    extra[0] += int(part[5]) + int(part[7])
+                    extra[1] += int(part[6])
+        keys, parts = [], []
+        for a in [*self._allowances.values(), *self._retired]:
+            extra = back.get((a.key, a.period), [0, 0])
+            budget = max(0, a.budget + a.out + a.used) + extra[0] if a.scope.limits.budget else 0
+            slots = max(0, a.slots + a.out_slots) + extra[1] if a.scope.limits.concurrent else 0
+            if budget or slots:
+                keys.append(a.key)
+                parts.append([a.period, budget, slots])
+        return ["h", keys, parts]
 
     def _broken(self, exc: BaseException) -> None:
         kind = type(exc).__name__

@@ -339,3 +339,41 @@ def test_one_router_count_for_every_router_and_a_larger_one_shrinks_a_degraded_s
     assert scope.share == 300
     limiter.set_spent({}, routers=2)
     assert scope.share == 300  # a smaller count never hands out more
+
+
+@pytest_redis
+async def test_allowances_of_a_redis_that_lost_its_data_are_not_admitted_from_again(chat_sim: SimProcess) -> None:
+    """Redis restarted empty between two calls of the routers (none saw it away): the allowances
+    the lost Redis granted are dropped, not spent on top of what the new one grants from the
+    ledger (seen: 21,267 of 20,000 tokens). Overshoot at most a request per router."""
+    port = free_port()
+    redis = redis_server(port)
+    url = f"redis://127.0.0.1:{port}/0"
+    budget = Budget(tokens=20_000, per="day")
+    try:
+        routers = [shared_router(chat_sim.endpoint, url, Limits(budget=budget)) for _ in range(2)]
+        async with AsyncExitStack() as stack:
+            bases = [await stack.enter_async_context(serving(r)) for r in routers]
+            used = 0
+            async with AsyncExitStack() as clients:
+                cs = [await clients.enter_async_context(openai.AsyncOpenAI(
+                    base_url=b + "/v1", api_key="sk-team", max_retries=0, timeout=15)) for b in bases]
+                for _ in range(20):  # both routers busy: each holds an allowance topped up by its pace
+                    for c in cs:
+                        r = await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=100)
+                        used += r.usage.total_tokens
+            held = [sum(a.budget for a in r._limits._allowances.values()) for r in routers]  # noqa: SLF001
+            assert all(h > 0 for h in held), held  # what the lost Redis will have granted them
+            figures = {("team", ""): (period_start(budget, time.time()), used)}  # the ledger, as reported
+            for r in routers:
+                r.set_spent(figures, 2)
+            redis.kill()
+            redis.wait(5)
+            redis = redis_server(port)  # empty: no persistence, and up before any router called
+            after = [await spend(base, max_tokens=100) for base in bases]
+            reservation = 100 + 20  # max_tokens and the prompt's estimate
+            assert used + sum(after) <= budget.tokens + 2 * reservation, (used, after, held)
+            assert sum(getattr(r._limits, "lost_data", 0) for r in routers) >= 1  # noqa: SLF001 - and said
+    finally:
+        redis.kill()
+        redis.wait(5)
