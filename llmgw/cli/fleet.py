@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -248,7 +249,7 @@ def keys(args: argparse.Namespace, client: Client, console: Console) -> int:
         return 0
     if args.keys_action == "revoke":
         try:
-            client.request("DELETE", f"/api/v1/keys/{args.name}", None, actor=args.actor)
+            client.request("DELETE", f"/api/v1/keys/{urllib.parse.quote(args.name, safe='')}", None, actor=args.actor)
         except ApiError as exc:
             return fail(console, str(exc))
         console.print(f"[green]✓[/] API key {_e(args.name)} revoked: routers refuse it from their next request")

@@ -65,6 +65,13 @@ def _option_errors(args: argparse.Namespace) -> list[str]:
         errors.append("--name: names the model given with --model, and there is none")
     if args.tenant is not None and args.key is None:
         errors.append("--tenant: is the tenant of the key made with --key, and there is none")
+    from llmgw.control.keys import NAME
+
+    # Before anything starts: a key refused after the start would leave the router open to anyone.
+    for flag, value in (("--key", args.key), ("--tenant", args.tenant)):
+        if value is not None and not NAME.fullmatch(value):
+            errors.append(f"{flag}: {value!r}: letters, digits, '.', '_' or '-', starting with a letter or digit, "
+                          "at most 64 characters")
     if args.model is not None and not args.model.strip():
         errors.append("--model: an empty path (an unset shell variable?)")
     if args.router_port == args.admin_port:
@@ -117,7 +124,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             _write_atomically(url_file, running.admin_url + "\n")
             made = _make_key(console, running, args.key, args.tenant) if args.key else None
             _welcome(console, running.router_url, running.admin_url, layout, cfg.admin_token, own,
-                     (args.key, made) if made else None)
+                     (args.key, made) if args.key else None)
             await stop.wait()
         finally:
             await _shut_down(console, running, url_file)
@@ -186,8 +193,13 @@ def _make_key(console: Console, running: Running, name: str, tenant: str | None)
     when it was made; only its hash is kept) or it cannot be made (said)."""
     from llmgw.control.keys import KeyRefused
 
-    if name in {k["name"] for k in running.controller.ops.keys()}:
+    existing = {k["name"]: k for k in running.controller.ops.keys()}
+    if name in existing:
         console.print(f"API key {escape(name)} exists (made earlier; only its hash is kept): requests need a key")
+        if tenant is not None and existing[name].get("tenant") != tenant:
+            console.print(f"[yellow]--tenant {escape(tenant)} is not applied to it: it was made for "
+                          f"{escape(str(existing[name].get('tenant') or 'no tenant'))} (revoke it and start again "
+                          "to make it anew)[/]")
         return None
     try:
         made = running.controller.ops.create_key(name, ["*"], "llmgw up", tenant)
@@ -203,26 +215,37 @@ def _key_line(console: Console, layout: UpLayout, name: str, key: str) -> str:
     if _is_tty(console):
         return f"api key    {key}   ({name}: shown this once, only its hash is kept)"
     path = layout.data_dir / f"{name}.key"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    # A new file, so its mode is ours: an older one (perhaps made wider by hand) goes first.
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(key + "\n")
     return f"api key    {name}: in {path} (readable by you only; only its hash is kept)"
 
 
 def _welcome(console: Console, router: str, admin: str, layout: UpLayout, token: str, own: str | None,
-             key: tuple[str, str] | None = None) -> None:
-    """``key``: (name, value) of a key `--key` made now."""
+             key: tuple[str, str | None] | None = None) -> None:
+    """``key``: `--key`'s name and the value made now (None: made at an earlier start)."""
     model = own or "gpt-4o-mini"
     lines = [f"router     {router}/v1   (OpenAI API)",
              f"dashboard  {_dashboard_link(console, admin, layout, token)}",
              f"admin API  {admin}/api/v1   token in {layout.token_file}",
              f"catalog    {layout.catalog}   edit, `git commit`, and it is applied live"]
     bearer, client_key = "", '"unused"'
-    if key is not None:
-        lines.append(_key_line(console, layout, *key))
-        shown, path = _is_tty(console), layout.data_dir / f"{key[0]}.key"
-        bearer = f" -H \"Authorization: Bearer {key[1] if shown else f'$(cat {shlex.quote(str(path))})'}\""
-        client_key = f'"{key[1]}"' if shown else f"open({str(path)!r}).read().strip()"
+    name, value = key if key is not None else ("", None)
+    path = layout.data_dir / f"{name}.key"
+    shown = value is not None and _is_tty(console)
+    if value is not None:
+        try:
+            lines.append(_key_line(console, layout, name, value))
+        except OSError as exc:  # the key is lost to everyone: said, with what to do
+            lines.append(f"api key    {name}: could not be written to {path} ({exc}): `llmgw keys revoke {name}`, "
+                         "then start again")
+    if shown:
+        bearer, client_key = f" -H \"Authorization: Bearer {value}\"", f'"{value}"'
+    elif key is not None and path.exists():  # written now, or at the start that made it
+        bearer = f" -H \"Authorization: Bearer $(cat {shlex.quote(str(path))})\""
+        client_key = f"open({str(path)!r}).read().strip()"
     curl = (f"curl -s {router}/v1/chat/completions -H 'Content-Type: application/json'{bearer} \\\n"
             f"  -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
     py = (f"from openai import OpenAI\nclient = OpenAI(base_url=\"{router}/v1\", api_key={client_key})\n"

@@ -20,7 +20,7 @@ from llmgw.catalog import Catalog
 from llmgw.errors import LlmgwError
 from llmgw.router.keys import ALL_MODELS, hash_key
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # whole: fullmatch (a "$" lets a "\n" end it)
 CLOSED = "(no key: the last one was revoked)"
 PREFIX = "llmgw-"  # a made key says what it is (secret scanners and people can tell it apart)
 
@@ -90,10 +90,10 @@ class KeyBook:
         return out
 
     def create(self, name: str, models: Sequence[str] = (ALL_MODELS,), tenant: str | None = None) -> Made:
-        if not NAME.match(name):
+        if not NAME.fullmatch(name):
             raise KeyRefused(f"key name {name!r}: letters, digits, '.', '_' or '-', starting with a letter or digit, "
                              "at most 64 characters", 400)
-        if tenant is not None and not NAME.match(tenant):
+        if tenant is not None and not NAME.fullmatch(tenant):
             raise KeyRefused(f"tenant {tenant!r}: letters, digits, '.', '_' or '-', starting with a letter or digit, "
                              "at most 64 characters", 400)
         models = tuple(models) or (ALL_MODELS,)

@@ -204,6 +204,7 @@ class Offers:
     engines: tuple[str, ...] = ()  # engine names it can start
     local_roots: tuple[str, ...] = ()  # where file:// sources may be copied from (local_sources, model_dirs)
     model_dirs: tuple[str, ...] = ()  # where plain-path sources (an operator's copy) may lie
+    owner_env: tuple[str, ...] = ()  # env names only the node's owner sets: a start naming one is refused
 
 
 @dataclass(frozen=True)
@@ -476,7 +477,7 @@ def parse_offers(raw: Any) -> Offers | None:
         value = raw.get(key)
         return tuple(str(v) for v in value if isinstance(v, str)) if isinstance(value, list | tuple) else ()
 
-    return Offers(strings("engines"), strings("local_roots"), strings("model_dirs"))
+    return Offers(strings("engines"), strings("local_roots"), strings("model_dirs"), strings("owner_env"))
 
 
 def parse_lease(raw: Any) -> Lease | None:

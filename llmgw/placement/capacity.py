@@ -153,6 +153,10 @@ def offer_reasons(model: Model, profile: Profile, node: Node, *, rank: int = 0) 
     refused_env = sorted(k for k, _ in profile.env if k not in env_allow) if env_allow else []
     if refused_env:
         reasons.append(f"node does not allow env {', '.join(refused_env)} (its env_allow): {NEVER}")
+    owners = sorted(k for k, _ in profile.env if k in offers.owner_env)
+    if owners:
+        reasons.append(f"env {', '.join(owners)} is set by the node's owner only (its engine_env), whatever env_allow "
+                       f"says: {NEVER}")
     engine = shard_engine(profile, rank)
     if engine not in offers.engines:
         reasons.append(f"node has no {engine} engine (its agent config has {', '.join(offers.engines) or 'none'}): "

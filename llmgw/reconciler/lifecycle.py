@@ -285,11 +285,14 @@ class Lifecycle:
         return True
 
     def _retry_if_settings_changed(self, r: Replica, inventory: Inventory, now: float) -> Replica:
-        """A failed replica waiting out its backoff is retried now, its count started afresh, when the
+        """A failed replica waiting out its backoff is retried now (its count going on) when the
         config of a node it runs on changed since it failed: an owner who fixed what refused or broke
         the start (engines, sandbox_paths, env_allow, ...) should not wait up to the backoff's cap
         (seen: 32 s after the fix)."""
-        if r.state != S.FAILED or r.retry_at is None or now >= r.retry_at:
+        if r.state != S.FAILED or r.retry_at is None or now >= r.retry_at \
+                or r.failures >= self.config.crash_loop_after:
+            # In a crash loop the backoff holds, whatever the node reports: a digest that changes
+            # at every poll (a tool stamping the file) must not restart it every tick.
             self._failed_on.pop(r.id, None)
             return r
         nodes = sorted(set(r.nodes))
@@ -307,7 +310,7 @@ class Lifecycle:
         del self._failed_on[r.id]
         self.store.add_event("replica-retry", r.id, f"{r.model}: the config of node {', '.join(changed)} changed since "
                              f"it failed: retried now, not in {r.retry_at - now:.0f}s")
-        return replace(r, retry_at=now, failures=0)
+        return replace(r, retry_at=now)  # the count goes on: a fix that did not fix it backs off as before
 
     def _failed(self, r: Replica, now: float, error: str, *, permanent: bool = False) -> Replica:
         c = self.config

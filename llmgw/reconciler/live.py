@@ -121,7 +121,7 @@ class LiveInventory:
         h = self._holders.get(node_id)
         if h is None or (h.holder, h.epoch) != (lease.holder, lease.epoch):  # another took it: judged afresh
             self._holders[node_id] = _Holder(lease.holder, lease.epoch, lease.heard)
-        elif lease.heard is not None and (h.heard is None or lease.heard > h.heard):
+        elif lease.heard is not None and lease.heard != h.heard:  # moved either way: a node's clock may step back
             self._holders[node_id] = _Holder(h.holder, h.epoch, lease.heard, self.clock())
 
     def _note_lost(self, node_id: str, before: Lease | None, now: Lease | None) -> None:

@@ -270,7 +270,7 @@ class FeedClient:
                 raise TypeError("unrunnable must map model names to reasons")
             keys = None
             if self.follow_keys and snap.get("api_keys") is not None:
-                keys = KeyRing.from_entries(snap["api_keys"], where="the controller's api_keys")
+                keys = KeyRing.from_entries(snap["api_keys"], where="the controller's api_keys", strict=False)
             limits_redis = snap.get("limits_redis", "")
             if not isinstance(limits_redis, str):
                 raise TypeError("limits_redis must be a redis:// URL")

@@ -91,15 +91,19 @@ class KeyRing:
         return found
 
     @classmethod
-    def from_entries(cls, entries: Sequence[Any], *, where: str = "api keys") -> KeyRing:
-        """Keys from raw entries (config file or controller config); raises ConfigError on a bad one."""
+    def from_entries(cls, entries: Sequence[Any], *, where: str = "api keys", strict: bool = True) -> KeyRing:
+        """Keys from raw entries (config file or controller config); raises ConfigError on a bad one.
+        ``strict``: an unknown field is an error (a misspelt "models" in a file a person wrote);
+        not for the controller's snapshot, where it is a field a newer controller sends (seen: a
+        router one version behind refused every snapshot once a key had a tenant, and went on
+        honouring revoked keys)."""
         keys = []
         for i, raw in enumerate(entries):
             if not isinstance(raw, dict):
                 raise ConfigError(f"{where}[{i}]: expected a mapping with sha256 and models")
             # A misspelt "models" would otherwise leave the key its default: every model.
             unknown = sorted(str(k) for k in set(raw) - {"name", "sha256", "models", "tenant"})
-            if unknown:
+            if unknown and strict:
                 raise ConfigError(f"{where}[{i}]: unknown key(s): {', '.join(unknown)} "
                                   "(known: models, name, sha256, tenant)")
             tenant = raw.get("tenant")

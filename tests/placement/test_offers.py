@@ -61,3 +61,12 @@ def test_env_the_node_does_not_allow_and_a_broken_sandbox_are_said_before_the_no
     assert not placed(m, broken)
     text = "\n".join(explain(catalog(m), inventory(broken), [], "chat").lines())
     assert "refuses every start until its owner fixes its sandbox: bubblewrap cannot run here" in text
+
+
+def test_env_only_the_owner_sets_is_said_whatever_env_allow_says() -> None:
+    m = model("chat", replace(profile("cpu", gpus=0), env=(("HF_HUB_OFFLINE", "0"),)), source="hf://org/chat")
+    n = offering(node("n"), replace(OFFERS, owner_env=("HF_HUB_OFFLINE", "VLLM_NO_USAGE_STATS")))
+    allowing = replace(n, report=replace(n.report, env_allow=("HF_HUB_OFFLINE",)))
+    assert not placed(m, allowing)
+    text = "\n".join(explain(catalog(m), inventory(allowing), [], "chat").lines())
+    assert "env HF_HUB_OFFLINE is set by the node's owner only (its engine_env)" in text

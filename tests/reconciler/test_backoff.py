@@ -37,3 +37,35 @@ def test_only_time_serving_counts() -> None:
     # A first failure has nothing to forget.
     fresh = replica("m-g1", state=ReplicaState.READY, ready_since=0.0, failures=0)
     assert next_failure(fresh, 10_000.0, POLICY).forgot is False
+
+
+def test_a_node_config_change_retries_a_failed_replica_once_per_failure_and_never_in_a_crash_loop() -> None:
+    """A digest that changes at every poll (a tool stamping the node's config file) must not turn
+    the backoff into a start every tick: the count goes on, and a crash loop keeps its backoff."""
+    from llmgw.inventory import Inventory
+    from llmgw.reconciler.config import ReconcilerConfig
+    from llmgw.reconciler.lifecycle import Lifecycle
+    from tests.placement.fleet import node
+
+    class Events:
+        def __init__(self) -> None:
+            self.kinds: list[str] = []
+
+        def add_event(self, kind: str, subject: str, message: str) -> None:
+            self.kinds.append(kind)
+            assert subject and message
+
+    def fleet(digest: str) -> Inventory:
+        n = node("a")
+        return Inventory({"a": replace(n, report=replace(n.report, settings=digest))}, 0.0)
+
+    events = Events()
+    life = Lifecycle(None, None, events, ReconcilerConfig(), clock=lambda: 0.0)  # type: ignore[arg-type]
+    failed = replace(replica("m-g1"), state=ReplicaState.FAILED, state_since=100.0, retry_at=200.0, failures=2)
+    assert life._retry_if_settings_changed(failed, fleet("d1"), 110.0) == failed  # noqa: SLF001 - seen as it was
+    retried = life._retry_if_settings_changed(failed, fleet("d2"), 120.0)  # noqa: SLF001
+    assert (retried.retry_at, retried.failures, events.kinds) == (120.0, 2, ["replica-retry"])
+    looping = replace(failed, failures=ReconcilerConfig().crash_loop_after, state_since=300.0, retry_at=400.0)
+    for i, digest in enumerate(("d3", "d4", "d5")):
+        assert life._retry_if_settings_changed(looping, fleet(digest), 310.0 + i) == looping  # noqa: SLF001
+    assert events.kinds == ["replica-retry"]

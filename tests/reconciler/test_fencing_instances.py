@@ -210,3 +210,7 @@ async def test_a_node_fenced_by_a_silent_controller_is_lapsing_and_by_a_live_one
         now[0] += 1
         await live_b.poll()
         assert not lapsing()  # it came back
+        now[0] += GRACE + 1
+        silence(node, 3600)  # heard from, on a node whose clock stepped back an hour (NTP, a VM restored)
+        await live_b.poll()
+        assert not lapsing()  # it spoke: "heard" moved, backwards or not

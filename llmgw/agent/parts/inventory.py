@@ -29,7 +29,7 @@ from llmgw.agent.parts.protocol import (
     TRASH_PREFIX,
     JsonDict,
 )
-from llmgw.agent.parts.sandbox import confinement
+from llmgw.agent.parts.sandbox import OWNER_ENV, confinement
 from llmgw.agent.parts.status import engine_views
 
 # ----------------------------------------------------------------------------------------------
@@ -79,7 +79,9 @@ def verb_inventory(cfg: NodeConfig, request: JsonDict) -> JsonDict:
         # Each root as configured and as resolved: a catalog may name it either way.
         "offers": {"engines": sorted(cfg.engines),
                    "local_roots": sorted(set(cfg.local_sources + cfg.model_dirs + local_source_roots(cfg))),
-                   "model_dirs": sorted(set(cfg.model_dirs + tuple(os.path.realpath(d) for d in cfg.model_dirs)))},
+                   "model_dirs": sorted(set(cfg.model_dirs + tuple(os.path.realpath(d) for d in cfg.model_dirs))),
+                   # Env names only the owner sets (engine_env): a start that sets one is refused.
+                   "owner_env": sorted(OWNER_ENV)},
         "lease": lease,
         # A digest of the node config as its owner wrote it: the controller retries a replica that
         # failed here at once when it changes (the owner fixed what refused or broke the start),
