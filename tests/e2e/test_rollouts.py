@@ -157,7 +157,11 @@ def test_a_slow_change_is_rolled_back_by_its_time_to_first_token(sshd_fleet, tmp
             back = ctl.wait_event(("rollout-rolled-back", "rollout-promoted", "rollout-done"), "chat", after=mark)
             [canary] = ctl.canaries("chat", after=mark)
             gone(ctl, canary)
-        assert back["kind"] == "rollout-rolled-back" and "p95 time to first token" in back["message"], back
+        # Judged slow by the figure whose samples came first: streams' time to first token, or whole
+        # answers' time per output token, which a 2 s first token makes 20x slower too (CI saw the
+        # window close on 5 canary requests, 4 of them whole answers).
+        assert back["kind"] == "rollout-rolled-back" and any(
+            f in back["message"] for f in ("p95 time to first token", "p95 time per output token")), back
         assert "error rate" not in back["message"], back  # slow, not failing
         assert failures(load.outcomes) == [], failures(load.outcomes)[:5]
         assert {r["id"] for r in ctl.ready("chat", 2)} == stable
