@@ -361,3 +361,16 @@ def test_rollout_bench_knows_a_wrong_answer_as_the_simulator_writes_it() -> None
     other = rb.sim_text(asked, rb.LOAD_TOKENS, "other")
     assert right != other
     assert rb.wrong(Outcome(0, 1, None, other, asked)) and not rb.wrong(Outcome(0, 1, None, right, asked))
+
+
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not installed")
+def test_budget_bench_quick_holds_each_budget_and_says_so_last() -> None:
+    """Not a speed: whether a budget holds with Redis away (routers restarted) and emptied."""
+    out = subprocess.run([sys.executable, str(BENCH / "budget_bench.py"), "--quick"], capture_output=True, text=True,
+                         timeout=240)
+    verdict = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0 and verdict["met"], out.stdout[-2000:] + out.stderr[-2000:]
+    for case in ("away", "emptied"):
+        c = verdict[case]
+        assert c["served"] <= c["budget"] + c["routers"] * verdict["reservation"], c
+    assert verdict["away"]["during"][-1] == 0  # a router restarted while Redis is away grants nothing

@@ -118,14 +118,16 @@ class Limiter:
     def scopes(self) -> Iterable[Scope]:
         return self._scopes.values()
 
-    def degrade(self, known: Mapping[str, tuple[float, int]], now: float, *, unseen: bool = False) -> None:
+    def degrade(self, known: Mapping[str, tuple[float, int]], now: float, *, unseen: bool = False,
+                spent: Mapping[str, int] | None = None) -> None:
         """Redis went away: from now on each budget is granted from this router's share of what
         was left (its remaining tokens per the ledger, or ``known`` — scope name → period, tokens
         Redis last said were used and reserved — whichever says more was spent, divided among the
         routers), never from a fresh budget: N routers alone must not grant N budgets. Scopes
         already degraded (carried over from the last catalog) keep their share. ``unseen``: this
         router never reached Redis since it started; it grants no budget (its share before a restart
-        is not known to it)."""
+        is not known to it). ``spent``: scope name → budget tokens this router admitted since Redis
+        last answered, which no figure above knows of: taken off its share."""
         self.degraded = True
         for s in self._scopes.values():
             b = s.limits.budget
@@ -133,9 +135,14 @@ class Limiter:
                 continue
             start = period_start(b, now)
             seen = known.get(s.name)
-            base = max(s.ledger_used(start), seen[1] if seen is not None and seen[0] == start else 0)
+            ledger, said = s.ledger_used(start), seen[1] if seen is not None and seen[0] == start else 0
+            base = max(ledger, said)
             s.period, s.used, s.base = start, 0, base
-            s.share = 0 if unseen else max(0, b.tokens - base) // self.routers
+            # What Redis last said counts every router's allowances as reserved, this one's with them;
+            # the ledger counts none: from it, what this router took from its own since is its own to
+            # take off (each router alike, so together they grant what was left).
+            own = (spent or {}).get(s.name, 0) if ledger >= said else 0
+            s.share = 0 if unseen else max(0, max(0, b.tokens - base) // self.routers - own)
             s.unseen = unseen
 
     def undegrade(self) -> None:

@@ -177,6 +177,9 @@ class Allowance:
     # as this router's holdings): what it declares again to a Redis that lost its data.
     out: int = 0
     out_slots: int = 0
+    # Budget tokens unspent here when Redis last answered: what this router may spend from its
+    # allowance after Redis went away (no ledger figure counts it), taken off its degraded share.
+    held_at_call: int = 0
     # What requests took of each count since the last sync, in each sync's time before it (KEEP
     # seconds' worth, oldest first; emptied once they took nothing in all that time), and the
     # sum of those: what a top-up asks for and a sync keeps is sized by them (:meth:`pace`).
@@ -328,6 +331,12 @@ class Allowance:
             earlier.clear()
 
     @property
+    def spent_since_call(self) -> int:
+        """Budget tokens taken from here since Redis last answered (reservations of requests in
+        flight included), at most what it held then."""
+        return max(0, self.held_at_call - max(0, self.budget))
+
+    @property
     def holds(self) -> bool:
         return bool(self.requests or self.tokens or self.budget or self.slots)
 
@@ -422,6 +431,8 @@ class SharedLimits(ScopedLimits):
         self._sync: asyncio.TimerHandle | None = None
         self._beat: asyncio.TimerHandle | None = None
         self._retired: list[Allowance] = []  # of an ended period or old limits, to give back
+        # Scope name -> budget tokens taken from allowances since Redis last answered, of those dropped.
+        self._taken_alone: dict[str, int] = {}
 
     async def admit(self, key: str, models: tuple[str, ...], reserve: int,
                     now: float) -> Ticket | SharedTicket | Refusal | None:
@@ -476,7 +487,7 @@ class SharedLimits(ScopedLimits):
         if self._down_until and self._clock() < self._down_until:
             now += self.offset
             if not limiter.degraded:
-                limiter.degrade(self._known, now, unseen=not self._answered)
+                limiter.degrade(self._known, now, unseen=not self._answered, spent=self._spent_alone())
             return limiter.precheck(key, reserve, now)
         s = limiter.tenant_scope(key)
         if s is None:
@@ -520,7 +531,7 @@ class SharedLimits(ScopedLimits):
                now: float) -> Ticket | Refusal | None:
         """Degraded mode: in memory, each budget from this router's share of what was left."""
         if not limiter.degraded:
-            limiter.degrade(self._known, now, unseen=not self._answered)
+            limiter.degrade(self._known, now, unseen=not self._answered, spent=self._spent_alone())
         return limiter.admit(key, models, reserve, now)
 
     async def _admit(self, limiter: Limiter, scopes: tuple[Scope, ...], reserve: int,
@@ -748,6 +759,7 @@ class SharedLimits(ScopedLimits):
             failed = LimitsBroken(f"{type(exc).__name__}: {exc}")
         if failed is None:
             self._answered = True
+            self._taken_alone.clear()
         if failed is not None:
             # A call that failed may have run in Redis, wholly or in part (a script that raises
             # keeps what it wrote): what this router holds there is not known any more.
@@ -760,6 +772,8 @@ class SharedLimits(ScopedLimits):
             self._granted(p, result)  # into the allowances, even if its request is gone
             if p.answer is not None and not p.answer.done():
                 p.answer.set_result(result)
+        for a in self._allowances.values():
+            a.held_at_call = max(0, a.budget)
 
     def _read(self, reply: Any, grants: list[Pending]) -> list[Any]:
         """The script's reply, checked against the grants it answers (ValueError when it does not
@@ -823,6 +837,19 @@ class SharedLimits(ScopedLimits):
                 parts.append([a.period, budget, slots])
         return ["h", keys, parts]
 
+    def _spent_alone(self) -> dict[str, int]:
+        """Scope name -> budget tokens this router took from its allowances since Redis last answered
+        (those it dropped since, and those it holds): what it may have spent after Redis went away
+        and before it noticed, which neither the ledger nor Redis's last figure counts as used.
+        Degraded mode takes them off its share (seen: each router spent its allowance, then a
+        whole share: 6,195 of 6,000). Spent before Redis went away, they are counted twice: a
+        share smaller by at most that allowance, never larger."""
+        out = dict(self._taken_alone)
+        for a in self._allowances.values():
+            if a.spent_since_call:
+                out[a.scope.name] = out.get(a.scope.name, 0) + a.spent_since_call
+        return out
+
     def _broken(self, exc: BaseException) -> None:
         kind = type(exc).__name__
         if self._on_error is not None:
@@ -840,6 +867,9 @@ class SharedLimits(ScopedLimits):
         the old one held goes back to everyone when its lease runs out. (Its requests in flight
         end into the old allowances, which are not given back: their lease does it.)"""
         self.instance = secrets.token_hex(8)
+        for a in self._allowances.values():
+            if a.spent_since_call:
+                self._taken_alone[a.scope.name] = self._taken_alone.get(a.scope.name, 0) + a.spent_since_call
         self._allowances = {}
         self._current = {}
         self._retired = []
