@@ -31,11 +31,12 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from llmgw import jsonbody
 from llmgw.catalog import Catalog
@@ -123,6 +124,7 @@ class FeedHub:
         self.configured_routers = 0  # router.limits_routers: the count every router is told (0: learned)
         self._most_routers = 1  # the most routers heard from at once (the learned count)
         self.refused_routers = 0  # reports from a new router id refused at MAX_ROUTERS
+        self.malformed_reports = 0  # reports refused as malformed or past a bound (400)
         self._line_budgets = -1  # the book's version the line was built with
         self.watchers = 0
         # None: this controller leads alone. Else () -> (standing by?, the leader's admin URL).
@@ -372,8 +374,10 @@ class FeedHub:
             leaving = data.get("leaving", False) is True
         except KeyError as exc:
             # The admin API's error shape ({"error": "..."}), not the OpenAI one: this is an admin route.
+            self.malformed_reports += 1
             return web.json_response({"error": f"malformed router report: {exc.args[0]} is missing"}, status=400)
         except (ValueError, TypeError, AttributeError, OverflowError) as exc:
+            self.malformed_reports += 1
             return web.json_response({"error": f"malformed router report: {exc}"}, status=400)
         if router_id not in self._reports and len(self._live_reports()) >= MAX_ROUTERS:
             self.refused_routers += 1
@@ -546,3 +550,25 @@ class MergedUsage:
                 for instance, replicas in read().items():
                     out[instance] = dict(replicas)
         return out
+
+
+class ReportsCollector:
+    """What the controller dropped of routers' reports (issue 39: bounded, and said): reports
+    refused, by why, and routers' readings forgotten past what is remembered."""
+
+    def __init__(self, hub: FeedHub, forgotten: Callable[[], int]) -> None:
+        self._hub = hub
+        self._forgotten = forgotten
+
+    def collect(self) -> Iterator[Metric]:
+        refused = CounterMetricFamily("llmgw_controller_router_reports_refused",
+                                      "Router reports refused: from a router past the most that may report at once "
+                                      "(too_many_routers), or malformed or past a bound (malformed).",
+                                      labels=("reason",))
+        refused.add_metric(("too_many_routers",), self._hub.refused_routers)
+        refused.add_metric(("malformed",), self._hub.malformed_reports)
+        yield refused
+        yield CounterMetricFamily("llmgw_controller_router_readings_forgotten",
+                                  "Router processes whose last canary reading was forgotten, past the most "
+                                  "remembered (a router sending a new process id with each report?).",
+                                  value=self._forgotten())

@@ -100,7 +100,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     check_free(cfg.router_listen, router_flag)
     raise_fd_limit()
     throttle_loop_errors()
-    from llmgw.control.feed import Fanout, FeedHub, MergedUsage
+    from llmgw.control.feed import Fanout, FeedHub, MergedUsage, ReportsCollector
     from llmgw.control.keys import KeyBook
     from llmgw.router.app import Router
     from llmgw.router.config import RouterConfig
@@ -126,6 +126,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     # Usage per tenant and API key on the admin listener's /api/v1/metrics, behind its token; the
     # router's client port serves only its own series (llmgw.router.metrics).
     controller.registry.register(router.metrics.usage)
+    controller.registry.register(ReportsCollector(hub, lambda: controller.reconciler.rollouts.meter.forgotten))
     wake = lambda _model: controller.reconciler.notify()  # noqa: E731 - one-line adapter
     attach_router(router, controller.desired, wake=wake)
     hub.wake = wake

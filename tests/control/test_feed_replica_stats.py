@@ -183,3 +183,14 @@ async def test_reports_are_bounded_in_routers_and_entries_and_what_is_refused_is
         assert status == 400 and "last_used" in answer["error"]
         status, answer = await post(url, {"router_id": "r1", "demand": {k: {"held": 1} for k in big}})
         assert status == 400 and "demand" in answer["error"]
+    # What was dropped is counted where an operator looks: the controller's metrics.
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from llmgw.control.feed import ReportsCollector
+
+    registry = CollectorRegistry()
+    registry.register(ReportsCollector(hub, lambda: 7))
+    text = generate_latest(registry).decode()
+    assert 'llmgw_controller_router_reports_refused_total{reason="too_many_routers"} 1.0' in text
+    assert 'llmgw_controller_router_reports_refused_total{reason="malformed"} 2.0' in text
+    assert "llmgw_controller_router_readings_forgotten_total 7.0" in text
