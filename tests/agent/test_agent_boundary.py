@@ -275,6 +275,15 @@ ARG_VECTORS = [
     ("vllm", ["--config", "/etc/llmgw/agent.json"]),
     ("vllm", ["--log-config-file", "~/../../../../etc/x"]),
     ("vllm", ["--tool-server", "demo"]),
+    # vLLM 0.32.0's parser, option by option (llmgw/agent/parts/args.py).
+    ("vllm", ["--log-config-file", "{weights}/logging.json"]),  # handlers to another machine, classes
+    ("vllm", ["--logging-config", '{"pylogging_config_file": "logging.json"}']),
+    ("vllm", ["--ec-manager-config", '{"encoder_cache_manager_cls": "os.system"}']),
+    ("vllm", ["--mm-encoder-fp8-scale-path", "/etc/shadow"]),
+    ("vllm", ["--mm-encoder-fp8-scale-save-path", "{weights}/scales"]),
+    ("vllm", ["--data-parallel-rpc-port", "29550"]),  # a listener beside the agent's port
+    ("vllm", ["-dpp", "29550"]),
+    ("vllm", ["--structured-outputs-config", '{"reasoning_parser_plugin": "/etc/x.py"}']),
     ("sglang", ["--model-path", "/root/.ssh"]),
     ("sglang", ["--file-storage-path", "../../.."]),
     ("sglang", ["--delete-ckpt-after-loading"]),

@@ -36,8 +36,10 @@ from llmgw.agent.parts.protocol import Refused
 # supervisor ports listen beside the one port the agent chose. What can be parsed exactly is a peer
 # flag (PEER_FLAGS, checked against rpc_peers); these cannot, so no node setting allows them.
 # Lists checked against llama-server 0.5.0's --help (--models-* and the downloads again against the
-# build of scripts/build-llama-server), vLLM 0.11's arg_utils.py/cli_args.py and SGLang 0.5's
-# server_args.py (README, real-fleet guide).
+# build of scripts/build-llama-server), SGLang 0.5's server_args.py (README, real-fleet guide), and
+# vLLM 0.32.0's own parser: every one of the 317 options of `vllm serve` as the build of
+# scripts/build-vllm-cpu makes it (vllm.entrypoints.launchers.cli_args.make_arg_parser), with the
+# fields of each JSON config flag's dataclass that name a path, a host, a class or a plugin.
 def _flag_table(**groups: str) -> Dict[str, str]:
     return {flag: mode for mode, flags in groups.items() for flag in flags.split()}
 
@@ -59,13 +61,16 @@ PATH_FLAGS: Dict[str, Dict[str, str]] = {
         r="--model --tokenizer --hf-config-path --generation-config --allowed-local-media-path --lora-modules "
           "--default-mm-loras --chat-template --ssl-keyfile --ssl-certfile --ssl-ca-certs --spec-model "
           "--tool-parser-plugin --reasoning-parser-plugin --speculative-config -sc --model-loader-extra-config "
-          "--log-config-file --additional-config",
-        w="--download-dir --uds --compilation-config -cc -O --profiler-config",
+          "--additional-config --structured-outputs-config --mm-encoder-fp8-scale-path",
+        w="--download-dir --uds --compilation-config -cc -O --profiler-config --mm-encoder-fp8-scale-save-path",
         x="--tool-server",
-        o="--config",
+        # A logging dictConfig (--log-config-file, --logging-config's pylogging_config_file) names
+        # handler classes to import and build: an HTTPHandler or SocketHandler sends every log line
+        # to another machine. --ec-manager-config names a class to import.
+        o="--config --log-config-file --logging-config --ec-manager-config",
         n="--kv-events-config --kv-transfer-config --ec-transfer-config --otlp-traces-endpoint "
           "--weight-transfer-config --grpc-port --data-parallel-supervisor-port "
-          "--data-parallel-multi-port-external-lb -dpm"),
+          "--data-parallel-multi-port-external-lb -dpm --data-parallel-rpc-port -dpp"),
     "sglang": _flag_table(
         r="--model-path --model --tokenizer-path --chat-template --completion-template --quantization-param-path "
           "--rl-quant-profile --modelopt-checkpoint-restore-path --speculative-draft-model-path "
@@ -100,7 +105,7 @@ REFUSED_MODES = ("x", "o", "n")  # strongest first
 # one that these tables do not know is refused, not let through as a path check (seen: SGLang's
 # --hicache-storage-backend mooncake with a master_server_address in its extra config). The flags
 # of a family known to stay on the node are listed; those whose value names a place are parsed
-# (VALUE_RULES). SGLang 0.5.x's server_args.py; vLLM 0.18's.
+# (VALUE_RULES). SGLang 0.5.x's server_args.py; vLLM 0.32.0's parser (none new since 0.18).
 FAMILIES: Dict[str, Tuple[str, ...]] = {
     "sglang": ("--hicache-", "--lmcache-", "--disaggregation-", "--encoder-", "--remote-instance-", "--flexkv-",
                "--mooncake-", "--pdlb-", "--nixl-", "--hf3fs-", "--eic-", "--aibrix-"),
