@@ -13,8 +13,9 @@ import hashlib
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
+from llmgw.catalog.model import Engine
 from llmgw.dispatch.base import VERBS, AgentVerbs, Answer, HelloAnswer
 from llmgw.errors import AgentError, DispatchError, NodeUnreachable
 
@@ -53,7 +54,9 @@ class FakeNode:
     weights: dict[str, dict[str, Any]] = field(default_factory=dict)  # cache name → weight entry
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)  # replica id → engine entry
     foreign: list[str] = field(default_factory=list)
-    engine_names: tuple[str, ...] = ("sim", "vllm", "sglang", "llamacpp")
+    # Every engine the catalog knows, spelt as it does (a hand-made list spelt "llamacpp": a default
+    # fake node refused every llama.cpp start).
+    engine_names: tuple[str, ...] = get_args(Engine)
     advertise_address: str = "127.0.0.1"
     port_range: tuple[int, int] = (8000, 8099)  # the fake hands out ports from here, never probing
     fetch_bytes: int = 1024

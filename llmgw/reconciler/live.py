@@ -62,9 +62,6 @@ class LiveInventory:
         self._nodes = follow_nodes(self._nodes, specs)
         self._gpu_notes = {k: v for k, v in self._gpu_notes.items() if k in self._nodes}
 
-    def operator_state(self, node_id: str) -> NodeState:
-        return NodeState(self.store.node_states().get(node_id, NodeState.READY.value))
-
     def set_operator_state(self, node_id: str, state: NodeState) -> None:
         """Cordon, drain or uncordon (READY); stored so a restart keeps it."""
         if state not in OPERATOR_STATES:

@@ -23,7 +23,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import yaml
 
@@ -32,14 +32,6 @@ from llmgw.errors import ConfigError
 from llmgw.router.routes import RouteModel
 
 ALL_MODELS = "*"
-
-
-class ApiKeyEntry(TypedDict, total=False):
-    """One key as written in a config file."""
-
-    sha256: str
-    models: list[str]
-    name: str
 
 
 @dataclass(frozen=True)

@@ -152,11 +152,6 @@ def capped_fields(a: Asked, *, chat: bool, cap_unasked: bool) -> dict[str, int] 
     return fields
 
 
-def completion_asked(body: Mapping[str, object]) -> int | None:
-    """The largest completion limit a request sets; None when absent or "unlimited" (llama.cpp's -1)."""
-    return asked_for(body).completion
-
-
 def _count(v: object) -> int | None:
     if type(v) is bool:
         return None

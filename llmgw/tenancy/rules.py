@@ -70,9 +70,6 @@ class Bucket:
         """Seconds until ``amount`` is available (after refill)."""
         return 0.0 if self.level >= amount else (amount - self.level) * 60.0 / self.capacity
 
-    def until_full(self) -> float:
-        return (self.capacity - self.level) * 60.0 / self.capacity
-
 
 @dataclass(slots=True)
 class Scope:

@@ -51,9 +51,6 @@ class Account:
     reserved: int = 0
 
 
-NO_ACCOUNT = Account("")
-
-
 class UsageOutbox:
     """Usage counted and not yet acknowledged by the controller, as numbered batches.
 

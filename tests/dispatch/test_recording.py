@@ -54,3 +54,17 @@ async def test_scripted_failures() -> None:
     with pytest.raises(ValueError):
         d.fail_next("a", "rm", AgentError("x"))
     assert len(d.calls) == 5
+
+
+async def test_a_default_fake_node_starts_every_engine_the_catalog_knows_and_refuses_others() -> None:
+    """Spelt as the catalog spells them (the list spelt "llamacpp": every llama.cpp start refused)."""
+    from typing import get_args
+
+    from llmgw.catalog.model import Engine
+
+    async with RecordingDispatcher(["a"]) as d:
+        for i, engine in enumerate(get_args(Engine)):
+            assert (await d.start("a", {"replica_id": f"r{i}", "engine": engine}))["port"] == 8000 + i
+        assert "llama.cpp" in get_args(Engine)
+        with pytest.raises(AgentError, match="'llamacpp' is not allowed"):
+            await d.start("a", {"replica_id": "x", "engine": "llamacpp"})
