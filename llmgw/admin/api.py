@@ -88,7 +88,7 @@ async def summary(request: web.Request) -> web.Response:
     c = ctl(request)
     return web.json_response({**views.summary_view(
         c.catalog, c.inventory(), c.replicas(), c.sync_status.to_json(),
-        c.unplaced(), c.rollouts()), "leadership": c.leadership(), "warnings": c.key_warnings()})
+        c.unplaced(), c.rollouts()), "leadership": c.leadership(), "warnings": c.warnings()})
 
 
 async def get_sync(request: web.Request) -> web.Response:

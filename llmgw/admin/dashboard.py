@@ -53,7 +53,7 @@ async def dashboard(request: web.Request) -> web.Response:
     page = _ENV.get_template("dashboard.html").render(
         # The refresh names its target: the bare path, never whatever query this request had.
         refresh=request.path,
-        warnings=(*request.app.get(WARNINGS, ()), *c.key_warnings()),
+        warnings=(*request.app.get(WARNINGS, ()), *c.warnings()),
         now=now,
         since=lambda t: _since(t, now),
         sync=c.sync_status.to_json(),

@@ -218,6 +218,12 @@ class FleetOps:
         """Each tenant budget: size, used this period, left, when it resets (none: no router here)."""
         return self._c.budgets.view() if self._c.budgets is not None else []
 
+    def warnings(self) -> list[str]:
+        """What status says is wrong though the controller runs: key warnings, a catalog that did
+        not reach every part."""
+        problem = self._c.desired.problem
+        return self.key_warnings() + ([problem] if problem else [])
+
     def key_warnings(self) -> list[str]:
         """Tenants naming keys no API key has, keys made for a tenant the catalog overrules (status,
         the dashboard, an event once per catalog)."""

@@ -35,6 +35,10 @@ class DesiredState:
         self._catalog = catalog
         self._subs: list[_Sub] = []
         self._lock = threading.Lock()
+        self.failures = 0  # subscribers that raised, since start
+        # Why the last catalog did not reach every subscriber (None: it did): said in status.
+        self.problem: str | None = None
+        self._failed_order = 0
 
     @property
     def catalog(self) -> Catalog | None:
@@ -52,14 +56,27 @@ class DesiredState:
     def set(self, catalog: Catalog) -> None:
         """Put ``catalog`` in force and tell every subscriber, in order.
 
-        A subscriber that raises is logged with its traceback and the others are still
-        told: one broken view must not leave the rest on the old desired state.
+        A subscriber that raises is logged with its traceback and counted, and the others of its
+        order are still told; those of a later order are not: the order is the guarantee (seen: a
+        router that failed to take a catalog, and the reconciler told anyway, stopped replicas the
+        router still sent to). The next catalog is told to all again. ``problem`` says what failed.
         """
         with self._lock:
             self._catalog = catalog
             subs = list(self._subs)
+        failed: list[str] = []
         for sub in subs:
+            if failed and sub.order > self._failed_order:
+                break
             try:
                 sub.fn(catalog)
-            except Exception:  # noqa: BLE001 - isolate subscribers; logged with traceback
+            except Exception as exc:  # noqa: BLE001 - isolate subscribers; logged with traceback, counted, said
                 log.exception("desired-state subscriber %r failed", sub.fn)
+                self.failures += 1
+                if not failed:
+                    self._failed_order = sub.order
+                failed.append(f"{getattr(sub.fn, '__qualname__', sub.fn)}: {type(exc).__name__}: {exc}")
+        self.problem = None if not failed else (
+            f"the applied catalog did not reach every part: {'; '.join(failed)[:500]}"
+            + ("; later parts (the reconciler) were not told, and keep the catalog before" if
+               any(s.order > self._failed_order for s in subs) else ""))
