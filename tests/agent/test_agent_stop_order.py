@@ -18,8 +18,19 @@ from tests.agent.helpers import Node, wait_for
 
 # The main process starts a worker, and on SIGTERM tells it to go (SIGUSR1) before going itself;
 # the worker says which signal reached it.
+# The main process is ready for SIGTERM before its worker exists: the test stops the engine once
+# the worker says it is up (seen in CI: the worker spoke first and TERM found the main process
+# still on the default action).
 PARENT = """
 import os, signal, subprocess, sys, time
+child = None
+def stop(*_):
+    print("main got TERM", flush=True)
+    time.sleep(0.5)  # a real server finishes its answers first
+    child.send_signal(signal.SIGUSR1)
+    child.wait()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
 child = subprocess.Popen([sys.executable, "-c", '''
 import signal, sys, time
 def said(name):
@@ -33,13 +44,6 @@ print("worker up", flush=True)
 while True:
     time.sleep(1)
 '''])
-def stop(*_):
-    print("main got TERM", flush=True)
-    time.sleep(0.5)  # a real server finishes its answers first
-    child.send_signal(signal.SIGUSR1)
-    child.wait()
-    sys.exit(0)
-signal.signal(signal.SIGTERM, stop)
 while True:
     time.sleep(1)
 """
