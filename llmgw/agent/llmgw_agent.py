@@ -1934,11 +1934,14 @@ PATH_FLAGS: Dict[str, Dict[str, str]] = {
         x="--tool-server",
         # A logging dictConfig (--log-config-file, --logging-config's pylogging_config_file) names
         # handler classes to import and build: an HTTPHandler or SocketHandler sends every log line
-        # to another machine. --ec-manager-config names a class to import.
-        o="--config --log-config-file --logging-config --ec-manager-config",
+        # to another machine. --ec-manager-config and the --*-cls, --logits-processors,
+        # --model-class-overrides, --middleware and --io-processor-plugin flags name code to import.
+        # --kv-offloading-backend lmcache sends every prompt's KV to an LMCache server (tcp://localhost:5555).
+        o="--config --log-config-file --logging-config --ec-manager-config --worker-cls --worker-extension-cls "
+          "--scheduler-cls --logits-processors --model-class-overrides --middleware --io-processor-plugin",
         n="--kv-events-config --kv-transfer-config --ec-transfer-config --otlp-traces-endpoint "
           "--weight-transfer-config --grpc-port --data-parallel-supervisor-port "
-          "--data-parallel-multi-port-external-lb -dpm --data-parallel-rpc-port -dpp"),
+          "--data-parallel-multi-port-external-lb -dpm --data-parallel-rpc-port -dpp --kv-offloading-backend"),
     "sglang": _flag_table(
         r="--model-path --model --tokenizer-path --chat-template --completion-template --quantization-param-path "
           "--rl-quant-profile --modelopt-checkpoint-restore-path --speculative-draft-model-path "

@@ -284,6 +284,12 @@ ARG_VECTORS = [
     ("vllm", ["--data-parallel-rpc-port", "29550"]),  # a listener beside the agent's port
     ("vllm", ["-dpp", "29550"]),
     ("vllm", ["--structured-outputs-config", '{"reasoning_parser_plugin": "/etc/x.py"}']),
+    ("vllm", ["--worker-extension-cls", "os.system"]),  # code to import
+    ("vllm", ["--scheduler-cls", "x.Y"]),
+    ("vllm", ["--logits-processors", "mod:Cls"]),
+    ("vllm", ["--middleware", "mod.app"]),
+    ("vllm", ["--model-class-overrides", '{"A": "mod:cls"}']),
+    ("vllm", ["--kv-offloading-backend", "lmcache"]),  # every prompt's KV to an LMCache server
     ("sglang", ["--model-path", "/root/.ssh"]),
     ("sglang", ["--file-storage-path", "../../.."]),
     ("sglang", ["--delete-ckpt-after-loading"]),
