@@ -13,6 +13,9 @@ The URL and the token come from one source, the first that applies:
 1. ``--url U`` with a token: ``--token T``, or ``$LLMGW_ADMIN_TOKEN`` when ``LLMGW_ADMIN_URL`` is
    not set (the token then has no address of its own, and a CI job or a service keeps it out of
    ``ps`` this way: ``LLMGW_ADMIN_TOKEN=… llmgw router --url U``).
+   ``--url U`` alone, with no ``LLMGW_ADMIN_URL``: the token `llmgw login` kept for exactly U
+   (a person's ID token from the organisation's provider; ``logins.json`` in the XDG config
+   dir, mode 0600, keyed by URL so it goes nowhere else).
 2. ``--data-dir D``: both from D, as `llmgw up --data-dir D` recorded them: ``D/admin.url``
    (written once its listeners are up, removed when it stops) and ``D/admin.token``; the URL only
    while a process holds the lock of D's controller (an `up` killed with -9 leaves admin.url).
@@ -44,6 +47,7 @@ goes to each address given with it and to no other.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -128,6 +132,8 @@ def resolve(url: str | None, token: str | None, data_dir: str | None, *,
         found = _from_data_dir(Path(data_dir))
     elif url and env_token and not env_url:
         return _checked(AdminAccess(url, env_token, f"${ENV_TOKEN}"))
+    elif url and not env_url and (saved := saved_login(url, env=env)) is not None:
+        return _checked(AdminAccess(url, saved, "llmgw login"))
     elif env_url or env_token:
         if not env_token:
             if url:
@@ -150,6 +156,42 @@ def resolve(url: str | None, token: str | None, data_dir: str | None, *,
                           f"{found.url}, so it is not sent there: pass the token for {url} too (--token), "
                           "or drop the URL")
     return _checked(found)
+
+
+def logins_file(env: Mapping[str, str] | None = None) -> Path:
+    """Where `llmgw login` keeps each controller's token (XDG config, mode 0600)."""
+    env = os.environ if env is None else env
+    return Path(env.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "llmgw" / "logins.json"
+
+
+def saved_logins(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    try:
+        data = json.loads(logins_file(env).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def saved_login(url: str, *, env: Mapping[str, str] | None = None) -> str | None:
+    """The token `llmgw login` saved for exactly ``url`` (a token goes only where it was given for)."""
+    return saved_logins(env).get(url.rstrip("/"))
+
+
+def save_login(url: str, token: str | None, *, env: Mapping[str, str] | None = None) -> Path:
+    """Keep ``token`` for ``url`` (None: forget it); the file is written 0600, replaced whole."""
+    path = logins_file(env)
+    logins = saved_logins(env)
+    if token is None:
+        logins.pop(url.rstrip("/"), None)
+    else:
+        logins[url.rstrip("/")] = token
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(logins, fh)
+    os.replace(tmp, path)
+    return path
 
 
 def split_urls(url: str | None) -> list[str]:

@@ -349,8 +349,13 @@ class UsageRow:
             raise ValueError("malformed usage row: minute and counts must be whole numbers from 0 to 2**40")
         if numbers[0] % 60 or any(len(n) > 256 for n in names):
             raise ValueError("malformed usage row: minute must start a minute, names at most 256 characters")
+        if numbers[0] > LAST_MINUTE:  # a budget period is a calendar date: year 36812 has none (a 500 after the commit)
+            raise ValueError("malformed usage row: minute must be before the year 10000")
         minute, *counts = numbers
         return cls(minute, names[0], names[1], names[2], *counts)
+
+
+LAST_MINUTE = 253402300740  # 9999-12-31 23:59 UTC, the last minute a calendar date is made of
 
 
 @dataclass(frozen=True)
@@ -512,7 +517,7 @@ class UsageSource(Protocol):
         """Per router process (an id that changes when it restarts), per replica id: what it
         measured since it started (cumulative)."""
 
-    def in_flight(self) -> Mapping[str, int]:
+    def in_flight_by_replica(self) -> Mapping[str, int]:
         """Per replica id: requests the routers have in flight on it, or may still send it (a
         replica withdrawn from the endpoint list counts until every router serves without it);
         the reconciler stops a withdrawn replica's engine once this is 0 (or ``drain_timeout``)."""
@@ -539,7 +544,7 @@ class NoUsage:
     def engine_queue(self) -> Mapping[str, tuple[int, int]]:
         return {}
 
-    def in_flight(self) -> Mapping[str, int]:
+    def in_flight_by_replica(self) -> Mapping[str, int]:
         return {}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw import jsonbody
+from llmgw.access.web import PRINCIPAL
 from llmgw.admin import views
 from llmgw.admin.usage import UsageQueryError, usage_view
 from llmgw.admin.usage import parse_query as usage_query
@@ -88,7 +90,8 @@ async def summary(request: web.Request) -> web.Response:
     c = ctl(request)
     return web.json_response({**views.summary_view(
         c.catalog, c.inventory(), c.replicas(), c.sync_status.to_json(),
-        c.unplaced(), c.rollouts()), "leadership": c.leadership(), "warnings": c.warnings()})
+        c.unplaced(), c.rollouts()), "leadership": c.leadership(), "warnings": c.warnings(),
+        "health": c.health().to_json()})
 
 
 async def get_sync(request: web.Request) -> web.Response:
@@ -110,7 +113,7 @@ async def replicas(request: web.Request) -> web.Response:
     c = ctl(request)
     return web.json_response(views.replicas_view(
         c.replicas(), c.catalog, c.inventory(), c.last_used(),
-        time.time(), model=request.query.get("model")))
+        time.time(), model=request.query.get("model"), fetches=c.fetches()))
 
 
 async def explain_placement(request: web.Request) -> web.Response:
@@ -129,7 +132,9 @@ async def explain_placement(request: web.Request) -> web.Response:
     # sandbox), and that reason is the answer to "why does it not run".
     errors = [{"replica": r.id, "state": r.state.value, "error": r.error}
               for r in replicas if r.model == model.name and r.error]
+    weights = views.weights_origin(model, inventory, c.fetches(), replicas)
     return web.json_response({
+        "weights": weights,
         "errors": errors,
         "model": e.model,
         "placed": bool(e.running),
@@ -137,7 +142,8 @@ async def explain_placement(request: web.Request) -> web.Response:
                                                       for s in p.shards]} for p in e.running],
         "candidates": [{"profile": x.profile, "node": x.node, "fits": x.fits, "reasons": list(x.reasons)}
                        for x in e.candidates],
-        "text": e.lines() + [f"replica {x['replica']} ({x['state']}): {x['error']}" for x in errors],
+        "text": e.lines() + [weights["text"]]
+        + [f"replica {x['replica']} ({x['state']}): {x['error']}" for x in errors],
     })
 
 
@@ -176,8 +182,13 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def healthz(request: web.Request) -> web.Response:  # noqa: ARG001 - aiohttp handler signature
-    return web.json_response({"status": "ok"})
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness: 503 once a critical loop (a reconcile tick, leadership, the usage ledger) has
+    failed llmgw.health.UNHEALTHY_AFTER turns in a row; a restart is what may mend a stuck process.
+    A git remote that is down does not make it 503: the last good catalog is still in force."""
+    health = ctl(request).health()
+    body = {"status": health.state, "problems": health.problems()}
+    return web.json_response(body, status=200 if health.fit else 503)
 
 
 # --- actions ----------------------------------------------------------------------------
@@ -248,7 +259,14 @@ async def takeover(request: web.Request) -> web.Response:
 
 
 def _actor(request: web.Request) -> str:
-    return request.headers.get("X-Llmgw-Actor", "").strip()[:200] or "llmgw admin API"
+    """Who did it, for events and commit authors: a person signed in at the provider is who the
+    token says, whatever a header claims; on the shared admin token (break-glass, scripts) the
+    name the client gives (``--actor``) is all there is to go on."""
+    principal = request.get(PRINCIPAL)
+    if principal is not None and principal.via == "oidc":
+        return principal.name
+    said = request.headers.get("X-Llmgw-Actor", "").strip()[:200]
+    return said or (principal.name if principal is not None else "llmgw admin API")
 
 
 async def add_model(request: web.Request) -> web.Response:
@@ -321,6 +339,70 @@ async def revoke_key(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     try:
         ctl(request).revoke_key(name, _actor(request))
+    except KeyRefused as exc:
+        return error(exc.status, str(exc))
+    return web.json_response({"name": name, "revoked": True})
+
+
+async def whoami(request: web.Request) -> web.Response:
+    """Who this request's credential names, and its role (`llmgw login` checks a token with it)."""
+    p = request[PRINCIPAL]
+    return web.json_response({"name": p.name, "role": p.role_label, "via": p.via})
+
+
+# --- the audit trail ------------------------------------------------------------------------
+async def audit(request: web.Request) -> web.Response:
+    """The audit rows (``since``: seconds since the epoch; ``after``: an id; ``limit``, at most 10,000)."""
+    try:
+        since = float(request.query.get("since", "0"))
+        after = int(request.query.get("after", "0"))
+        limit = int(request.query.get("limit", "1000"))
+    except ValueError:
+        return error(400, "since is seconds since the epoch, after an id and limit a count")
+    if not (0 <= limit <= 10_000 and after >= 0 and math.isfinite(since)):
+        return error(400, "limit is 0 to 10000, after an id from 0, since a time")
+    rows = await asyncio.to_thread(ctl(request).audit_rows, since=since, after=after, limit=limit)
+    return web.json_response([r.to_json() for r in rows])
+
+
+async def audit_verify(request: web.Request) -> web.Response:
+    verdict = await asyncio.to_thread(ctl(request).audit_verify)
+    return web.json_response(verdict.to_json())
+
+
+# --- router credentials -------------------------------------------------------------------
+async def routers(request: web.Request) -> web.Response:
+    """Each router credential, and what each router's last report moves (its demand, holds)."""
+    try:
+        return web.json_response(ctl(request).routers())
+    except KeyRefused as exc:
+        return error(exc.status, str(exc))
+
+
+async def create_router(request: web.Request) -> web.Response:
+    if (refused := standby(request)) is not None:
+        return refused
+    body = await json_body(request)
+    if isinstance(body, web.Response):
+        return body
+    name = body.get("name")
+    if not isinstance(name, str):
+        return error(400, 'send {"name": "..."}: the router this credential is for')
+    try:
+        made = ctl(request).create_router(name, _actor(request))
+    except KeyRefused as exc:
+        return error(exc.status, str(exc))
+    # The only time the credential is said: only its hash is kept.
+    return web.json_response({"name": made.name, "credential": made.credential}, status=201,
+                             headers={"Cache-Control": "no-store"})
+
+
+async def revoke_router(request: web.Request) -> web.Response:
+    if (refused := standby(request)) is not None:
+        return refused
+    name = request.match_info["name"]
+    try:
+        ctl(request).revoke_router(name, _actor(request))
     except KeyRefused as exc:
         return error(exc.status, str(exc))
     return web.json_response({"name": name, "revoked": True})

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from llmgw.admin import api
+from llmgw.access.oidc import OidcVerifier, Refused, is_jwt
+from llmgw.access.roles import ADMINISTER, OPERATE, READ, ROUTERS, Need, Principal, Role
+from llmgw.access.web import PRINCIPAL
+from llmgw.admin import api, signin
 from llmgw.admin.dashboard import WARNINGS, dashboard
 from llmgw.admin.openapi import openapi_document
 from llmgw.contract import REPORT_PATH, WATCH_PATH
@@ -24,8 +28,12 @@ from llmgw.gitops.webhook import webhook_handler
 if TYPE_CHECKING:
     from llmgw.control import Controller
 
+log = logging.getLogger(__name__)
+
 PREFIX = "/api/v1"
 WEBHOOK = f"{PREFIX}/hooks/git"
+ROUTER_PATHS = f"{PREFIX}/router/"
+PUBLIC = frozenset({WEBHOOK, signin.LOGIN, signin.CALLBACK})
 DASHBOARD = "/"
 COOKIE = "llmgw_dashboard"
 MAX_BODY = 2 * 1024 * 1024
@@ -49,14 +57,13 @@ def _session(token: str) -> str:
     return hmac.new(token.encode(), b"llmgw dashboard session", hashlib.sha256).hexdigest()
 
 
-def _unauthorized() -> web.Response:
-    return web.json_response({"error": "missing or invalid admin token (Authorization: Bearer ...)"},
-                             status=401, headers={"WWW-Authenticate": "Bearer"})
+def _unauthorized(why: str = "missing or invalid admin token (Authorization: Bearer ...)") -> web.Response:
+    return web.json_response({"error": why}, status=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 SIGN_IN_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>llmgw: sign in</title></head>
 <body style="font-family: sans-serif; max-width: 40em; margin: 3em auto">
-<h1>llmgw dashboard</h1><p>{why}</p>
+<h1>llmgw dashboard</h1><p>{why}</p>{sso}
 <p>Open the link <code>llmgw up</code> printed (<code>/?token=</code> and the admin token, whole: it is
 43 characters), or add <code>?token=</code> and the token from the data dir's <code>admin.token</code>
 (or the controller's admin token) to this page's address. The token is traded for a cookie and leaves
@@ -67,7 +74,9 @@ def _browser_unauthorized(request: web.Request, why: str) -> web.Response:
     """A person at the dashboard is told how to get in, not shown a JSON error (seen: a link cut at
     80 columns opened as a raw 401)."""
     if request.path == DASHBOARD and "text/html" in request.headers.get("Accept", ""):
-        return web.Response(status=401, text=SIGN_IN_PAGE.format(why=why), content_type="text/html",
+        sso = (f'<p><a href="{signin.LOGIN}"><b>Sign in with your organisation</b></a> (the identity provider '
+               'this controller trusts), or with the admin token:</p>') if request.app.get(signin.VERIFIER) else ""
+        return web.Response(status=401, text=SIGN_IN_PAGE.format(why=why, sso=sso), content_type="text/html",
                             headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
     return _unauthorized()
 
@@ -90,31 +99,103 @@ def _sign_in(request: web.Request, token: str) -> web.Response:
     return response
 
 
-def auth_middleware(token: str) -> Any:
+POLICY: web.AppKey[dict[tuple[str, str], Need]] = web.AppKey("policy")
+
+
+def _refused(principal: Principal, need: Need) -> web.Response:
+    return web.json_response({"error": principal.refusal(need), "needs": need.describe(),
+                              "role": principal.role_label}, status=403)
+
+
+def _need(request: web.Request) -> Need:
+    """What the matched route needs; a path no route has (its 404, 405) needs only a reader."""
+    info = request.match_info
+    resource = info.route.resource
+    if resource is None or isinstance(info.http_exception, web.HTTPException):
+        return READ
+    method = "GET" if request.method == "HEAD" else request.method
+    # A route without a policy cannot be built (build_admin_app); were one added behind its back,
+    # only an admin passes.
+    return request.app[POLICY].get((method, resource.canonical), ADMINISTER)
+
+
+def auth_middleware(token: str, oidc: OidcVerifier | None = None,
+                    routers: Callable[[str], Principal | None] | None = None) -> Any:
+    """Who is calling (the admin token, a provider's token, the dashboard's cookie), and whether
+    their role opens the route: 401 for no one, 403 naming the role the route needs."""
     session = _session(token) if token else ""
 
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path == WEBHOOK:
-            return await handler(request)  # signed by the git host, checked in the handler
-        if request.path == DASHBOARD and "token" in request.query:
-            return _sign_in(request, token)
+    async def who(request: web.Request) -> Principal | web.Response:
         header = request.headers.get("Authorization", "")
         given = header[7:].strip() if header[:7].lower() == "bearer " else ""
         if given:
-            ok = _token_ok(token, given)
-        elif request.path == DASHBOARD and request.method in ("GET", "HEAD"):
+            if _token_ok(token, given):
+                return Principal("admin-token", Role.ADMIN, via="admin-token")
+            if routers is not None and (router := routers(given)) is not None:
+                return router
+            if oidc is not None and is_jwt(given):
+                try:
+                    return await oidc.principal(given)
+                except Refused as exc:
+                    return _unauthorized(f"the identity provider's token is refused: {exc}")
+            return _unauthorized()
+        signed = signin.session_of(request)
+        if signed is not None:
+            # A person's session (signed in at the provider): what their role opens, and a POST
+            # only with the session's CSRF token (a cookie rides along on what another site's
+            # page makes the browser send; the token does not).
+            if request.method not in ("GET", "HEAD") and request.path != signin.LOGOUT \
+                    and not signin.post_allowed(request, signed[1]):
+                return web.json_response({"error": "this request lacks the session's CSRF token (X-CSRF-Token)"},
+                                         status=403)
+            return signed[1].principal
+        if request.path == DASHBOARD and request.method in ("GET", "HEAD") and _token_ok(
+                session, request.cookies.get(COOKIE, "")):
             # A browser cannot send a bearer header, hence the cookie; and only here: a cookie
             # rides along on requests another page makes the browser send, so it authorizes
             # reading the dashboard and never a request that changes state (no CSRF to defend).
-            ok = _token_ok(session, request.cookies.get(COOKIE, ""))
-        else:
-            ok = False
-        if not ok:
-            return _browser_unauthorized(request, "This browser is not signed in.")
-        return await handler(request)
+            return Principal("admin-token", Role.VIEWER, via="dashboard")
+        return _browser_unauthorized(request, "This browser is not signed in.")
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in PUBLIC:
+            response = await handler(request)  # the webhook checks its signature; sign-in is for those not signed in
+            if request.path == WEBHOOK:
+                await _audit(request, Principal("git-webhook", None, via="webhook"), response.status)
+            return response
+        if request.path == DASHBOARD and "token" in request.query:
+            return _sign_in(request, token)
+        principal = await who(request)
+        if isinstance(principal, web.Response):
+            await _audit(request, None, principal.status)
+            return principal
+        need = _need(request)
+        if not principal.may(need):
+            refused = _refused(principal, need)
+            await _audit(request, principal, refused.status, principal.refusal(need))
+            return refused
+        request[PRINCIPAL] = principal
+        response = await handler(request)
+        await _audit(request, principal, response.status)
+        return response
 
     return check
+
+
+async def _audit(request: web.Request, principal: Principal | None, status: int, why: str = "") -> None:
+    """Every call that changes something, and every refused attempt at one, on the audit chain:
+    who, their role, from where, what, the answer. A router's watch and report are not operators'
+    acts (their effect shows in `llmgw routers list`)."""
+    if request.method in ("GET", "HEAD", "OPTIONS") or request.path.startswith(ROUTER_PATHS):
+        return
+    ops = request.app[api.CONTROLLER]
+    who, role = (principal.name, principal.role_label) if principal is not None else ("unauthenticated", "none")
+    try:
+        await ops.audit(who=who, role=role, source=request.remote or "", action=f"{request.method} {request.path}",
+                        result=f"{status} {why}".strip())
+    except Exception:  # noqa: BLE001 - the act is done: a store that cannot record it is logged, not a 500
+        log.exception("audit: could not record %s %s by %s", request.method, request.path, who)
 
 
 @web.middleware
@@ -137,45 +218,71 @@ def build_admin_app(
     webhook_secret: str = "",
     hub: FeedHub | None = None,
     warnings: tuple[str, ...] = (),
+    oidc: OidcVerifier | None = None,
+    routers: Callable[[str], Principal | None] | None = None,
 ) -> web.Application:
     """The admin aiohttp app; with a ``hub``, also the watch stream standalone routers follow.
     ``warnings`` are shown as banners on the dashboard (an open router, llmgw.router.exposure)."""
-    app = web.Application(middlewares=[json_errors, auth_middleware(token)], client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[json_errors, auth_middleware(token, oidc, routers)], client_max_size=MAX_BODY)
     app[api.CONTROLLER] = controller.ops  # the admin surface sees the façade, not the parts
     app[WARNINGS] = warnings
-    r = app.router
-    r.add_get(f"{PREFIX}/summary", api.summary)
-    r.add_get(f"{PREFIX}/sync", api.get_sync)
-    r.add_post(f"{PREFIX}/sync", api.post_sync)
-    r.add_get(f"{PREFIX}/nodes", api.nodes)
-    r.add_post(PREFIX + "/nodes/{node}/state", api.node_state)
-    r.add_post(PREFIX + "/nodes/{node}/takeover", api.takeover)
-    r.add_get(f"{PREFIX}/models", api.models)
-    r.add_post(f"{PREFIX}/models", api.add_model)
-    r.add_delete(PREFIX + "/models/{name}", api.remove_model)
-    r.add_get(f"{PREFIX}/replicas", api.replicas)
-    r.add_get(f"{PREFIX}/keys", api.keys)
-    r.add_post(f"{PREFIX}/keys", api.create_key)
-    r.add_delete(PREFIX + "/keys/{name}", api.revoke_key)
-    r.add_get(f"{PREFIX}/rollouts", api.rollouts)
-    r.add_get(PREFIX + "/rollouts/{model}", api.rollout)
-    r.add_post(PREFIX + "/rollouts/{model}/promote", api.rollout_promote)
-    r.add_post(PREFIX + "/rollouts/{model}/abort", api.rollout_abort)
-    r.add_get(f"{PREFIX}/explain-placement", api.explain_placement)
-    r.add_get(f"{PREFIX}/weights/orphans", api.orphans)
-    r.add_post(f"{PREFIX}/weights/collect", api.collect_weights)
-    r.add_get(f"{PREFIX}/events", api.events)
-    r.add_get(f"{PREFIX}/usage", api.usage)
-    r.add_get(f"{PREFIX}/inventory", api.inventory_export)
-    r.add_get(f"{PREFIX}/plan", api.plan)
-    r.add_get(f"{PREFIX}/metrics", api.metrics)
-    r.add_get(f"{PREFIX}/healthz", api.healthz)
-    r.add_get(f"{PREFIX}/openapi.json", openapi)
-    r.add_post(WEBHOOK, webhook_handler(webhook_secret, controller.ops.trigger_sync))
-    r.add_get(DASHBOARD, dashboard)
+    policy: dict[tuple[str, str], Need] = {}
+    app[POLICY] = policy
+
+    def add(method: str, path: str, handler: Handler, need: Need) -> None:
+        # One place adds a route, and it takes what the route needs: none is open by omission.
+        if method == "GET":
+            app.router.add_get(path, handler)  # and HEAD, which needs what GET does (_need)
+        else:
+            app.router.add_route(method, path, handler)
+        policy[(method, path)] = need
+
+    add("GET", f"{PREFIX}/summary", api.summary, READ)
+    add("GET", f"{PREFIX}/whoami", api.whoami, READ)
+    add("GET", f"{PREFIX}/audit", api.audit, READ)
+    add("GET", f"{PREFIX}/audit/verify", api.audit_verify, READ)
+    add("GET", f"{PREFIX}/sync", api.get_sync, READ)
+    add("POST", f"{PREFIX}/sync", api.post_sync, OPERATE)
+    add("GET", f"{PREFIX}/nodes", api.nodes, READ)
+    add("POST", PREFIX + "/nodes/{node}/state", api.node_state, OPERATE)
+    add("POST", PREFIX + "/nodes/{node}/takeover", api.takeover, ADMINISTER)
+    add("GET", f"{PREFIX}/models", api.models, READ)
+    add("POST", f"{PREFIX}/models", api.add_model, ADMINISTER)  # a commit to the catalog
+    add("DELETE", PREFIX + "/models/{name}", api.remove_model, ADMINISTER)
+    add("GET", f"{PREFIX}/replicas", api.replicas, READ)
+    add("GET", f"{PREFIX}/keys", api.keys, READ)  # names and tenants; no key's secret or digest
+    add("POST", f"{PREFIX}/keys", api.create_key, ADMINISTER)
+    add("DELETE", PREFIX + "/keys/{name}", api.revoke_key, ADMINISTER)
+    add("GET", f"{PREFIX}/rollouts", api.rollouts, READ)
+    add("GET", PREFIX + "/rollouts/{model}", api.rollout, READ)
+    add("POST", PREFIX + "/rollouts/{model}/promote", api.rollout_promote, OPERATE)
+    add("POST", PREFIX + "/rollouts/{model}/abort", api.rollout_abort, OPERATE)
+    add("GET", f"{PREFIX}/explain-placement", api.explain_placement, READ)
+    add("GET", f"{PREFIX}/weights/orphans", api.orphans, READ)
+    add("POST", f"{PREFIX}/weights/collect", api.collect_weights, OPERATE)
+    add("GET", f"{PREFIX}/events", api.events, READ)
+    add("GET", f"{PREFIX}/usage", api.usage, READ)
+    add("GET", f"{PREFIX}/inventory", api.inventory_export, READ)
+    add("GET", f"{PREFIX}/plan", api.plan, READ)
+    add("GET", f"{PREFIX}/metrics", api.metrics, READ)
+    add("GET", f"{PREFIX}/healthz", api.healthz, READ)
+    add("GET", f"{PREFIX}/openapi.json", openapi, READ)
+    app.router.add_post(WEBHOOK, webhook_handler(webhook_secret, controller.ops.trigger_sync))  # its own signature
+    add("GET", DASHBOARD, dashboard, READ)
+    add("GET", f"{PREFIX}/routers", api.routers, READ)
+    add("POST", f"{PREFIX}/routers", api.create_router, ADMINISTER)
+    add("DELETE", PREFIX + "/routers/{name}", api.revoke_router, ADMINISTER)
     if hub is not None:
-        r.add_get(WATCH_PATH, hub.watch)
-        r.add_post(REPORT_PATH, hub.report)
+        add("GET", WATCH_PATH, hub.watch, ROUTERS)
+        add("POST", REPORT_PATH, hub.report, ROUTERS)
+    if oidc is not None:
+        signin.add_routes(app, oidc)
+        add("POST", signin.LOGOUT, signin.logout, READ)
+    unguarded = [f"{r.method} {r.resource.canonical}" for r in app.router.routes() if r.resource is not None
+                 and r.resource.canonical not in PUBLIC and r.method != "HEAD"
+                 and (r.method, r.resource.canonical) not in policy]
+    if unguarded:
+        raise RuntimeError(f"admin routes without a role: {', '.join(unguarded)}")
     app[FEED] = hub is not None
     return app
 

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 import jinja2
 from aiohttp import web
 
-from llmgw.admin import api, usage, views
+from llmgw.access.web import PRINCIPAL
+from llmgw.admin import api, signin, usage, views
 from llmgw.admin.labels import confinement_label, node_problems
+from llmgw.health import UNHEALTHY_AFTER
 
 if TYPE_CHECKING:
     from llmgw.control.ops import FleetOps
@@ -58,11 +60,17 @@ async def dashboard(request: web.Request) -> web.Response:
         since=lambda t: _since(t, now),
         sync=c.sync_status.to_json(),
         leadership=c.leadership(),
+        health=c.health().to_json(),
+        principal=request.get(PRINCIPAL),
+        csrf=signed[1].csrf if (signed := signin.session_of(request)) is not None else None,
+        logout=signin.LOGOUT,
+        unhealthy_after=UNHEALTHY_AFTER,
         nodes=views.nodes_view(inventory, replicas, now, c.drain_waits()),
         models=views.models_view(catalog, replicas, unplaced, c.prompt_cache(), c.engine_queue()),
         replicas=views.replicas_view(replicas, catalog, inventory, c.last_used(), now),
         rollouts=views.rollouts_view(c.rollouts()),
         events=list(reversed(c.events(limit=30))),
+        audit=[r.to_json() for r in reversed(await asyncio.to_thread(c.audit_rows, last=30))],
         unplaced_reasons=_unplaced_reasons(c, unplaced),
         chart=await _usage_chart(c, now),
         budgets=c.budgets(),

@@ -65,9 +65,15 @@ SCHEMAS: dict[str, Any] = {
         "sync": _ref("Sync"), "models": INT, "nodes": INT, "nodes_by_state": _s("object"), "nodes_ready": INT,
         "gpus_total": INT, "gpus_unhealthy": INT, "replicas": INT, "replicas_by_state": _s("object"),
         "replicas_ready": INT, "unplaced": _s("object"), "rollouts": _arr(_ref("Rollout")),
-        "warnings": _arr(STR),
+        "warnings": _arr(STR), "health": _ref("Health"),
     }, ["sync", "models", "nodes", "nodes_by_state", "nodes_ready", "gpus_total", "gpus_unhealthy", "replicas",
         "replicas_by_state", "replicas_ready", "unplaced", "rollouts"]),
+    "Health": _obj({
+        "state": _s("string", enum=["ok", "degraded", "unhealthy"]), "fit": BOOL,
+        "loops": _arr(_obj({"name": STR, "state": _s("string", enum=["ok", "degraded", "unhealthy"]),
+                            "critical": BOOL, "last_ok": NNUM, "last_failure": NNUM, "consecutive_failures": INT,
+                            "failures": INT, "last_error": NSTR})),
+    }, ["state", "fit", "loops"]),
     "Node": _obj({
         "id": STR, "address": STR, "port": INT, "transport": STR, "pool": STR, "state": STR, "hostname": NSTR,
         "labels": _s("object"), "gpu_total": INT, "gpu_free": INT, "gpu_classes": _arr(STR), "fabrics": _arr(STR),
@@ -95,6 +101,7 @@ SCHEMAS: dict[str, Any] = {
         "id": STR, "model": STR, "profile": STR, "state": STR, "generation": INT, "pool": NSTR, "fabric": NSTR,
         "endpoint": NSTR, "age_seconds": NUM, "idle_seconds": NUM, "error": NSTR, "failures": INT,
         "replaces": NSTR, "revision": NSTR, "in_catalog": BOOL,
+        "weights": _obj({"source": NSTR, "fetch": _s("object", nullable=True)}),
         "shards": _arr(_obj({"node": STR, "rank": INT, "gpus": _arr(INT), "state": STR,
                              "pid": _s("integer", nullable=True), "port": _s("integer", nullable=True),
                              "endpoint": NSTR})),
@@ -106,6 +113,7 @@ SCHEMAS: dict[str, Any] = {
                      "orphans": _arr(_ref("Orphan")), "results": _arr(_s("object"))}),
     "Explain": _obj({"model": STR, "placed": BOOL, "running": _arr(_s("object")),
                      "candidates": _arr(_obj({"profile": STR, "node": STR, "fits": BOOL, "reasons": _arr(STR)})),
+                     "weights": _obj({"source": STR, "held_by": _arr(STR), "fetching": _s("object"), "text": STR}),
                      "text": _arr(STR)}),
     "Commit": _obj({"commit": STR, "message": STR}),
     "Figures": _obj({"requests": INT, "errors": INT, "error_rate": NNUM, "ttft_p95": NNUM, "itl_p95": NNUM}),
@@ -115,6 +123,10 @@ SCHEMAS: dict[str, Any] = {
         "steps": _arr(NUM), "percent": NUM, "interval": NNUM, "started_at": NUM, "step_since": NUM,
         "ended_at": NNUM, "reason": STR, "canary": NSTR, "borrowed": BOOL, "canary_failures": INT,
         "history": _arr(STR),
+        "window": {**_obj({"since": NUM, "canary_requests": INT, "stable_requests": INT, "routers_not_shown": INT,
+                           "routers": _arr(_obj({"router": STR, "canary_requests": INT, "stable_requests": INT,
+                                                 "processes": INT}))}),
+                   "nullable": True},
         "analysis": {**_obj({"at": NUM, "seconds": NUM, "verdict": _s("string", enum=["pass", "fail", "wait"]),
                              "reason": STR, "canary": _ref("Figures"), "stable": _ref("Figures")}),
                      "nullable": True},
@@ -127,7 +139,10 @@ def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
 
 
 ERR = _ref("Error")
-AUTH = {"401": _json(ERR, "missing or invalid admin token")}
+AUTH = {"401": _json(ERR, "missing or invalid admin token"),
+        "403": _json(ERR, "the caller's role does not open this route (the answer names the role it needs)")}
+LIVENESS = _obj({"status": _s("string", enum=["ok", "degraded", "unhealthy"]), "problems": _arr(STR)},
+                ["status", "problems"])
 
 
 def _op(summary: str, ok: dict[str, Any], *, errors: dict[str, str] | None = None, params: list | None = None,
@@ -208,6 +223,31 @@ def openapi_document(*, feed: bool = True) -> dict[str, Any]:
             "Revoke an API key made here (routers refuse it from their next request)",
             _json(_obj({"name": STR, "revoked": BOOL})), params=[_p("name")],
             errors={"404": "no such key", "409": "a key of the controller config"})},
+        f"{v}/audit": {"get": _op(
+            "The audit trail: every change and refused attempt, hash-chained", _json(_arr(_obj({
+                "id": INT, "time": NUM, "who": STR, "role": STR, "source": STR, "action": STR, "result": STR,
+                "revision": STR, "prev": STR, "hash": STR}))), errors=BAD,
+            params=[_q("since", NUM), _q("after", INT), _q("limit", INT)])},
+        f"{v}/audit/verify": {"get": _op("The audit chain recomputed: ok, or the first row that breaks it",
+                                         _json(_obj({"ok": BOOL, "rows": INT, "broken_at": _s("integer", nullable=True),
+                                                     "why": NSTR})))},
+        f"{v}/whoami": {"get": _op("Who the request's credential names, and its role",
+                                   _json(_obj({"name": STR, "role": STR, "via": STR})))},
+        f"{v}/routers": {
+            "get": _op("Router credentials, and what each router's last report moves (demand, in-flight holds)",
+                       _json(_arr(_obj({"name": STR, "created_at": NNUM, "report": {**_obj({
+                           "seconds_ago": NUM, "demand": _s("object"), "in_flight": INT, "replicas_used": INT}),
+                           "nullable": True}}))),
+                       errors={"409": "this controller serves no router feed"}),
+            "post": _op("Make a router credential (it opens the router watch and report only); in this answer only",
+                        _json(_obj({"name": STR, "credential": STR}), "made"), ok_code="201",
+                        errors={**BAD, "409": "a credential of that name exists"},
+                        body=_obj({"name": STR}, ["name"])),
+        },
+        v + "/routers/{name}": {"delete": _op(
+            "Revoke a router credential (its watch ends, its reports count no more)",
+            _json(_obj({"name": STR, "revoked": BOOL})), params=[_p("name")],
+            errors={"404": "no such router credential", "409": "this controller serves no router feed"})},
         f"{v}/explain-placement": {"get": _op(
             "Why a model runs where it runs, or cannot run", _json(_ref("Explain")),
             errors={**BAD, "404": "unknown model"}, params=[_q("model", STR, required=True)])},
@@ -232,7 +272,9 @@ def openapi_document(*, feed: bool = True) -> dict[str, Any]:
             errors={"404": "unknown revision", "409": "nothing fetched yet"}, params=[_q("rev", STR)])},
         f"{v}/metrics": {"get": _op("Fleet metrics (Prometheus text)", {
             "description": "OK", "content": {"text/plain": {"schema": STR}}})},
-        f"{v}/healthz": {"get": _op("Liveness", _json(_obj({"status": STR})))},
+        f"{v}/healthz": {"get": {"summary": "Liveness: 503 once a critical controller loop keeps failing",
+                                 "responses": {"200": _json(LIVENESS), **AUTH,
+                                               "503": _json(LIVENESS, "a critical loop failed three turns in a row")}}},
         f"{v}/openapi.json": {"get": _op("This document", _json(_s("object")))},
         f"{v}/hooks/git": {"post": {
             "summary": "Git host webhook (HMAC-SHA256 signature, no token)", "security": [],

@@ -141,10 +141,13 @@ def models_view(catalog: Catalog | None, replicas: Sequence[Replica], unplaced: 
 
 
 def replica_view(
-    r: Replica, catalog: Catalog | None, inventory: Inventory, last_used: Mapping[str, float], now: float
+    r: Replica, catalog: Catalog | None, inventory: Inventory, last_used: Mapping[str, float], now: float,
+    fetches: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     node = inventory.node(r.nodes[0]) if r.nodes else None
     used = last_used.get(r.id)
+    model = catalog.model(r.model) if catalog else None
+    fetching = (fetches or {}).get(r.id) if r.state == ReplicaState.FETCHING else None
     return {
         "id": r.id,
         "model": r.model,
@@ -161,7 +164,11 @@ def replica_view(
         "failures": r.failures,
         "replaces": r.replaces,
         "revision": r.revision,
-        "in_catalog": bool(catalog and catalog.model(r.model)),
+        "in_catalog": bool(model),
+        # Where its weights come from (the origin the catalog names; each node reads it itself),
+        # and while it fetches, how far each node's fetch is.
+        "weights": {"source": model.source if model else None,
+                    "fetch": {n: dict(p) for n, p in sorted(fetching.items())} if fetching else None},
         "shards": [
             {"node": s.node, "rank": s.rank, "gpus": list(s.gpus), "state": s.state, "pid": s.pid, "port": s.port,
              "endpoint": s.endpoint}
@@ -172,12 +179,13 @@ def replica_view(
 
 def replicas_view(
     replicas: Sequence[Replica], catalog: Catalog | None, inventory: Inventory, last_used: Mapping[str, float],
-    now: float, *, model: str | None = None,
+    now: float, *, model: str | None = None, fetches: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
 ) -> list[dict[str, Any]]:
     if model is not None and catalog is not None:
         resolved = catalog.resolve(model)
         model = resolved.name if resolved else model
-    return [replica_view(r, catalog, inventory, last_used, now) for r in replicas if model is None or r.model == model]
+    return [replica_view(r, catalog, inventory, last_used, now, fetches) for r in replicas
+            if model is None or r.model == model]
 
 
 def summary_view(
@@ -212,7 +220,7 @@ def summary_view(
 
 ROLLOUT_FIELDS = ("model", "phase", "strategy", "revision", "target", "stable", "serving_version", "step", "steps",
                   "percent", "interval", "started_at", "step_since", "ended_at", "reason", "canary", "borrowed",
-                  "canary_failures", "history")
+                  "canary_failures", "history", "window")
 
 
 def _figures(f: Mapping[str, Any]) -> dict[str, Any]:
@@ -225,7 +233,8 @@ def rollout_view(r: Mapping[str, Any]) -> dict[str, Any]:
     """One model's last rollout (llmgw.reconciler.rollouts status), with each group's error rate.
 
     ``step`` counts from 1 as operators read it ("step 2 of 3"); ``percent`` is the canary's share
-    of the model's traffic now (0 outside the canary phase)."""
+    of the model's traffic now (0 outside the canary phase); ``window``: the current step's
+    requests so far and the routers they came from, most canary requests first (None outside one)."""
     out = {k: r.get(k) for k in ROLLOUT_FIELDS}
     out["step"] = int(r.get("step") or 0) + 1
     out["steps"] = list(r.get("steps") or [])
@@ -239,3 +248,21 @@ def rollout_view(r: Mapping[str, Any]) -> dict[str, Any]:
 
 def rollouts_view(rollouts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [rollout_view(r) for r in rollouts]
+
+
+def weights_origin(model: Model, inventory: Inventory, fetches: Mapping[str, Mapping[str, Mapping[str, Any]]],
+                   replicas: Sequence[Replica]) -> dict[str, Any]:
+    """Where a model's weights come from: the source (the origin), the nodes that hold them, and
+    each fetch under way with what it reads from (the origin or a node) and how far it is."""
+    held = sorted(n.id for n in inventory.nodes.values() if n.report is not None and model.cache_name
+                  and model.cache_name in n.report.held)
+    mine = {r.id for r in replicas if r.model == model.name}
+    under_way = {node: dict(p) for rid, by_node in fetches.items() if rid in mine for node, p in by_node.items()}
+    if model.cache_name is None:
+        text = f"weights: {model.source} (no fetch: the operator's own copy, or the simulator's)"
+    else:
+        parts = [f"weights: {model.source} (the origin)",
+                 f"held by {', '.join(held)}" if held else "held by no node yet"]
+        parts += [f"{node} fetching from {p.get('from')}" for node, p in sorted(under_way.items())]
+        text = "; ".join(parts)
+    return {"source": model.source, "held_by": held, "fetching": under_way, "text": text}

@@ -23,8 +23,8 @@ OUTPUT = AGENT_DIR / "llmgw_agent.py"
 PARTS_PACKAGE = "llmgw.agent.parts"
 # Each part imports only from parts before it (no cycles): the order the joined file defines them in.
 PARTS = (
-    "protocol", "config", "files", "cache", "lease", "sources", "local", "download", "spawn", "fetch",
-    "peerflags", "args", "sandbox", "records", "engines", "stopping", "status", "inventory", "guard", "main",
+    "protocol", "config", "files", "cache", "lease", "sources", "local", "download", "s3", "spawn", "growing", "peer",
+    "fetch", "peerflags", "args", "sandbox", "records", "engines", "stopping", "status", "inventory", "guard", "main",
 )
 HEADER = "# generated from llmgw/agent/parts by python -m llmgw.agent.build: edit the parts\n"
 LINE_LENGTH = 120

@@ -41,9 +41,11 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import datetime
 import errno
 import fcntl
 import hashlib
+import hmac
 import importlib.util
 import ipaddress
 import json
@@ -75,7 +77,18 @@ DEFAULT_CONFIG = "/etc/llmgw/agent.json"
 
 MANIFEST_NAME = "llmgw-manifest.json"
 # \Z, not $: "$" also matches before a trailing newline, and "llmgw-<hex>\n" is not a cache name.
+CACHE_PREFIX = "llmgw-"
 CACHE_NAME_RE = re.compile(r"^llmgw-[0-9a-f]{64}\Z")
+
+
+def cache_name(source: str) -> str:
+    """The cache entry name of a source on every node: ``llmgw-`` + the sha256 hex of its text.
+
+    The one definition: the agent (built from these parts) and the controller (llmgw.catalog
+    imports this module) both call it, so the entries a catalog wants are known exactly and an
+    entry whose name matches no source is an orphan, never a guess.
+    """
+    return CACHE_PREFIX + hashlib.sha256(source.encode("utf-8")).hexdigest()
 TMP_PREFIX = ".tmp-"  # .tmp-llmgw-<hex>: a download in progress
 TRASH_PREFIX = ".trash-"  # .trash-llmgw-<hex>-<random>: an entry being deleted
 # Not starting with ".": "." and ".." are names every path join takes for a directory (a replica
@@ -87,6 +100,12 @@ ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 SOURCE_FORBIDDEN_RE = re.compile(r"[\s;&|`$<>'\"\\(){}*?!#\x00-\x1f\x7f]")
 HF_SOURCE_RE = re.compile(r"^hf://([A-Za-z0-9._-]+/[A-Za-z0-9._-]+)(?:@([A-Za-z0-9._/-]+))?$")
 HF_MISSING = "hf:// sources need the huggingface_hub package on the node: pip install huggingface_hub"
+# s3://bucket/key-prefix: a bucket name as S3 allows it (3-63 of a-z 0-9 . -) and a key prefix (an
+# object, or the "directory" of objects under it). Endpoint, region and credentials are the node's.
+# Not a bucket S3 refuses ("a..b", an IPv4 address), and no trailing "/": s3://b/k and s3://b/k/
+# would be two cache entries of the same weights.
+S3_SOURCE_RE = re.compile(r"^s3://((?!\d+\.\d+\.\d+\.\d+/)(?![^/]*\.\.)[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])"
+                          r"/([^/](?:.*[^/])?)$")
 SHARED_FSTYPES = frozenset({"nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "ceph", "glusterfs", "beegfs"})
 
 # Request env is an allow-list the node owns (DESIGN §4, "The node boundary"): a deny-list of the
@@ -126,6 +145,10 @@ PROBE_TIMEOUT = 10.0
 NVIDIA_SMI_QUERY = "index,name,uuid,memory.total,memory.used,ecc.errors.uncorrected.volatile.total"
 NVIDIA_SMI_TIMEOUT = 15.0
 HTTP_TIMEOUT = 30.0
+# Nodes fetching from each other (llmgw.agent.parts.peer): the unit a chunk is checked in, and the
+# entry's list of them, kept beside its files (the manifest stays a few hundred bytes).
+PEER_CHUNK = 32 << 20
+CHUNKS_NAME = "llmgw-chunks.json"
 HTTP_ATTEMPTS = 3
 SPAWN_TIMEOUT = 30.0
 CHUNK = 1 << 20
@@ -144,8 +167,8 @@ MAX_MANIFEST_BYTES = 1 << 20
 # does not grow with every replica the fleet ever ran.
 ENGINE_RECORD_TTL = 24 * 3600.0
 
-PUBLIC_VERBS = ("hello", "inventory", "lease", "fetch", "start", "stop", "status", "remove-weights", "serve")
-INTERNAL_VERBS = ("_fetch-worker", "_engine-monitor")
+PUBLIC_VERBS = ("hello", "inventory", "lease", "fetch", "seed", "start", "stop", "status", "remove-weights", "serve")
+INTERNAL_VERBS = ("_fetch-worker", "_engine-monitor", "_peer-server")
 USAGE = "usage: llmgw_agent.py [--config CONFIG] {" + ",".join(PUBLIC_VERBS) + "}"
 
 JsonDict = Dict[str, Any]
@@ -195,6 +218,23 @@ def _optional(request: JsonDict, key: str, default: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class S3Config:
+    """Where this node's s3:// sources are read: the node's own settings, never the catalog's (a
+    catalog naming an endpoint would send the node's signed requests where it likes). Unset values
+    come from the environment (AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, AWS_REGION or
+    AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN); no
+    credentials at all: unsigned requests (a public bucket)."""
+
+    endpoint: str = ""  # "": AWS's own, https://s3.<region>.amazonaws.com
+    region: str = ""
+    path_style: Optional[bool] = None  # None: path-style for a named endpoint, virtual-host on AWS
+    access_key_id: str = ""
+    # Read when an s3:// fetch needs them (a file unreadable fails that fetch, not every verb).
+    secret_access_key_file: str = ""
+    session_token_file: str = ""
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     path: str
     cache_dir: str
@@ -225,6 +265,10 @@ class NodeConfig:
     fabric_address: str = ""
     fabric_interface: Optional[str] = None
     rpc_peers: Tuple[Any, ...] = ()  # ipaddress networks
+    s3: S3Config = S3Config()
+    # The port this node serves its complete cache entries to other fleet nodes on, at its
+    # fabric_address (None: it serves none; nodes then read their weights from the origin).
+    peer_port: Optional[int] = None
 
 
 def load_config(path: str) -> NodeConfig:
@@ -239,12 +283,15 @@ def load_config(path: str) -> NodeConfig:
     if not isinstance(raw, dict):
         raise AgentError(f"node config {path} must be a JSON object")
     advertise = _config_str(path, raw, "advertise_address")
+    ports, peer_port = _config_ports(path, raw.get("port_range")), _config_port(path, raw, "peer_port")
+    if peer_port is not None and ports[0] <= peer_port <= ports[1]:
+        raise AgentError(f"node config {path}: peer_port {peer_port} is inside port_range (engines take those)")
     return NodeConfig(
         path=os.path.abspath(path),
         cache_dir=_config_abs(path, raw.get("cache_dir"), "cache_dir"),
         state_dir=_config_abs(path, raw.get("state_dir"), "state_dir"),
         model_dirs=tuple(_config_abs(path, d, "model_dirs[]") for d in _config_list(path, raw, "model_dirs")),
-        port_range=_config_ports(path, raw.get("port_range")),
+        port_range=ports,
         advertise_address=advertise,
         # Not in the brief's list: lets an operator bind engines to another address than the one
         # advertised (e.g. 0.0.0.0 behind NAT). {host} in engine args expands to it.
@@ -265,7 +312,47 @@ def load_config(path: str) -> NodeConfig:
         fabric_address=_config_fabric(path, raw, advertise),
         fabric_interface=_config_str(path, raw, "fabric_interface") if "fabric_interface" in raw else None,
         rpc_peers=tuple(_config_network(path, n) for n in _config_list(path, raw, "rpc_peers")),
+        s3=_config_s3(path, raw.get("s3")),
+        peer_port=peer_port,
     )
+
+
+def _config_port(path: str, raw: JsonDict, key: str) -> Optional[int]:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not _is_int(value) or not 1 <= value <= 65535:
+        raise AgentError(f"node config {path}: {key} must be a port number (1-65535)")
+    return int(value)
+
+
+def _config_s3(path: str, value: Any) -> S3Config:
+    """The ``s3`` section: endpoint, region, path_style, access_key_id and the secret's files
+    (secret_access_key_file, session_token_file: never the secret itself in this file)."""
+    if value is None:
+        return S3Config()
+    if not isinstance(value, dict):
+        raise AgentError(f"node config {path}: s3 must be an object")
+    known = ("endpoint", "region", "path_style", "access_key_id", "secret_access_key_file", "session_token_file")
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise AgentError(f"node config {path}: s3.{unknown[0]} is not a setting (known: {', '.join(known)}; a "
+                         "secret goes in a file named by secret_access_key_file)")
+    endpoint = _config_str(path, value, "endpoint") if "endpoint" in value else ""
+    if endpoint and not endpoint.startswith(("https://", "http://")):
+        raise AgentError(f"node config {path}: s3.endpoint must be an http(s) URL")
+    path_style = value.get("path_style")
+    if path_style is not None and not isinstance(path_style, bool):
+        raise AgentError(f"node config {path}: s3.path_style must be true or false")
+
+    files = {k: _config_abs(path, value[k], f"s3.{k}") for k in ("secret_access_key_file", "session_token_file")
+             if k in value}
+    return S3Config(endpoint=endpoint.rstrip("/"),
+                    region=_config_str(path, value, "region") if "region" in value else "",
+                    path_style=path_style,
+                    access_key_id=_config_str(path, value, "access_key_id") if "access_key_id" in value else "",
+                    secret_access_key_file=files.get("secret_access_key_file", ""),
+                    session_token_file=files.get("session_token_file", ""))
 
 
 WILDCARDS = frozenset({"*", "localhost", "[::]"})
@@ -470,6 +557,27 @@ def read_json(path: str) -> Optional[JsonDict]:
     return data if isinstance(data, dict) else None
 
 
+def fetch_paths(state_dir: str, name: str) -> Tuple[str, str, str]:
+    """(state file, lock file, log file) of the fetch of cache entry `name`."""
+    base = os.path.join(state_dir, "fetches", name)
+    return base + ".json", base + ".lock", os.path.join(state_dir, "logs", "fetches", name + ".log")
+
+
+def lock_is_held(path: str) -> bool:
+    """Whether a process holds an flock on path (a fetch worker holds its lock while it runs)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing also drops the shared lock if we got it
+    return False
+
+
 def _remove_file(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -611,11 +719,6 @@ def _listdir(path: str) -> List[str]:
 # Cache entries
 
 
-def source_name(source: str) -> str:
-    """The cache name of a source: the one fact that ties a directory on disk to the catalog."""
-    return "llmgw-" + hashlib.sha256(source.encode("utf-8")).hexdigest()
-
-
 def _open_dir_nofollow(name: str, dir_fd: Optional[int] = None) -> int:
     return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
 
@@ -686,7 +789,7 @@ def inspect_entry(cache_dir: str, name: str) -> Tuple[Optional[JsonDict], Option
         manifest, problem = read_manifest_at(cache_fd, name)
     finally:
         os.close(cache_fd)
-    if manifest is not None and source_name(manifest["source"]) != name:
+    if manifest is not None and cache_name(manifest["source"]) != name:
         return None, "manifest source does not hash to the entry name"
     return manifest, problem
 
@@ -1056,9 +1159,10 @@ def fenced(cfg: NodeConfig, verb: str, request: JsonDict, *, hold: bool = True) 
 @dataclass(frozen=True)
 class Source:
     text: str
-    kind: str  # "file", "http" or "hf"
-    location: str  # a local path, a URL or a Hugging Face repo id
-    revision: Optional[str] = None
+    kind: str  # "file", "http", "hf" or "s3"
+    location: str  # a local path, a URL, a Hugging Face repo id or an S3 bucket
+    revision: Optional[str] = None  # hf://: the revision asked for
+    key: Optional[str] = None  # s3://: the key prefix under the bucket
 
 
 def parse_source(text: Any) -> Source:
@@ -1075,6 +1179,12 @@ def parse_source(text: Any) -> Source:
         if not match:
             raise AgentError("fetch: hf:// sources look like hf://org/repo[@revision]")
         return Source(text, "hf", match.group(1), match.group(2))
+    if text.startswith("s3://"):
+        match = S3_SOURCE_RE.match(text)
+        if not match or "//" in match.group(2) or any(p in (".", "..") for p in match.group(2).split("/")):
+            raise AgentError("fetch: s3:// sources look like s3://bucket/key-prefix (a bucket name of 3 to 63 "
+                             "characters a-z, 0-9, '.' and '-', then a key without '.', '..' or '//' segments)")
+        return Source(text, "s3", match.group(1), key=match.group(2))
     if text.startswith(("http://", "https://")):
         if not urllib.parse.urlsplit(text).netloc:
             raise AgentError("fetch: the URL has no host")
@@ -1087,7 +1197,7 @@ def parse_source(text: Any) -> Source:
     elif text.startswith("/"):
         path = text
     else:
-        raise AgentError("fetch: unsupported source; use hf://, http(s)://, file:/// or an absolute path")
+        raise AgentError("fetch: unsupported source; use hf://, s3://, http(s)://, file:/// or an absolute path")
     if not path.startswith("/") or "\0" in path or ".." in path.split("/"):
         raise AgentError("fetch: a local source must be an absolute path without '..'")
     return Source(text, "file", os.path.normpath(path))
@@ -1528,6 +1638,423 @@ def _watch_tree(path: str, progress: FetchProgress, stop: threading.Event) -> No
         progress.update(tree_bytes(path), None)
 
 
+# ---- llmgw/agent/parts/s3.py ----
+
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+S3_DONE = ".llmgw-s3-verified.json"  # in the temporary directory only: the objects already verified
+S3_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+MAX_S3_OBJECTS = 100_000  # a listing longer than this is not a model
+MAX_S3_PAGES = 1_000  # of 1,000 keys each
+MAX_S3_PAGE = 8 << 20
+SIZE_RE = re.compile(r"^[0-9]{1,15}$")
+ETAG_RE = re.compile(r"^[!#-~]{0,128}$")  # printable ASCII without '"': it goes into If-Match
+REGION_RE = re.compile(r"^[a-z0-9-]{1,32}$")
+
+
+@dataclass(frozen=True)
+class S3Access:
+    """The node's S3 settings resolved (config, then environment)."""
+
+    endpoint: str  # scheme://host[:port], no path
+    region: str
+    path_style: bool
+    access_key_id: str
+    secret_access_key: str
+    session_token: str
+
+    def __repr__(self) -> str:  # the secret never in a traceback's locals or a log
+        return f"S3Access(endpoint={self.endpoint!r}, region={self.region!r}, path_style={self.path_style})"
+
+
+@dataclass(frozen=True)
+class S3Object:
+    key: str
+    relative: str  # where it lands under the entry
+    size: int
+    etag: str
+
+
+class _S3Retry(Exception):
+    """A transient failure: try again, resuming from what is on disk."""
+
+
+class _S3Status(Exception):
+    def __init__(self, status: int, code: str, message: str, region: str = "") -> None:
+        super().__init__(f"HTTP {status} {code}")
+        self.status, self.code, self.message, self.region = status, code, message, region
+
+
+def resolve_access(cfg: S3Config, environ: Optional[Dict[str, str]] = None) -> S3Access:
+    env = os.environ if environ is None else environ
+    region = cfg.region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+    endpoint = cfg.endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or ""
+    named = bool(endpoint)
+    if not endpoint:
+        endpoint = f"https://s3.{region}.amazonaws.com"
+    if not REGION_RE.match(region):
+        raise FetchFailed(f"the node's S3 region {region[:40]!r} is not a region name (a-z, 0-9 and '-')")
+    parts = urllib.parse.urlsplit(endpoint)
+    if (parts.scheme not in ("http", "https") or not parts.hostname or parts.username is not None
+            or parts.path not in ("", "/") or parts.query or parts.fragment):
+        # Never shown whole: a URL with user:password@ in it would put the password in the error.
+        raise FetchFailed(f"the node's S3 endpoint ({parts.scheme}://{parts.hostname or ''}) must be "
+                          "scheme://host[:port] only: no user or password in it, no path, query or fragment")
+
+    def from_file(name: str, what: str) -> str:
+        if not name:
+            return ""
+        try:
+            with open(name, encoding="utf-8") as fh:
+                return fh.read().strip()
+        except OSError as exc:
+            raise FetchFailed(f"the node's s3.{what} {name} is unreadable: {exc.strerror}") from None
+
+    key_id = cfg.access_key_id or env.get("AWS_ACCESS_KEY_ID", "")
+    secret = from_file(cfg.secret_access_key_file, "secret_access_key_file") or (
+        "" if cfg.access_key_id and cfg.secret_access_key_file else env.get("AWS_SECRET_ACCESS_KEY", ""))
+    token = from_file(cfg.session_token_file, "session_token_file") or env.get("AWS_SESSION_TOKEN", "")
+    if any(not c.isprintable() or c.isspace() for c in key_id + secret + token):
+        raise FetchFailed("the node's S3 credentials hold spaces or control characters (a file with two lines?)")
+    if bool(key_id) != bool(secret):
+        raise FetchFailed("the node's S3 credentials are half set: an access key id needs its secret (s3."
+                          "secret_access_key_file or AWS_SECRET_ACCESS_KEY) and the other way round")
+    path_style = cfg.path_style if cfg.path_style is not None else named
+    return S3Access(f"{parts.scheme}://{parts.netloc}", region, path_style, key_id, secret, token)
+
+
+def _quote(text: str) -> str:
+    return urllib.parse.quote(text, safe="-_.~")
+
+
+def sign_v4(access: S3Access, method: str, host: str, path: str, query: List[Tuple[str, str]],
+            now: datetime.datetime) -> Dict[str, str]:
+    """The headers that sign a bodiless request (AWS Signature V4, service s3); unsigned without
+    credentials. ``path`` is already percent-encoded as sent."""
+    amz_date = now.strftime("%Y%m%dT%H%M%SZ")
+    headers = {"host": host, "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": amz_date}
+    if access.session_token:
+        headers["x-amz-security-token"] = access.session_token
+    if not access.access_key_id:
+        return {k: v for k, v in headers.items() if k != "host"}
+    canonical_query = "&".join(f"{_quote(k)}={_quote(v)}" for k, v in sorted(query))
+    signed = sorted(headers)
+    canonical = "\n".join([method, path, canonical_query, *(f"{k}:{headers[k].strip()}" for k in signed), "",
+                           ";".join(signed), EMPTY_SHA256])
+    scope = f"{amz_date[:8]}/{access.region}/s3/aws4_request"
+    to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+    key = ("AWS4" + access.secret_access_key).encode()
+    for part in (amz_date[:8], access.region, "s3", "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    headers["Authorization"] = (f"AWS4-HMAC-SHA256 Credential={access.access_key_id}/{scope}, "
+                                f"SignedHeaders={';'.join(signed)}, Signature={signature}")
+    return {k: v for k, v in headers.items() if k != "host"}
+
+
+def _where(access: S3Access, bucket: str, key: str) -> Tuple[str, str]:
+    """(host, encoded path) of an object (key "" : the bucket)."""
+    netloc = urllib.parse.urlsplit(access.endpoint).netloc
+    encoded = urllib.parse.quote(key, safe="/-_.~")
+    # A bucket name with dots is not covered by the store's wildcard certificate as a host name:
+    # path style then, as the AWS SDKs do.
+    if access.path_style or "." in bucket:
+        return netloc, f"/{bucket}/{encoded}" if key else f"/{bucket}"
+    return f"{bucket}.{netloc}", f"/{encoded}"
+
+
+def _open(access: S3Access, bucket: str, key: str, query: List[Tuple[str, str]],
+          extra: Optional[Dict[str, str]] = None) -> Any:
+    import urllib.error
+    import urllib.request
+
+    host, path = _where(access, bucket, key)
+    headers = sign_v4(access, "GET", host, path, query, datetime.datetime.now(datetime.timezone.utc))
+    headers["User-Agent"] = f"llmgw-agent/{AGENT_VERSION}"
+    headers.update(extra or {})
+    scheme = urllib.parse.urlsplit(access.endpoint).scheme
+    url = f"{scheme}://{host}{path}" + ("?" + "&".join(f"{_quote(k)}={_quote(v)}" for k, v in query) if query else "")
+
+    class Stay(urllib.request.HTTPRedirectHandler):
+        # urllib follows a redirect with the request's headers: the signature would go to
+        # another host. Answered as the 3xx it is (a bucket in another region says which).
+        def redirect_request(self, *_args: Any) -> None:
+            return None
+
+    opener = urllib.request.build_opener(Stay)
+    try:
+        return opener.open(urllib.request.Request(url, headers=headers), timeout=HTTP_TIMEOUT)
+    except urllib.error.HTTPError as exc:
+        with exc:
+            body = exc.read(64 << 10)
+            status, region = exc.code, exc.headers.get("x-amz-bucket-region", "")
+        code, message = _error_of(body)
+        if status >= 500 or status == 429 or code in ("SlowDown", "InternalError", "RequestTimeout"):
+            raise _S3Retry(f"HTTP {status} {code}".strip()) from None
+        raise _S3Status(status, code, message, region) from None
+
+
+def _error_of(body: bytes) -> Tuple[str, str]:
+    """S3's error code and message (only those: its body may echo the request's signature)."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError:
+        return "", ""
+    code, message = root.findtext("Code") or "", root.findtext("Message") or ""
+    printable = "".join(c for c in message if c.isprintable())[:200]
+    return "".join(c for c in code if c.isalnum())[:64], printable
+
+
+def list_objects(access: S3Access, bucket: str, prefix: str) -> List[S3Object]:
+    """The objects the source names: the key itself, or those under ``prefix/`` (their paths below it)."""
+    import xml.etree.ElementTree as ET
+
+    out: List[S3Object] = []
+    token = ""
+    seen_tokens = set()
+    below = prefix if prefix.endswith("/") else prefix + "/"
+    for _page in range(MAX_S3_PAGES):
+        query = [("list-type", "2"), ("prefix", prefix)] + ([("continuation-token", token)] if token else [])
+        with _open(access, bucket, "", query) as response:
+            body = response.read(MAX_S3_PAGE + 1)
+        if len(body) > MAX_S3_PAGE:  # a page of 1,000 keys is well under a megabyte; parsed, this takes 20x
+            raise FetchFailed(f"a listing page of s3://{bucket}/{prefix} over {MAX_S3_PAGE >> 20} MiB; refused")
+        try:
+            root = ET.fromstring(body)
+        except ET.ParseError as exc:
+            raise _S3Retry(f"an unreadable listing of s3://{bucket}/{prefix} ({exc})") from None
+        for item in root.iter(f"{S3_NS}Contents"):
+            key = item.findtext(f"{S3_NS}Key") or ""
+            size_text = item.findtext(f"{S3_NS}Size") or ""
+            etag = (item.findtext(f"{S3_NS}ETag") or "").strip('"')
+            # What goes into a header or a number is checked first: a store's listing is its word.
+            if not SIZE_RE.match(size_text) or not ETAG_RE.match(etag):
+                raise _S3Retry(f"a listing of s3://{bucket}/{prefix} with no plain size or ETag for an object")
+            if key == prefix and not key.endswith("/"):
+                relative = key.rsplit("/", 1)[-1]
+            elif key.startswith(below) and not key.endswith("/"):
+                relative = key[len(below):]
+            else:
+                continue  # a sibling that merely starts alike (prefix2/...), or a folder marker
+            out.append(S3Object(key, _safe_relative(bucket, key, relative), int(size_text), etag))
+            if len(out) > MAX_S3_OBJECTS:
+                raise FetchFailed(f"s3://{bucket}/{prefix} holds more than {MAX_S3_OBJECTS} objects")
+        if root.findtext(f"{S3_NS}IsTruncated") != "true":
+            break
+        token = root.findtext(f"{S3_NS}NextContinuationToken") or ""
+        if not token or token in seen_tokens:  # a store that would page for ever
+            raise _S3Retry(f"a truncated listing of s3://{bucket}/{prefix} without a new continuation token")
+        seen_tokens.add(token)
+    else:
+        raise FetchFailed(f"the listing of s3://{bucket}/{prefix} ran past {MAX_S3_PAGES} pages; refused")
+    paths = {o.relative for o in out}
+    for o in out:  # "a" and "a/b" both objects: a file and a directory of one name
+        parent = o.relative.rsplit("/", 1)[0] if "/" in o.relative else ""
+        while parent:
+            if parent in paths:
+                raise FetchFailed(f"s3://{bucket}/{prefix}: {parent} is both an object and a prefix of others "
+                                  f"({o.relative}); the entry cannot hold both")
+            parent = parent.rsplit("/", 1)[0] if "/" in parent else ""
+    if any(o.relative == o.key.rsplit("/", 1)[-1] and o.key == prefix for o in out) and len(out) > 1:
+        # Both an object named like the prefix and objects below it: which one was meant is unknown.
+        raise FetchFailed(f"s3://{bucket}/{prefix} is both an object and a prefix of others; name one")
+    return out
+
+
+def _safe_relative(bucket: str, key: str, relative: str) -> str:
+    """Where an object lands under the entry: a plain relative path, or the fetch fails (a key is
+    anyone's who can write the bucket: never a way out of the cache entry)."""
+    parts = relative.split("/")
+    if (not relative or any(p in ("", ".", "..") or p.startswith(".llmgw-") for p in parts) or "\0" in relative
+            or not all(c.isprintable() for c in relative) or relative == MANIFEST_NAME):
+        raise FetchFailed(f"s3://{bucket}/{key}: the key is no plain relative path under the source; refused")
+    return relative
+
+
+def download_s3(source: Source, tmp: str, progress: FetchProgress, cfg: S3Config) -> None:
+    assert source.key is not None
+    bucket, prefix = source.location, source.key
+    access = resolve_access(cfg)
+    os.makedirs(tmp, exist_ok=True)
+    last: Exception = FetchFailed("no attempt made")
+    for attempt in range(HTTP_ATTEMPTS):
+        try:
+            _s3_attempt(access, bucket, prefix, tmp, progress)
+            return
+        except _S3Status as exc:
+            raise FetchFailed(_explain(exc, bucket, prefix, access)) from None
+        except (_S3Retry, OSError) as exc:
+            last = exc
+        except Exception as exc:  # http.client's own errors (IncompleteRead, RemoteDisconnected)
+            if type(exc).__module__ != "http.client":
+                raise
+            last = exc
+        if attempt + 1 < HTTP_ATTEMPTS:
+            time.sleep(0.5 * 2 ** attempt)
+    raise FetchFailed(f"reading s3://{bucket}/{prefix} from {access.endpoint} failed: {last}")
+
+
+def _explain(exc: _S3Status, bucket: str, key: str, access: S3Access) -> str:
+    where = f"s3://{bucket}/{key}"
+    said = f"{exc.code}: {exc.message}" if exc.code else f"HTTP {exc.status}"
+    if exc.status in (301, 307, 400) and exc.region:
+        return f"{where}: the bucket is in region {exc.region}, not {access.region}: set s3.region on the node"
+    if exc.status == 403:
+        return f"{where}: access denied by {access.endpoint} ({said}); check the node's S3 credentials and policy"
+    if exc.status == 404:
+        return f"{where}: not found at {access.endpoint} ({said})"
+    return f"{where}: HTTP {exc.status} from {access.endpoint} ({said})"
+
+
+def _s3_attempt(access: S3Access, bucket: str, prefix: str, tmp: str, progress: FetchProgress) -> None:
+    objects = list_objects(access, bucket, prefix)
+    if not objects:
+        raise FetchFailed(f"s3://{bucket}/{prefix}: no object there at {access.endpoint} (nor under "
+                          f"{prefix.rstrip('/')}/)")
+    total = sum(o.size for o in objects)
+    done_path = os.path.join(tmp, S3_DONE)
+    # Key -> [ETag, size, verified]: what each file on disk was read from (a partial file of
+    # another version of its object is read again whole, never spliced with the new one).
+    record = _read_verified(done_path)
+    done = sum(o.size for o in objects if record.get(o.key) == [o.etag, o.size, True] and _has(tmp, o))
+    progress.update(done, total, force=True)
+    for o in objects:
+        if record.get(o.key) == [o.etag, o.size, True] and _has(tmp, o):
+            continue
+        if record.get(o.key, [None])[0] != o.etag:
+            _remove_if_any(os.path.join(tmp, o.relative))
+        record[o.key] = [o.etag, o.size, False]
+        _write_verified(done_path, record)
+        done = _fetch_object(access, bucket, o, tmp, progress, done, total)
+        record[o.key] = [o.etag, o.size, True]
+        _write_verified(done_path, record)
+    _keep_only(tmp, {o.relative for o in objects})  # an earlier try's file of a key gone since is not the model's
+
+
+def _remove_if_any(path: str) -> None:
+    try:
+        _remove_any(path)
+    except FileNotFoundError:
+        pass
+
+
+def _keep_only(tmp: str, wanted: set) -> None:
+    """Leave in ``tmp`` the listed files only (and no sidecar): the entry is what the listing says."""
+    for root, dirs, names in os.walk(tmp, topdown=False):
+        for name in names:
+            path = os.path.join(root, name)
+            if os.path.relpath(path, tmp) not in wanted:
+                os.unlink(path)
+        for name in dirs:
+            path = os.path.join(root, name)
+            if not os.path.islink(path) and not os.listdir(path):
+                os.rmdir(path)
+
+
+def _has(tmp: str, o: S3Object) -> bool:
+    try:
+        info = os.lstat(os.path.join(tmp, o.relative))
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_size == o.size
+
+
+def _read_verified(path: str) -> Dict[str, List[Any]]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_verified(path: str, verified: Dict[str, List[Any]]) -> None:
+    tmp = path + ".new"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(verified, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _fetch_object(access: S3Access, bucket: str, o: S3Object, tmp: str, progress: FetchProgress,
+                  done: int, total: int) -> int:
+    """Read one object into place (resuming a partial file), verified; returns the bytes done."""
+    dest = os.path.join(tmp, o.relative)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    if o.size == 0:  # an empty object is a file all the same (a marker an engine may look for)
+        os.close(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666))
+        return done
+    try:
+        info: Optional[os.stat_result] = os.lstat(dest)
+    except FileNotFoundError:
+        info = None
+    if info is not None and (not stat.S_ISREG(info.st_mode) or info.st_size > o.size):
+        _remove_any(dest)  # a link, a directory or more than the object: never written through
+        info = None
+    offset = info.st_size if info is not None else 0
+    # An MD5 ETag (one part) is verified; the bytes on disk count toward it.
+    md5 = hashlib.md5(usedforsecurity=False) if _is_md5(o.etag) else None
+    if md5 is not None and offset:
+        with open(dest, "rb") as fh:
+            for block in iter(lambda: fh.read(CHUNK), b""):
+                md5.update(block)
+    done += offset
+    if offset < o.size:
+        extra = {"Range": f"bytes={offset}-"} if offset else {}
+        if o.etag:
+            extra["If-Match"] = f'"{o.etag}"'
+        try:
+            response = _open(access, bucket, o.key, [], extra)
+        except _S3Status as exc:
+            if exc.status == 412:  # replaced since the listing: read it whole again, listed again
+                _remove_if_any(dest)
+                raise _S3Retry(f"s3://{bucket}/{o.key} changed while it was read") from None
+            raise
+        with response:
+            # An object encrypted with KMS or a customer key has an ETag that is not its MD5.
+            if response.headers.get("x-amz-server-side-encryption") == "aws:kms" or response.headers.get(
+                    "x-amz-server-side-encryption-customer-algorithm"):
+                md5 = None
+            if offset:
+                # Resumed where the Content-Range says so (some stores answer 200 with it, not 206);
+                # the whole object sent again instead is taken from its first byte.
+                start = _range_start(response.headers.get("Content-Range"))
+                if start == 0 or (start is None and response.status == 200):
+                    done -= offset
+                    offset = 0
+                    md5 = hashlib.md5(usedforsecurity=False) if md5 is not None else None
+                elif start != offset:
+                    raise _S3Retry(f"s3://{bucket}/{o.key}: the store did not resume at byte {offset}")
+            mode = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if offset else os.O_TRUNC)
+            with os.fdopen(os.open(dest, mode, 0o666), "ab" if offset else "wb") as out:
+                written = offset
+                while True:
+                    chunk = response.read1(CHUNK)
+                    if not chunk:
+                        break
+                    if written + len(chunk) > o.size:
+                        raise _S3Retry(f"s3://{bucket}/{o.key}: more bytes than the {o.size} listed")
+                    out.write(chunk)
+                    if md5 is not None:
+                        md5.update(chunk)
+                    written += len(chunk)
+                    done += len(chunk)
+                    progress.update(done, total)
+        if written != o.size:
+            raise _S3Retry(f"s3://{bucket}/{o.key}: the connection closed after {written} of {o.size} bytes")
+    if md5 is not None and md5.hexdigest() != o.etag.lower():
+        os.unlink(dest)
+        raise _S3Retry(f"s3://{bucket}/{o.key}: what was read does not match its ETag (MD5); read again")
+    progress.update(done, total, force=True)
+    return done
+
+
+def _is_md5(etag: str) -> bool:
+    return len(etag) == 32 and all(c in "0123456789abcdefABCDEF" for c in etag)
+
+
 # ---- llmgw/agent/parts/spawn.py ----
 
 # ----------------------------------------------------------------------------------------------
@@ -1649,6 +2176,690 @@ def verb_engine_monitor(_cfg: NodeConfig, request: JsonDict) -> JsonDict:
     return {}
 
 
+# ---- llmgw/agent/parts/growing.py ----
+
+SCAN_EVERY = 0.25  # seconds between looks at the download's files
+
+
+def growing_path(state_dir: str, name: str) -> str:
+    return os.path.join(state_dir, "growing", name + ".json")
+
+
+class GrowingHasher:
+    """Hashes the whole chunks of the files under ``tmp`` as they grow, on a thread, and writes
+    their sums to the record at ``path``. A file that shrinks or is replaced starts again (its
+    earlier sums are dropped; a reader that took those chunks finds them wrong at the end)."""
+
+    def __init__(self, tmp: str, path: str) -> None:
+        self.tmp, self.path = tmp, path
+        self._files: Dict[str, Tuple[int, List[str]]] = {}  # path -> (inode, sums), first seen first
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="growing-hasher", daemon=True)
+
+    def __enter__(self) -> "GrowingHasher":
+        self._write()  # at once: a node told to follow this one finds the record from the start
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+        _remove_file(self.path)
+
+    def stop(self) -> None:
+        """No more scans (the record stays until the context ends: after the entry is in place)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(SCAN_EVERY):
+            try:
+                if self.scan():
+                    self._write()
+            except OSError:
+                continue  # a file moved under the scan: the next one sees it as it is
+
+    def scan(self) -> bool:
+        """Hash what grew since the last scan; whether the record changed."""
+        seen, changed = set(), False
+        for root, dirs, names in os.walk(self.tmp):
+            dirs.sort()
+            for base in sorted(names):
+                path = os.path.join(root, base)
+                relative = os.path.relpath(path, self.tmp)
+                info = os.lstat(path)
+                if relative in (MANIFEST_NAME, CHUNKS_NAME) or not stat.S_ISREG(info.st_mode):
+                    continue
+                seen.add(relative)
+                inode, sums = self._files.get(relative, (info.st_ino, []))
+                if inode != info.st_ino or info.st_size < len(sums) * PEER_CHUNK:
+                    inode, sums, changed = info.st_ino, [], True
+                if len(sums) < info.st_size // PEER_CHUNK:
+                    changed |= self._hash_more(path, info.st_size, sums)
+                self._files[relative] = (inode, sums)
+        for gone in [r for r in self._files if r not in seen]:
+            del self._files[gone]
+            changed = True
+        return changed
+
+    def _hash_more(self, path: str, size: int, sums: List[str]) -> bool:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            before = len(sums)
+            while (len(sums) + 1) * PEER_CHUNK <= size and not self._stop.is_set():
+                block = os.pread(fd, PEER_CHUNK, len(sums) * PEER_CHUNK)
+                if len(block) < PEER_CHUNK:
+                    break
+                sums.append(hashlib.sha256(block).hexdigest())
+            return len(sums) != before
+        finally:
+            os.close(fd)
+
+    def _write(self) -> None:
+        files = [{"path": relative, "sha256": list(sums)} for relative, (_inode, sums) in self._files.items()]
+        write_json_atomic(self.path, {"chunk": PEER_CHUNK, "files": files})
+        os.chmod(self.path, 0o600)
+
+
+# ---- llmgw/agent/parts/peer.py ----
+
+MAX_TOKEN_TTL = 86400.0
+MAX_TOKENS = 4096
+MAX_CHUNK_LIST_BYTES = 32 << 20
+# A followed node that reads nothing more from the origin for this long is given up on: its
+# followers read the origin themselves (from what they verified so far). Long: the node hashes its
+# whole entry once more when its download ends (hundreds of GB at a GB/s), and says nothing meanwhile.
+FOLLOW_STALL = 600.0
+FOLLOW_POLL = 0.25  # seconds between asks of a followed node that has nothing new
+MAC_HEADER = "X-Llmgw-Signature"
+PEER_ATTEMPTS = 4  # a peer that answers 503 (busy) or not at all is asked again, after 1, 2, 4 s
+
+
+def chunk_list(directory: str) -> JsonDict:
+    """Every regular file under ``directory`` (links and the agent's own files left out), with
+    its size and the SHA-256 of each PEER_CHUNK bytes, in a fixed order."""
+    files: List[JsonDict] = []
+    for root, dirs, names in os.walk(directory):
+        dirs.sort()
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, directory)
+            if relative in (MANIFEST_NAME, CHUNKS_NAME) or not stat.S_ISREG(os.lstat(path).st_mode):
+                continue
+            sums = []
+            with open(path, "rb") as fh:
+                for block in iter(lambda: fh.read(PEER_CHUNK), b""):
+                    sums.append(hashlib.sha256(block).hexdigest())
+            files.append({"path": relative, "size": os.path.getsize(path), "sha256": sums})
+    return {"chunk": PEER_CHUNK, "files": files}
+
+
+def encode_chunk_list(chunks: JsonDict) -> bytes:
+    return json.dumps(chunks, sort_keys=True, separators=(",", ":")).encode()
+
+
+def chunk_list_digest(entry: str) -> Optional[str]:
+    """The SHA-256 of the entry's chunk list as a peer server sends it; None when it has none."""
+    listing = _entry_chunk_list(entry)
+    return None if listing is None else hashlib.sha256(encode_chunk_list(listing)).hexdigest()
+
+
+def _tokens_path(cfg: NodeConfig) -> str:
+    return os.path.join(cfg.state_dir, "peer-tokens.json")
+
+
+def _server_path(cfg: NodeConfig) -> str:
+    return os.path.join(cfg.state_dir, "peer-server.json")
+
+
+def verb_seed(cfg: NodeConfig, request: JsonDict) -> JsonDict:
+    """Let the holder of the token whose SHA-256 is ``token_sha256`` read cache entry ``name`` for
+    ``ttl`` seconds; start the peer server if it is not running. Answers its URL and the digest
+    of the entry's chunk list (what the fetching node checks the list it reads against)."""
+    if cfg.peer_port is None:
+        raise Refused("seed: this node serves no peers (set peer_port in its config)", setting="peer_port")
+    name, digest, ttl = _field(request, "name"), _field(request, "token_sha256"), request.get("ttl", 3600)
+    if not isinstance(name, str) or not CACHE_NAME_RE.match(name):
+        raise AgentError("seed: name must be a cache name")
+    if not _hex64(digest):
+        raise AgentError("seed: token_sha256 must be 64 lowercase hex digits")
+    if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not 0 < ttl <= MAX_TOKEN_TTL:
+        raise AgentError(f"seed: ttl must be seconds from 0 to {MAX_TOKEN_TTL:g}")
+    mac_key = request.get("mac_key")
+    if mac_key is not None and not _hex64(mac_key):
+        raise AgentError("seed: mac_key must be 64 lowercase hex digits")
+    manifest, problem = inspect_entry(cfg.cache_dir, name)
+    listing = None
+    if manifest is not None:
+        listing = _entry_chunk_list(os.path.join(cfg.cache_dir, name))
+        if listing is None:
+            raise AgentError(f"seed: {name} has no chunk list (fetched by an older agent); it is not served")
+    elif not _growing_here(cfg, name):
+        raise AgentError(f"seed: {name} is neither a complete cache entry here ({problem}) nor read from the "
+                         "origin here now")
+    # One seed at a time on a node: the controller seeds several fetches from one holder at once,
+    # and two read-modify-writes of the tokens lost one, two servers raced for the port.
+    _ensure_dir(cfg.state_dir)
+    lock = os.open(os.path.join(cfg.state_dir, "peer.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        now = time.time()
+        tokens = [t for t in (read_json(_tokens_path(cfg)) or {}).get("tokens", [])
+                  if isinstance(t, dict) and isinstance(t.get("expires"), (int, float)) and t["expires"] > now]
+        made = {"sha256": digest, "name": name, "expires": now + float(ttl)}
+        if mac_key is not None:
+            made["mac_key"] = mac_key  # what its answers are signed with (the tokens file is the agent's only)
+        tokens = (tokens + [made])[-MAX_TOKENS:]
+        write_json_atomic(_tokens_path(cfg), {"tokens": tokens})
+        os.chmod(_tokens_path(cfg), 0o600)
+        _ensure_server(cfg)
+    finally:
+        os.close(lock)
+    url = f"http://{_host(cfg.fabric_address)}:{cfg.peer_port}"
+    if listing is None:  # followed as it reads the origin: its chunks as they come, its list at the end
+        return {"url": url, "growing": True}
+    return {"url": url, "chunks_sha256": hashlib.sha256(encode_chunk_list(listing)).hexdigest()}
+
+
+def _growing_here(cfg: NodeConfig, name: str) -> bool:
+    """A fetch worker reads entry ``name`` from the origin here now, hashing its chunks as they come."""
+    return os.path.exists(growing_path(cfg.state_dir, name)) and lock_is_held(fetch_paths(cfg.state_dir, name)[1])
+
+
+def _growing_answer(cfg: NodeConfig, name: str) -> Optional[JsonDict]:
+    """What a follower asks for: ``complete`` (the entry is in place: read its chunk list), or the
+    sums so far, whether the fetch still runs and how far it is; None: no such fetch here."""
+    for _ in range(2):  # the entry may be put in place between the looks: then it is complete
+        if inspect_entry(cfg.cache_dir, name)[0] is not None:
+            return {"complete": True}
+        record = read_json(growing_path(cfg.state_dir, name))
+        if record is not None:
+            state_path, lock_path, _log = fetch_paths(cfg.state_dir, name)
+            state = read_json(state_path) or {}
+            running = lock_is_held(lock_path)
+            if running or inspect_entry(cfg.cache_dir, name)[0] is None:
+                return {"complete": False, "running": running, "files": record.get("files", []),
+                        "bytes_done": state.get("bytes_done"), "bytes_total": state.get("bytes_total")}
+    return None
+
+
+def _hex64(text: Any) -> bool:
+    return isinstance(text, str) and len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+def signature(mac_key: str, body: bytes) -> str:
+    """How a peer server signs a list it answers to a follower: HMAC-SHA256 under the key the
+    controller gave both over their own SSH channels. Whoever answers at the node's address
+    without it (a spoofed address, a port taken while the server was down) cannot sign."""
+    return hmac.new(bytes.fromhex(mac_key), body, hashlib.sha256).hexdigest()
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def _entry_chunk_list(entry: str) -> Optional[JsonDict]:
+    """The entry's chunk list as its fetch wrote it, or None (an entry of an older agent: it is
+    not served, and its readers go to the origin; hashing it here would hold a verb for minutes)."""
+    try:
+        with open(os.path.join(entry, CHUNKS_NAME), "rb") as fh:
+            data = json.loads(fh.read(MAX_CHUNK_LIST_BYTES))
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(data, dict) and isinstance(data.get("files"), list) and data.get("chunk") == PEER_CHUNK
+    return data if ok else None
+
+
+def _ensure_server(cfg: NodeConfig) -> None:
+    record = read_json(_server_path(cfg)) or {}
+    pid = record.get("pid")
+    if isinstance(pid, int) and record.get("port") == cfg.peer_port and _is_peer_server(pid):
+        return
+    log = os.path.join(cfg.state_dir, "logs", "peer-server.log")
+    reply = spawn_detached(cfg, "_peer-server", {}, log_path=log)
+    if not isinstance(reply.get("pid"), int):
+        raise AgentError(f"seed: the peer server did not start: {reply.get('error', 'no reason given')} (see {log})")
+
+
+def _is_peer_server(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return b"_peer-server" in fh.read()
+    except OSError:
+        return False
+
+
+def verb_peer_server(cfg: NodeConfig, request: JsonDict) -> JsonDict:  # noqa: ARG001 - a verb's signature
+    """Internal: serve complete cache entries to token holders until killed."""
+    import http.server
+
+    _detach()
+    assert cfg.peer_port is not None
+    http.server.ThreadingHTTPServer.allow_reuse_address = True
+    try:
+        server = http.server.ThreadingHTTPServer((cfg.fabric_address, cfg.peer_port), _handler(cfg))
+    except OSError as exc:
+        _reply_and_release_stdio({"error": f"cannot listen on {cfg.fabric_address}:{cfg.peer_port}: {exc.strerror}"})
+        return {}
+    server.daemon_threads = True
+    write_json_atomic(_server_path(cfg), {"pid": os.getpid(), "port": cfg.peer_port})
+    _reply_and_release_stdio({"pid": os.getpid()})
+    server.serve_forever()
+    return {}
+
+
+def _handler(cfg: NodeConfig) -> Any:
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        timeout = HTTP_TIMEOUT  # a client that stops reading or writing does not hold a thread for ever
+        server_version = "llmgw-agent"  # no version to anyone who connects
+        sys_version = ""
+        mac_key: Optional[str] = None  # what this request's lists are signed with (its token's)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
+            pass  # the token never reaches a log; refusals are counted by the fetching side
+
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            if not SERVING.acquire(blocking=False):  # a bound on threads and buffers, whoever asks
+                return self._say(503, b"too many requests at once; try again")
+            try:
+                self._get()
+            finally:
+                SERVING.release()
+
+        def _get(self) -> None:
+            parts = urllib.parse.urlsplit(self.path).path.split("/")
+            # /v1/<entry>/chunks, /v1/<entry>/<file index>/<chunk index>, /v1/<entry>/growing[/<chunk index>]
+            if len(parts) not in (4, 5) or parts[1] != "v1" or not CACHE_NAME_RE.match(parts[2]):
+                return self._say(404, b"no such thing")
+            name = parts[2]
+            opened = self._allowed(name)
+            if opened is None:
+                return self._say(403, b"this token does not open this entry")
+            self.mac_key = opened.get("mac_key") if isinstance(opened.get("mac_key"), str) else None
+            if parts[3] == "growing":
+                return self._growing(name, parts)
+            if inspect_entry(cfg.cache_dir, name)[0] is None:
+                return self._say(404, b"no complete entry of that name here")
+            entry = os.path.join(cfg.cache_dir, name)
+            listing = _entry_chunk_list(entry)
+            if listing is None:
+                return self._say(404, b"no chunk list for that entry here")
+            if len(parts) == 4:
+                if parts[3] != "chunks":
+                    return self._say(404, b"no such thing")
+                return self._say(200, encode_chunk_list(listing), "application/json")
+            if not (_decimal(parts[3]) and _decimal(parts[4])) or int(parts[3]) >= len(listing["files"]):
+                return self._say(404, b"no such chunk")
+            file = listing["files"][int(parts[3])]
+            index = int(parts[4])
+            relative = file.get("path") if isinstance(file, dict) else None
+            if not isinstance(relative, str) or _bad_path(relative) or index >= len(file.get("sha256") or ()):
+                return self._say(404, b"no such chunk")
+            self._send_chunk(entry, relative, index, last=True)
+
+        def _growing(self, name: str, parts: List[str]) -> None:
+            """/v1/<entry>/growing: the sums so far; /v1/<entry>/growing/<chunk index>?path=<file>:
+            a whole chunk the origin reader hashed (by path: its list of files may change)."""
+            answer = _growing_answer(cfg, name)
+            if answer is None:
+                return self._say(404, b"that entry is not read from the origin here")
+            if len(parts) == 4:
+                return self._say(200, json.dumps(answer).encode(), "application/json")
+            if answer.get("complete") or not _decimal(parts[4]):
+                return self._say(404, b"no such chunk")
+            relative = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query).get("path", [""])[0]
+            index = int(parts[4])
+            sums = next((f.get("sha256") for f in answer["files"] if isinstance(f, dict) and f.get("path") == relative),
+                        None)
+            if _bad_path(relative) or not isinstance(sums, list) or index >= len(sums):
+                return self._say(404, b"no such chunk")
+            self._send_chunk(os.path.join(cfg.cache_dir, TMP_PREFIX + name), relative, index, last=False)
+
+        def _send_chunk(self, entry: str, relative: str, index: int, *, last: bool) -> None:
+            """Chunk ``index`` of ``relative`` in ``entry``; ``last``: the file's last chunk may be short
+            (of a growing file only whole chunks are sent)."""
+            path = os.path.join(entry, relative)
+            # Inside the entry, through no link (the entry's own name included): the list is only
+            # what this node wrote, but an entry is a directory others may have written into.
+            inside = os.path.join(os.path.realpath(cfg.cache_dir), os.path.basename(entry), relative)
+            if os.path.realpath(path) != inside:
+                return self._say(404, b"no such file")
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                return self._say(404, b"no such file")
+            try:
+                start = index * PEER_CHUNK
+                length = max(0, min(PEER_CHUNK, os.fstat(fd).st_size - start))
+                if not last and length < PEER_CHUNK:
+                    return self._say(404, b"no such chunk")
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(length))
+                self.end_headers()
+                sent = 0
+                while sent < length:  # a megabyte at a time: 32 MiB per client held is a lot of clients
+                    block = os.pread(fd, min(1 << 20, length - sent), start + sent)
+                    if not block:
+                        break
+                    self.wfile.write(block)
+                    sent += len(block)
+            finally:
+                os.close(fd)
+            return None
+
+        def _allowed(self, name: str) -> Optional[JsonDict]:
+            """The token entry the request's bearer token opens ``name`` with, or None."""
+            header = self.headers.get("Authorization", "")
+            if not header.startswith("Bearer "):
+                return None
+            digest = hashlib.sha256(header[len("Bearer "):].encode("utf-8", "surrogateescape")).hexdigest()
+            now = time.time()
+            return next((t for t in (read_json(_tokens_path(cfg)) or {}).get("tokens", [])
+                         if isinstance(t, dict) and t.get("name") == name and isinstance(t.get("expires"), (int, float))
+                         and t["expires"] > now and hmac.compare_digest(str(t.get("sha256", "")), digest)), None)
+
+        def _say(self, status: int, body: bytes, kind: str = "text/plain") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            if status == 200 and kind == "application/json" and self.mac_key is not None:
+                self.send_header(MAC_HEADER, signature(self.mac_key, body))
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    return Handler
+
+
+SERVING = threading.BoundedSemaphore(32)  # requests a peer server answers at once
+
+
+def _decimal(text: str) -> bool:
+    return text.isascii() and text.isdigit() and len(text) < 10
+
+
+def _bad_path(relative: str) -> bool:
+    """Not a plain relative path of a file in an entry (or one of the agent's own names)."""
+    parts = relative.split("/")
+    return (not relative or relative.startswith("/") or "\0" in relative or relative in (MANIFEST_NAME, CHUNKS_NAME)
+            or any(p in ("", ".", "..") for p in parts))
+
+
+class PeerFailed(Exception):
+    """The peer could not give what was asked, or gave what does not check out: fall back to the origin."""
+
+    def __init__(self, message: str, status: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status the peer answered, where it answered one
+
+
+def download_from_peer(peer: JsonDict, name: str, tmp: str, progress: FetchProgress) -> None:
+    """Read entry ``name`` from ``peer`` into ``tmp``. ``{url, token, chunks_sha256}``: a complete
+    entry, its chunk list checked against the digest the controller handed over, each chunk against
+    the list. ``{url, token, follow: true, mac_key}``: the node reading the origin now, its chunks
+    read as it hashes them, then the rest by its chunk list once its entry is in place; every list
+    it answers signed with ``mac_key`` (which the controller gave it too): its word, which is the
+    origin's, and no one else's."""
+    url, token, digest, mac_key = peer.get("url"), peer.get("token"), peer.get("chunks_sha256"), peer.get("mac_key")
+    follow = peer.get("follow") is True
+    if not (isinstance(url, str) and url.startswith("http://") and isinstance(token, str)
+            and (isinstance(digest, str) or (follow and _hex64(mac_key)))):
+        raise PeerFailed("the peer to read from is not described (url, token, chunks_sha256 or follow and mac_key)")
+    signed = mac_key if follow and isinstance(mac_key, str) else None
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        known = _follow(url, token, name, tmp, progress, signed) if signed is not None else {}
+        raw = _get(f"{url}/v1/{name}/chunks", token, MAX_CHUNK_LIST_BYTES, signed)
+        if signed is None and hashlib.sha256(raw).hexdigest() != digest:
+            raise PeerFailed("the peer's chunk list is not the one the controller was told of")
+        files = _checked_list(raw)
+        total = sum(f[1] for f in files)
+        done = 0
+        for i, (relative, size, sums) in enumerate(files):
+            done = _read_file(url, token, name, tmp, i, relative, size, sums, progress, done, total,
+                              known.get(relative, []))
+        _remove_unlisted(tmp, {f[0] for f in files})
+    except OSError as exc:  # the disk, or a file where a directory must go: the origin's way may do
+        raise PeerFailed(f"writing what the peer sent failed ({exc.strerror or type(exc).__name__})") from None
+    write_json_atomic(os.path.join(tmp, CHUNKS_NAME), json.loads(raw))
+
+
+def _follow(url: str, token: str, name: str, tmp: str, progress: FetchProgress, mac_key: str) -> Dict[str, List[str]]:
+    """Read the whole chunks the followed node hashed, as it hashes them, until its entry is in
+    place; per file, the sums of the chunks written here (each checked against the sum it came with)."""
+    have: Dict[str, List[str]] = {}
+    last_change, last_seen = time.monotonic(), None
+    while True:
+        answer = _growing(url, token, name, mac_key)
+        if answer.get("complete") is True:
+            return have
+        files = _checked_growing(answer)
+        seen = (answer.get("bytes_done"), sum(len(sums) for _path, sums in files))
+        if seen != last_seen:
+            last_change, last_seen = time.monotonic(), seen
+        read = False
+        try:
+            for relative, sums in files:
+                read |= _follow_file(url, token, name, tmp, relative, sums, have, progress, answer.get("bytes_total"))
+        except PeerFailed as exc:
+            if exc.status != 404:
+                raise
+            read = False  # its entry went into place (or a file moved) since it answered: asked again
+        if read:
+            continue
+        if answer.get("running") is not True:
+            raise PeerFailed("the node reading the origin stopped before it had the entry")
+        if time.monotonic() - last_change > FOLLOW_STALL:
+            raise PeerFailed(f"the node reading the origin read nothing more for {FOLLOW_STALL:g} s")
+        time.sleep(FOLLOW_POLL)
+
+
+def _growing(url: str, token: str, name: str, mac_key: str) -> JsonDict:
+    try:
+        answer = json.loads(_get(f"{url}/v1/{name}/growing", token, MAX_CHUNK_LIST_BYTES, mac_key))
+    except ValueError:
+        raise PeerFailed("the followed node's sums are not JSON") from None
+    if not isinstance(answer, dict):
+        raise PeerFailed("the followed node's sums are not of this agent's kind")
+    return answer
+
+
+def _checked_growing(answer: JsonDict) -> List[Tuple[str, List[str]]]:
+    files = answer.get("files")
+    if not isinstance(files, list) or len(files) > 100_000:
+        raise PeerFailed("the followed node's sums are not of this agent's kind")
+    out = []
+    for f in files:
+        relative, sums = (f.get("path"), f.get("sha256")) if isinstance(f, dict) else (None, None)
+        if not isinstance(relative, str) or _bad_path(relative) or not isinstance(sums, list) \
+                or not all(isinstance(x, str) and len(x) == 64 for x in sums):
+            raise PeerFailed(f"the followed node's sums name {str(relative)[:80]!r}, not a plain path in the entry")
+        out.append((relative, sums))
+    return out
+
+
+def _follow_file(url: str, token: str, name: str, tmp: str, relative: str, sums: List[str],
+                 have: Dict[str, List[str]], progress: FetchProgress, total: Any) -> bool:
+    """Write the chunks of ``relative`` not written yet; whether any was."""
+    dest = os.path.join(tmp, relative)
+    mine = have.get(relative)
+    if mine is None:  # first seen in this run: what an earlier, killed run verified is kept
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        good = _verified_prefix(dest, len(sums) * PEER_CHUNK, sums)
+        mine = have[relative] = sums[:good // PEER_CHUNK]
+    agree = 0
+    while agree < len(mine) and agree < len(sums) and mine[agree] == sums[agree]:
+        agree += 1
+    if agree < len(mine):  # the followed node's file started again: what differs is read again
+        del mine[agree:]
+    if len(mine) >= len(sums):
+        return False
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    try:
+        os.ftruncate(fd, len(mine) * PEER_CHUNK)
+        query = urllib.parse.urlencode({"path": relative})
+        for index in range(len(mine), len(sums)):
+            data = _get(f"{url}/v1/{name}/growing/{index}?{query}", token, PEER_CHUNK)
+            if len(data) != PEER_CHUNK or hashlib.sha256(data).hexdigest() != sums[index]:
+                raise PeerFailed(f"chunk {index} of {relative} from the followed node does not match its sum")
+            os.pwrite(fd, data, index * PEER_CHUNK)
+            mine.append(sums[index])
+            written = sum(len(x) for x in have.values()) * PEER_CHUNK
+            progress.update(written, total if isinstance(total, int) else None)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _remove_unlisted(tmp: str, listed: Set[str]) -> None:
+    """Files a followed node had for a while (a download's partial name) and its entry has not."""
+    for root, _dirs, names in os.walk(tmp):
+        for base in names:
+            path = os.path.join(root, base)
+            relative = os.path.relpath(path, tmp)
+            if relative not in listed and relative not in (MANIFEST_NAME, CHUNKS_NAME):
+                os.unlink(path)
+
+
+def _checked_list(raw: bytes) -> List[Any]:
+    """The list's files as (path, size, sums), or PeerFailed: the digest matched, but a list is
+    checked whole before anything is written by it."""
+    try:
+        listing = json.loads(raw)
+    except ValueError:
+        raise PeerFailed("the peer's chunk list is not JSON") from None
+    files = listing.get("files") if isinstance(listing, dict) else None
+    if not isinstance(listing, dict) or listing.get("chunk") != PEER_CHUNK or not isinstance(files, list) \
+            or len(files) > 100_000:
+        raise PeerFailed("the peer's chunk list is not of this agent's kind")
+    out, paths = [], set()
+    for f in files:
+        relative, size, sums = (f.get("path"), f.get("size"), f.get("sha256")) if isinstance(f, dict) else (0, 0, 0)
+        if not isinstance(relative, str) or _bad_path(relative) or relative in paths:
+            raise PeerFailed(f"the peer's chunk list names {str(relative)[:80]!r}, not a plain path in the entry")
+        if type(size) is not int or size < 0 or not isinstance(sums, list) \
+                or len(sums) != -(-size // PEER_CHUNK) or not all(isinstance(x, str) and len(x) == 64 for x in sums):
+            raise PeerFailed(f"the peer's chunk list has no plain size and chunk sums for {relative[:80]!r}")
+        paths.add(relative)
+        out.append((relative, size, sums))
+    for relative in paths:  # "a" and "a/b": a file and a directory of one name
+        if any(relative.startswith(other + "/") for other in paths):
+            raise PeerFailed(f"the peer's chunk list names {relative[:80]!r} under another file")
+    return out
+
+
+def _read_file(url: str, token: str, name: str, tmp: str, i: int, relative: str, size: int, sums: List[str],
+               progress: FetchProgress, done: int, total: int, known: List[str]) -> int:
+    """``known``: sums of whole chunks this run wrote to the file, each checked as it came (not hashed again)."""
+    dest = os.path.join(tmp, relative)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    have = _known_prefix(dest, size, sums, known) if known else _verified_prefix(dest, size, sums)
+    done += have
+    progress.update(done, total, force=True)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    try:
+        os.ftruncate(fd, have)  # a chunk cut short by a kill, or one that does not check out, is read again
+        for index in range(have // PEER_CHUNK, len(sums)):
+            want = min(PEER_CHUNK, size - index * PEER_CHUNK)
+            data = _get(f"{url}/v1/{name}/{i}/{index}", token, want)
+            if len(data) != want or hashlib.sha256(data).hexdigest() != sums[index]:
+                raise PeerFailed(f"chunk {index} of {relative} from the peer does not match its list")
+            os.pwrite(fd, data, index * PEER_CHUNK)
+            done += len(data)
+            progress.update(done, total)
+    finally:
+        os.close(fd)
+    return done
+
+
+def _known_prefix(dest: str, size: int, sums: List[str], known: List[str]) -> int:
+    """Bytes of ``dest`` from the start whose chunks this run wrote and checked, as far as the list agrees."""
+    agree = 0
+    while agree < len(known) and agree < len(sums) and known[agree] == sums[agree]:
+        agree += 1
+    try:
+        info = os.lstat(dest)
+    except FileNotFoundError:
+        return 0
+    if not stat.S_ISREG(info.st_mode):
+        return _verified_prefix(dest, size, sums)  # (removes it)
+    return min(agree * PEER_CHUNK, size, info.st_size)
+
+
+def _verified_prefix(dest: str, size: int, sums: List[str]) -> int:
+    """Bytes of ``dest`` that check out against ``sums``, whole chunks from the start: each is
+    hashed again (two holders, or a holder and the origin, may hold other bytes under one name)."""
+    try:
+        info = os.lstat(dest)
+    except FileNotFoundError:
+        return 0
+    if not stat.S_ISREG(info.st_mode):
+        os.unlink(dest)  # a link or other planted thing is never written through
+        return 0
+    good = 0
+    with open(dest, "rb") as fh:
+        for expected in sums:
+            block = fh.read(PEER_CHUNK)
+            if not block or len(block) < min(PEER_CHUNK, size - good) or hashlib.sha256(block).hexdigest() != expected:
+                break
+            good += len(block)
+    return good
+
+
+def _get(url: str, token: str, limit: int, mac_key: Optional[str] = None) -> bytes:
+    """The body at ``url`` (at most ``limit`` bytes and one more, to tell a longer one); with
+    ``mac_key``, only one the peer signed with it."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}",
+                                                   "User-Agent": f"llmgw-agent/{AGENT_VERSION}"})
+
+    class Stay(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *_args: Any) -> None:
+            return None  # the token goes to the peer it was issued for, nowhere else
+
+    failure = PeerFailed("the peer was not asked")
+    for attempt in range(PEER_ATTEMPTS):
+        if attempt:
+            time.sleep(2 ** (attempt - 1))
+        try:
+            with urllib.request.build_opener(Stay).open(request, timeout=HTTP_TIMEOUT) as response:
+                body = response.read(limit + 1)[:limit + 1]
+                said = response.headers.get(MAC_HEADER, "")
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            failure = PeerFailed(f"the peer answered HTTP {exc.code}", exc.code)
+            if exc.code != 503:  # busy: asked again; any other answer is the peer's word
+                raise failure from None
+            continue
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            failure = PeerFailed(f"the peer could not be read ({type(exc).__name__})")
+            continue
+        if mac_key is not None and not hmac.compare_digest(said, signature(mac_key, body)):
+            raise PeerFailed("the answer is not signed by the node the controller named")
+        return body
+    raise failure
+
+
+def fetch_request_peer(request: JsonDict) -> Optional[Dict[str, Any]]:
+    """The fetch request's ``peer``, checked for shape (None: from the origin)."""
+    peer = request.get("peer")
+    if peer is None:
+        return None
+    if not isinstance(peer, dict) or not all(isinstance(peer.get(k), str) for k in ("url", "token")) \
+            or not (isinstance(peer.get("chunks_sha256"), str) or (peer.get("follow") is True
+                                                                   and _hex64(peer.get("mac_key")))):
+        raise AgentError("fetch: peer must be {url, token, chunks_sha256} or {url, token, follow: true, mac_key}")
+    out: Dict[str, Any] = {k: peer[k] for k in ("url", "token", "chunks_sha256", "mac_key", "from")
+                           if isinstance(peer.get(k), str)}
+    if peer.get("follow") is True:
+        out["follow"] = True
+    return out
+
+
 # ---- llmgw/agent/parts/fetch.py ----
 
 # ----------------------------------------------------------------------------------------------
@@ -1656,9 +2867,7 @@ def verb_engine_monitor(_cfg: NodeConfig, request: JsonDict) -> JsonDict:
 
 
 def _fetch_paths(cfg: NodeConfig, name: str) -> Tuple[str, str, str]:
-    """(state file, lock file, log file) of the fetch of cache entry `name`."""
-    base = os.path.join(cfg.state_dir, "fetches", name)
-    return base + ".json", base + ".lock", os.path.join(cfg.state_dir, "logs", "fetches", name + ".log")
+    return fetch_paths(cfg.state_dir, name)
 
 
 def _fetch_state(name: Optional[str], path: str, source: str, state: str, *, done: int = 0,
@@ -1668,14 +2877,16 @@ def _fetch_state(name: Optional[str], path: str, source: str, state: str, *, don
 
 
 def verb_fetch(cfg: NodeConfig, request: JsonDict) -> JsonDict:
-    """Start (or join) a detached download; answers at once with its state, never waits for it."""
+    """Start (or join) a detached download; answers at once with its state, never waits for it.
+    ``peer`` ({url, token, chunks_sha256}): read the entry from that node first (the origin on any doubt)."""
     source = parse_source(_field(request, "source"))
+    peer = fetch_request_peer(request)
     plain_path = source.kind == "file" and source.text.startswith("/")
     if plain_path and any(_inside(source.location, d) for d in cfg.model_dirs):
         return _operator_copy(source)
-    if source.kind == "file":
+    if source.kind == "file" and peer is None:  # from a peer: the worker checks the origin only if it falls back
         check_local_source(cfg, source.location)
-    name = source_name(source.text)
+    name = cache_name(source.text)
     final = os.path.join(cfg.cache_dir, name)
     state_path, lock_path, log_path = _fetch_paths(cfg, name)
     manifest, problem = inspect_entry(cfg.cache_dir, name)
@@ -1699,8 +2910,10 @@ def verb_fetch(cfg: NodeConfig, request: JsonDict) -> JsonDict:
         state = _fetch_state(name, final, source.text, "running")
         write_json_atomic(state_path, state)
         # The worker inherits the locked descriptor, so the lock lives exactly as long as it does.
-        reply = spawn_detached(cfg, "_fetch-worker", {"source": source.text, "lock_fd": lock_fd},
-                               log_path=log_path, pass_fds=(lock_fd,))
+        payload: JsonDict = {"source": source.text, "lock_fd": lock_fd}
+        if peer is not None:
+            payload["peer"] = peer
+        reply = spawn_detached(cfg, "_fetch-worker", payload, log_path=log_path, pass_fds=(lock_fd,))
         if not _is_int(reply.get("pid")):
             error = f"the fetch worker did not start: {reply.get('error', 'no reason given')}"
             return _record_failure(state_path, dict(state, state="failed", error=error))
@@ -1712,7 +2925,11 @@ def verb_fetch(cfg: NodeConfig, request: JsonDict) -> JsonDict:
 def _done_state(name: str, path: str, manifest: JsonDict) -> JsonDict:
     raw = manifest.get("bytes")
     size = raw if isinstance(raw, int) and _is_int(raw) else tree_bytes(path)
-    return _fetch_state(name, path, manifest["source"], "done", done=size, total=size)
+    state = _fetch_state(name, path, manifest["source"], "done", done=size, total=size)
+    # The digest of the entry's chunk list: what the controller keeps from the node that read the
+    # origin, and hands to the nodes that read this entry from a peer (never the peer's own word).
+    state["chunks_sha256"] = chunk_list_digest(path)
+    return state
 
 
 def _operator_copy(source: Source) -> JsonDict:
@@ -1749,20 +2966,6 @@ def _try_lock(path: str, attempts: int = 4, delay: float = 0.02) -> Optional[int
     return None
 
 
-def _lock_is_held(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing also drops the shared lock if we got it
-    return False
-
-
 def fetch_views(cfg: NodeConfig) -> List[JsonDict]:
     views = []
     directory = os.path.join(cfg.state_dir, "fetches")
@@ -1773,7 +2976,7 @@ def fetch_views(cfg: NodeConfig) -> List[JsonDict]:
         if state is None:
             continue
         _, lock_path, log_path = _fetch_paths(cfg, str(state.get("name")))
-        if state.get("state") == "running" and not _lock_is_held(lock_path):
+        if state.get("state") == "running" and not lock_is_held(lock_path):
             state = dict(state, state="failed",
                          error=f"the fetch worker stopped before finishing (see {log_path}); fetch again to resume")
         views.append({k: state.get(k) for k in ("name", "path", "source", "state", "bytes_done", "bytes_total",
@@ -1787,46 +2990,86 @@ def verb_fetch_worker(cfg: NodeConfig, request: JsonDict) -> JsonDict:
     lock_fd = int(request["lock_fd"])
     _detach()
     _reply_and_release_stdio({"pid": os.getpid()})
-    name = source_name(source.text)
+    name = cache_name(source.text)
     final = os.path.join(cfg.cache_dir, name)
     state_path, _, _ = _fetch_paths(cfg, name)
     progress = FetchProgress(state_path, _fetch_state(name, final, source.text, "running"))
     tmp = os.path.join(cfg.cache_dir, TMP_PREFIX + name)
+    # A record of sums an earlier worker left: this one may read from a peer, and must not be followed.
+    _remove_file(growing_path(cfg.state_dir, name))
     try:
         os.makedirs(cfg.cache_dir, exist_ok=True)  # the umask's mode: engines may run as another user
-        download(source, tmp, progress, local_roots=cfg.local_sources + cfg.model_dirs)
-        size = finalize_entry(source, tmp, final)
+        _no_planted_link(tmp)
+        peer = request.get("peer")
+        from_peer = False
+        try:
+            if not isinstance(peer, dict):
+                raise PeerFailed("no peer")
+            download_from_peer(peer, name, tmp, progress)
+            from_peer = True
+        except PeerFailed as exc:
+            if isinstance(peer, dict):
+                print(f"reading {name} from the peer {peer.get('url')} failed ({exc}); reading the origin",
+                      file=sys.stderr, flush=True)  # the fetch log
+        if from_peer:
+            size = finalize_entry(source, tmp, final, chunks_checked=True)
+        else:
+            # A node serving peers hashes what comes as it comes, so others read it meanwhile
+            # (llmgw.agent.parts.growing); the record goes once the entry is in place.
+            with contextlib.ExitStack() as growing:
+                if cfg.peer_port is not None:
+                    hasher = growing.enter_context(GrowingHasher(tmp, growing_path(cfg.state_dir, name)))
+                download(source, tmp, progress, local_roots=cfg.local_sources + cfg.model_dirs, s3=cfg.s3)
+                if cfg.peer_port is not None:
+                    hasher.stop()
+                size = finalize_entry(source, tmp, final)
         progress.finish("done", size=size)
     except FetchFailed as exc:
         progress.finish("failed", error=str(exc))
     except BaseException as exc:
-        progress.finish("failed", error=f"internal error: {exc!r}")
+        # Its type only: an exception's text may carry a header value (a token) it choked on.
+        progress.finish("failed", error=f"internal error ({type(exc).__name__}): see the fetch log on the node")
         raise  # the traceback goes to the fetch log
     finally:
         os.close(lock_fd)
     return {}
 
 
-def download(source: Source, tmp: str, progress: FetchProgress, *, local_roots: Tuple[str, ...]) -> None:
-    """Bring the source's content into the directory tmp (which may hold a partial earlier try)."""
+def _no_planted_link(tmp: str) -> None:
     try:
         planted = not stat.S_ISDIR(os.lstat(tmp).st_mode)
     except FileNotFoundError:
         planted = False
     if planted:  # a link (or file) under our temporary name: writing through it would leave the cache
         _remove_any(tmp)
+
+
+def download(source: Source, tmp: str, progress: FetchProgress, *, local_roots: Tuple[str, ...],
+             s3: S3Config) -> None:
+    """Bring the source's content into the directory tmp (which may hold a partial earlier try)."""
+    _no_planted_link(tmp)
     if source.kind == "file":
         copy_local(source.location, tmp, progress, local_roots)
     elif source.kind == "http":
         download_http(source.location, tmp, progress)
+    elif source.kind == "s3":
+        download_s3(source, tmp, progress, s3)
     else:
         download_hf(source, tmp, progress)
 
 
-def finalize_entry(source: Source, tmp: str, final: str) -> int:
+def finalize_entry(source: Source, tmp: str, final: str, *, chunks_checked: bool = False) -> int:
     """Write the manifest and rename tmp into place: the rename is the commit point, so an entry
-    under its cache name is always complete."""
-    size = tree_bytes(tmp)
+    under its cache name is always complete. ``chunks_checked``: the chunk list came from a peer,
+    checked against the controller's digest (kept); otherwise it is made here, from the files, and
+    a file of that name from the origin is not taken for it (it would name any file to serve)."""
+    chunks = os.path.join(tmp, CHUNKS_NAME)
+    if not chunks_checked and os.path.lexists(chunks):
+        _remove_any(chunks)
+    size = tree_bytes(tmp) - _size_of(chunks)
+    if not chunks_checked:
+        # What another node checks each chunk it reads from here against (llmgw.agent.parts.peer).
+        write_json_atomic(chunks, chunk_list(tmp))
     write_json_atomic(os.path.join(tmp, MANIFEST_NAME), {
         "source": source.text, "fetched_at": time.time(), "bytes": size, "agent_version": AGENT_VERSION})
     try:
@@ -1834,6 +3077,13 @@ def finalize_entry(source: Source, tmp: str, final: str) -> int:
     except OSError as exc:
         raise FetchFailed(f"could not move the download into place: {exc.strerror}") from exc
     return size
+
+
+def _size_of(path: str) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
 
 
 # ---- llmgw/agent/parts/peerflags.py ----
@@ -2043,6 +3293,12 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
             value, i = _value_at(args, i, value)
             check_listen(flag, value, what, host=host, port=port)
             continue
+        choice = _table_flag(kind, arg, CHOICES)
+        if choice is not None:
+            flag, allowed, value = choice
+            value, i = _value_at(args, i, value)
+            check_choice(flag, value, allowed)
+            continue
         peer = _table_flag(kind, arg, PEER_FLAGS)
         if peer is not None:
             flag, form, value = peer
@@ -2070,8 +3326,15 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
                         break
                     i += 1
                     value = args[i]
+                if kind == "vllm" and _is_compilation_flag(_normal(name).partition(".")[0]):
+                    check_compilation_backend(_normal(name), value)
                 _check_value(name, value, mode, area=area, read_roots=read_roots, every=True)
         if mode is None:
+            if kind in ("vllm", "sglang") and not arg.startswith("-") and URL_RE.match(arg):
+                # A positional model tag as a URL (s3://, gs://, https://): the engine would load
+                # from there, past the agent's fetch and its checks.
+                raise Refused(f"start: {arg!r} is refused: {kind} would load a model from that address itself; "
+                              "a replica's weights come from the agent's fetch ({weights})", setting="args")
             # Any other argument (a positional model path, a flag this table does not know): its
             # absolute paths and its ".." escapes are checked all the same.
             _check_value("argument", arg, "r", area=area, read_roots=read_roots, every=False)
@@ -2118,6 +3381,55 @@ def _check_family(kind: Optional[str], flag: str, value: str, *, area: str, read
                           "backends' settings reach beyond this node)", setting="args")
         if isinstance(config.get("file_path"), str):
             _check_value(flag, config["file_path"], "w", area=area, read_roots=read_roots, every=True)
+
+
+# Flags whose value picks where the engine runs, loads from or what code it imports: only the
+# values that stay on this node and import nothing a request names. vLLM 0.32.0:
+# --distributed-executor-backend takes "ray" (workers on a Ray cluster, other machines) or a
+# class's qualname (code to import); --data-parallel-backend/-dpb "ray" likewise; --load-format
+# tensorizer, runai_streamer(_sharded), modelexpress and ipc_cache load from object stores or
+# other servers; CompilationConfig's backend is "", "inductor", "eager" or a function to import.
+CHOICES: Dict[str, Dict[str, str]] = {
+    "vllm": {
+        "--distributed-executor-backend": "mp uni",
+        "--data-parallel-backend": "mp",
+        "-dpb": "mp",
+        "--load-format": "auto pt safetensors npcache dummy sharded_state gguf bitsandbytes mistral fastsafetensors",
+    },
+}
+COMPILATION_FLAGS = ("--compilation-config", "-cc", "-O")
+COMPILATION_BACKENDS = ("", "inductor", "eager")
+
+
+def check_choice(flag: str, value: str, allowed: str) -> None:
+    if value not in allowed.split():
+        raise Refused(f"start: {flag} {value!r} is refused: only {', '.join(allowed.split())} keep the engine on "
+                      "this node, loading what the agent fetched and importing nothing else", setting="args")
+
+
+def check_compilation_backend(flag: str, value: str) -> None:
+    """vLLM's compilation backend, set as a JSON key (-O '{"backend": ...}') or a dotted flag
+    (--compilation-config.backend=...): a name of vLLM's own, never a function to import."""
+    head, dot, key = flag.partition(".")
+    backend: Any = None
+    if dot:
+        if key.replace("_", "-") != "backend":
+            return
+        backend = value
+    elif value[:1] == "{":
+        try:
+            parsed = json.loads(value)
+        except (ValueError, RecursionError):
+            return  # not JSON: the path checks have it
+        if not isinstance(parsed, dict) or "backend" not in parsed:
+            return
+        backend = parsed["backend"]
+    else:
+        return
+    if backend not in COMPILATION_BACKENDS:
+        raise Refused(f"start: {head} backend {backend!r} is refused: only vLLM's own backends "
+                      f"({', '.join(repr(b) for b in COMPILATION_BACKENDS)}) are; another names code to import",
+                      setting="args")
 
 
 # Where an HTTP engine listens: the node's bind_address ({host}) and the port the agent chose
@@ -2252,6 +3564,17 @@ def check_rpc_server_args(cfg: NodeConfig, args: List[str], *, port: int) -> Non
     if not {"host", "port"} <= seen:
         raise Refused("start: rpc-server needs --host {host} and --port {port} (without them it would "
                       "listen where its defaults say)", setting="args")
+
+
+def _is_compilation_flag(head: str) -> bool:
+    # argparse takes an unambiguous abbreviation (--compilation-c) as the whole flag.
+    return head in COMPILATION_FLAGS or (head.startswith("--") and len(head) >= 4
+                                         and "--compilation-config".startswith(head))
+
+
+def _normal(name: str) -> str:
+    """--flag_name as --flag-name (argparse takes both); short flags as they are."""
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
 
 
 def _flag_and_value(flags: Dict[str, str], kind: Optional[str], arg: str) -> Tuple[str, Optional[str]]:
@@ -3188,10 +4511,12 @@ def verb_status(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
 
 def engine_views(cfg: NodeConfig) -> List[JsonDict]:
     prune_engine_records(cfg, time.time())
-    return [engine_view(cfg, r) for r in all_records(cfg)]
+    records = all_records(cfg)
+    sockets = listen_sockets() if records else []  # the kernel's tables read once for every engine
+    return [engine_view(cfg, r, sockets) for r in records]
 
 
-def engine_view(cfg: NodeConfig, record: JsonDict) -> JsonDict:
+def engine_view(cfg: NodeConfig, record: JsonDict, sockets: List[Tuple[Any, int, str]]) -> JsonDict:
     alive = record_alive(record)
     info = None if alive else exit_info(cfg, record)
     return {
@@ -3205,20 +4530,19 @@ def engine_view(cfg: NodeConfig, record: JsonDict) -> JsonDict:
         "log_tail": tail_lines(record.get("log") or ""),
         # A worker answers once its port accepts connections: the head is started only then.
         "listening": alive and engine_kind(str(record.get("engine")), cfg.engines.get(str(record.get("engine")), ()))
-        == RPC_SERVER and _is_int(record.get("port")) and listening(cfg.fabric_address, record["port"]),
+        == RPC_SERVER and _is_int(record.get("port")) and listening(cfg.fabric_address, record["port"], sockets),
+        "port_shared_with": foreign_listeners(record["pid"], record["port"], sockets)
+        if alive and _is_int(record.get("pid")) and _is_int(record.get("port")) else None,
     }
 
 
 TCP_LISTEN = "0A"
 
 
-def listening(address: str, port: int) -> bool:
-    """Whether a socket of this node listens on ``address``:``port``, from the kernel's tables (a
-    connect would be taken by an rpc-server as a client, and it serves one client at a time)."""
-    try:
-        wanted = ipaddress.ip_address(address)
-    except ValueError:
-        return False
+def listen_sockets() -> List[Tuple[Any, int, str]]:
+    """Every listening TCP socket of this node as (address, port, inode), from the kernel's tables
+    (a connect would be taken by an rpc-server as a client, and it serves one client at a time)."""
+    out = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table, encoding="ascii") as fh:
@@ -3227,12 +4551,44 @@ def listening(address: str, port: int) -> bool:
             continue
         for row in rows:
             fields = row.split()
-            if len(fields) <= 3 or fields[3] != TCP_LISTEN:
+            if len(fields) > 9 and fields[3] == TCP_LISTEN:
+                local, _, hexport = fields[1].rpartition(":")
+                out.append((_proc_address(local), int(hexport, 16), fields[9]))
+    return out
+
+
+def listening(address: str, port: int, sockets: Optional[List[Tuple[Any, int, str]]] = None) -> bool:
+    """Whether a socket of this node listens on ``address``:``port``."""
+    try:
+        wanted = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(p == port and a == wanted for a, p, _inode in (listen_sockets() if sockets is None else sockets))
+
+
+def foreign_listeners(pgid: int, port: int, sockets: List[Tuple[Any, int, str]]) -> Optional[int]:
+    """How many sockets listen on ``port`` that the engine's processes (group ``pgid``) do not hold,
+    or None when that cannot be told (its processes' descriptors are not ours to read). Engines bind
+    with SO_REUSEPORT (vLLM does, llama.cpp's server too): another one started on the same port by
+    another agent of this machine shares it, and the kernel hands it half the connections (seen: a
+    vLLM model answered by llama.cpp)."""
+    inodes = {inode for _a, p, inode in sockets if p == port}
+    if not inodes:
+        return 0
+    held = set()
+    for pid in group_members(pgid):
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            return None
+        for name in names:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{name}")
+            except OSError:
                 continue
-            local, _, hexport = fields[1].rpartition(":")
-            if int(hexport, 16) == port and _proc_address(local) == wanted:
-                return True
-    return False
+            if target.startswith("socket:["):
+                held.add(target[8:-1])
+    return len(inodes - held)
 
 
 def _proc_address(hexaddr: str) -> Any:
@@ -3289,6 +4645,8 @@ def verb_inventory(cfg: NodeConfig, request: JsonDict) -> JsonDict:
         "env_allow": sorted(cfg.env_allow),
         # Where this node's shards of a replica across nodes meet the others (rpc-server, vLLM's master).
         "fabric_address": cfg.fabric_address,
+        # Where it serves its complete cache entries to other fleet nodes (null: it does not).
+        "peer_port": cfg.peer_port,
         # What this node's owner lets engines use: the controller plans within it (a start outside
         # it would be refused here after the plan had promised it).
         # Each root as configured and as resolved: a catalog may name it either way.
@@ -3604,7 +4962,7 @@ def check_removable(raw: Any, *, cfg: NodeConfig, cache_fd: int, in_use: Dict[An
         # Another directory was swapped in for the manifest read: what vouched is not what was
         # looked at, and the rename's identity check would only compare against the latter.
         return "changed while being checked (swapped for something else); left alone", None
-    if source_name(manifest["source"]) != name:
+    if cache_name(manifest["source"]) != name:
         return "manifest source does not hash to the entry name", None
     entry_path = os.path.join(cfg.cache_dir, name)
     mount = next((point for point, _ in mounts if _inside(point, entry_path)), None)
@@ -3705,12 +5063,14 @@ HANDLERS: Dict[str, Callable[[NodeConfig, JsonDict], JsonDict]] = {
     "inventory": verb_inventory,
     "lease": verb_lease,
     "fetch": verb_fetch,
+    "seed": verb_seed,
     "start": verb_start,
     "stop": verb_stop,
     "status": verb_status,
     "remove-weights": verb_remove_weights,
     "_fetch-worker": verb_fetch_worker,
     "_engine-monitor": verb_engine_monitor,
+    "_peer-server": verb_peer_server,
 }
 
 

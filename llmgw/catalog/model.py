@@ -6,10 +6,13 @@ holds one may rely on unique names, existing fallbacks and parsed durations.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal, NewType
+
+# The cache name is the agent's rule, imported from where the agent is built (stdlib only):
+# one definition for the nodes and the controller.
+from llmgw.agent.parts.protocol import cache_name
 
 ModelName = NewType("ModelName", str)
 NodeId = NewType("NodeId", str)
@@ -18,19 +21,6 @@ Engine = Literal["vllm", "sglang", "llama.cpp", "sim"]
 Task = Literal["chat", "completion", "embedding"]
 Routing = Literal["least-outstanding", "prefix"]
 Transport = Literal["ssh", "local"]
-
-CACHE_PREFIX = "llmgw-"
-
-
-def cache_name(source: str) -> str:
-    """The cache entry name of ``source`` on every node: ``llmgw-`` + sha256 hex of the text.
-
-    The one definition every part uses: because the name is a function of the source,
-    the set of wanted entries is computed from the catalog exactly, and an entry whose
-    name matches no source is an orphan, never a guess.
-    """
-    return CACHE_PREFIX + hashlib.sha256(source.encode("utf-8")).hexdigest()
-
 
 def is_operator_path(source: str) -> bool:
     """A plain absolute path is an operator's copy on the nodes: never fetched or deleted."""

@@ -7,26 +7,22 @@ catalog in one pass instead of one error per push.
 
 from __future__ import annotations
 
-import ast
-import functools
 import posixpath
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import jsonschema
 
 from llmgw.agent.parts.peerflags import PEER_FLAGS, _table_flag
+from llmgw.agent.parts.protocol import DEFAULT_ENV_ALLOW, S3_SOURCE_RE
 from llmgw.catalog.model import Model, NodeSpec, Profile, RolloutPolicy, Settings
 from llmgw.catalog.problems import Problem
 from llmgw.catalog.schema import dotted
 from llmgw.catalog.yamlpos import Document
 from llmgw.catalog.yamlpos import Path as KeyPath
-
-AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "llmgw_agent.py"
 
 
 @dataclass(frozen=True)
@@ -50,7 +46,7 @@ _HF = re.compile(r"^hf://[A-Za-z0-9._-]+/[A-Za-z0-9._-]+(@[A-Za-z0-9._/-]+)?$")
 
 
 def source_problem(source: str) -> str | None:
-    """Why ``source`` is unusable, or None. Known schemes: hf, http(s), file, absolute path."""
+    """Why ``source`` is unusable, or None. Known schemes: hf, s3, http(s), file, absolute path."""
     bad = sorted({c for c in source if c in _SHELL_CHARS or not c.isprintable()})
     if bad:
         shown = ", ".join(repr(c) for c in bad)
@@ -60,6 +56,17 @@ def source_problem(source: str) -> str | None:
     if source.startswith("hf://"):
         if not _HF.match(source):
             return "source hf:// must be hf://org/repo or hf://org/repo@revision"
+        return None
+    if source.startswith("s3://"):
+        match = S3_SOURCE_RE.match(source)
+        if not match:
+            return ("source s3:// must be s3://bucket/key-prefix (a bucket name of 3 to 63 characters a-z, 0-9, "
+                    "'.' and '-', not an IP address, then a key not ending in '/'); the endpoint and credentials "
+                    "are each node's own, not the catalog's")
+        key = match.group(2)
+        # Two spellings of one prefix would be two cache entries of the same weights.
+        if "//" in key or any(part in (".", "..") for part in key.split("/")):
+            return "source s3:// key must be normalised (no '.', '..' or '//')"
         return None
     if source.startswith(("http://", "https://")):
         if not urlsplit(source).hostname:
@@ -73,7 +80,7 @@ def source_problem(source: str) -> str | None:
         path = source
     else:
         scheme = source.split("://", 1)[0] if "://" in source else ""
-        known = "hf://, https://, http://, file://, sim:// or an absolute path"
+        known = "hf://, s3://, https://, http://, file://, sim:// or an absolute path"
         return f'source scheme "{scheme}" is not supported; use {known}' if scheme else (
             f"source must be {known}")
     # A path with ".." or "//" names the same file two ways, and the cache name is a hash
@@ -267,23 +274,11 @@ def check_routing(entries: Iterable[ModelEntry]) -> list[Problem]:
             for e in entries if e.model.routing == "prefix" and e.model.task == "embedding"]
 
 
-@functools.cache
 def default_env_allow() -> frozenset[str]:
-    """The env names every node's agent allows by default: the agent's own list, so a profile
-    is refused at commit time for what nodes would refuse at start time.
-
-    Read from the agent's source, not imported: the agent is one stdlib file shipped to nodes, so
-    it cannot import this package, and importing it here would bring its process and socket code
-    into validation (the layers forbid that). One list, read where it is written.
-    """
-    tree = ast.parse(AGENT_SOURCE.read_text(encoding="utf-8"))
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "DEFAULT_ENV_ALLOW"
-                                                for t in node.targets):
-            call = node.value
-            assert isinstance(call, ast.Call) and call.args, "DEFAULT_ENV_ALLOW is frozenset({...})"
-            return frozenset(ast.literal_eval(call.args[0]))
-    raise RuntimeError(f"{AGENT_SOURCE} defines no DEFAULT_ENV_ALLOW")
+    """The env names every node's agent allows by default: the agent's own list (imported from
+    the part it is built from), so a profile is refused at commit time for what nodes would
+    refuse at start time."""
+    return DEFAULT_ENV_ALLOW
 
 
 def _env_refusal(key: str) -> str:

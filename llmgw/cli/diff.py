@@ -76,8 +76,9 @@ def _local_up(repo_root: Path) -> Client | None:
     try:
         client = resolve_client(None, None, str(data), timeout=5)
         client.request("GET", "/api/v1/healthz")
-    except ApiError:
-        return None
+    except ApiError as exc:
+        if exc.status != 503:  # 503: it runs, a loop of its failing; its fleet is still the one to plan on
+            return None
     return client
 
 

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from llmgw.admin.labels import confinement_label, node_problems
 from llmgw.catalog import read_directory
+from llmgw.catalog.durations import parse_duration
 from llmgw.cli.client import ApiError, Client, add_options, resolve_client
 from llmgw.cli.output import WordTable, fail, print_json
 from llmgw.cli.rollout import add_parser as add_rollout_parser
@@ -74,6 +75,13 @@ def status(args: argparse.Namespace, client: Client, console: Console) -> int:
                       f"  since {_e(since)}")
         for c in lead.get("controllers") or []:  # the others too: is a standby still there to take over?
             console.print(f"  {_e(c['role']):<8} {_e(c.get('url') or c['holder'])}  seen {_e(c['seen_s_ago'])} s ago")
+    health = s.get("health")  # a controller from before issue 40 has none
+    if health is not None:
+        colour = {"ok": "green", "degraded": "yellow"}.get(health["state"], "red")
+        failing = [h for h in health["loops"] if h["consecutive_failures"]]
+        console.print(f"[bold]health[/]    [{colour}]{_e(health['state'])}[/]"
+                      + (f"  ({len(failing)} of {len(health['loops'])} loops failing; the warnings below say why)"
+                         if failing else ""))
     sync = s["sync"]
     console.print(f"[bold]sync[/]      {sync['state']}  applied {_e((sync['applied_sha'] or 'none')[:12])}"
                   f"  head {_e((sync['head_sha'] or '')[:12])}  ({_e(sync['branch'])} of {_e(sync['url'])})")
@@ -266,19 +274,146 @@ def keys(args: argparse.Namespace, client: Client, console: Console) -> int:
     return 0
 
 
+def routers(args: argparse.Namespace, client: Client, console: Console) -> int:
+    """Router credentials: what a standalone router holds instead of the admin token."""
+    if args.routers_action == "create":
+        try:
+            made = client.request("POST", "/api/v1/routers", {"name": args.name}, actor=args.actor)
+        except ApiError as exc:
+            return fail(console, str(exc))
+        if args.output == "json":
+            print_json(console, made)
+            return 0
+        console.print(f"[green]✓[/] router credential {_e(made['name'])}: it opens the router watch and report "
+                      "only; shown this once, only its hash is kept:")
+        console.print(made["credential"], markup=False, highlight=False, soft_wrap=True)
+        console.print("Give it to that router: LLMGW_ADMIN_TOKEN=<credential> llmgw router --url <this controller>")
+        return 0
+    if args.routers_action == "revoke":
+        try:
+            client.request("DELETE", f"/api/v1/routers/{urllib.parse.quote(args.name, safe='')}", None,
+                           actor=args.actor)
+        except ApiError as exc:
+            return fail(console, str(exc))
+        console.print(f"[green]✓[/] router credential {_e(args.name)} revoked: its watch ends and its reports "
+                      "count no more")
+        return 0
+    data = client.request("GET", "/api/v1/routers")
+    if args.output == "json":
+        print_json(console, data)
+        return 0
+    t = _table("router credentials", ["NAME", "MADE", "LAST REPORT", "IN FLIGHT", "DEMAND (HELD/IN FLIGHT)"])
+    for r in data:
+        made = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created_at"])) if r.get("created_at") else "-"
+        rep = r.get("report")
+        demand = ", ".join(f"{m} {d['held']}/{d['inflight']}" for m, d in sorted((rep or {}).get("demand", {}).items()))
+        last = f"{rep['seconds_ago']:.0f}s ago" if rep else "none"
+        if rep and rep.get("behind_unbelieved"):
+            last += " (says it is behind: not believed)"
+        t.add_row(_e(r["name"]), made, last, str(rep["in_flight"]) if rep else "-", _e(demand or "-"))
+    console.print(t)
+    return 0
+
+
+def audit(args: argparse.Namespace, client: Client, console: Console) -> int:
+    """The audit trail, or (``verify``) whether its chain is unbroken."""
+    if args.audit_action == "verify":
+        verdict = client.request("GET", "/api/v1/audit/verify")
+        if args.output == "json":
+            print_json(console, verdict)
+        elif verdict["ok"]:
+            console.print(f"[green]✓[/] the audit chain holds: {verdict['rows']} rows")
+        else:
+            console.print(f"[red]✗[/] the audit chain is broken at row {_e(verdict['broken_at'])}: "
+                          f"{_e(verdict['why'])}")
+        return 0 if verdict["ok"] else 1
+    since = 0.0
+    if args.since:
+        try:
+            since = time.time() - parse_duration(args.since)
+        except ValueError as exc:
+            return fail(console, f"--since {args.since!r}: {exc} (a duration such as 90m, 24h or 7d)")
+    rows = client.request("GET", "/api/v1/audit", query={"since": str(since), "limit": str(args.limit)})
+    if args.output == "json":
+        print_json(console, rows)
+        return 0
+    t = _table("audit trail", ["#", "TIME", "WHO", "ROLE", "FROM", "WHAT", "RESULT", "REVISION"])
+    for r in rows:
+        t.add_row(str(r["id"]), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])), _e(r["who"]),
+                  _e(r["role"]), _e(r["source"]), _e(r["action"]), _e(r["result"]), _e(r["revision"][:12] or "-"))
+    console.print(t)
+    return 0
+
+
+def login(args: argparse.Namespace, console: Console) -> int:
+    """Keep a token for one controller (an ID token from the organisation's provider, pasted on
+    stdin), after the controller said whom it names; later commands with ``--url`` alone use it."""
+    import sys
+
+    from llmgw.adminaccess import save_login
+
+    if "," in args.url:
+        return fail(console, "llmgw login takes one --url: the one controller this token is for (it goes nowhere "
+                             "else)")
+    token = sys.stdin.readline().strip()
+    if not token:
+        return fail(console, "no token on stdin: paste the ID token your identity provider gave you")
+    try:
+        me = Client(args.url.rstrip("/"), token, timeout=30, source="llmgw login").request("GET", "/api/v1/whoami")
+    except ApiError as exc:
+        return fail(console, f"{exc} (nothing saved)")
+    path = save_login(args.url, token)
+    console.print(f"[green]✓[/] signed in to {_e(args.url)} as {_e(me['name'])} ({_e(me['role'])}); the token is "
+                  f"kept in {_e(path)} for this URL only")
+    return 0
+
+
+def logout(args: argparse.Namespace, console: Console) -> int:
+    from llmgw.adminaccess import save_login, saved_login
+
+    if saved_login(args.url) is None:
+        console.print(f"no token was saved for {_e(args.url)}")
+        return 0
+    save_login(args.url, None)
+    console.print(f"[green]✓[/] the token for {_e(args.url)} is forgotten")
+    return 0
+
+
 def replicas(args: argparse.Namespace, client: Client, console: Console) -> int:
     data = client.request("GET", "/api/v1/replicas", query={"model": args.model})
     if args.output == "json":
         print_json(console, data)
         return 0
-    t = _table("replicas", ["REPLICA", "MODEL", "PROFILE", "STATE", "WHERE", "ENDPOINT", "AGE", "IDLE", "ERROR"])
+    t = _table("replicas", ["REPLICA", "MODEL", "PROFILE", "STATE", "WHERE", "ENDPOINT", "AGE", "IDLE", "WEIGHTS",
+                            "ERROR"])
     for r in data:
         where = "; ".join(f"{s['node']} gpus {','.join(map(str, s['gpus'])) or '-'}" for s in r["shards"])
         idle = "-" if r["idle_seconds"] < 0 else f"{r['idle_seconds']:.0f}s"
         t.add_row(_e(r["id"]), _e(r["model"]), _e(r["profile"]), _e(r["state"]), _e(where), _e(r["endpoint"]),
-                  f"{r['age_seconds']:.0f}s", idle, _e(r["error"]))
+                  f"{r['age_seconds']:.0f}s", idle, _e(_weights(r.get("weights") or {})), _e(r["error"]))
     console.print(t)
     return 0
+
+
+def _weights(w: dict) -> str:
+    """Where a replica's weights come from, and while they come, how far each node is."""
+    fetch = w.get("fetch")
+    if not fetch:
+        return str(w.get("source") or "-")
+    parts = []
+    for node, p in fetch.items():
+        done, total = p.get("bytes_done") or 0, p.get("bytes_total")
+        how_far = f"{done / total:.0%} of {_amount(total)}" if total else f"{_amount(done)} so far"
+        parts.append(f"{node} {how_far} from {p.get('from') or w.get('source')}")
+    return "; ".join(parts)
+
+
+def _amount(n: float) -> str:
+    """Bytes as a reader takes them in: 812 KB, 4.0 MB, 140.3 GB."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 def explain(args: argparse.Namespace, client: Client, console: Console) -> int:
@@ -478,6 +613,32 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     for q in ksub.choices.values():
         q.set_defaults(func=_run(keys))
     p.set_defaults(keys_action=None)
+    p = add("audit", audit, "the audit trail of every change (who, role, from where, what, the result, the revision)")
+    p.add_argument("--since", help="only rows this recent (a duration: 90m, 24h, 7d)")
+    p.add_argument("--limit", type=int, default=1000, help="at most this many rows (default 1000)")
+    asub = p.add_subparsers(dest="audit_action")
+    asub.add_parser("verify", parents=[c], help="recompute the hash chain: exit 1 and the broken row if it does not "
+                                                "hold").set_defaults(func=_run(audit))
+    p.set_defaults(audit_action=None)
+    for name, fn, help_ in (("login", login, "keep a token from your identity provider for one controller "
+                                              "(read from stdin; checked with the controller first)"),
+                            ("logout", logout, "forget the token `llmgw login` kept for a controller")):
+        q = sub.add_parser(name, help=help_)  # --url only: the token comes on stdin, never from elsewhere
+        q.add_argument("--url", required=True, help="the controller's admin API address (the token is for it alone)")
+        q.set_defaults(func=fn)
+    p = add("routers", routers, "router credentials: list, create (shown once) or revoke; a router's opens "
+                                "only the watch and the report")
+    rsub = p.add_subparsers(dest="routers_action")
+    k = rsub.add_parser("create", parents=[c], help="make a router's credential and print it once")
+    k.add_argument("name", help="the router it is for (its reports are that router's)")
+    k.add_argument("--actor")
+    k = rsub.add_parser("revoke", parents=[c], help="revoke a router's credential")
+    k.add_argument("name")
+    k.add_argument("--actor")
+    rsub.add_parser("list", parents=[c], help="list router credentials and what each router's last report moves")
+    for q in rsub.choices.values():
+        q.set_defaults(func=_run(routers))
+    p.set_defaults(routers_action=None)
     p = add("replicas", replicas, "replicas and where they run")
     p.add_argument("--model")
     p = add("explain", explain, "why a model runs where it runs, or cannot run")

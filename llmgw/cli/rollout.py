@@ -56,6 +56,29 @@ def _analysis(r: dict[str, Any]) -> str:
             f"{_ms(s['ttft_p95'])}, p95 ITL {_ms(c['itl_p95'])} vs {_ms(s['itl_p95'])}")
 
 
+def _window(r: dict[str, Any]) -> str:
+    """The current step's requests and the routers they came from, the most canary requests first:
+    one router with most of them is most of the evidence (a stolen credential can report made-up
+    figures; it can hold a change back, never push one through)."""
+    w = r.get("window")
+    if not w:
+        return ""
+    total = w["canary_requests"]
+    routers = ", ".join(f"{_e(x['router'])} {x['canary_requests']}" + _share(x, total) for x in w["routers"])
+    more = f" and {w['routers_not_shown']} more" if w["routers_not_shown"] else ""
+    return (f"{total} canary and {w['stable_requests']} stable requests"
+            + (f"; canary requests by router: {routers}{more}" if routers else ""))
+
+
+def _share(row: dict[str, Any], total: int) -> str:
+    """A router's share of the canary requests, with its processes when it has several (a router
+    that sends a new process id with each report shows as one with many)."""
+    said = [f"{row['canary_requests'] * 100 / total:.0f} %"] if total else []
+    if row.get("processes", 1) > 1:
+        said.append(f"{row['processes']} processes")
+    return f" ({', '.join(said)})" if said else ""
+
+
 def one_line(r: dict[str, Any]) -> str:
     """A model's rollout in one line (rich markup, catalog text escaped), as `llmgw status` shows it."""
     commit = _e((r.get("revision") or "")[:12]) or "-"
@@ -109,6 +132,9 @@ def _detail(console: Console, r: dict[str, Any]) -> None:
     console.print(f"  versions: {_e(r['stable'])} → {_e(r['target'])} (serving {_e(r['serving_version'])})")
     if r.get("reason"):
         console.print(f"  reason: {_e(r['reason'])}")
+    window = _window(r)
+    if window:
+        console.print(f"  this step so far: {window}")
     console.print(f"  last analysis: {_analysis(r)}")
     if r.get("analysis"):
         console.print(f"    {_e(r['analysis']['reason'])}")

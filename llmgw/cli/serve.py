@@ -88,9 +88,9 @@ def _confirm(console: Console, question: str) -> bool:
 
 
 def run_controller(args: argparse.Namespace, console: Console) -> int:
+    from llmgw.compose.server import serve_forever
     from llmgw.control.config import load_config
     from llmgw.control.datadir import hold_data_dir
-    from llmgw.control.server import serve_forever
     from llmgw.redact import redact, redact_logs
     from llmgw.stdio import guard
 

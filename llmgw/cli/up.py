@@ -22,7 +22,7 @@ from llmgw.cli.serve import run_until_signal
 from llmgw.paths import default_data_dir
 
 if TYPE_CHECKING:
-    from llmgw.control.server import Running
+    from llmgw.compose.server import Running
     from llmgw.control.up import UpLayout
 
 
@@ -81,10 +81,10 @@ def _option_errors(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     from llmgw.cli.output import fail
+    from llmgw.compose.server import check_free, start
     from llmgw.control.config import Listen
     from llmgw.control.datadir import hold_data_dir
     from llmgw.control.own_model import describe
-    from llmgw.control.server import check_free, start
     from llmgw.control.up import UpLayout, prepare
     from llmgw.errors import LlmgwError
     from llmgw.stdio import guard

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import re
+import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from llmgw.access.oidc import OidcConfig, Refused, check_url, loopback
+from llmgw.access.roles import Role
 from llmgw.catalog.durations import DurationError, parse_duration
 from llmgw.control.leadership import LeadershipConfig
 from llmgw.errors import ConfigError
@@ -35,8 +38,9 @@ ENV_STORE = "LLMGW_STORE"  # a postgresql:// URL may hold a password: settable o
 
 KNOWN = {"repo", "branch", "path", "data_dir", "fetch_interval", "watch", "listen", "ssh", "local_agent_config",
          "admin_token", "admin_token_file", "webhook_secret", "webhook_secret_file", "api_keys", "reconciler",
-         "router", "store", "leadership", "commit_status"}
+         "router", "store", "leadership", "commit_status", "oidc"}
 ENV_COMMIT_STATUS_TOKEN = "LLMGW_COMMIT_STATUS_TOKEN"
+ENV_OIDC_CLIENT_SECRET = "LLMGW_OIDC_CLIENT_SECRET"
 
 
 @dataclass
@@ -88,6 +92,7 @@ class ServerConfig:
     webhook_secret: str = ""
     api_keys: list[dict[str, Any]] = field(default_factory=list)
     router: dict[str, Any] = field(default_factory=dict)
+    oidc: OidcConfig | None = None  # operators sign in at this provider (issue 41); None: the admin token only
 
     def __repr__(self) -> str:  # never print a secret by accident
         c = self.controller
@@ -216,6 +221,53 @@ def _commit_status(raw: Any, base: Path) -> CommitStatusConfig | None:
     return CommitStatusConfig(provider, url, repo, token, section.get("dashboard") or "")
 
 
+def _oidc(raw: Any, base: Path, admin: Listen) -> OidcConfig | None:
+    """The ``oidc`` section: the provider operators sign in at, and which of its groups get which role."""
+    if raw is None:
+        return None
+    section = _mapping(raw, "oidc")
+    _known(section, ("issuer", "client_id", "client_secret", "client_secret_file", "audience", "groups_claim",
+                     "roles", "redirect_url", "scopes"), "oidc")
+    for key in ("issuer", "client_id", "audience", "groups_claim", "redirect_url", "scopes"):
+        if section.get(key) is not None:
+            _value(section[key], str, f"oidc.{key}")
+    issuer, client_id = section.get("issuer") or "", section.get("client_id") or ""
+    if not issuer or not client_id:
+        raise ConfigError("oidc: issuer and client_id are required (the provider's issuer URL, this controller's "
+                          "client id there)")
+    try:
+        check_url(issuer, "oidc.issuer")
+    except Refused as exc:
+        raise ConfigError(str(exc)) from None
+    roles: dict[str, Role] = {}
+    for group, role in _mapping(section.get("roles"), "oidc.roles").items():
+        try:
+            roles[str(group)] = Role.parse(_value(role, str, f"oidc.roles.{group}"))
+        except ValueError as exc:
+            raise ConfigError(f"oidc.roles.{group}: {exc}") from None
+    if not roles:
+        raise ConfigError("oidc.roles: map at least one of the provider's groups to a role (viewer, operator, "
+                          "admin); a person in no mapped group may do nothing")
+    redirect = section.get("redirect_url") or ""
+    if redirect:
+        try:
+            check_url(redirect, "oidc.redirect_url")
+        except Refused as exc:
+            raise ConfigError(str(exc)) from None
+        if urllib.parse.urlsplit(redirect).path != "/auth/callback":
+            raise ConfigError(f"oidc.redirect_url: {redirect!r} must end in /auth/callback (the dashboard's callback)")
+    elif not loopback(f"http://[{admin.host}]/" if ":" in admin.host else f"http://{admin.host}/"):
+        # Built from each request's Host header, the callback would be whatever a request says
+        # (a provider allowing a pattern of redirect URIs sends the code there).
+        raise ConfigError(f"oidc.redirect_url is required when the admin API listens on {admin.host} (not this "
+                          "machine only): the dashboard's https://HOST/auth/callback as the provider knows it")
+    return OidcConfig(issuer=issuer, client_id=client_id, audience=section.get("audience") or "",
+                      groups_claim=section.get("groups_claim") or "groups", roles=roles,
+                      redirect_url=section.get("redirect_url") or "",
+                      scopes=section.get("scopes") or "openid email profile groups",
+                      client_secret=_secret(section, "client_secret", ENV_OIDC_CLIENT_SECRET, base))
+
+
 def load_config(path: str | Path) -> ServerConfig:
     """Read and check a controller config file; ConfigError names what is wrong and where."""
     path = Path(path)
@@ -291,4 +343,5 @@ def _load(raw: dict[str, Any], path: Path) -> ServerConfig:
         webhook_secret=_secret(raw, "webhook_secret", ENV_WEBHOOK_SECRET, base),
         api_keys=list(api_keys),
         router=router,
+        oidc=_oidc(raw.get("oidc"), base, Listen.parse(listen.get("admin", "127.0.0.1:8081"), "admin")),
     )

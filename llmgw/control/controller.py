@@ -31,10 +31,11 @@ from llmgw.contract import EndpointSink, UsageSource
 from llmgw.control.config import ControllerConfig
 from llmgw.control.datadir import held_here, hold_data_dir, release_data_dir, succeed
 from llmgw.control.fleet_dispatch import FleetDispatcher
-from llmgw.control.fleet_metrics import FleetCollector
+from llmgw.control.fleet_metrics import FleetCollector, HealthCollector
 from llmgw.control.keys import KeyBook
 from llmgw.control.leadership import LEADER, Leadership, LeadershipCollector, LeadershipConfig
 from llmgw.control.ops import FleetOps
+from llmgw.control.router_credentials import RouterCredentials
 from llmgw.control.usage import BudgetBook
 from llmgw.dispatch.base import AgentVerbs
 from llmgw.dispatch.fence import FencedDispatcher
@@ -44,6 +45,7 @@ from llmgw.gitops.commit_status import CommitStatuses
 from llmgw.gitops.desired import RECONCILER
 from llmgw.gitops.repo import normalise_url
 from llmgw.gitops.writer import CommitWriter
+from llmgw.health import Health, Tracker
 from llmgw.inventory import engine_is_ours
 from llmgw.plan.guard import PruneVerdict, judge_prune
 from llmgw.reconciler.live import LiveInventory
@@ -115,11 +117,25 @@ class Controller:
         # API keys beside the config's (`llmgw keys`): set by the serving process, which owns the router.
         self.keys: KeyBook | None = None
         self.budgets: BudgetBook | None = None  # what each budget used this period (set with the keys)
+        self.router_credentials: RouterCredentials | None = None  # set with the keys, by the serving process
+        self.router_reports: Callable[[], dict[str, Any]] | None = None
         self.transports = tuple(config.transports)
         self.ops = FleetOps(self)
         self._own_lock = False  # start() took the data dir's lock itself (an embedding, a test)
         self.registry.register(FleetCollector(self.ops))
         self.registry.register(LeadershipCollector(self.leadership_view))
+        self.registry.register(HealthCollector(self.health))
+        self._watched: list[Tracker] = []  # loops the serving process runs beside (the usage flush)
+        self.warners: list[Callable[[], list[str]]] = []  # parts beside it with something to say in status
+
+    def watch(self, tracker: Tracker) -> None:
+        """Show ``tracker``'s loop in this controller's health (a loop built beside it)."""
+        self._watched.append(tracker)
+
+    def health(self) -> Health:
+        """Every loop of this controller as it fares now (status, the admin API, /metrics)."""
+        lease = [self.leadership.health] if self.leadership is not None else []
+        return Health.of([*lease, self.follower.health, self.desired.health, self.reconciler.health, *self._watched])
 
     def _make_reconciler(self) -> Reconciler:
         config = self.config

@@ -28,6 +28,7 @@ again and is sent to the leader.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -36,9 +37,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from llmgw import jsonbody
+from llmgw.access.web import PRINCIPAL
 from llmgw.catalog import Catalog
 from llmgw.contract import (
     KEEPALIVE,
@@ -53,7 +55,7 @@ from llmgw.contract import (
     spent_to_json,
     wire_str,
 )
-from llmgw.control.usage import BudgetBook
+from llmgw.control.usage import BudgetBook, UsageDeferred
 from llmgw.errors import StoreError
 from llmgw.router.changes import Changes
 from llmgw.serving import read_plain
@@ -71,6 +73,11 @@ MAX_REPORTED_REPLICAS = 10_000
 # away (a share of what is left per router) and keeps per-replica figures here: a flood of made-up
 # router ids shrank every real router's share and evicted their canary baselines (issue 39).
 MAX_ROUTERS = 256
+# A router that holds a credential and was sent a version on its watch stream this long ago says
+# it still serves from an older one: believed no longer (it holds no drain for that, issue 41). A
+# router applies a snapshot as it reads it; one that says otherwise for seconds is lying or broken.
+BEHIND_GRACE = 10.0
+MAX_RESEND_ASKED = 4096  # router processes whose gap in the ledger was asked for
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,8 @@ class Report:
     last_used: dict[str, float]  # per replica
     demand: dict[str, Demand]  # per model
     prompt_cache: dict[str, PromptCache]  # per model
-    replica_stats: dict[str, dict[str, ReplicaStats]]  # {instance: {replica id: stats}}, empty or one
+    # {instance: {replica id: stats}}, empty or one; a credential's instance is "ROUTER/instance"
+    replica_stats: dict[str, dict[str, ReplicaStats]]
     in_flight: dict[str, int]  # per replica, withdrawn ones included until their requests end
     applied: int | None  # the snapshot version it serves from; None: a router from before drains
     interval: float | None = None  # how often it reports; silent for 3 of these, it holds no drain up
@@ -127,8 +135,16 @@ class FeedHub:
         self.malformed_reports = 0  # reports refused as malformed or past a bound (400)
         self._line_budgets = -1  # the book's version the line was built with
         self.watchers = 0
+        # Routers that reach this controller with the admin token rather than a credential of
+        # their own (issue 41): said in status until they move to one (llmgw routers create).
+        self.admin_token_routers: dict[str, float] = {}
+        self.credential_live: Callable[[str], bool] = lambda _digest: True  # by the credential's sha256
         # None: this controller leads alone. Else () -> (standing by?, the leader's admin URL).
         self.standby: Callable[[], tuple[bool, str | None]] | None = None
+        # Per credential-holding router: each version written to its watch stream -> when first
+        # (the newest few), and the routers whose claim to be behind was not believed, and when.
+        self._delivered: dict[str, dict[int, float]] = {}
+        self.behind_unbelieved: dict[str, float] = {}
 
     # --- the control plane's side -------------------------------------------------------
     def set_catalog(self, catalog: Catalog) -> None:
@@ -241,13 +257,14 @@ class FeedHub:
 
     def replica_stats(self) -> dict[str, dict[str, ReplicaStats]]:
         """Per router process heard from within ``report_ttl``, per replica: what it measured since
-        it started (cumulative, as last reported)."""
+        it started (cumulative, as last reported). A router holding a credential is filed under
+        ``NAME/instance`` whatever instance it names; one on the admin token under its own."""
         out: dict[str, dict[str, ReplicaStats]] = {}
         for r in self._live_reports():
             out.update(r.replica_stats)
         return out
 
-    def in_flight(self) -> dict[str, int]:
+    def in_flight_by_replica(self) -> dict[str, int]:
         """Requests the routers heard from have in flight per replica, summed; a replica withdrawn
         from the endpoint list counts one more for each router not yet serving without it (its
         last report, recent, says an older version: it may still send one)."""
@@ -262,16 +279,39 @@ class FeedHub:
 
     def _behind(self, reports: list[Report]) -> dict[str, int]:
         """Per withdrawn replica, the routers not yet serving without it; a replica no router is
-        behind on is forgotten (bounded by the routers' lag, not by every replica ever withdrawn)."""
+        behind on is forgotten (bounded by the routers' lag, not by every replica ever withdrawn).
+        A credential's router that was sent that version more than BEHIND_GRACE ago is not
+        believed behind (it would hold every drain to its timeout with a word)."""
         now = self.clock()
         out = {}
         for rid, version in list(self._withdrawn.items()):
-            behind = sum(1 for r in reports if r.behind(version, now))
+            behind = sum(1 for name, r in self._reports.items() if r in reports and r.behind(version, now)
+                          and self._believed_behind(name, version, now))
             if behind:
                 out[rid] = behind
             else:
                 del self._withdrawn[rid]
         return out
+
+    def _believed_behind(self, router: str, version: int, now: float) -> bool:
+        delivered = self._delivered.get(router)
+        if delivered is None:
+            return True  # no stream of its own this controller wrote to (the admin token's routers)
+        sent = min((at for v, at in delivered.items() if v >= version), default=None)
+        if sent is None or now - sent <= BEHIND_GRACE:
+            return True
+        if router not in self.behind_unbelieved:
+            log.warning("router %s says it serves from a version older than %d, sent to it %.0f s ago: not believed "
+                        "(it holds no drain for that)", router, version, now - sent)
+        self.behind_unbelieved[router] = now
+        return False
+
+    def _delivered_now(self, router: str) -> None:
+        """A snapshot of this version was written to ``router``'s watch stream now."""
+        sent = self._delivered.setdefault(router, {})
+        sent.setdefault(self.version, self.clock())
+        for old in sorted(sent)[:-64]:  # the newest versions are the ones drains wait on
+            del sent[old]
 
     def engine_queue(self) -> dict[str, tuple[int, int]]:
         """Nothing: standalone routers do not report it; the controller's own router reads every
@@ -328,12 +368,23 @@ class FeedHub:
                 if snap is not None:
                     await resp.write(json.dumps(snap, separators=(",", ":")).encode() + b"\n")
                     sent = current  # a change published meanwhile is sent below
+            principal = request.get(PRINCIPAL)
+            credential = principal.credential if principal is not None and principal.router is not None else None
+            router = principal.router if principal is not None and credential is not None else None
+            if router is not None and sent is not None:
+                self._delivered_now(router)  # (written above: a stream it stopped reading holds nothing up)
             while True:
                 event = self._changes.event
                 if self._standing_by()[0]:
                     break  # no longer the leader: the router asks again and is sent there
+                if credential is not None and not self.credential_live(credential):
+                    break  # its credential was revoked: the stream it holds ends with it
                 line = self._line
                 if line is not None and line is not sent:
+                    if router is not None:
+                        # Before the write: a router that stops reading its stream blocks the write,
+                        # and must not be believed behind for it.
+                        self._delivered_now(router)
                     await resp.write(line)
                     sent = line
                 try:
@@ -346,6 +397,34 @@ class FeedHub:
             self.watchers -= 1
         return resp
 
+    def forget_router(self, name: str) -> None:
+        """A revoked router: its report (demand, in-flight holds, stats) counts no more, and its
+        watch stream ends at the next wake."""
+        self._reports.pop(name, None)
+        self._delivered.pop(name, None)
+        self._changes.notify()
+
+    def router_reports(self) -> dict[str, Any]:
+        """Per router, what its last report moves now: demand, in-flight holds, when it came."""
+        now = self.clock()
+        return {rid: {"seconds_ago": round(now - r.at, 1),
+                      "demand": {m: {"held": d.held, "inflight": d.inflight} for m, d in r.demand.items()},
+                      "in_flight": sum(r.in_flight.values()), "replicas_used": len(r.last_used),
+                      "behind_unbelieved": now - self.behind_unbelieved.get(rid, -1e18) <= self.report_ttl}
+                for rid, r in self._reports.items() if now - r.at <= self.report_ttl}
+
+    def credential_warnings(self) -> list[str]:
+        """Routers that hold the admin token: each could drain nodes or push commits if its host fell."""
+        now = self.clock()
+        quiet = [rid for rid, at in self.admin_token_routers.items() if now - at > self.report_ttl]
+        for rid in quiet:
+            del self.admin_token_routers[rid]
+        if not self.admin_token_routers:
+            return []
+        return [f"router(s) {', '.join(sorted(self.admin_token_routers))} reach this controller with the admin "
+                "token: give each a router credential (llmgw routers create NAME), which opens only the watch "
+                "and the report"]
+
     async def report(self, request: web.Request) -> web.Response:
         """``POST /api/v1/router/report``: one router's last-use times and demand."""
         refused = self.standby_answer()
@@ -354,6 +433,13 @@ class FeedHub:
         try:
             data = jsonbody.loads(await read_plain(request), what="The router report")  # nesting bounded
             router_id = wire_str(data["router_id"])
+            principal = request.get(PRINCIPAL)
+            if principal is not None and principal.router is not None:
+                # A credential names its router: its reports are that router's whatever the body
+                # says, so one router cannot speak (or hold drains) for another.
+                router_id = principal.router
+            elif principal is not None:
+                self.admin_token_routers[router_id] = self.clock()
             for key, cap in (("last_used", MAX_REPORTED_REPLICAS), ("demand", MAX_REPORTED_MODELS)):
                 if len(data.get(key) or ()) > cap:  # before parsing them: a report costs what is bounded
                     raise ValueError(f"{len(data[key])} entries in one report's {key} (at most {cap})")
@@ -400,6 +486,19 @@ class FeedHub:
                 rejected = seq if type(seq) is int else None
                 log.error("usage ledger: a batch from router %s was refused and is lost (%s)", router_id,
                           f"missing {exc.args[0]}" if isinstance(exc, KeyError) else exc)
+        if principal is not None and principal.router is not None:
+            if not self.credential_live(principal.credential):
+                # Revoked while this report was read: it must not come back after forget_router.
+                return web.json_response({"error": "this router's credential was revoked"}, status=401)
+            if batch is not None:
+                # A credential's batches are its router's: it cannot write (or move the sequence
+                # of) another router process's usage by naming that process's instance.
+                batch = dataclasses.replace(batch, instance=f"{principal.router}/{batch.instance}")
+            # Its measurements too: a canary is judged on each router's figures alone as well as
+            # on all together, and a rollback names the router whose figures failed it; a router
+            # naming another's process must neither write into that router's window nor be
+            # named as it (a router name holds no "/": "edge-2/edge-1/x" is edge-2's).
+            stats = {f"{principal.router}/{instance}": s for instance, s in stats.items()}
         # A router stopping in order holds no drain up from now on (nothing in flight, no list it
         # may still send from); its figures stay until they age out, as anyone's (canary windows).
         self._reports[router_id] = Report(self.clock(), used, dem, cache, stats, {} if leaving else in_flight,
@@ -421,13 +520,18 @@ class FeedHub:
                     # The store lacks this router's batches known+1 .. seq-1: restored from an older
                     # copy, after they were acknowledged. Asked once per gap (a batch refused as
                     # malformed is a gap too, and is not sent better the second time).
+                    self._resend_asked.pop(batch.instance, None)
                     self._resend_asked[batch.instance] = known
+                    for old in list(self._resend_asked)[:max(0, len(self._resend_asked) - MAX_RESEND_ASKED)]:
+                        del self._resend_asked[old]  # one per router process: a flood of made-up ones is bounded
                     answer["usage_resend_from"] = known + 1
                     log.warning("usage ledger: router %s's batches %d to %d are not in the store (restored from "
                                 "an older copy?); asked for them again", router_id, known + 1, batch.seq - 1)
                 else:
                     self.ledger.record_usage(batch)
                     answer["usage_acked"] = batch.seq
+            except UsageDeferred:
+                pass  # not acknowledged: the router sends it again with its next report
             except StoreError as exc:
                 log.warning("usage ledger: could not record a batch from %s (%s)", router_id, exc)
         answer.update(self.spent())  # with its own batch in them
@@ -532,11 +636,11 @@ class MergedUsage:
                 out.setdefault(rid, q)
         return out
 
-    def in_flight(self) -> dict[str, int]:
+    def in_flight_by_replica(self) -> dict[str, int]:
         """Summed over the sources (each router counts its own requests)."""
         out: dict[str, int] = {}
         for s in self.sources:
-            for rid, n in s.in_flight().items():
+            for rid, n in s.in_flight_by_replica().items():
                 out[rid] = out.get(rid, 0) + n
         return out
 
@@ -568,6 +672,12 @@ class ReportsCollector:
         refused.add_metric(("too_many_routers",), self._hub.refused_routers)
         refused.add_metric(("malformed",), self._hub.malformed_reports)
         yield refused
+        now = self._hub.clock()
+        yield GaugeMetricFamily("llmgw_controller_routers_behind_unbelieved",
+                                "Routers that said they serve from an older endpoint list than the one sent to "
+                                f"them over {BEHIND_GRACE:g} s before (not believed: they hold no drain for it).",
+                                value=sum(1 for at in self._hub.behind_unbelieved.values()
+                                          if now - at <= self._hub.report_ttl))
         yield CounterMetricFamily("llmgw_controller_router_readings_forgotten",
                                   "Router processes whose last canary reading was forgotten, past the most "
                                   "remembered (a router sending a new process id with each report?).",

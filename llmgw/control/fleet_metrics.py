@@ -7,14 +7,15 @@ one consistent moment, and nothing on the reconcile path pays for metrics.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from llmgw.decide import holding
 from llmgw.decide.rollout import Phase
+from llmgw.health import UNHEALTHY_AFTER, Health
 from llmgw.inventory import NodeState
 from llmgw.placement.capacity import free_capacity
 
@@ -57,6 +58,13 @@ class FleetCollector(Collector):
         yield total
         yield free
         yield sick
+
+        unconfirmed = GaugeMetricFamily(
+            "llmgw_controller_demand_unconfirmed", "In-flight requests routers reported for a model beyond what its "
+            "engines count (not scaled for: a router's report is its own word)", labels=["model"])
+        for model, extra in sorted(c.unconfirmed_demand().items()):
+            unconfirmed.add_metric([model], extra)
+        yield unconfirmed
 
         reps = GaugeMetricFamily("llmgw_replicas", "Replicas by model and state", labels=["model", "state"])
         counts2: dict[tuple[str, str], int] = {}
@@ -109,3 +117,31 @@ def _rollout_metrics(rollouts: list[dict]) -> Iterator[GaugeMetricFamily]:
     yield percent
     yield rolled
     yield total
+
+
+class HealthCollector(Collector):
+    """/metrics: each loop's failures (llmgw.health), read at scrape time like the fleet's figures."""
+
+    def __init__(self, health: Callable[[], Health]) -> None:
+        self._health = health
+
+    def collect(self) -> Iterator:
+        h = self._health()
+        failures = CounterMetricFamily("llmgw_controller_loop_failures", "Turns of a controller loop that failed, "
+                                       "since start", labels=["loop"])
+        row = GaugeMetricFamily("llmgw_controller_loop_consecutive_failures",
+                                "Turns of a controller loop that failed in a row (0: the last one succeeded)",
+                                labels=["loop"])
+        last_ok = GaugeMetricFamily("llmgw_controller_loop_last_success_timestamp_seconds",
+                                    "When a controller loop last completed a turn", labels=["loop"])
+        for loop in h.loops:
+            failures.add_metric([loop.name], loop.failures)
+            row.add_metric([loop.name], loop.consecutive_failures)
+            if loop.last_ok is not None:
+                last_ok.add_metric([loop.name], loop.last_ok)
+        yield failures
+        yield row
+        yield last_ok
+        yield GaugeMetricFamily("llmgw_controller_healthy", "1 while no critical controller loop has failed "
+                                f"{UNHEALTHY_AFTER} turns in a row (what /healthz answers 503 to), else 0",
+                                value=1.0 if h.fit else 0.0)

@@ -23,6 +23,13 @@ from llmgw.router.keys import ALL_MODELS, hash_key
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # whole: fullmatch (a "$" lets a "\n" end it)
 CLOSED = "(no key: the last one was revoked)"
 PREFIX = "llmgw-"  # a made key says what it is (secret scanners and people can tell it apart)
+# Router credentials (llmgw.control.router_credentials) are kept among the key records under this
+# prefix, which no key name can start with (":" is not in NAME): never an API key.
+ROUTER_RECORD = "router:"
+
+
+def is_router_record(entry: dict[str, Any]) -> bool:
+    return str(entry.get("name", "")).startswith(ROUTER_RECORD)
 
 
 class KeyRefused(LlmgwError):
@@ -58,7 +65,7 @@ class KeyBook:
 
     def reload(self) -> None:
         """Read the store's keys again (another controller on the same store may have made one)."""
-        made = self._store.api_keys()
+        made = [e for e in self._store.api_keys() if not is_router_record(e)]
         if made != self._made:
             self._made = made
             self._on_change(self.entries())

@@ -34,6 +34,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from llmgw.errors import StoreError
+from llmgw.health import Tracker, describe
 from llmgw.store.protocol import Store
 from llmgw.store.records import Leadership as LeaseState
 from llmgw.store.records import LeaseGrant
@@ -95,6 +96,8 @@ class Leadership:
         self.seen: LeaseState | None = None  # the last leadership read from the store
         self._pool: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
+        # Each lease call is a turn (its times on the wall clock: they are shown, not compared).
+        self.health = Tracker("leadership")
 
     # --- what others read (no I/O) ------------------------------------------------------------
     @property
@@ -161,8 +164,9 @@ class Leadership:
                 await self._lead()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - a bug here must not leave a leader acting unchecked
+            except Exception as exc:  # noqa: BLE001 - a bug here must not leave a leader acting unchecked
                 log.exception("leadership loop failed; standing by")
+                self.health.failed(time.time(), exc)
                 await self._step_down()
                 await asyncio.sleep(self.config.retry)
 
@@ -174,11 +178,13 @@ class Leadership:
             try:
                 grant = await asyncio.wait_for(self._call(self.store.acquire_lease, self.holder, ttl=cfg.ttl),
                                                timeout=cfg.ttl)
+                self.health.ok(time.time())
                 if grant is not None and self._take(grant, started):
                     return
                 self.seen = await asyncio.wait_for(self._call(self.store.leadership), timeout=cfg.ttl)
             except (StoreError, TimeoutError) as exc:
                 log.warning("leader lease: store call failed while standing by: %s", exc)
+                self.health.failed(time.time(), f"standing by: {describe(exc)}")
             await asyncio.sleep(cfg.retry)
 
     def _take(self, grant: LeaseGrant, started: float) -> bool:
@@ -211,11 +217,14 @@ class Leadership:
                     self._call(self.store.renew_lease, self.holder, epoch, ttl=cfg.ttl), timeout=remaining)
             except TimeoutError:
                 log.warning("leader lease: renewal did not answer by the deadline; standing by")
+                self.health.failed(time.time(), "renewal did not answer by the lease's deadline")
                 break
             except StoreError as exc:
                 log.warning("leader lease: renewal failed (retrying until the deadline): %s", exc)
+                self.health.failed(time.time(), f"renewal: {describe(exc)}")
                 last = self._clock() - cfg.renew + cfg.retry
                 continue
+            self.health.ok(time.time())
             if grant is None:
                 log.warning("leader lease: lost (epoch %d); standing by", epoch)
                 break

@@ -18,12 +18,15 @@ from llmgw.catalog.keys import tenants_without_keys
 from llmgw.contract import PromptCache
 from llmgw.control.keys import KeyBook, KeyRefused, Made, tenants_overruled
 from llmgw.control.orphans import Orphan, collect
+from llmgw.control.router_credentials import MadeCredential, RouterCredentials
 from llmgw.control.usage import BudgetBook
 from llmgw.decide.replica import Replica
 from llmgw.gitops.gitcli import read_tree
 from llmgw.gitops.status import SyncStatus
+from llmgw.health import Health
 from llmgw.inventory import Inventory, NodeState
 from llmgw.plan import FleetSnapshot
+from llmgw.store.audit import AuditEntry, AuditRecord, Verdict, verify
 from llmgw.store.protocol import Store
 from llmgw.store.records import Event
 
@@ -47,6 +50,9 @@ class ControlPlane(Protocol):
     store: Store
     writer: CommitWriter
     keys: KeyBook | None
+    router_credentials: RouterCredentials | None
+    router_reports: Callable[[], dict[str, Any]] | None  # per router: what its last report moves
+    warners: list[Callable[[], list[str]]]
     budgets: BudgetBook | None
     transports: tuple[str, ...]  # the node transports it drives
     fleet: FencedDispatcher
@@ -60,6 +66,8 @@ class ControlPlane(Protocol):
     def leadership_view(self) -> dict[str, Any]: ...
 
     def standing_by(self) -> tuple[bool, str | None]: ...
+
+    def health(self) -> Health: ...
 
 
 class FleetOps:
@@ -95,6 +103,15 @@ class FleetOps:
 
     def unplaced(self) -> Mapping[str, int]:
         return self._c.reconciler.last_decisions.unplaced
+
+    def fetches(self) -> Mapping[str, Mapping[str, Mapping[str, object]]]:
+        """Per fetching replica, per node: the source read and how far (llmgw.reconciler.lifecycle)."""
+        lifecycle = self._c.reconciler.lifecycle
+        return {} if lifecycle is None else dict(lifecycle.fetches)
+
+    def unconfirmed_demand(self) -> Mapping[str, int]:
+        """Per model, in-flight requests routers reported that its engines did not count."""
+        return self._c.reconciler.unconfirmed_demand
 
     def drain_waits(self) -> dict[str, list[str]]:
         """Per draining node: what its drain waits for, in words."""
@@ -214,15 +231,54 @@ class FleetOps:
         self._keys().revoke(name)
         self._c.store.add_event("key-revoked", name, f"API key {name} revoked by {actor}")
 
+    def _routers(self) -> RouterCredentials:
+        if self._c.router_credentials is None:
+            raise KeyRefused("this controller serves no router feed: router credentials are made where one is "
+                             "served (`llmgw controller` or `llmgw up`)")
+        return self._c.router_credentials
+
+    def routers(self) -> list[dict[str, Any]]:
+        """Each router credential, with what its router's last report moves (llmgw.control.feed)."""
+        creds = self._routers()
+        creds.reload()
+        reports = self._c.router_reports() if self._c.router_reports is not None else {}
+        return [{**c, "report": reports.get(c["name"])} for c in creds.listing()]
+
+    def create_router(self, name: str, actor: str) -> MadeCredential:
+        made = self._routers().create(name)
+        self._c.store.add_event("router-credential-created", name, f"router credential {name} made by {actor}")
+        return made
+
+    def revoke_router(self, name: str, actor: str) -> None:
+        self._routers().revoke(name)
+        self._c.store.add_event("router-credential-revoked", name, f"router credential {name} revoked by {actor}")
+
+    # --- the audit trail --------------------------------------------------------------------
+    async def audit(self, *, who: str, role: str, source: str, action: str, result: str) -> None:
+        """Append one row to the audit chain, with the applied revision and the time (in a thread:
+        the store blocks)."""
+        entry = AuditEntry(time.time(), who, role, source, action, result, self._c.follower.status.applied_sha or "")
+        await asyncio.to_thread(self._c.store.append_audit, entry)
+
+    def audit_rows(self, *, since: float = 0.0, after: int = 0, limit: int = 0, last: int = 0) -> list[AuditRecord]:
+        return self._c.store.audit(since=since, after=after, limit=limit, last=last)
+
+    def audit_verify(self) -> Verdict:
+        """The whole chain recomputed (llmgw.store.audit.verify)."""
+        return verify(self._c.store.audit())
+
     def budgets(self) -> list[dict[str, Any]]:
         """Each tenant budget: size, used this period, left, when it resets (none: no router here)."""
         return self._c.budgets.view() if self._c.budgets is not None else []
 
+    def health(self) -> Health:
+        """How each of the controller's loops fares: a tick or a sync that keeps failing shows here."""
+        return self._c.health()
+
     def warnings(self) -> list[str]:
         """What status says is wrong though the controller runs: key warnings, a catalog that did
-        not reach every part."""
-        problem = self._c.desired.problem
-        return self.key_warnings() + ([problem] if problem else [])
+        not reach every part, a loop that is failing."""
+        return self.key_warnings() + self.health().problems() + [w for fn in self._c.warners for w in fn()]
 
     def key_warnings(self) -> list[str]:
         """Tenants naming keys no API key has, keys made for a tenant the catalog overrules (status,

@@ -15,6 +15,7 @@ import re
 import secrets
 import shutil
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,18 @@ from llmgw.reconciler import ReconcilerConfig
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "catalog"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the llmgw checkout or site-packages
 TOKEN_FILE = "admin.token"
-ENGINE_PORTS = (39000, 39199)
+ENGINE_PORTS = (39000, 39199)  # the first block; each data dir has its own (engine_ports)
+PORT_BLOCKS = 40  # blocks of 200 from 39000: two `up`s on one machine rarely pick from one
+
+
+def engine_ports(data_dir: Path) -> tuple[int, int]:
+    """This data dir's engine ports. Two `up`s on one machine with one range picked the same port
+    before either engine bound it, and engines that bind with SO_REUSEPORT (vLLM, llama.cpp's
+    server) then shared it: a model answered by another's engine. The agent says when a port is
+    shared and the controller starts that replica elsewhere; a block per data dir makes it rare."""
+    block = zlib.crc32(str(data_dir.resolve()).encode()) % PORT_BLOCKS
+    first = ENGINE_PORTS[0] + block * (ENGINE_PORTS[1] - ENGINE_PORTS[0] + 1)
+    return first, first + ENGINE_PORTS[1] - ENGINE_PORTS[0]
 GIT_ENV = {"GIT_AUTHOR_NAME": "llmgw up", "GIT_AUTHOR_EMAIL": "up@llmgw.invalid",
            "GIT_COMMITTER_NAME": "llmgw up", "GIT_COMMITTER_EMAIL": "up@llmgw.invalid"}
 
@@ -284,7 +296,7 @@ def write_agent_config(layout: UpLayout) -> None:
         "cache_dir": str(layout.node_dir / "cache"),
         "model_dirs": list(dict.fromkeys([*served_folders(layout), *settings.get("model_dirs", [])])),
         "state_dir": str(layout.node_dir / "state"),
-        "port_range": list(ENGINE_PORTS),
+        "port_range": list(engine_ports(layout.data_dir)),
         "advertise_address": "127.0.0.1",
         "engines": local_engines(layout),
         # Declared, not detected: this machine may have no GPU, and the sim needs none (where

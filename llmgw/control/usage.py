@@ -12,14 +12,18 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from llmgw.catalog import Catalog
 from llmgw.catalog.model import Budget, Tenant
 from llmgw.contract import SpentFigures, UsageBatch, UsageLedger, UsageOutboxLike, next_period, period_start
+from llmgw.decide.usage_gate import HOLD, EngineCounts, UsageGate
 from llmgw.errors import StoreError
+from llmgw.health import Tracker, describe
 from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -234,6 +238,133 @@ class BookedLedger:
         return self.ledger.usage_seq(instance)
 
 
+class UsageDeferred(Exception):
+    """A router's usage batch waits for the engines' counts: not recorded, not acknowledged."""
+
+
+SAVE_EVERY = 10.0  # seconds between writes of the gate's figures to the store
+
+
+class GatedLedger:
+    """The ledger for standalone routers' batches, behind a :class:`~llmgw.decide.usage_gate.UsageGate`
+    (issue 41): the tokens all routers report for a model may not pass what its engines counted,
+    as the controller's own router reads them (``readings``: per replica, its model and its
+    engine's prompt and generation counters, None where not read; no callable: every row believed).
+    ``models``: the catalog's model names (tokens for another model no engine was read for are
+    taken for none). ``state``: where its figures are kept across restarts and leaders (load, keep;
+    without them a new controller counted every engine's whole past as room for routers' rows).
+    :attr:`trusted` is the same ledger for the controller's own router: recorded as it comes, and counted."""
+
+    def __init__(self, inner: UsageLedger,
+                 readings: Callable[[], Mapping[str, tuple[str, float | None, float | None]]] | None = None,
+                 *, models: Callable[[], Collection[str] | None] | None = None,
+                 state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.inner = inner
+        self.readings = readings
+        self.models = models
+        self.state = state
+        self.clock = clock
+        self.gate = UsageGate()
+        self.counts = EngineCounts()
+        self.trusted = _Counted(self)
+        self._saved_at = 0.0
+        self.reload()
+
+    def reload(self) -> None:
+        """The figures as last kept (at start, and when this controller takes the lead)."""
+        if self.state is None:
+            return
+        try:
+            kept = self.state[0]()
+        except StoreError as exc:
+            log.warning("usage gate: its figures were not read from the store (%s): engines' counts start anew", exc)
+            return
+        if isinstance(kept, dict):
+            self.counts = EngineCounts.from_json(kept.get("counts"))
+            self.gate.restore_reported(kept.get("reported"))
+
+    def record_usage(self, batch: UsageBatch) -> bool:
+        """As the ledger's, or :class:`UsageDeferred`: the batch waits for the engines' counts (not
+        acknowledged, so its router sends it again; nothing of it is lost if this controller dies)."""
+        self._read()
+        router = batch.instance.split("/")[0]
+        verdict = self.gate.admit(batch.rows, self.counts, router=router, instance=batch.instance, seq=batch.seq,
+                                  now=self.clock(), known=self.models() if self.models is not None else None)
+        if verdict.wait:
+            if batch.seq <= self.inner.usage_seq(batch.instance):
+                self.gate.waiting.pop((batch.instance, batch.seq), None)
+                return False  # recorded before (its answer was lost): acknowledged again, not held up
+            raise UsageDeferred(f"batch {batch.seq} of {batch.instance} waits for the engines' counts")
+        recorded = self.inner.record_usage(replace(batch, rows=tuple(verdict.rows)))
+        if recorded:  # (a batch recorded before: nothing of it is dropped or counted twice)
+            self.gate.taken(verdict, router=router, instance=batch.instance, seq=batch.seq)
+            for model, tokens in verdict.dropped.items():
+                log.warning("usage ledger: %d tokens router %s reported for %s were dropped: the engines never "
+                            "counted them (llmgw_controller_usage_unconfirmed_tokens)", tokens, router, model or '""')
+        self.save()
+        return recorded
+
+    def usage_seq(self, instance: str) -> int:
+        return self.inner.usage_seq(instance)
+
+    def save(self, *, now: bool = False) -> None:
+        """Keep the figures (every SAVE_EVERY seconds; ``now``: at once)."""
+        if self.state is None or (not now and self.clock() - self._saved_at < SAVE_EVERY):
+            return
+        self._saved_at = self.clock()
+        try:
+            self.state[1]({"counts": self.counts.to_json(), "reported": self.gate.reported_json()})
+        except StoreError as exc:
+            log.warning("usage gate: its figures were not kept (%s)", exc)
+
+    def _read(self) -> None:
+        if self.readings is not None:
+            self.counts.fold(self.readings())
+
+class UsageGateCollector:
+    """What the usage gate holds and dropped, for /metrics: a router reporting tokens no engine
+    counted shows here by name."""
+
+    def __init__(self, gate: Callable[[], UsageGate], clock: Callable[[], float] = time.time) -> None:
+        self._gate = gate
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        gate = self._gate()
+        held = GaugeMetricFamily("llmgw_controller_usage_held_tokens",
+                                 "Tokens of routers' batches that wait, unacknowledged, for the model's engines to "
+                                 f"count them (recorded once they do; after {HOLD:g} s what does not fit is dropped).",
+                                 labels=("model",))
+        for model, tokens in sorted(gate.held_tokens(self._clock()).items()):
+            held.add_metric((model,), tokens)
+        yield held
+        dropped = CounterMetricFamily("llmgw_controller_usage_unconfirmed_tokens",
+                                      "Tokens a router reported that the engines never counted: dropped, not "
+                                      "charged to any budget.", labels=("router",))
+        for router, tokens in sorted(gate.dropped.items()):
+            dropped.add_metric((router,), tokens)
+        yield dropped
+
+
+class _Counted:
+    """The gated ledger as the controller's own router writes to it: every row taken, and counted."""
+
+    def __init__(self, gated: GatedLedger) -> None:
+        self._gated = gated
+
+    def record_usage(self, batch: UsageBatch) -> bool:
+        recorded = self._gated.inner.record_usage(batch)
+        if recorded:
+            self._gated._read()  # noqa: SLF001 - the engines' counters kept current with what is counted
+            self._gated.gate.counted(batch.rows)
+            self._gated.save()
+        return recorded
+
+    def usage_seq(self, instance: str) -> int:
+        return self._gated.inner.usage_seq(instance)
+
+
 class UsageFlusher:
     """Moves ``outbox`` (the in-process router's) into ``ledger`` every ``interval`` and at close;
     ``after`` is called after each attempt (the controller hands its router the ledger's figures)."""
@@ -250,6 +381,8 @@ class UsageFlusher:
         self._task: asyncio.Task[None] | None = None
         self._compacted = clock()
         self._failing = False
+        # Usage not recorded is budgets that do not hold after a restart: a critical loop.
+        self.health = Tracker("usage-ledger")
 
     def flush(self) -> None:
         """Record what the router counted; a failure keeps the batch for the next try."""
@@ -262,8 +395,10 @@ class UsageFlusher:
             if not self._failing:
                 log.warning("usage ledger: could not record %d rows (%s); will keep trying", len(batch.rows), exc)
             self._failing = True
+            self.health.failed(time.time(), f"recording {len(batch.rows)} usage rows: {describe(exc)}")
             return
         self._failing = False
+        self.health.ok(time.time())
         self.outbox.acked(batch.seq)
 
     def start(self) -> None:

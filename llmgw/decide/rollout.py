@@ -1,6 +1,6 @@
 """Rollouts (DESIGN §5): how a change of a model's version reaches its replicas. Pure.
 
-A model's *version* hashes what its engines are built from (source, task, profiles). When the
+A model's *version* hashes what its engines are built from (source, task, size, profiles). When the
 catalog's version of a model differs from the one its replicas serve, a rollout begins:
 
     canary ──(every step passes)──► promoting ──(no old replica left)──► done
@@ -11,9 +11,11 @@ catalog's version of a model differs from the one its replicas serve, a rollout 
 In the canary phase the model's stable replicas keep the old version (the *serving* spec, kept
 by the controller so it can still start them) and one canary replica of the new version takes
 ``steps[i]`` percent of the traffic; after each ``interval`` the canary's error rate and p95
-latencies are compared with the stable group's over the same interval, from the router's own
-measurements. Promoting makes the new version the serving one, and the ordinary replacement
-(at most ``max_surge`` beside old ones, else ``max_unavailable`` stopped first) does the rest.
+latencies are compared with the stable group's over the same interval, from the routers' own
+measurements: all routers' together, and each router's alone (:func:`judge_routers`: one router
+can hold a change back, never push one through over the others). Promoting makes the new
+version the serving one, and the ordinary replacement (at most ``max_surge`` beside old ones,
+else ``max_unavailable`` stopped first) does the rest.
 A rolled-back or aborted rollout keeps the model on its serving version while git still asks
 for the new one; the next commit that changes the model starts a new rollout.
 
@@ -285,10 +287,70 @@ def _fmt(v: float | None) -> str:
 
 @dataclass(frozen=True)
 class Windows:
-    """What the router measured since the current step began: the canary, the stable group."""
+    """What the routers measured since the current step began: the canary, the stable group (all
+    routers together), and what each router measured alone (``routers``: by the name of the
+    credential it holds, every process of it together; a router without one by its process id)."""
 
     canary: ReplicaStats = field(default_factory=ReplicaStats)
     stable: ReplicaStats = field(default_factory=ReplicaStats)
+    routers: Mapping[str, Windows] = field(default_factory=dict)
+
+
+NAMED = 3  # routers named in a failed step's reason (the rest counted)
+
+
+def judge_routers(checks: CanaryChecks, windows: Windows, *, seconds: float, now: float,
+                  stable: ReplicaStats | None = None) -> Analysis:
+    """A step's judgement when routers may lie (issue 41): all routers' figures together
+    (:func:`judge`), all but each one router together, and each router that served the canary
+    ``min_requests`` on its own, alone. It passes only when none of those fails, so one router (a
+    stolen credential) can hold a change back but never push one through over what the others
+    measured: thousands of fast good canary requests, or a dreadful stable group, dilute the pooled
+    figures but not the others' own. A router is judged against its own stable group (it cannot
+    move another's baseline), or against the other routers' when it served too few stable requests itself; ``stable``
+    replaces every baseline (a change judged against the old version's figures). A router whose
+    own figures fail is named in the reason, with its requests, so an operator knows whose
+    credential to look at. One router, or none said apart: exactly :func:`judge`."""
+    base = windows.stable if stable is None else stable
+    pooled = judge(checks, windows.canary, base, seconds=seconds, now=now)
+    if pooled.verdict == "wait" or len(windows.routers) < 2:
+        return pooled
+    failed = []
+    for source, w in windows.routers.items():
+        if w.canary.served < checks.min_requests:
+            continue
+        rest = base - w.stable if stable is None else stable
+        own = stable if stable is not None else w.stable if w.stable.served >= checks.min_requests else rest
+        a = judge(checks, w.canary, own, seconds=seconds, now=now)
+        if a.verdict == "fail":
+            failed.append((-w.canary.served, f"measured by router {source}", a.reason))
+    if not failed:
+        # Every router but one, together: where honest routers each served too few requests to be
+        # judged alone, one router's thousands of good requests (or dreadful baseline) must not
+        # outweigh what they measured together (seen: four routers' 60 failed canary requests passed).
+        for source, w in windows.routers.items():
+            rest = base - w.stable if stable is None else stable
+            others = judge(checks, windows.canary - w.canary, rest, seconds=seconds, now=now)
+            if others.verdict == "fail":
+                failed.append((-w.canary.served, f"without router {source}'s figures "
+                               f"({w.canary.requests} canary requests)", others.reason))
+    if not failed:
+        return pooled
+    failed.sort()
+    parts = [pooled.reason] if pooled.verdict == "fail" else []
+    parts += [f"{whose}: {reason}" for _, whose, reason in failed[:NAMED]]
+    if len(failed) > NAMED:
+        parts.append(f"and {len(failed) - NAMED} more router(s) on their own figures")
+    if pooled.verdict == "pass":
+        parts.append("all routers' figures together pass")
+    return replace(pooled, verdict="fail", reason="; ".join(parts))
+
+
+def by_router(windows: Windows) -> list[tuple[str, int, int]]:
+    """(router, canary requests, stable requests) of each router in the window, most canary
+    requests first: who the evidence came from (`llmgw rollout status`)."""
+    rows = [(source, w.canary.requests, w.stable.requests) for source, w in windows.routers.items()]
+    return sorted(rows, key=lambda row: (-row[1], -row[2], row[0]))
 
 
 @dataclass(frozen=True)
@@ -315,7 +377,7 @@ def advance(r: Rollout, policy: RolloutPolicy, *, windows: Windows, canary_ready
     seconds = now - r.step_since
     if seconds < policy.interval:
         return Step(r)
-    a = judge(policy.checks, windows.canary, windows.stable, seconds=seconds, now=now)
+    a = judge_routers(policy.checks, windows, seconds=seconds, now=now)
     if a.verdict == "wait":
         if seconds >= policy.traffic_wait:
             return _no_traffic(replace(r, analysis=a), policy, a, seconds, now)
@@ -353,16 +415,17 @@ def _no_traffic(r: Rollout, policy: RolloutPolicy, a: Analysis, seconds: float, 
                 (("rollout-no-traffic", f"{r.model}: {line}; waiting on"),))
 
 
-def verify(r: Rollout, policy: RolloutPolicy, *, window: ReplicaStats, now: float) -> Step:
-    """A change replaced without a canary, judged once it serves alone against the figures the old
-    version had just before it (``r.before``): passed, the rollout is done; failed, the model goes
-    back to the version before by itself (the applier reverts it), with the reason. A window
-    without traffic follows ``on_no_traffic`` as a canary step does."""
+def verify(r: Rollout, policy: RolloutPolicy, *, window: Windows, now: float) -> Step:
+    """A change replaced without a canary, judged once it serves alone (``window.canary``, and
+    each router's own) against the figures the old version had just before it (``r.before``):
+    passed, the rollout is done; failed, the model goes back to the version before by itself
+    (the applier reverts it), with the reason. A window without traffic follows
+    ``on_no_traffic`` as a canary step does."""
     assert r.before is not None
     seconds = now - r.step_since
     if seconds < policy.interval:
         return Step(r)
-    a = judge(policy.checks, window, ReplicaStats.from_json(r.before), seconds=seconds, now=now)
+    a = judge_routers(policy.checks, window, stable=ReplicaStats.from_json(r.before), seconds=seconds, now=now)
     line = f"after the change (no canary could run): {a.verdict}: {a.reason}"
     if a.verdict == "wait":
         if seconds < policy.traffic_wait:

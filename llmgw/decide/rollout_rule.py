@@ -315,7 +315,7 @@ def _verify(rec: ModelRecord, model: Model, window: Windows | None, now: float,
         return replace(rec, rollout=ro), True
     if window is None:  # a restarted controller: the window begins again
         return replace(rec, rollout=replace(ro, step_since=now)), True
-    step = verify(ro, model.rollout, window=window.canary, now=now)
+    step = verify(ro, model.rollout, window=window, now=now)
     events.extend(step.events)
     serving = rec.serving
     if step.rollout.phase == Phase.ROLLED_BACK and rec.previous is not None:

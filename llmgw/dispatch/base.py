@@ -30,7 +30,7 @@ NodeId = NewType("NodeId", str)
 Answer = dict[str, Any]
 
 AGENT_PATH = Path(__file__).resolve().parent.parent / "agent" / "llmgw_agent.py"
-VERBS = ("hello", "inventory", "lease", "fetch", "start", "stop", "status", "remove-weights")
+VERBS = ("hello", "inventory", "lease", "fetch", "seed", "start", "stop", "status", "remove-weights")
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,10 @@ class Dispatcher(Protocol):
 
     async def inventory(self, node_id: str) -> Answer: ...
 
-    async def fetch(self, node_id: str, source: str) -> Answer: ...
+    async def fetch(self, node_id: str, source: str, *, peer: Answer | None = None) -> Answer: ...
+
+    async def seed(self, node_id: str, name: str, token_sha256: str, *, ttl: float,
+                   mac_key: str | None = None) -> Answer: ...
 
     async def start(self, node_id: str, request: StartRequest | Answer) -> Answer: ...
 
@@ -129,8 +132,18 @@ class AgentVerbs:
     async def inventory(self, node_id: str) -> Answer:
         return await self.call(node_id, "inventory", {})
 
-    async def fetch(self, node_id: str, source: str) -> Answer:
-        return await self.call(node_id, "fetch", {"source": source})
+    async def fetch(self, node_id: str, source: str, *, peer: Answer | None = None) -> Answer:
+        request: Answer = {"source": source}
+        if peer is not None:  # {url, token, chunks_sha256 | follow}: read from that node first (llmgw.agent.parts.peer)
+            request["peer"] = peer
+        return await self.call(node_id, "fetch", request)
+
+    async def seed(self, node_id: str, name: str, token_sha256: str, *, ttl: float,
+                   mac_key: str | None = None) -> Answer:
+        request = {"name": name, "token_sha256": token_sha256, "ttl": ttl}
+        if mac_key is not None:  # the key the holder signs a follower's lists with
+            request["mac_key"] = mac_key
+        return await self.call(node_id, "seed", request)
 
     async def start(self, node_id: str, request: StartRequest | Answer) -> Answer:
         return await self.call(node_id, "start", dict(request))

@@ -9,12 +9,12 @@ verb made to fail with a chosen error. ``calls`` keeps every call in order, fail
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
+from llmgw.catalog import cache_name
 from llmgw.catalog.model import Engine
 from llmgw.dispatch.base import VERBS, AgentVerbs, Answer, HelloAnswer
 from llmgw.errors import AgentError, DispatchError, NodeUnreachable
@@ -26,11 +26,6 @@ def _gpu_view(gpu: Answer) -> Answer:
     """A declared GPU as the agent reports one where there is no driver."""
     return {"name": None, "uuid": None, "memory_used_gb": None, "declared": True, "healthy": True,
             "problems": [], **gpu}
-
-
-def cache_name(source: str) -> str:
-    """The cache entry name a real agent gives ``source`` (DESIGN §4, cache names)."""
-    return "llmgw-" + hashlib.sha256(source.encode()).hexdigest()
 
 
 @dataclass(frozen=True)

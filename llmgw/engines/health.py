@@ -50,6 +50,8 @@ class Load:
     kv_cache_usage: float | None = None
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    generated: float | None = None  # tokens generated since the engine started (what bounds usage, issue 41)
+    prompted: float | None = None  # every prompt token taken in since it started, cached ones too
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class LoadMetrics:
     kv_cache_usage: tuple[str, ...] = ()
     prefix_queries: tuple[str, ...] = ()
     prefix_hits: tuple[str, ...] = ()
+    generated: tuple[str, ...] = ()  # a counter of the tokens it generated
+    prompted: tuple[str, ...] = ()  # a counter of every prompt token it took in (not only those it computed)
 
 
 _VLLM = LoadMetrics(
@@ -72,6 +76,9 @@ _VLLM = LoadMetrics(
     # Counters of prompt tokens (V1; the gpu_ spelling is V1's first, before the CPU offload cache).
     prefix_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     prefix_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    generated=("vllm:generation_tokens_total",),
+    # Every prompt token, those its prefix cache held too (V1 splits them in prompt_tokens_by_source).
+    prompted=("vllm:prompt_tokens_total",),
 )
 
 LOAD_METRICS: dict[Engine, LoadMetrics] = {
@@ -82,11 +89,15 @@ LOAD_METRICS: dict[Engine, LoadMetrics] = {
         running=("sglang:num_running_reqs",),
         waiting=("sglang:num_queue_reqs",),
         kv_cache_usage=("sglang:token_usage",),
+        generated=("sglang:generation_tokens_total",),
+        prompted=("sglang:prompt_tokens_total",),
     ),
     # ggml-org/llama.cpp tools/server/README.md, "GET /metrics" (needs --metrics); no KV gauge.
     "llama.cpp": LoadMetrics(
         running=("llamacpp:requests_processing",),
         waiting=("llamacpp:requests_deferred",),
+        generated=("llamacpp:tokens_predicted_total",),
+        # No prompted: its prompt_tokens_total counts what it computed, not what its cache held.
     ),
     "sim": _VLLM,  # the simulator speaks vLLM's names
 }
@@ -162,10 +173,12 @@ async def ask(session: aiohttp.ClientSession, endpoint: str, path: str, body: di
 
 
 async def read_load(
-    session: aiohttp.ClientSession, endpoint: str, engine: Engine, *, timeout: float = METRICS_TIMEOUT
+    session: aiohttp.ClientSession, endpoint: str, engine: Engine | None, *, timeout: float = METRICS_TIMEOUT
 ) -> Load | None:
     """The engine's :class:`Load` from its ``/metrics``, or None when it cannot be read
-    (unreachable, non-200, not Prometheus text, or none of the engine's names present)."""
+    (unreachable, non-200, not Prometheus text, or none of the engine's names present).
+    ``engine`` None (a replica of a model the catalog no longer has): the first engine's names
+    its answer is in."""
     try:
         async with session.get(_url(endpoint, "/metrics"), timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status != 200:
@@ -174,7 +187,9 @@ async def read_load(
             text = await resp.text(errors="replace")
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return None
-    return parse_load(text, engine)
+    if engine is not None:
+        return parse_load(text, engine)
+    return next((load for kind in LOAD_METRICS if (load := parse_load(text, kind)) is not None), None)
 
 
 def parse_load(text: str, engine: Engine) -> Load | None:
@@ -188,19 +203,25 @@ def parse_load(text: str, engine: Engine) -> Load | None:
     gauges are found by scanning for their names rather than parsing every family.
     """
     names = LOAD_METRICS[engine]
-    running = scan_samples(text, names.running)
-    waiting = scan_samples(text, names.waiting)
+    # A gauge an engine exports as NaN or +Inf is no count: as if absent (round(nan) raised, and
+    # the exception ended the router's load readings of every replica).
+    running = _counter(scan_samples(text, names.running))
+    waiting = _counter(scan_samples(text, names.waiting))
     if running is None and waiting is None:
         return None
-    kv = scan_samples(text, names.kv_cache_usage)
+    kv = [v for v in scan_samples(text, names.kv_cache_usage) or () if math.isfinite(v)]
     queries = _counter(scan_samples(text, names.prefix_queries))
     hits = _counter(scan_samples(text, names.prefix_hits))
+    generated = _counter(scan_samples(text, names.generated))
+    prompted = _counter(scan_samples(text, names.prompted))
     return Load(
         running=round(sum(running or ())),
         waiting=round(sum(waiting or ())),
         kv_cache_usage=max(kv) if kv else None,
         prefix_queries=sum(queries) if queries and hits else None,
         prefix_hits=sum(hits) if queries and hits else None,
+        generated=sum(generated) if generated else None,
+        prompted=sum(prompted) if prompted else None,
     )
 
 

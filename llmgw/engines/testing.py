@@ -60,7 +60,7 @@ class SimProcess:
         return [sys.executable, "-m", "llmgw.engines.sim", "--model", self.model, "--host", self.host,
                 "--port", str(self.port), *self.args]
 
-    def start(self, *, timeout: float = 10.0) -> SimProcess:
+    def start(self, *, timeout: float = 60.0) -> SimProcess:  # a bound, not a speed: a busy machine
         """Start the process and wait until its port accepts connections; raises RuntimeError
         (with the process's stderr) if it exits or does not listen within ``timeout``."""
         if self.port is None:

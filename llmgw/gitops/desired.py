@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmgw.catalog import Catalog
+from llmgw.health import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +33,13 @@ class _Sub:
 class DesiredState:
     """Holds the applied catalog; readers get a consistent snapshot without locking."""
 
-    def __init__(self, catalog: Catalog | None = None) -> None:
+    def __init__(self, catalog: Catalog | None = None, *, clock: Callable[[], float] = time.time) -> None:
         self._catalog = catalog
+        self._clock = clock
+        # Each catalog put in force is one turn: failed when it did not reach every subscriber.
+        self.health = Tracker("catalog-delivery")
         self._subs: list[_Sub] = []
         self._lock = threading.Lock()
-        self.failures = 0  # subscribers that raised, since start
         # Why the last catalog did not reach every subscriber (None: it did): said in status.
         self.problem: str | None = None
         self._failed_order = 0
@@ -72,7 +76,6 @@ class DesiredState:
                 sub.fn(catalog)
             except Exception as exc:  # noqa: BLE001 - isolate subscribers; logged with traceback, counted, said
                 log.exception("desired-state subscriber %r failed", sub.fn)
-                self.failures += 1
                 if not failed:
                     self._failed_order = sub.order
                 failed.append(f"{getattr(sub.fn, '__qualname__', sub.fn)}: {type(exc).__name__}: {exc}")
@@ -80,3 +83,7 @@ class DesiredState:
             f"the applied catalog did not reach every part: {'; '.join(failed)[:500]}"
             + ("; later parts (the reconciler) were not told, and keep the catalog before" if
                any(s.order > self._failed_order for s in subs) else ""))
+        if self.problem is None:
+            self.health.ok(self._clock())
+        else:
+            self.health.failed(self._clock(), self.problem)

@@ -25,6 +25,7 @@ from llmgw.errors import BranchMissing, GitError, LlmgwError
 from llmgw.gitops.desired import DesiredState
 from llmgw.gitops.repo import CommitInfo, GitMirror
 from llmgw.gitops.status import History, PendingPrune, Rejection, Rewrite, SyncState, SyncStatus
+from llmgw.health import Tracker
 from llmgw.inventory import Inventory
 from llmgw.plan.guard import PruneVerdict, allows_prune, judge_prune, skips_analysis, with_trailers
 from llmgw.store.protocol import Store
@@ -102,6 +103,9 @@ class GitOpsFollower:
         self.watch_path = watch_path
         self.clock = clock
         self.metrics = GitOpsMetrics(registry or CollectorRegistry())
+        # Not critical: a remote that is down leaves the last good catalog in force, and a
+        # restarted controller would find the remote down too.
+        self.health = Tracker("git-sync", critical=False)
         self._status = SyncStatus(branch=mirror.branch, url=mirror.shown_url)
         self._judged: str | None = None  # the head last judged, so a bad commit is judged once
         self._history_note = ""  # "rewound from … to …", for the event of the commit then applied
@@ -159,11 +163,18 @@ class GitOpsFollower:
         while True:
             self._wake.clear()
             try:
-                await self.sync_once()
-            except LlmgwError:
+                status = await self.sync_once()
+            except LlmgwError as exc:
                 log.exception("sync failed")
-            except Exception:  # noqa: BLE001 - a bug must not end the loop; logged with traceback
+                self.health.failed(self.clock(), exc)
+            except Exception as exc:  # noqa: BLE001 - a bug must not end the loop; logged, counted, in status
                 log.exception("unexpected error in the git loop")
+                self.health.failed(self.clock(), exc)
+            else:
+                if status.last_error:  # the fetch failed: said in the sync status, and here
+                    self.health.failed(self.clock(), f"fetch: {status.last_error}")
+                else:
+                    self.health.ok(self.clock())
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=self.interval)
             except TimeoutError:

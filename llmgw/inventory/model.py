@@ -79,6 +79,9 @@ class EngineRecord:
     holder: str | None = None  # the controller whose lease the node obeyed when it started this
     epoch: int | None = None
     listening: bool = False  # an rpc-server (a llama.cpp worker) whose port accepts connections
+    # Sockets listening on its port that none of its processes hold (another engine on the same
+    # port by SO_REUSEPORT: the kernel shares the connections); None: not told.
+    port_shared_with: int | None = None
 
     def label(self, key: str) -> str | None:
         return dict(self.labels).get(key)
@@ -226,6 +229,7 @@ class NodeReport:
     fabric_address: str | None = None  # where this node's shards of a multi-node replica meet the others
     offers: Offers | None = None  # None: an agent older than this report (nothing is checked)
     settings: str | None = None  # a digest of the node's config: it changes when its owner edits it
+    peer_port: int | None = None  # where it serves its cache entries to other nodes (None: it does not)
 
     @property
     def cache_fs(self) -> Filesystem | None:
@@ -385,6 +389,7 @@ def _node_from_json(raw: Mapping[str, Any]) -> Node:
             fabric_address=r.get("fabric_address"),
             offers=parse_offers(r.get("offers")),
             settings=r.get("settings"),
+            peer_port=r.get("peer_port"),
         )
     return Node(
         spec=spec, state=NodeState(raw.get("state", "unknown")), report=report,
@@ -421,6 +426,7 @@ def parse_engine(raw: Mapping[str, Any]) -> EngineRecord:
         holder=raw["holder"] if isinstance(raw.get("holder"), str) else None,
         epoch=int(raw["epoch"]) if isinstance(raw.get("epoch"), int) else None,
         listening=raw.get("listening") is True,
+        port_shared_with=raw["port_shared_with"] if type(raw.get("port_shared_with")) is int else None,
     )
 
 
@@ -466,6 +472,7 @@ def parse_report(raw: Mapping[str, Any]) -> NodeReport:
         fabric_address=raw["fabric_address"] if isinstance(raw.get("fabric_address"), str) else None,
         offers=parse_offers(raw.get("offers")),
         settings=raw["settings"] if isinstance(raw.get("settings"), str) else None,
+        peer_port=raw["peer_port"] if type(raw.get("peer_port")) is int else None,
     )
 
 

@@ -90,7 +90,7 @@ class Plan:
     steps: tuple[Step, ...] = ()
     unplaceable: dict[str, tuple[Rejection, ...]] = field(default_factory=dict)
     unplaced_counts: dict[str, int] = field(default_factory=dict)
-    fetches: tuple[tuple[str, str, float], ...] = ()  # (node, model, GB)
+    fetches: tuple[tuple[str, str, float, str], ...] = ()  # (node, model, GB, the source it is read from)
     new_orphans: tuple[tuple[str, str, float], ...] = ()  # (node, cache name, GB)
     node_use: tuple[NodeUse, ...] = ()
     without_ready: tuple[tuple[str, str], ...] = ()  # (model, why)
@@ -168,7 +168,7 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
         for s in new.placement.shards:
             node = inv.node(s.node)
             if s.holds_weights and node and node.report and model.cache_name not in node.report.held:
-                fetches.append((s.node, model.name, model.size_gb))
+                fetches.append((s.node, model.name, model.size_gb, model.source))
     wanted_after = head.wanted_cache_names()
     wanted_before = base.wanted_cache_names() if base else frozenset()
     orphans = []
@@ -190,7 +190,7 @@ def make_plan(base: Catalog | None, head: Catalog, fleet: FleetSnapshot, *, now:
         local = fs if fs is not None and not fs.shared else None
         total = local.total_bytes / GB if local else None
         used = (local.total_bytes - local.free_bytes) / GB if local else None
-        fetched = sum(gb for n, _, gb in fetches if n == node.id)
+        fetched = sum(gb for n, _, gb, _ in fetches if n == node.id)
         use.append(NodeUse(
             node.id, len(node.report.gpus) if node.report else 0, before, before - gone + added,
             round(total, 1) if total is not None else None, round(used, 1) if used is not None else None,

@@ -165,8 +165,8 @@ def render_text(r: DiffReport) -> str:
         if p.still_unplaced:
             names = ", ".join(f"{m} ({n})" for m, n in sorted(p.still_unplaced.items()))
             out.append(f"  (still cannot be placed, as before this change: {names}; see `llmgw explain`)")
-        for node, model, gb in p.fetches:
-            out.append(f"  fetch   {node}: weights of {model} ({gb:g} GB)")
+        for node, model, gb, source in p.fetches:
+            out.append(f"  fetch   {node}: weights of {model} ({gb:g} GB) from {source}")
         for node, name, gb in p.new_orphans:
             out.append(f"  orphan  {node}: {name} ({gb:g} GB) — `llmgw weights collect --collect` removes it")
         for u in p.node_use:
@@ -249,7 +249,8 @@ def render_markdown(r: DiffReport) -> str:
             names = ", ".join(f"{_md(m)} ({n})" for m, n in sorted(p.still_unplaced.items()))
             out += [f"_Still cannot be placed, as before this change: {names}._", ""]
         if p.fetches:
-            out += ["**Weights to fetch:** " + ", ".join(f"{_md(n)}: {_md(m)} ({gb:g} GB)" for n, m, gb in p.fetches),
+            out += ["**Weights to fetch:** " + ", ".join(f"{_md(n)}: {_md(m)} ({gb:g} GB) from {_code(src)}"
+                                                         for n, m, gb, src in p.fetches),
                     ""]
         if p.new_orphans:
             out += ["**Weights that become orphans:** " + ", ".join(f"{_md(n)}: {_code(x)} ({gb:g} GB)"
@@ -329,7 +330,7 @@ def render_json(r: DiffReport) -> dict[str, Any]:
             "unplaceable": {m: {"replicas": n, "rejections": [
                 {"profile": x.profile, "node": x.node, "reason": x.reason} for x in p.unplaceable.get(m, ())]}
                 for m, n in sorted(p.unplaced_counts.items())},
-            "fetches": [{"node": n, "model": m, "gb": gb} for n, m, gb in p.fetches],
+            "fetches": [{"node": n, "model": m, "gb": gb, "source": src} for n, m, gb, src in p.fetches],
             "new_orphans": [{"node": n, "name": x, "gb": gb} for n, x, gb in p.new_orphans],
             # The used counts as planned, and the free ones `llmgw nodes -o json` (gpu_free) compares with.
             "node_use": [{**u.__dict__, **FreeUse.of(u).__dict__} for u in p.node_use],

@@ -14,7 +14,9 @@ backoff. Only the shards that load weights fetch them (a llama.cpp worker has no
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -24,12 +26,12 @@ import aiohttp
 from llmgw.catalog import Catalog, Model, Profile
 from llmgw.decide import acceptance
 from llmgw.decide.replica import Backoff, Replica, ReplicaState, ShardStatus, fingerprint, next_failure
-from llmgw.dispatch.base import Dispatcher
+from llmgw.dispatch.base import Answer, Dispatcher
 from llmgw.engines.argv import RPC_SERVER, engine_args, holds_weights, shard_engine, shard_env, shard_peers
 from llmgw.engines.argv import Shard as EngineShard
 from llmgw.engines.health import ask, check_health, probe_ready
-from llmgw.errors import DispatchError, EngineArgsError, StartRefused
-from llmgw.inventory import EngineRecord, Inventory
+from llmgw.errors import DispatchError, EngineArgsError, StartRefused, StoreError
+from llmgw.inventory import EngineRecord, Inventory, NodeState
 from llmgw.inventory.model import EngineLabels
 from llmgw.store.protocol import Store
 
@@ -39,6 +41,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 S = ReplicaState
+ORIGIN = "origin"
+PEER_TTL = 3600.0  # seconds a fetch's token opens its peer's entry
+MAX_DIGESTS = 4096  # cache entries whose chunk-list digest is kept (the oldest forgotten first)
+FOLLOW_TTL = 86400.0  # a follower's: it reads for as long as the origin takes (the agent's most)
+SERVING_STATES = frozenset({NodeState.READY, NodeState.CORDONED, NodeState.DRAINING})
 DIST_PORT_BASE = 29500
 MAX_FAILED_WATCHED = 4096
 
@@ -56,6 +63,26 @@ class Lifecycle:
         # A failed replica → since when, and its nodes' settings digests when first seen failed: a
         # change (the owner fixed the node config) retries it at once instead of after its backoff.
         self._failed_on: dict[str, tuple[float, tuple[str | None, ...]]] = {}
+        # Replica id -> node -> how its weights are coming: the source read, bytes done and in all
+        # (None: not known yet), as the node's agent last said. Only while the replica fetches.
+        self.fetches: dict[str, dict[str, dict[str, object]]] = {}
+        # Who each node's fetch of an entry reads from (ORIGIN or a node), the peer it was handed,
+        # the fetches each holder serves now, and the nodes seen to complete an entry (the
+        # inventory says so too, a poll later).
+        self._fetching_from: dict[tuple[str, str], str] = {}
+        self._peer_of: dict[tuple[str, str], Answer | None] = {}
+        self._serving: dict[tuple[str, str], int] = {}
+        self._holders: dict[str, set[str]] = {}
+        # Nodes whose config serves no peers -> when to ask again (an owner may add peer_port).
+        self._serves_none: dict[str, float] = {}
+        # Cache name -> the digest of its chunk list as a node that read the origin made it: in the
+        # store, so a restarted controller (or the next leader) has holders serve at once.
+        self._digests: dict[str, str] = {}
+        try:
+            self._digests = dict(store.weight_digests())
+        except StoreError as exc:
+            log.warning("the weights' chunk-list digests were not read from the store (%s): a node reads the "
+                        "origin again for each entry", exc)
 
     # --- observation (no I/O) ------------------------------------------------------------
     def observe(self, r: Replica, inventory: Inventory, now: float) -> Replica:
@@ -74,6 +101,11 @@ class Lifecycle:
                 return self._failed(r, now, f"engine on {shard.node} is gone (pid {shard.pid})")
             if record is not None and not record.alive and record.pid == shard.pid:
                 return self._failed(r, now, exit_message(shard.node, record.exit_code, record.log_tail))
+            if record is not None and record.alive and record.pid == shard.pid and record.port_shared_with:
+                # Clients would be answered by whatever else listens there: started again, elsewhere.
+                return self._failed(r, now, f"port {record.port} on {shard.node} is shared with "
+                                            f"{record.port_shared_with} socket(s) of another process (another "
+                                            "engine bound it too): started again on another port")
         return r
 
     # --- one step ----------------------------------------------------------------------
@@ -118,21 +150,133 @@ class Lifecycle:
     ) -> Replica:
         if model.cache_name is not None:
             waiting = []
+            progress: dict[str, dict[str, object]] = {}
             for shard in r.shards:
                 if not holds_weights(profile, shard.rank):
                     continue  # a llama.cpp worker: the head sends it its layers
                 node = inventory.node(shard.node)
-                if node and node.report and model.cache_name in node.report.held:
-                    continue
-                answer = await self.dispatcher.fetch(shard.node, model.source)
+                if node and node.report and model.cache_name in node.report.held \
+                        and (shard.node, model.cache_name) not in self._fetching_from:
+                    continue  # (a fetch this controller started is asked once more: its answer ends it)
+                answer, source = await self._fetch_on(shard.node, model, inventory)
                 state = answer.get("state")
                 if state == "failed":
+                    self.fetches.pop(r.id, None)
                     return self._failed(r, now, f"fetch on {shard.node} failed: {answer.get('error')}")
                 if state != "done":
-                    waiting.append(f"{shard.node} {answer.get('bytes_done', 0)}/{answer.get('bytes_total') or '?'}")
+                    waiting.append(shard.node)
+                    progress[shard.node] = {"from": source, "bytes_done": answer.get("bytes_done", 0),
+                                            "bytes_total": answer.get("bytes_total")}
             if waiting:
+                self.fetches[r.id] = progress
                 return r.moved(S.FETCHING, now, error=None)
+        self.fetches.pop(r.id, None)
         return await self._start(r, model, profile, inventory, now)
+
+    async def _fetch_on(self, node_id: str, model: Model, inventory: Inventory) -> tuple[Answer, str]:
+        """Have ``node_id`` fetch the model's weights, and say from where (DESIGN, weights at scale):
+        from a node of the fleet that holds the entry when one does (it serves the next ones, so
+        the origin is read about once), else from the origin unless another node reads it from
+        there now (then this one waits for that copy). A fetch under way is joined where it reads."""
+        name = model.cache_name
+        assert name is not None
+        key = (node_id, name)
+        started = self._fetching_from.get(key)
+        if started is None:
+            # Nodes that answer (a lost or fenced one would hold the fetch up for a call's timeout)
+            # and hold the entry, by their last report or by a fetch seen done since.
+            now = self.clock()
+            answering = {n.id for n in inventory.nodes.values() if n.report is not None and n.state in SERVING_STATES
+                         and n.report.peer_port is not None and self._serves_none.get(n.id, 0.0) <= now}
+            held = {n.id for n in inventory.nodes.values() if n.report is not None and name in n.report.held}
+            # Only with the digest of a node's own read of the origin can a reader check a holder's
+            # list (after a restart: none, until one node reads the origin again).
+            holders = sorted(((held | self._holders.get(name, set())) & answering) - {node_id}) \
+                if name in self._digests else []
+            # Another node reading the origin now is waited for only if it will serve its copy.
+            busy = [n for (n, e), f in self._fetching_from.items()
+                    if e == name and f == ORIGIN and n != node_id and n in answering]
+            started, peer = ORIGIN, None
+            if not holders and busy:
+                # Followed as it reads: its chunks as they come, so this node is done moments after it.
+                peer = await self._offer(busy[0], name, inventory, growing=True)
+                if peer is None:
+                    return {"state": "waiting"}, f"{busy[0]}'s copy, once it has it"
+                started = busy[0]
+                self._serving[(started, name)] = self._serving.get((started, name), 0) + 1
+            for holder in sorted(holders, key=lambda h: (self._serving.get((h, name), 0), h)):
+                peer = await self._offer(holder, name, inventory)
+                if peer is not None:
+                    started, self._serving[(holder, name)] = holder, self._serving.get((holder, name), 0) + 1
+                    break
+            self._fetching_from[key] = started
+            self._peer_of[key] = peer
+        given = self._peer_of.get(key)
+        try:
+            answer = await self.dispatcher.fetch(node_id, model.source, peer=given)
+        except DispatchError:
+            self._end_fetch(key, started)
+            raise
+        if answer.get("state") in ("done", "failed"):
+            self._end_fetch(key, started)
+            if answer.get("state") == "done":
+                self._holders.setdefault(name, set()).add(node_id)
+                digest = answer.get("chunks_sha256")
+                if started == ORIGIN and isinstance(digest, str) and name not in self._digests:
+                    # What every later reader of this entry checks its chunk list against: the list
+                    # of a node that read the origin itself, never a serving peer's own word.
+                    self._digests[name] = digest
+                    for old in list(self._digests)[:max(0, len(self._digests) - MAX_DIGESTS)]:
+                        del self._digests[old]
+                    try:
+                        self.store.set_weight_digests(self._digests)
+                    except StoreError as exc:  # kept in memory: only a restart forgets it
+                        log.warning("the digest of %s's chunk list was not stored (%s)", name, exc)
+        if started == ORIGIN:
+            return answer, model.source
+        following = (given or {}).get("follow") is True
+        return answer, f"node {started}" + (" (as it reads the origin)" if following else "")
+
+    def _end_fetch(self, key: tuple[str, str], started: str) -> None:
+        self._fetching_from.pop(key, None)
+        self._peer_of.pop(key, None)
+        if started != ORIGIN:
+            self._serving[(started, key[1])] = max(0, self._serving.get((started, key[1]), 1) - 1)
+
+    async def _offer(self, holder: str, name: str, inventory: Inventory, *, growing: bool = False) -> Answer | None:
+        """A token for one fetch of entry ``name`` from ``holder``'s peer server; None when it serves
+        none, or when no node read this entry from the origin under this controller's eyes (the digest
+        a reader checks comes from that read, not from the holder). ``growing``: ``holder`` reads the
+        origin now (this controller started it): followed, its word the origin's, as its digest would be."""
+        known = self._digests.get(name)
+        node = inventory.node(holder)
+        report = node.report if node is not None else None
+        if (known is None and not growing) or report is None or report.peer_port is None \
+                or not report.fabric_address:
+            return None
+        # Where the reader connects is the controller's word (the holder's fabric address and peer
+        # port from its inventory), not a URL the holder's answer names: the reader's token goes there.
+        host = f"[{report.fabric_address}]" if ":" in report.fabric_address else report.fabric_address
+        url = f"http://{host}:{report.peer_port}"
+        token = secrets.token_urlsafe(32)
+        # A follower cannot be handed the digest of a list not made yet: the node it follows signs
+        # what it answers with a key only the two of them are given, each over its own SSH channel.
+        mac_key = secrets.token_hex(32) if growing else None
+        try:
+            seed = await self.dispatcher.seed(holder, name, hashlib.sha256(token.encode()).hexdigest(),
+                                              ttl=FOLLOW_TTL if growing else PEER_TTL, mac_key=mac_key)
+        except DispatchError as exc:  # its agent refused (no peer_port) or cannot be reached
+            log.info("%s does not serve %s to other nodes (%s): read from the origin", holder, name, exc)
+            if isinstance(exc, StartRefused):  # a node config without peer_port: not asked for a while
+                self._serves_none[holder] = self.clock() + 600.0
+            return None
+        if mac_key is not None:
+            return {"url": url, "token": token, "follow": True, "mac_key": mac_key}
+        if seed.get("chunks_sha256") != known:
+            log.warning("%s holds %s with another chunk list than the node that read the origin: not read from it",
+                        holder, name)
+            return None
+        return {"url": url, "token": token, "chunks_sha256": known}
 
     async def _start(self, r: Replica, model: Model, profile: Profile, inventory: Inventory,
                      now: float) -> Replica:

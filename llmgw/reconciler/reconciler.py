@@ -22,13 +22,16 @@ import aiohttp
 from llmgw.catalog import Catalog, NodeId, NodeSpec
 from llmgw.contract import Endpoint, EndpointSink, NoUsage, UsageSource
 from llmgw.decide.adopt import Adoption, adopt
+from llmgw.decide.demand import believed_demand
 from llmgw.decide.replica import Replica, ReplicaState, fingerprint, replica_id, runs, shard_agent_id
 from llmgw.decide.replica import ShardStatus as _ShardStatus
 from llmgw.decide.rollout_rule import settled
 from llmgw.decide.tick import Decisions, Settings, decide
 from llmgw.dispatch.base import Dispatcher
+from llmgw.engines.health import read_load
 from llmgw.errors import DispatchError
 from llmgw.gitops.desired import DesiredState
+from llmgw.health import Tracker
 from llmgw.inventory import EngineRecord, Inventory, NodeState, becomes_ours, engine_is_ours, parse_engine
 from llmgw.placement import unrunnable
 from llmgw.reconciler.config import ReconcilerConfig
@@ -44,6 +47,9 @@ log = logging.getLogger(__name__)
 # one still running is stale, never adopted again. Beyond this many, the oldest are forgotten (the
 # generation rule of llmgw.decide.adopt still holds for this controller's own).
 GIVEN_UP_KEPT = 4096
+# Seconds a replica drains on the routers' word alone; after that, only while its engine counts
+# requests (requests sent before it was withdrawn reach the engine well within this).
+DRAIN_CONFIRM_AFTER = 5.0
 
 
 class Reconciler:
@@ -80,6 +86,10 @@ class Reconciler:
         self._past = 0  # a generation the store's counter is known to be at or past
         self.replicas: dict[str, Replica] = {}
         self.last_decisions = Decisions()
+        # Per model, in-flight requests the routers reported that its engines did not count (not
+        # scaled for: llmgw.decide.demand), as of the last tick.
+        self.unconfirmed_demand: dict[str, int] = {}
+        self.health = Tracker("reconcile")
         self._drain_said: dict[str, str] = {}  # replica → the drain wait last said of it
         self._published: tuple | None = None
         self._unrunnable: dict[str, str] | None = None
@@ -130,8 +140,11 @@ class Reconciler:
             self._wake.clear()
             try:
                 await self.tick()
-            except Exception:  # noqa: BLE001 - the loop must outlive a bug; logged with traceback
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive a bug; logged, counted, in status
                 log.exception("reconcile tick failed")
+                self.health.failed(self.clock(), exc)
+            else:
+                self.health.ok(self.clock())
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=self.config.tick_interval)
             except TimeoutError:
@@ -153,9 +166,11 @@ class Reconciler:
             self._settle_canaries(plan)
             # Before decide(): adopted replicas count toward the model's, so none is placed beside them.
             self._adopt(plan, inventory, now)
+            believed = believed_demand(self.usage.demand(), self.usage.engine_queue(), self.replicas.values())
+            self.unconfirmed_demand = believed.unconfirmed
             decisions = decide(
                 plan.catalog, inventory, list(self.replicas.values()),
-                last_used=self.usage.last_used(), demand=self.usage.demand(), now=now,
+                last_used=self.usage.last_used(), demand=believed.demand, now=now,
                 settings=Settings(unreachable_grace=self.config.unreachable_grace),
                 canaries=plan.canaries, canary_notes=plan.notes, pinned=plan.pinned,
             )
@@ -168,6 +183,10 @@ class Reconciler:
             # of its tick leaves an engine its successor finds a record for (and keeps), not one
             # it must take for given up and stop.
             self._save()
+            if self.lifecycle is not None:  # the fetch progress of replicas no longer fetching goes
+                self.lifecycle.fetches = {rid: f for rid, f in self.lifecycle.fetches.items()
+                                          if (r := self.replicas.get(rid)) is not None
+                                          and r.state == ReplicaState.FETCHING}
             # Withdrawn from the router before anything is stopped.
             self.publish()
             await self._stop_stale_engines(plan, inventory, now)
@@ -329,7 +348,7 @@ class Reconciler:
         # node is ours. Adopted engines are probed meanwhile (HTTP to the engine, no command): the
         # router serves them again at once instead of after the grace.
         waiting = {n.id for n in inventory.nodes.values() if becomes_ours(n)}
-        draining = self._draining(waiting)
+        draining = await self._draining(waiting, desired)
         current = [r for r in self.replicas.values() if r.id not in draining and (
                    (r.state == ReplicaState.STARTING and r.adopted) or not waiting.intersection(r.nodes))]
         results = await asyncio.gather(*(one(r) for r in current))
@@ -340,31 +359,48 @@ class Reconciler:
             elif r.id in self.replicas:
                 self.replicas[r.id] = r
 
-    def _draining(self, handover: set[NodeId]) -> set[str]:
+    async def _draining(self, handover: set[NodeId], catalog: Catalog) -> set[str]:
         """Replicas on their way out whose engine is kept a while: withdrawn from the routers (the
         tick published the list without them before this), with requests still in flight on them
         or a router not yet serving without them. Stopped at once when nothing is left, at
-        ``drain_timeout`` whatever is (an event says how many were cut). Replicas on a node in
-        ``handover`` are not advanced this tick anyway: not judged (nor their event repeated)."""
+        ``drain_timeout`` whatever is (an event says how many were cut), and once it has drained
+        DRAIN_CONFIRM_AFTER seconds, as soon as its engine counts nothing running or waiting: a
+        router's word alone (a router host taken over) held a stop for the whole drain timeout.
+        Replicas on a node in ``handover`` are not advanced this tick anyway: not judged (nor
+        their event repeated)."""
         stopping = [r for r in self.replicas.values()
                     if r.state == ReplicaState.STOPPING and not handover.intersection(r.nodes)]
         if not stopping:
             return set()
-        in_flight = self.usage.in_flight()
+        in_flight = self.usage.in_flight_by_replica()
         now = self.clock()
         out = set()
         for r in stopping:
             n = in_flight.get(r.id, 0)
             if n <= 0:
                 continue
-            if now - r.state_since < self.config.drain_timeout:
-                out.add(r.id)
-            else:
+            if now - r.state_since >= self.config.drain_timeout:
                 self.store.add_event("replica-drain-timeout", r.id,
                                      f"{r.model}: {n} request(s) still in flight after drain_timeout "
                                      f"{self.config.drain_timeout:g}s (a router not yet serving without it "
                                      "counts one); stopping it anyway")
+            elif now - r.state_since >= DRAIN_CONFIRM_AFTER and await self._engine_idle(r, catalog):
+                self.store.add_event("replica-drain-unconfirmed", r.id,
+                                     f"{r.model}: routers report {n} request(s) in flight (or that they may still "
+                                     f"send one) after {now - r.state_since:.0f}s of draining, and its engine "
+                                     "counts none running or waiting; stopping it")
+            else:
+                out.add(r.id)
         return out
+
+    async def _engine_idle(self, r: Replica, catalog: Catalog) -> bool:
+        """Whether the replica's engine reads as idle (nothing running or waiting); not read: no."""
+        if r.endpoint is None or self._session is None:
+            return False
+        model = catalog.model(r.model)  # a model retired from the catalog: its engine is guessed from the answer
+        profile = model.profile(r.profile) if model is not None else None
+        load = await read_load(self._session, r.endpoint, profile.engine if profile else None)
+        return load is not None and load.running + load.waiting == 0
 
     def _save(self) -> None:
         """Persist the replica records, only when they changed (a tick usually changes nothing)."""

@@ -7,7 +7,9 @@ current step's window starts again: the measurements before the restart are not 
 
 Measurements come from the routers (:meth:`UsageSource.replica_stats`: per router process,
 per replica, cumulative); :class:`StatsMeter` turns them into totals that only grow, whatever
-routers restart, and a step's window is the totals now minus the totals when the step began.
+routers restart, and a step's window is the totals now minus the totals when the step began:
+all routers' together, and each router's alone (the rule judges both, so one router's figures
+cannot outweigh the others'; issue 41).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 from llmgw.catalog import Catalog, Model
 from llmgw.contract import ReplicaStats
 from llmgw.decide.replica import Replica
-from llmgw.decide.rollout import Phase, Rollout, Windows, model_version
+from llmgw.decide.rollout import Phase, Rollout, Windows, by_router, model_version
 from llmgw.decide.rollout_rule import (
     ONLY_REPLICA,
     UNKNOWN,
@@ -45,6 +47,16 @@ from llmgw.errors import LlmgwError
 log = logging.getLogger(__name__)
 
 MAX_SOURCES = 1_000  # router processes remembered (a restarted router is a new one)
+SHOWN_ROUTERS = 5  # routers listed in a rollout's status, most canary requests first
+
+
+def router_of(source: str) -> str:
+    """The router a reading's source (a router process) belongs to: a credential's processes are
+    filed as ``NAME/instance`` (llmgw.control.feed), and are one router, the one the credential
+    names (a router sending a new process id with each report is still one router, judged and
+    named as one); any other source (the controller's own router, a router on the admin token)
+    is its own."""
+    return source.split("/", 1)[0]
 
 
 class RolloutError(LlmgwError):
@@ -52,11 +64,14 @@ class RolloutError(LlmgwError):
 
 
 class StatsMeter:
-    """Totals per replica that only grow, from cumulative readings of routers that may restart."""
+    """Totals per replica that only grow, from cumulative readings of routers that may restart:
+    all routers' (``totals``) and each router process's (``by_source``, for as long as its last
+    reading is remembered)."""
 
     def __init__(self) -> None:
         self._last: dict[str, dict[str, ReplicaStats]] = {}  # oldest reading first
         self.totals: dict[str, ReplicaStats] = {}
+        self.by_source: dict[str, dict[str, ReplicaStats]] = {}  # router process → replica → total
         self.forgotten = 0  # router processes whose last reading was dropped (past MAX_SOURCES)
 
     def fold(self, readings: Mapping[str, Mapping[str, ReplicaStats]], replicas: Iterable[str]) -> None:
@@ -68,6 +83,7 @@ class StatsMeter:
             # again, its whole life counted anew) pushes out only its own earlier ids.
             last = self._last.pop(source, None) or {}
             self._last[source] = last
+            mine = self.by_source.setdefault(source, {})
             for rid, now in stats.items():
                 if rid not in wanted:
                     continue
@@ -75,11 +91,13 @@ class StatsMeter:
                 # A reading that does not cover the last one is a router that started again.
                 delta = now - before if before is not None and now.covers(before) else now
                 self.totals[rid] = self.totals.get(rid, ReplicaStats()) + delta
+                mine[rid] = mine.get(rid, ReplicaStats()) + delta
                 last[rid] = now + ReplicaStats()  # a copy: a router's live object goes on changing
         if len(self._last) > MAX_SOURCES:
             gone = list(self._last)[: len(self._last) - MAX_SOURCES]
             for source in gone:
                 del self._last[source]
+                self.by_source.pop(source, None)
             self.forgotten += len(gone)
             log.warning("router readings: %d process(es) forgotten past %d remembered (%d so far); a router "
                         "sending a new process id with each report?", len(gone), MAX_SOURCES, self.forgotten)
@@ -87,9 +105,32 @@ class StatsMeter:
             del self.totals[rid]
             for last in self._last.values():
                 last.pop(rid, None)
+        for source in list(self.by_source):
+            mine = self.by_source[source]
+            for rid in [r for r in mine if r not in wanted]:
+                del mine[rid]
+            if not mine:
+                del self.by_source[source]
 
     def total(self, rid: str) -> ReplicaStats:
         return self.totals.get(rid) or ReplicaStats()
+
+    def totals_of(self, rids: Iterable[str]) -> tuple[dict[str, ReplicaStats], dict[str, dict[str, ReplicaStats]]]:
+        """The totals of ``rids`` now, all routers' and each router's: a window's start."""
+        ids = set(rids)
+        pooled = {rid: self.total(rid) for rid in ids}
+        # The totals are replaced, never changed in place: keeping them is keeping a reading.
+        return pooled, {source: {rid: t for rid, t in mine.items() if rid in ids}
+                        for source, mine in self.by_source.items() if not ids.isdisjoint(mine)}
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The meter's totals when a rollout's step began (its window is the totals since)."""
+
+    since: float
+    totals: dict[str, ReplicaStats]
+    by_source: dict[str, dict[str, ReplicaStats]]
 
 
 @dataclass(frozen=True)
@@ -110,7 +151,9 @@ class RolloutDriver:
         self.clock = clock
         self.records: dict[str, ModelRecord] = {}
         self.meter = StatsMeter()
-        self._baselines: dict[str, tuple[float, dict[str, ReplicaStats]]] = {}  # model → (step_since, totals)
+        self._baselines: dict[str, Baseline] = {}  # model → the totals when its step began
+        # model → its window as last measured, and how many processes each router measured it from (status)
+        self._windows: dict[str, tuple[Windows, dict[str, int]]] = {}
         # This tick's: the routers' readings, and each model's live replicas that are not canaries.
         self._read: Callable[[], Mapping[str, Mapping[str, ReplicaStats]]] = dict
         self._readings: Mapping[str, Mapping[str, ReplicaStats]] | None = None
@@ -156,6 +199,7 @@ class RolloutDriver:
         for name in [n for n in self.records if catalog.model(n) is None]:
             del self.records[name]
             self._baselines.pop(name, None)
+        self._windows = {}
         models: list[Model] = []
         canaries: dict[str, CanaryWant] = {}
         notes: dict[str, str] = {}
@@ -163,7 +207,10 @@ class RolloutDriver:
         for model in catalog.models:
             rec = self.records.get(model.name)
             groups = measured(rec, model, reps)
-            window = self._window(model.name, rec, groups)
+            measured_now = self._window(model.name, rec, groups)
+            window = measured_now[0] if measured_now is not None else None
+            if measured_now is not None:
+                self._windows[model.name] = measured_now
             rec = self._carry_out(model.name, transition(rec, catalog, model.name, reps, Tick(window), now), reps)
             assert rec is not None
             ro = rec.rollout
@@ -195,25 +242,41 @@ class RolloutDriver:
             self._baselines.pop(name, None)
         elif out.window_begins:
             assert out.record.rollout is not None
-            self._baselines[name] = (out.record.rollout.step_since,
-                                     {rid: self.meter.total(rid) for rid in (*groups.new, *groups.old)})
+            self._baselines[name] = Baseline(out.record.rollout.step_since,
+                                             *self.meter.totals_of((*groups.new, *groups.old)))
+            self._windows.pop(name, None)
         return out.record
 
-    def _window(self, name: str, rec: ModelRecord | None, groups: Groups | None) -> Windows | None:
+    def _window(self, name: str, rec: ModelRecord | None,
+                groups: Groups | None) -> tuple[Windows, dict[str, int]] | None:
         """What ``groups`` measured since the rollout's step began, if this process measured it
-        from then (totals now minus totals at the step's start)."""
+        from then (totals now minus totals at the step's start): all routers' and each router's
+        (:func:`router_of`), and how many processes each router measured it from."""
         base = self._baselines.get(name)
-        if groups is None or rec is None or rec.rollout is None or base is None or base[0] != rec.rollout.step_since:
+        if groups is None or rec is None or rec.rollout is None or base is None or base.since != rec.rollout.step_since:
             return None
         zero = ReplicaStats()
 
-        def total(ids: tuple[str, ...]) -> ReplicaStats:
+        def total(ids: tuple[str, ...], now: Mapping[str, ReplicaStats],
+                  then: Mapping[str, ReplicaStats]) -> ReplicaStats:
             s = ReplicaStats()
             for rid in ids:
-                s = s + (self.meter.total(rid) - base[1].get(rid, zero))
+                if rid in now:
+                    s = s + (now[rid] - then.get(rid, zero))
             return s
 
-        return Windows(total(groups.new), total(groups.old))
+        routers: dict[str, Windows] = {}
+        processes: dict[str, int] = {}
+        for source, mine in self.meter.by_source.items():
+            then = base.by_source.get(source, {})
+            canary, stable = total(groups.new, mine, then), total(groups.old, mine, then)
+            if canary.requests or stable.requests:
+                router = router_of(source)
+                before = routers.get(router) or Windows()
+                routers[router] = Windows(before.canary + canary, before.stable + stable)
+                processes[router] = processes.get(router, 0) + 1
+        return Windows(total(groups.new, self.meter.totals, base.totals),
+                       total(groups.old, self.meter.totals, base.totals), routers), processes
 
     # --- after decide() ------------------------------------------------------------------------
     def decided(self, d: Decisions, created: Mapping[str, str], now: float, replicas: Iterable[Replica] = ()) -> None:
@@ -282,5 +345,21 @@ class RolloutDriver:
             d["steps"] = list(model.rollout.steps) if model else []
             d["interval"] = model.rollout.interval if model else None
             d["serving_version"] = model_version(rec.serving)
+            d["window"] = self._window_status(name, r)
             out.append(d)
         return out
+
+    def _window_status(self, name: str, r: Rollout) -> dict[str, Any] | None:
+        """The current step's window so far, and who measured it: the routers with the most canary
+        requests (an operator sees when one router is most of the evidence)."""
+        measured_now = self._windows.get(name)
+        base = self._baselines.get(name)
+        if measured_now is None or base is None or base.since != r.step_since or not (
+                r.phase == Phase.CANARY or r.verifying):
+            return None
+        w, processes = measured_now
+        rows = by_router(w)
+        return {"since": r.step_since, "canary_requests": w.canary.requests, "stable_requests": w.stable.requests,
+                "routers": [{"router": router, "canary_requests": c, "stable_requests": s,
+                             "processes": processes.get(router, 1)} for router, c, s in rows[:SHOWN_ROUTERS]],
+                "routers_not_shown": max(len(rows) - SHOWN_ROUTERS, 0)}

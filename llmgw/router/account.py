@@ -3,8 +3,9 @@
 Per API key and model, the tokens and requests used (:class:`~llmgw.tenancy.usage.UsageBook`,
 from the engine's own report, else from what was streamed); per model, how prompts met cached
 prefixes; per replica, what a canary is judged by (:class:`~llmgw.contract.ReplicaStats`) and
-when it was last used. The router's usage-source calls (``usage``, ``prompt_cache``,
-``replica_stats``, ``last_used``) read these books; nothing here does I/O.
+when it was last used. The router's usage source (:class:`~llmgw.router.source.RouterUsage`:
+``prompt_cache``, ``replica_stats``, ``last_used``, the outbox) and its metrics read these books;
+nothing here does I/O.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class Admission:
-    def __init__(self, config: RouterConfig, registry: CollectorRegistry, *, clock: Callable[[], float],
+    def __init__(self, config: RouterConfig, *, registry: CollectorRegistry, clock: Callable[[], float],
                  wall: Callable[[], float]) -> None:
         self._config = config
         self._clock = clock

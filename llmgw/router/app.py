@@ -8,8 +8,9 @@ A generation request goes through small stages, each in its own module::
 
 What differs per engine is :mod:`llmgw.router.engines`, looked up once per replica.
 
-:class:`Router` wires the stages and is the control plane's endpoint sink (``set_endpoints``), a
-catalog subscriber (``set_catalog``) and its usage source (``last_used``, ``demand``). It never
+:class:`Router` wires the stages and is the control plane's endpoint sink (``set_endpoints``) and a
+catalog subscriber (``set_catalog``); what the control plane reads back (last use, demand, in
+flight, canary readings, usage rows) is ``Router.usage``, a :class:`~llmgw.router.source.RouterUsage`. It never
 waits on the control plane: a new table or catalog replaces the old reference in one step
 (:mod:`llmgw.router.current`), and requests read whichever is current. In the controller's
 process it is wired directly; as its own process (:mod:`llmgw.router.main`) a
@@ -31,7 +32,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from llmgw.catalog import Catalog
-from llmgw.contract import Demand, Endpoint, PromptCache, ReplicaStats
+from llmgw.contract import Endpoint
 from llmgw.router import respond
 from llmgw.router.account import Accounting
 from llmgw.router.admit import Admission
@@ -53,12 +54,12 @@ from llmgw.router.paths import CHAT, COMPLETIONS, EMBEDDINGS
 from llmgw.router.retry import RetryBudget
 from llmgw.router.routes import RouteCatalog, RouteModel
 from llmgw.router.send import Routed, Sender
+from llmgw.router.source import RouterUsage
 from llmgw.router.table import EndpointTable, Upstream, build_table
 from llmgw.router.upstream import Origin, UpstreamPool
 from llmgw.serving import connection_cap, listen
 from llmgw.tasks import cancel_and_wait
 from llmgw.tenancy.admission import Limits
-from llmgw.tenancy.usage import Usage
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "READS", "Router"]
 
@@ -81,29 +82,24 @@ class Router:
         self.registry = registry or CollectorRegistry()
         self.metrics = metrics = RouterMetrics(self.registry, self._gauges)
         self._clock = clock
-        self._wall = wall
         self._current = current = Current()
         self._changes = Changes()
         self._demand = DemandBook(self._changes, clock=clock, linger=config.wake_linger)
         self._demand.wake = wake
-        self._admission = Admission(config, self.registry, clock=clock, wall=wall)
+        self._admission = Admission(config, registry=self.registry, clock=clock, wall=wall)
         self._intake = Intake(config)
         self._accounting = accounting = Accounting(self._admission, wall=wall)
         self._admission.on_refused = accounting.refused
-        self.instance_id = accounting.instance_id
-        # The counts by minute, until the controller's ledger has them (llmgw.contract).
-        self.usage_outbox = accounting.usage.outbox
-        self._sender = Sender(accounting, metrics, clock=clock, wall=wall)
-        self._attempts = Attempts(current, self._sender, Holder(current, self._demand, metrics, config, clock=clock),
-                                  accounting, self._demand, metrics, config, rng=rng or random.Random(), clock=clock)
+        # What the control plane reads back (UsageSource), the usage rows for its ledger included.
+        self.usage = RouterUsage(current, accounting, self._demand)
+        self._sender = Sender(accounting, metrics=metrics, clock=clock, wall=wall)
+        holder = Holder(current=current, demand=self._demand, metrics=metrics, config=config, clock=clock)
+        self._attempts = Attempts(current=current, sender=self._sender, holder=holder, accounting=accounting,
+                                  demand=self._demand, metrics=metrics, config=config, rng=rng or random.Random(),
+                                  clock=clock)
         self._budget = RetryBudget()
         self._handlers: set[asyncio.Task[object]] = set()  # requests being routed, for the drain
         self._retired: list[Origin] = []
-        # Replicas taken out of the table with requests still in flight: the controller waits
-        # for those to end before it stops the engine (in_flight), so it must still see them.
-        # One entry per Upstream, not per replica id: a replica withdrawn, listed again and
-        # withdrawn again has two, each with its own requests.
-        self._leaving: list[Upstream] = []
         self._pool: UpstreamPool | None = None
         self._load_session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
@@ -126,22 +122,16 @@ class Router:
         return self._current.routes
 
     @property
-    def has_catalog(self) -> bool:
-        return self._current.has_catalog
-
-    @property
     def _limits(self) -> Limits:
+        """For tests alone, and kept for them: what a request was charged against its tenant
+        (reservations, settlements, a shared store's allowances) shows in no answer or metric by
+        amount, only as a 429 once a budget is spent, which cannot tell 1,000 tokens from 1,100."""
         return self._admission.limits
-
-    @property
-    def _buffered(self) -> int:
-        """Bytes of request bodies held by requests in flight."""
-        return self._intake.buffers.total
 
     # --- the control plane's side --------------------------------------------------------
     def set_catalog(self, catalog: Catalog) -> None:
         """Catalog subscriber: the control plane subscribes it before the reconciler, so names
-        change before replicas do (`llmgw.control.server.attach_router`)."""
+        change before replicas do (`llmgw.compose.server.attach_router`)."""
         self.set_routes(route_catalog(catalog))
 
     def set_keys(self, keys: KeyRing) -> None:
@@ -182,13 +172,10 @@ class Router:
         old = current.table
         current.table = build_table(endpoints, old)
         gone = set(old.upstreams) - set(current.table.upstreams)
-        # Ended ones go: bounded by what is in flight, whoever asks in_flight.
-        self._leaving = [u for u in self._leaving if u.inflight > 0]
+        self.usage.withdrawn(old.upstreams[rid] for rid in gone)
         if gone:
             self.metrics.forget_replicas(gone)
             for rid in gone:
-                if old.upstreams[rid].inflight > 0:
-                    self._leaving.append(old.upstreams[rid])
                 origin = old.upstreams[rid].origin
                 origin.retired = True  # its connections close as they come back...
                 self._retired.append(origin)  # ...and the idle ones at the next sweep
@@ -201,52 +188,8 @@ class Router:
         self._current.unrunnable = dict(reasons)
         self._changes.notify()
 
-    def last_used(self) -> dict[str, float]:
-        """Usage source: unix time each replica last had a request start or finish."""
-        return dict(self._accounting.last_used)
-
-    def in_flight(self) -> dict[str, int]:
-        """Usage source: this router's requests in flight per replica, those of replicas already
-        withdrawn from the table included until they end."""
-        table = self.table
-        out = {rid: u.inflight for rid, u in table.upstreams.items() if u.inflight > 0}
-        self._leaving = [u for u in self._leaving if u.inflight > 0]
-        for u in self._leaving:
-            if table.upstreams.get(u.replica_id) is not u:  # not counted above already
-                out[u.replica_id] = out.get(u.replica_id, 0) + u.inflight
-        return out
-
-    def engine_queue(self) -> dict[str, tuple[int, int]]:
-        """Usage source: (running, waiting) per replica as its engine last reported (:mod:`llmgw.router.load`)."""
-        return {rid: u.engine_load for rid, u in self.table.upstreams.items() if u.engine_load is not None}
-
-    def demand(self) -> dict[str, Demand]:
-        """Usage source: held and in-flight requests per model (see :mod:`llmgw.router.demand`)."""
-        table = self.table
-        inflight: dict[str, int] = {}
-        for u in table.upstreams.values():
-            if u.inflight:
-                inflight[u.model] = inflight.get(u.model, 0) + u.inflight
-        return self._demand.snapshot(inflight, table.has)
-
-    def prompt_cache(self, *, polled: bool = True) -> dict[str, PromptCache]:
-        """Usage source: per model, how prompts met cached prefixes since this router started.
-        ``polled=False`` leaves out what was read from engines' own counters (a standalone router's
-        report: the controller's router reads those engines too, and reports are summed)."""
-        return self._accounting.prompt_cache(polled=polled)
-
-    def replica_stats(self) -> dict[str, dict[str, ReplicaStats]]:
-        """Usage source: ``{instance_id: {replica id: stats}}``, what this router measured of each
-        replica in the table since it started (cumulative), as copies: the live counters go on
-        moving while the caller takes differences."""
-        return self._accounting.replica_stats()
-
-    def usage(self) -> dict[tuple[str, str], Usage]:
-        """Tokens and requests per (API key name, model served) since this router started; the key
-        is "" when the router is open (no keys configured)."""
-        return self._accounting.usage.snapshot()
-
-    def inflight(self) -> int:
+    def requests_in_flight(self) -> int:
+        """This router's requests on replicas in the table right now (/health and the drain's log say it)."""
         return sum(u.inflight for u in self.table.upstreams.values())
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -265,8 +208,14 @@ class Router:
     async def _background(self) -> None:
         """Engine queue depths, and idle upstream connections closed once past their keep-alive."""
         assert self._load_session is not None and self._pool is not None
+        books = self._accounting
+
+        def engine_counts(up: Upstream, queries: float, hits: float) -> None:  # a vLLM engine's prefix-cache counters
+            books.engine_counts(up.model, queries, hits)
+
+        odd = self.metrics.odd_loads
         poller = asyncio.create_task(poll_loads(lambda: self.table, self._load_session, self.config.load_interval,
-                                                self._engine_counts))
+                                                engine_counts, odd=lambda u: odd.labels(u.model).inc()))
         try:
             while True:
                 await asyncio.sleep(self.config.keepalive_timeout)
@@ -276,10 +225,6 @@ class Router:
         finally:
             poller.cancel()
             await asyncio.gather(poller, return_exceptions=True)
-
-    def _engine_counts(self, up: Upstream, queries: float, hits: float) -> None:
-        """From the load poller: an engine's prefix-cache counters moved (vLLM)."""
-        self._accounting.engine_counts(up.model, queries, hits)
 
     async def listen(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve :meth:`app` on ``host:port``; returns the port (useful with 0)."""
@@ -393,10 +338,11 @@ class Router:
 
     async def health(self, _request: web.Request) -> web.Response:
         """200 once the router has a catalog to serve from (a load balancer's readiness check)."""
-        body = {"status": "ok" if self.has_catalog else "waiting for a catalog",
+        ready = self._current.has_catalog
+        body = {"status": "ok" if ready else "waiting for a catalog",
                 "models": len(self.routes.models), "endpoints": len(self.table.upstreams),
-                "table_version": self.table.version, "inflight": self.inflight()}
-        return respond.json_response(body, status=200 if self.has_catalog else 503)
+                "table_version": self.table.version, "inflight": self.requests_in_flight()}
+        return respond.json_response(body, status=200 if ready else 503)
 
     # --- generation: the stages in order ------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -469,11 +415,12 @@ class Router:
 
     # --- metrics -------------------------------------------------------------------------
     def _gauges(self) -> GaugeSnapshot:
-        snap = gauges(self.table, self._demand.held, self._clock(), self.prompt_cache(),
+        snap = gauges(self.table, self._demand.held, self._clock(), self.usage.prompt_cache(),
                       self._accounting.usage_by_tenant())
         snap.limits_degraded = self._admission.limits.degraded
         parser = self._intake.parser
         snap.parsing, snap.parse_waiting, snap.parsed_off_loop = parser.parsing, parser.waiting, parser.offloaded
+        snap.buffered = self._intake.buffers.total
         return snap
 
 

@@ -48,8 +48,8 @@ def refuse(metrics: RouterMetrics, resp: web.Response, label: str, seconds: floa
 
 
 class Attempts:
-    def __init__(self, current: Current, sender: Sender, holder: Holder, accounting: Accounting,
-                 demand: DemandBook, metrics: RouterMetrics, config: RouterConfig, *, rng: random.Random,
+    def __init__(self, *, current: Current, sender: Sender, holder: Holder, accounting: Accounting,
+                 demand: DemandBook, metrics: RouterMetrics, config: RouterConfig, rng: random.Random,
                  clock: Callable[[], float]) -> None:
         self._current = current
         self._sender = sender

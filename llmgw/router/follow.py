@@ -152,7 +152,7 @@ class FeedClient:
             self.router.registry.unregister(self._collector)
             self._collector = None
         if self._session is not None:
-            outbox = self.router.usage_outbox
+            outbox = self.router.usage.outbox
             took = None
             for _ in range(2):  # the batch in flight, then what was counted since
                 if not outbox.pending:
@@ -181,7 +181,7 @@ class FeedClient:
             except (aiohttp.ClientError, TimeoutError, OSError, WatchRefused) as exc:
                 problems.append(str(exc) if isinstance(exc, WatchRefused) else f"{url}: {type(exc).__name__}: {exc}")
         log.warning("usage of %d (minute, key, model) rows not reported at stop (%s)",
-                    self.router.usage_outbox.pending, "; ".join(problems))
+                    self.router.usage.outbox.pending, "; ".join(problems))
         return None
 
     def report_soon(self, _model: str | None = None) -> None:
@@ -328,18 +328,19 @@ class FeedClient:
         stays in the outbox unless the answer acknowledges (or refuses) its number."""
         assert self._session is not None
         url = url or self.controller
+        usage = self.router.usage
         payload: dict[str, Any] = {
             "router_id": self.router_id,
-            "last_used": self.router.last_used(),
-            "demand": {m: {"held": d.held, "inflight": d.inflight} for m, d in self.router.demand().items()},
-            "prompt_cache": {m: c.to_json() for m, c in self.router.prompt_cache(polled=False).items()},
+            "last_used": usage.last_used(),
+            "demand": {m: {"held": d.held, "inflight": d.inflight} for m, d in usage.demand().items()},
+            "prompt_cache": {m: c.to_json() for m, c in usage.prompt_cache(polled=False).items()},
             # Cumulative since this router process started; the instance tells the controller
             # when it restarted (its counters began again), so differences never go negative.
-            "replica_stats": {"instance": self.router.instance_id, "replicas": {
-                rid: s.to_json() for rid, s in self.router.replica_stats()[self.router.instance_id].items()}},
+            "replica_stats": {"instance": usage.instance_id, "replicas": {
+                rid: s.to_json() for rid, s in usage.replica_stats()[usage.instance_id].items()}},
             # What the controller waits for before it stops a withdrawn replica's engine: none of
             # this router's requests on it, and this router serving from the list without it.
-            "in_flight": self.router.in_flight(),
+            "in_flight": usage.in_flight_by_replica(),
             "report_interval": self.report_interval,  # silent for 3 of these: gone, for drains
         }
         if leaving:
@@ -348,7 +349,7 @@ class FeedClient:
             # A version is one controller's count: to another one (a new leader) this router says
             # it serves from a list that one did not send, so it is behind any drain it starts.
             payload["applied_version"] = self.version if self._version_from == url else 0
-        outbox = self.router.usage_outbox
+        outbox = usage.outbox
         batch = outbox.take()
         if batch is not None:
             payload["usage"] = batch.to_json()

@@ -19,7 +19,7 @@ from llmgw.router.routes import RouteModel
 
 
 class Holder:
-    def __init__(self, current: Current, demand: DemandBook, metrics: RouterMetrics, config: RouterConfig, *,
+    def __init__(self, *, current: Current, demand: DemandBook, metrics: RouterMetrics, config: RouterConfig,
                  clock: Callable[[], float]) -> None:
         self._current = current
         self._demand = demand

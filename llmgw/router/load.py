@@ -36,18 +36,14 @@ async def read_engine(session: aiohttp.ClientSession, up: Upstream) -> Load | No
     return await read_load(session, up.url, up.endpoint.engine)
 
 
-async def read_queue(session: aiohttp.ClientSession, up: Upstream) -> tuple[int, int] | None:
-    """(running, waiting) on one replica's engine."""
-    load = await read_engine(session, up)
-    return None if load is None else (load.running, load.waiting)
-
-
 def apply_load(u: Upstream, mine: int, load: Load, prefix_counts: PrefixCounts | None) -> None:
     """One replica's reading: its outside load, and how far its prefix-cache counters moved."""
     # The engine's count includes this router's requests of the moment it was read; taking the
     # larger of before/after never invents outside load.
     u.external = max(0, load.running + load.waiting - max(mine, u.inflight))
     u.engine_load = (int(load.running), int(load.waiting))
+    if load.generated is not None or load.prompted is not None:
+        u.engine_tokens = (load.prompted, load.generated)
     if load.prefix_queries is None or load.prefix_hits is None:
         return
     totals = (load.prefix_queries, load.prefix_hits)
@@ -61,8 +57,12 @@ def apply_load(u: Upstream, mine: int, load: Load, prefix_counts: PrefixCounts |
 
 
 async def poll_loads(table: Callable[[], EndpointTable], session: aiohttp.ClientSession, interval: float,
-                     prefix_counts: PrefixCounts | None = None) -> None:
-    """Refresh every replica's outside load forever (cancel to stop)."""
+                     prefix_counts: PrefixCounts | None = None,
+                     odd: Callable[[Upstream], None] | None = None) -> None:
+    """Refresh every replica's outside load forever (cancel to stop). A reading that cannot be
+    applied calls ``odd`` (the router counts it in a metric) and is logged once per replica until
+    that replica reads well again: every poll of every replica used to log its traceback."""
+    odd_now: set[str] = set()
     while True:
         ups = list(table().upstreams.values())
         if ups:
@@ -76,6 +76,12 @@ async def poll_loads(table: Callable[[], EndpointTable], session: aiohttp.Client
                     continue
                 try:
                     apply_load(u, mine, load, prefix_counts)
-                except Exception:  # one odd reading must not stop the readings of every replica
-                    log.exception("ignoring the load read from %s", u.url)
+                except Exception:  # noqa: BLE001 - one odd reading must not stop the readings of every replica
+                    if odd is not None:
+                        odd(u)
+                    if u.replica_id not in odd_now:
+                        odd_now.add(u.replica_id)
+                        log.exception("ignoring the load read from %s (said once until it reads well again)", u.url)
+                else:
+                    odd_now.discard(u.replica_id)
         await asyncio.sleep(interval)

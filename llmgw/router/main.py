@@ -163,7 +163,7 @@ async def _serve(args: argparse.Namespace, controllers: list[str], token: str, h
         if args.api_keys:
             _say_keys(keys, f"from {args.api_keys}", host=host, port=bound)
         await stop.wait()
-        log.info("stopping: %d requests in flight get %.0f s", router.inflight(), config.drain_timeout)
+        log.info("stopping: %d requests in flight get %.0f s", router.requests_in_flight(), config.drain_timeout)
     finally:
         if metrics is not None:
             await metrics.cleanup()

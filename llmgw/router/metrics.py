@@ -62,6 +62,9 @@ class RouterMetrics:
                                       "(a share of live requests) was spent.", ("model",), registry=registry)
         self.held = Counter("llmgw_router_held", "Requests held for want of a ready replica (scale from zero).",
                             ("model",), registry=registry)
+        self.odd_loads = Counter("llmgw_router_load_readings_refused", "Engine load readings (/metrics) that "
+                                 "could not be applied, by model: the replica keeps its last figure.", ("model",),
+                                 registry=registry)
         self._children: dict[tuple[Any, ...], Any] = {}
         registry.register(_GaugeCollector(gauges))
 
@@ -115,7 +118,7 @@ class GaugeSnapshot:
     """What the collector reports at scrape time; filled by the router."""
 
     __slots__ = ("inflight", "engine_load", "held", "ready", "cooling", "table_version", "prompt_cache", "usage",
-                 "limits_degraded", "parsing", "parse_waiting", "parsed_off_loop")
+                 "limits_degraded", "parsing", "parse_waiting", "parsed_off_loop", "buffered")
 
     def __init__(self) -> None:
         self.prompt_cache: Mapping[str, PromptCache] = {}
@@ -124,6 +127,7 @@ class GaugeSnapshot:
         self.parsing = 0  # big request bodies in the parse worker
         self.parse_waiting = 0  # and waiting for it
         self.parsed_off_loop = 0  # since start
+        self.buffered = 0  # bytes of request bodies held by requests in flight
         self.inflight: dict[tuple[str, str], int] = {}  # (model, replica) → requests
         self.engine_load: dict[tuple[str, str], tuple[int, int]] = {}  # (model, replica) → (running, waiting)
         self.held: dict[str, int] = {}
@@ -200,6 +204,10 @@ class _GaugeCollector(Collector):
         parse.add_metric(("parsing",), snap.parsing)
         parse.add_metric(("waiting",), snap.parse_waiting)
         yield parse
+        # What the router's memory holds of bodies, against RouterConfig.buffered_limit: near the
+        # limit, new uploads are 503s; still above zero with nothing in flight, a leak.
+        yield GaugeMetricFamily("llmgw_router_request_body_bytes", "Bytes of request bodies held by requests in "
+                                "flight (new ones are refused past the router's buffered limit).", value=snap.buffered)
         yield CounterMetricFamily("llmgw_router_body_parses_off_loop", "Request bodies parsed in the worker process "
                                   "(too big to parse on the event loop) since start.", value=snap.parsed_off_loop)
 

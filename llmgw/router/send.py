@@ -42,7 +42,7 @@ class Routed:
 class Sender:
     """Sends attempts through the engines' connection pool (``pool`` is set by ``Router.start()``)."""
 
-    def __init__(self, accounting: Accounting, metrics: RouterMetrics, *, clock: Callable[[], float],
+    def __init__(self, accounting: Accounting, *, metrics: RouterMetrics, clock: Callable[[], float],
                  wall: Callable[[], float]) -> None:
         self.pool: UpstreamPool | None = None
         self._accounting = accounting

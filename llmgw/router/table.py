@@ -45,7 +45,8 @@ class Upstream:
     """One ready replica and the router's live knowledge of it (mutable, owned by the event loop)."""
 
     __slots__ = ("endpoint", "replica_id", "model", "url", "origin", "heads", "weight", "inflight", "external",
-                 "engine_load", "cooldown_until", "failures", "prefixes", "prefix_totals", "engine")
+                 "engine_load", "cooldown_until", "failures", "prefixes", "prefix_totals", "engine",
+                 "engine_tokens")
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.replica_id = endpoint.replica_id
@@ -57,6 +58,8 @@ class Upstream:
         self.inflight = 0          # this router's requests on it right now
         self.external = 0          # requests on the engine that are not this router's (from /metrics)
         self.engine_load: tuple[int, int] | None = None  # (running, waiting) as the engine last said
+        # (prompt, generated) tokens its engine counted since it started, as last read (None: not read)
+        self.engine_tokens: tuple[float | None, float | None] | None = None
         self.cooldown_until = 0.0  # monotonic time; skipped until then when anything else is left
         self.failures = 0
         self.prefixes: PrefixIndex | None = None  # prompts sent here, for models routed by prefix
@@ -110,7 +113,7 @@ class EndpointTable:
 
     __slots__ = ("groups", "upstreams", "version", "splits")
 
-    def __init__(self, groups: Mapping[str, Groups], upstreams: Mapping[str, Upstream], version: int,
+    def __init__(self, groups: Mapping[str, Groups], upstreams: Mapping[str, Upstream], *, version: int,
                  splits: Mapping[str, Split] | None = None) -> None:
         self.groups = groups
         self.upstreams = upstreams
@@ -124,7 +127,7 @@ class EndpointTable:
         return tuple(u for g in self.groups.get(model, ()) for u in g)
 
 
-EMPTY = EndpointTable({}, {}, 0)
+EMPTY = EndpointTable({}, {}, version=0)
 
 
 def build_table(endpoints: Sequence[Endpoint], previous: EndpointTable) -> EndpointTable:
@@ -152,7 +155,7 @@ def build_table(endpoints: Sequence[Endpoint], previous: EndpointTable) -> Endpo
         split = _split(model, model_groups)
         if split is not None:
             splits[model] = split
-    return EndpointTable(groups, upstreams, previous.version + 1, splits)
+    return EndpointTable(groups, upstreams, version=previous.version + 1, splits=splits)
 
 
 def _split(model: str, groups: Groups) -> Split | None:

@@ -9,16 +9,30 @@ together), a small response parser (Content-Length, chunked, or until close; 1xx
 the body handed over as the bytes arrive. What it does not do — redirects, cookies, proxies,
 compression, HTTP/2 — engines do not need.
 
-Failure semantics, which the router's retry depends on: every failure raises
-:class:`UpstreamFailed` with a ``reason`` (``connect``, ``timeout``, ``disconnect``). ``connect``
-means the request provably never reached the engine (no connection, or the connection was seen
-closed before the request was written): only then is it sent again, on a fresh connection. A
-connection that closes after the request was written is ``disconnect`` and is never resent
-here: the engine may have read it and worked on it (a POST is not idempotent; aiohttp's client
-never resends one either), so whether to try elsewhere is the router's decision, on its retry
-budget (DESIGN §6). ``read_timeout`` bounds every wait for
-bytes — the response head, and each piece of the body — except while the router itself has
-paused reading because its client is slow.
+Failure semantics, which the router's retry depends on (:func:`llmgw.router.retry.next_step`):
+every failure here raises :class:`UpstreamFailed` with one of three :class:`Reason` values.
+
+- ``connect``: the request provably never reached the engine. Either no connection was made
+  (refused, unreachable, a TLS error, or none within ``connect_timeout``), or a kept-alive
+  connection was seen closed before the request was written. Only the latter is sent again here,
+  once, on a fresh connection; a failed connect goes back to the router, which may try another
+  replica without spending its retry budget.
+- ``timeout``: the request was written and nothing came for ``read_timeout``, while waiting for
+  the response head or between pieces of the body (not while the router itself has paused
+  reading because its client is slow). The engine may still be generating: the router does not
+  send the request elsewhere.
+- ``disconnect``: the request was written, then the connection closed or broke, or the engine
+  sent an answer this client will not read (malformed or ambiguous framing, a head, chunk line
+  or trailers past the bounds below, more than ``MAX_INFORMATIONAL`` 1xx heads, a whole answer
+  over ``MAX_WHOLE_ANSWER``), on which the connection is aborted. Never resent here: the engine
+  may have read it and worked on it (a POST is not idempotent; aiohttp's client never resends
+  one either), so whether to try elsewhere is the router's decision, on its retry budget
+  (DESIGN §6).
+
+The fourth reason, ``status``, is not raised here: :mod:`llmgw.router.proxy` raises it when an
+engine answers 502, 503 or 504 before anything reached the client. ``UpstreamFailed.timeout`` is
+set whenever a timeout passed, a connect timeout (reason ``connect``) included: the client is
+then answered 504 rather than 502.
 """
 
 from __future__ import annotations

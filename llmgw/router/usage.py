@@ -173,22 +173,14 @@ def _compact(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":")).encode()
 
 
-def strip_usage_events(chunk: bytes) -> bytes:
-    """``chunk`` without the whole usage-only events (``"choices":[]`` and a ``usage``) the
-    router asked for on the client's behalf, each with its blank line. Only events complete in
-    this chunk are taken out; a part of one (split over reads) is passed on untouched, so the
-    stream stays well-formed whatever the boundaries (the SDKs accept that chunk)."""
-    return _cut_usage(chunk, events=True, running=False)
-
-
 def _without_running_usage(chunk: bytes) -> bytes:
     """``chunk`` without the running counts of its events (the client asked for the usage event only)."""
-    return _cut_usage(chunk, events=False, running=True)
+    return _cut_usage(chunk, events=False)
 
 
 def _without_usage(chunk: bytes) -> bytes:
     """``chunk`` without the usage event or the running counts (the client asked for neither)."""
-    return _cut_usage(chunk, events=True, running=True)
+    return _cut_usage(chunk, events=True)
 
 
 # A usage object (one level of objects inside it: token details), and llama.cpp's flat timings.
@@ -202,9 +194,12 @@ _NOT_FINISHED = re.compile(rb'"finish_reason"\s*:\s*null')
 _WS = b" \t\r\n"
 
 
-def _cut_usage(chunk: bytes, *, events: bool, running: bool) -> bytes:
-    """``chunk`` without its usage events (``events``: those whole in it) and the running counts
-    of its other events (``running``: vLLM, SGLang and the simulator write them after the choices)."""
+def _cut_usage(chunk: bytes, *, events: bool) -> bytes:
+    """``chunk`` without the running counts of its events (vLLM, SGLang and the simulator write
+    them after the choices) and, with ``events``, without its usage-only events (``"choices":[]``
+    and a ``usage``), each with its blank line. Only events whole in this chunk are taken out; a
+    part of one (split over reads) is passed on untouched, so the stream stays well-formed
+    whatever the boundaries (the SDKs accept that piece)."""
     cuts = []
     for m in _members(chunk, _USAGE, _USAGE_MEMBER):
         start, end = _event_around(chunk, m.start())
@@ -213,7 +208,7 @@ def _cut_usage(chunk: bytes, *, events: bool, running: bool) -> bytes:
                 body = start + len(chunk[start:end]) - len(chunk[start:end].lstrip(b"\r\n"))
                 if chunk.startswith(b"data:", body):  # begun here: the newlines before it are the last event's
                     cuts.append((body, end))
-        elif running and (span := _member(chunk, m.start(), m.end())) is not None:
+        elif (span := _member(chunk, m.start(), m.end())) is not None:
             cuts.append(span)
     return _without(chunk, cuts)
 

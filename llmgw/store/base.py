@@ -11,6 +11,7 @@ import json
 import math
 import sqlite3
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
 from llmgw.contract import USAGE_COUNTS
@@ -81,6 +82,19 @@ class JsonRecords(ABC):
 
     def set_rewrite(self, rewrite: Rewrite | None) -> None:
         self._set_sync(SyncKind.REWRITE, rewrite.to_json() if rewrite else None)
+
+    def weight_digests(self) -> dict[str, str]:
+        raw = self._sync(SyncKind.WEIGHTS)
+        return {str(k): v for k, v in raw.items() if isinstance(v, str)} if isinstance(raw, dict) else {}
+
+    def set_weight_digests(self, digests: Mapping[str, str]) -> None:
+        self._set_sync(SyncKind.WEIGHTS, dict(digests))
+
+    def usage_gate_state(self) -> Any:
+        return self._sync(SyncKind.USAGE_GATE)
+
+    def set_usage_gate_state(self, state: Any) -> None:
+        self._set_sync(SyncKind.USAGE_GATE, state)
 
 
 def decode_rollouts(rows: list[tuple[str, str]], log: Any) -> dict[str, dict[str, Any]]:

@@ -37,6 +37,7 @@ from llmgw.contract import USAGE_COUNTS, UsageBatch
 from llmgw.decide.replica import Replica
 from llmgw.errors import ConfigError
 from llmgw.redact import MASK, redact
+from llmgw.store.audit import COLUMNS, GENESIS, AuditEntry, AuditRecord, automation_entry, from_row, redacted, row_hash
 from llmgw.store.base import (
     BIGINT_MAX,
     FORGET_AFTER,
@@ -101,7 +102,22 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE usage ADD COLUMN refused BIGINT NOT NULL DEFAULT 0;
     """,
+    """
+    CREATE TABLE audit (
+        id BIGINT PRIMARY KEY,
+        time DOUBLE PRECISION NOT NULL,
+        who TEXT NOT NULL,
+        role TEXT NOT NULL,
+        source TEXT NOT NULL,
+        action TEXT NOT NULL,
+        result TEXT NOT NULL,
+        revision TEXT NOT NULL,
+        prev TEXT NOT NULL UNIQUE,  -- a second guard: two rows never follow one (a forked chain)
+        hash TEXT NOT NULL
+    );
+    """,
 )
+_AUDIT_LOCK = 0x6C6C6D61  # "llma": appends to the audit chain, one at a time across controllers
 SCHEMA_VERSION = len(MIGRATIONS)
 # SUM of BIGINT is NUMERIC (exact); like the SQLite store's TOTAL, it saturates instead of failing.
 _USAGE_SUMS = ", ".join(f"LEAST(SUM({c}), {BIGINT_MAX})::bigint" for c in USAGE_COUNTS)
@@ -266,7 +282,9 @@ class PostgresStore(JsonRecords):
         kind, subject, message = _text(kind), _text(redact(subject)), _text(redact(message))
         eid = self._one("INSERT INTO events(time, kind, subject, message) VALUES(%s, %s, %s, %s) RETURNING id",
                         (t, kind, subject, message))
-        return Event(int(eid), t, kind, subject, message)
+        event = Event(int(eid), t, kind, subject, message)
+        self._audit_automation(event)
+        return event
 
     def events(self, *, after: int = 0, limit: int = 200) -> list[Event]:
         rows = self._all("SELECT id, time, kind, subject, message FROM events WHERE id > %s ORDER BY id DESC LIMIT %s",
@@ -274,6 +292,37 @@ class PostgresStore(JsonRecords):
         return [Event(i, t, kind, redact(subject), redact(message)) for i, t, kind, subject, message in reversed(rows)]
 
     # --- the usage ledger -----------------------------------------------------------------
+    # --- the audit trail (append-only: no call here updates or deletes a row) -----------------
+    def _audit_automation(self, event: Event) -> None:
+        applied = self.applied()
+        entry = automation_entry(event.kind, event.subject, event.message, event.time,
+                                 applied.sha if applied is not None else "")
+        if entry is not None:
+            self.append_audit(entry)
+
+    def append_audit(self, entry: AuditEntry) -> AuditRecord:
+        """One row, chained to the last; an advisory lock orders two controllers' appends, so no
+        two rows share a previous hash."""
+        e = redacted(entry)
+        # Hashed as stored: PostgreSQL text takes no NUL, which _text drops.
+        entry = e = AuditEntry(e.time, *(_text(v) for v in (e.who, e.role, e.source, e.action, e.result, e.revision)))
+        with self._main.use() as conn, conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_AUDIT_LOCK,))
+            last = conn.execute("SELECT id, hash FROM audit ORDER BY id DESC LIMIT 1").fetchone()
+            row_id, prev = (int(last[0]) + 1, str(last[1])) if last else (1, GENESIS)
+            digest = row_hash(row_id, e, prev)
+            conn.execute(f"INSERT INTO audit({COLUMNS}) VALUES(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                         (row_id, e.time, e.who, e.role, e.source, e.action, e.result, e.revision, prev, digest))
+        return AuditRecord(row_id, entry, prev, digest)
+
+    def audit(self, *, since: float = 0.0, after: int = 0, limit: int = 0, last: int = 0) -> list[AuditRecord]:
+        sql = f"SELECT {COLUMNS} FROM audit WHERE time >= %s AND id > %s ORDER BY id"
+        if last > 0:
+            sql = f"SELECT * FROM ({sql} DESC LIMIT {int(last)}) AS newest ORDER BY id"
+        elif limit > 0:
+            sql += f" LIMIT {int(limit)}"
+        return [from_row(r) for r in self._all(sql, (since, after))]
+
     def record_usage(self, batch: UsageBatch, *, now: float | None = None) -> bool:
         """The seq first, moved only forward (its row lock orders two controllers recording the same
         router's batches), then the rows in key order (so two transactions never wait on each other

@@ -26,6 +26,7 @@ from typing import Any, Protocol, Self
 
 from llmgw.contract import UsageBatch
 from llmgw.decide.replica import Replica
+from llmgw.store.audit import AuditEntry, AuditRecord
 from llmgw.store.records import (
     Applied,
     ControllerSeen,
@@ -74,7 +75,28 @@ class Store(Protocol):
 
     def set_rewrite(self, rewrite: Rewrite | None) -> None: ...
 
+    def weight_digests(self) -> dict[str, str]:
+        """Per cache entry, the digest of its chunk list as a node read it from the origin (what a
+        node reading the entry from a peer checks the peer's list against, kept across restarts and
+        leaders: without it one node read the origin again)."""
+
+    def set_weight_digests(self, digests: Mapping[str, str]) -> None: ...
+
+    def usage_gate_state(self) -> Any:
+        """The usage gate's figures (llmgw.control.usage.GatedLedger), as last kept; None: none."""
+
+    def set_usage_gate_state(self, state: Any) -> None: ...
+
     # --- the reconciler's memory -----------------------------------------------------------
+    def append_audit(self, entry: AuditEntry) -> AuditRecord:
+        """Append ``entry`` to the audit chain (llmgw.store.audit); there is no call to change a row."""
+        ...
+
+    def audit(self, *, since: float = 0.0, after: int = 0, limit: int = 0, last: int = 0) -> list[AuditRecord]:
+        """The audit rows from ``since`` and after id ``after``, oldest first (limit 0: all; ``last``:
+        only the newest that many)."""
+        ...
+
     def api_keys(self) -> list[dict[str, Any]]:
         """Keys made by `llmgw keys create`: ``{name, sha256, models, created_at}`` (never the key)."""
         ...

@@ -24,6 +24,8 @@ class SyncKind(str, Enum):
     REJECTED = "rejected"
     JUDGED = "judged"
     REWRITE = "rewrite"
+    WEIGHTS = "weights"  # per cache entry, the digest of its chunk list as a node read it from the origin
+    USAGE_GATE = "usage-gate"  # what engines counted and routers reported (llmgw.decide.usage_gate)
 
 
 @dataclass(frozen=True)

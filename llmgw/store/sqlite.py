@@ -33,6 +33,7 @@ from llmgw.contract import USAGE_COUNTS, UsageBatch
 from llmgw.decide.replica import Replica
 from llmgw.errors import ConfigError
 from llmgw.redact import redact
+from llmgw.store.audit import COLUMNS, GENESIS, AuditEntry, AuditRecord, automation_entry, from_row, redacted, row_hash
 from llmgw.store.base import (
     FORGET_AFTER,
     LEASE_NAME,
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 
 # 5: the leader lease; 6: the controllers' check-ins; 7: API keys made by `llmgw keys`; 8: usage counts
 # refusals (a column: the only step that did not add a table)
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sync (kind TEXT PRIMARY KEY, record TEXT NOT NULL);
@@ -88,6 +89,18 @@ CREATE TABLE IF NOT EXISTS lease (
 );
 CREATE TABLE IF NOT EXISTS controllers (holder TEXT PRIMARY KEY, url TEXT, role TEXT NOT NULL, seen REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS api_keys (name TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY,
+    time REAL NOT NULL,
+    who TEXT NOT NULL,
+    role TEXT NOT NULL,
+    source TEXT NOT NULL,
+    action TEXT NOT NULL,
+    result TEXT NOT NULL,
+    revision TEXT NOT NULL,
+    prev TEXT NOT NULL UNIQUE,  -- a second guard: two rows never follow one (a forked chain)
+    hash TEXT NOT NULL
+);
 """
 # TOTAL, not SUM: SUM raises on a 64-bit overflow, and one bad router's rows would then fail every
 # query of the ledger; a total is exact below 2**53 and saturates above.
@@ -188,6 +201,39 @@ class SqliteStore(JsonRecords):
                         "ON CONFLICT(kind) DO UPDATE SET record = excluded.record", (kind.value, json.dumps(record)))
 
     # --- API keys made by `llmgw keys` (hashes only) ------------------------------------------
+    # --- the audit trail (append-only: no call here updates or deletes a row) -----------------
+    def _audit_automation(self, event: Event) -> None:
+        applied = self.applied()
+        entry = automation_entry(event.kind, event.subject, event.message, event.time,
+                                 applied.sha if applied is not None else "")
+        if entry is not None:
+            self.append_audit(entry)
+
+    def append_audit(self, entry: AuditEntry) -> AuditRecord:
+        """One row, chained to the last (in one write transaction: no two rows share a previous)."""
+        entry = redacted(entry)
+        with self._transaction() as db:
+            last = db.execute("SELECT id, hash FROM audit ORDER BY id DESC LIMIT 1").fetchone()
+            row_id, prev = (int(last[0]) + 1, str(last[1])) if last else (1, GENESIS)
+            digest = row_hash(row_id, entry, prev)
+            db.execute("INSERT INTO audit(id, time, who, role, source, action, result, revision, prev, hash) "
+                       "VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (row_id, entry.time, entry.who, entry.role, entry.source, entry.action, entry.result,
+                        entry.revision, prev, digest))
+        return AuditRecord(row_id, entry, prev, digest)
+
+    def audit(self, *, since: float = 0.0, after: int = 0, limit: int = 0, last: int = 0) -> list[AuditRecord]:
+        """Rows from ``since`` and after id ``after``, oldest first (``limit`` 0: all of them;
+        ``last``: only the newest that many)."""
+        sql = f"SELECT {COLUMNS} FROM audit WHERE time >= ? AND id > ? ORDER BY id"
+        if last > 0:
+            sql = f"SELECT * FROM ({sql} DESC LIMIT {int(last)}) ORDER BY id"
+        elif limit > 0:
+            sql += f" LIMIT {int(limit)}"
+        with self._locked() as db:
+            rows = db.execute(sql, (since, after)).fetchall()
+        return [from_row(r) for r in rows]
+
     def api_keys(self) -> list[dict[str, Any]]:
         with self._locked() as db:
             rows = db.execute("SELECT record FROM api_keys ORDER BY name").fetchall()
@@ -271,7 +317,9 @@ class SqliteStore(JsonRecords):
         with self._locked() as db:
             cur = db.execute("INSERT INTO events(time, kind, subject, message) VALUES(?, ?, ?, ?)",
                              (t, kind, subject, message))
-        return Event(int(cur.lastrowid or 0), t, kind, subject, message)
+        event = Event(int(cur.lastrowid or 0), t, kind, subject, message)
+        self._audit_automation(event)
+        return event
 
     def events(self, *, after: int = 0, limit: int = 200) -> list[Event]:
         with self._locked() as db:
@@ -498,3 +546,4 @@ def _migrate_v1(db: sqlite3.Connection) -> None:
             log.warning("state migration: unknown v1 key %r kept in meta as legacy.%s", key, key)
             db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (f"legacy.{key}", raw))
     db.execute("DROP TABLE kv")
+

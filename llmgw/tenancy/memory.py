@@ -9,6 +9,7 @@ For one router process. Pure: the clock is passed in; nothing here does I/O.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 from llmgw.catalog.model import Tenant
@@ -20,10 +21,12 @@ from llmgw.tenancy.rules import Refusal, Scope
 class Ticket:
     """An admitted request: settle its real tokens, then release it (both at most once)."""
 
-    __slots__ = ("_scopes", "_reserved", "_settled", "_released", "_floor")
+    __slots__ = ("_scopes", "_periods", "_reserved", "_settled", "_released", "_floor", "_clock")
 
-    def __init__(self, scopes: tuple[Scope, ...], reserved: int) -> None:
+    def __init__(self, scopes: tuple[Scope, ...], reserved: int, clock: Callable[[], float]) -> None:
         self._scopes = scopes
+        self._clock = clock
+        self._periods = tuple(s.period for s in scopes)  # the budget periods it was admitted in
         self._reserved = reserved
         self._settled = False
         self._released = False
@@ -39,8 +42,9 @@ class Ticket:
         if self._settled:
             return
         self._settled = True
-        for s in self._scopes:
-            rules.settle(s, self._reserved, tokens)
+        now = self._clock()
+        for s, period in zip(self._scopes, self._periods, strict=True):
+            rules.settle(s, self._reserved, tokens, period, now)
 
     def release(self) -> None:
         """The request ended; unsettled, it is charged :meth:`charge_at_least`'s figure (0: it
@@ -68,6 +72,9 @@ class Limiter:
         # The ledger's figures, by (tenant, model or ""), and the routers the controller knows of.
         self._ledger: dict[tuple[str, str], tuple[float, int]] = {}
         self.routers = 1
+        # The time of day a settlement happens at (its tokens bucket refilled to then first); the
+        # router's wall clock, or a test's. Admissions are given theirs.
+        self.clock: Callable[[], float] = time.time
         self.degraded = False  # budgets granted from this router's share (see degrade())
         # Asked on every request with a key: found once per key and model chain.
         self._scopes_of: dict[tuple[str, tuple[str, ...]], tuple[Scope, ...] | None] = {}
@@ -99,6 +106,7 @@ class Limiter:
             self._scopes[k] = prev
         self._scopes_of.clear()
         self._budgeted.clear()
+        self.clock = old.clock
         self.set_spent(old._ledger, routers=old.routers)
 
     def set_spent(self, figures: Mapping[tuple[str, str], tuple[float, int]], *, routers: int) -> None:
@@ -158,6 +166,9 @@ class Limiter:
         scopes = self.scopes_of(key, models)
         if scopes is None:
             return None
+        # A request no budget could hold is told so (a 400) before any limit it waits for.
+        if (never := self.never_fits(scopes, reserve)) is not None:
+            return never
         routers = self.routers
         for s in scopes:
             refused = rules.check(s, reserve, now, routers=routers)
@@ -165,7 +176,7 @@ class Limiter:
                 return refused
         for s in scopes:
             rules.take(s, reserve)
-        return Ticket(scopes, reserve)
+        return Ticket(scopes, reserve, self.clock)
 
     @staticmethod
     def has_budget(scopes: Iterable[Scope]) -> bool:
@@ -246,10 +257,14 @@ class ScopedLimits:
 
 
 class LocalLimits(ScopedLimits):
-    """Tenants' limits counted by this router alone."""
+    """Tenants' limits counted by this router alone; ``clock``: the wall clock settlements happen by."""
 
     degraded = False
     offset = 0.0
+
+    def __init__(self, limiter: Limiter | None = None, *, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(limiter)
+        self.limiter.clock = clock
 
     def precheck(self, key: str, reserve: int, now: float) -> Refusal | None:
         return self.limiter.precheck(key, reserve, now)

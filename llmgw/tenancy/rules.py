@@ -146,7 +146,9 @@ def refusal(limits: Limits, why: str, retry_after: float, requests_left: float |
 
 
 def duration(seconds: float) -> str:
-    """OpenAI's spelling of a reset time: 20ms, 1s, 6m0s, 2h3m4s."""
+    """OpenAI's spelling of a reset time: 20ms, 1s, 6m0s, 2h3m4s. Rounded up from the microsecond:
+    a float's last bit (5.000000001 s, the Lua and the Python arithmetic apart) is not a second."""
+    seconds = round(seconds, 6)
     if seconds < 1:
         return f"{max(0, math.ceil(seconds * 1000))}ms"
     s = math.ceil(seconds)
@@ -161,14 +163,17 @@ def check(s: Scope, reserve: int, now: float, *, routers: int = 1) -> Refusal | 
     used before no longer counts; in degraded mode, this router's share of the new one among
     ``routers``)."""
     lim = s.limits
-    if lim.concurrent is not None and s.inflight >= lim.concurrent:
-        return _refused(s, "concurrent", reserve=reserve, inflight=s.inflight)
+    # Refilled first: any refusal's headers say what the buckets have now (a concurrency refusal
+    # said what they had at the last request).
     if s.requests is not None:
         s.requests.refill(now)
-        if s.requests.level < 1:
-            return _refused(s, "requests", reserve=reserve, wait=s.requests.wait(1))
     if s.tokens is not None:
         s.tokens.refill(now)
+    if lim.concurrent is not None and s.inflight >= lim.concurrent:
+        return _refused(s, "concurrent", reserve=reserve, inflight=s.inflight)
+    if s.requests is not None and s.requests.level < 1:
+        return _refused(s, "requests", reserve=reserve, wait=s.requests.wait(1))
+    if s.tokens is not None and reserve > 0:  # a request that takes no tokens waits out no debt of them
         need = reserve if reserve < s.tokens.capacity else s.tokens.capacity  # at most the whole bucket
         if s.tokens.level < need:
             return _refused(s, "tokens", reserve=reserve, wait=s.tokens.wait(need))
@@ -178,13 +183,17 @@ def check(s: Scope, reserve: int, now: float, *, routers: int = 1) -> Refusal | 
             return never_fits((s,), reserve)
         start = period_start(b, now)
         if start != s.period:
-            s.period, s.used = start, 0  # a new period: what was used before no longer counts
+            # A new period: what was used and reserved before no longer counts. A request admitted
+            # in the old one is charged to it (settle), as Redis charges it to the old period's key.
+            s.period, s.used, s.reserved = start, 0, 0
             if s.share is not None and not s.unseen:  # degraded across the reset: a share of the new period
                 s.base = s.ledger_used(start)
                 s.share = max(0, b.tokens - s.base) // routers
         # s.spent(), written out: this runs twice on every request with a budget.
         spent = s.used if s.share is not None else max(s.used, s.ledger[1] if s.ledger[0] == s.period else 0)
-        if spent + s.reserved + reserve > (b.tokens if s.share is None else s.share):
+        # A request that reserves nothing is not refused by the budget (nor by the tokens bucket):
+        # it takes none of it, as the shared limits' script asks nothing of a limit it takes nothing of.
+        if reserve > 0 and spent + s.reserved + reserve > (b.tokens if s.share is None else s.share):
             alone = "" if s.share is None else (
                 "; this router started while the routers cannot share limits (Redis away): it grants no "
                 "budget until Redis answers" if s.unseen else
@@ -212,11 +221,17 @@ def take(s: Scope, reserve: int) -> None:
     s.reserved += reserve
 
 
-def settle(s: Scope, reserved: int, tokens: int) -> None:
-    """A request that reserved ``reserved`` used ``tokens``: the reservation is replaced by them."""
-    s.reserved -= reserved
-    s.used += tokens
+def settle(s: Scope, reserved: int, tokens: int, period: float, now: float) -> None:
+    """A request admitted in the budget period starting at ``period`` that reserved ``reserved``
+    used ``tokens``, at ``now``: the reservation is replaced by them (in that period; once another
+    began, they count in none the scope still checks)."""
+    if period == s.period:
+        s.reserved -= reserved
+        s.used += tokens
     if s.tokens is not None:
+        # Refilled to now first: a full bucket refills no more, and a debt taken from it later
+        # must not be refilled for the time it was full (Redis's script reads it so).
+        s.tokens.refill(now)
         # The bucket was charged the reservation: give back what was not used, or take the
         # excess (it may go below zero: the next requests wait for it).
         s.tokens.level = min(s.tokens.capacity, s.tokens.level + reserved - tokens)

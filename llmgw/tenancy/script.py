@@ -15,13 +15,15 @@ EXPIRE = 40 * 86400  # seconds a budget's counts outlive their period (a month's
 
 
 def grant_part(limits: Limits, *, period: str, need: Counts, want: Counts | list[int], floor: int,
-               period_end: float) -> list[Any]:
+               period_end: float, owe: int = 0) -> list[Any]:
     """One scope's part of a grant step: for each limit at least ``need`` (else the whole step is
     refused, taking nothing) and at most ``want``; ``floor``: what the controller's ledger says
-    the budget used this period; ``period``, ``period_end``: the budget period, as this router named it."""
+    the budget used this period; ``period``, ``period_end``: the budget period, as this router named it;
+    ``owe``: tokens the tokens bucket goes into debt by beyond what is granted (a request bigger
+    than the bucket takes it whole and the rest, as in :func:`llmgw.tenancy.rules.take`)."""
     return [limits.requests_per_minute or 0, limits.tokens_per_minute or 0, limits.concurrent or 0,
             limits.budget.tokens if limits.budget else 0, period,
-            need[0], want[0], need[1], want[1], need[2], want[2], need[3], want[3], floor, period_end]
+            need[0], want[0], need[1], want[1], need[2], want[2], need[3], want[3], floor, period_end, owe]
 
 
 def give_back_part(limits: Limits, *, period: str, given: Counts, used: int) -> list[Any]:
@@ -32,7 +34,7 @@ def give_back_part(limits: Limits, *, period: str, given: Counts, used: int) -> 
 
 # ARGV[1]: a JSON list of steps, each one of
 #   ["g", keys, [per scope: rpm, tpm, concurrent, budget tokens, period, need and want of requests,
-#                of tokens, of budget tokens, of slots, ledger floor, period end]]
+#                of tokens, of budget tokens, of slots, ledger floor, period end, tokens owed beyond]]
 #       grant: for each limit at least `need` (else refuse, taking nothing) and at most `want`
 #   ["y", keys, [per scope: rpm, tpm, period, requests, tokens, budget tokens and slots given back,
 #                budget tokens used]]
@@ -40,7 +42,8 @@ def give_back_part(limits: Limits, *, period: str, given: Counts, used: int) -> 
 #   ["h", keys, [per scope: budget period, budget tokens held, slots held]]
 #       hold again: what a router holds, declared to a Redis that lost its data (see the epoch below)
 # ARGV[2]: the calling router's instance; ARGV[3]: its lease, in seconds; ARGV[4]: the data's epoch as
-# the router last saw it ("" when it holds nothing).
+# the router last saw it ("" when it holds nothing); ARGV[5], optional: the time to run by instead of the
+# server's (a test driving the memory and Redis limiters by one clock; routers never send it).
 # Returns {"lost": the epoch} (nothing done) when ARGV[4] is not this Redis's epoch, else
 # {"t": the Redis server's time, "e": the epoch, "r": [per "g" step in order: [0, [[requests, tokens,
 # budget, slots, budget used, budget reserved (-1: not read)] per scope]] granted, or [1, scope
@@ -73,8 +76,11 @@ local inst, lease = ARGV[2], tonumber(ARGV[3])
 local held = 'llmgw:limits:held:' .. inst
 local LEASES = 'llmgw:limits:leases'
 
-local clock = redis.call('TIME')
-clock = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
+local clock = tonumber(ARGV[5] or '')
+if clock == nil then
+  clock = redis.call('TIME')
+  clock = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
+end
 
 local epoch = redis.call('GET', 'llmgw:limits:epoch')
 if not epoch then
@@ -82,6 +88,10 @@ if not epoch then
   redis.call('SET', 'llmgw:limits:epoch', epoch)
 end
 if ARGV[4] ~= '' and ARGV[4] ~= epoch then return cjson.encode({lost = epoch}) end
+
+-- A number written whole: Redis writes a Lua number with 14 digits, which cut a clock of 10 digits
+-- to a tenth of a millisecond and set levels apart from the in-memory ones (the differential test).
+local function exact(x) return string.format('%%.17g', x) end
 
 local function bucket(key, cap)
   local v = redis.call('HMGET', key, 'level', 'at')
@@ -139,7 +149,9 @@ local function grant(K, L)
     if conc > 0 and x[12] > 0 then
       local inflight = tonumber(redis.call('GET', k .. ':inflight') or '0')
       if conc - inflight < x[12] then
-        return {1, i, 'concurrent', '1', 'nil', 'nil', tostring(inflight), '0'}
+        -- What the buckets have, for the refusal's headers (read, not taken).
+        return {1, i, 'concurrent', '1', rpm > 0 and tostring(bucket(k .. ':rpm', rpm)) or 'nil',
+                tpm > 0 and tostring(bucket(k .. ':tpm', tpm)) or 'nil', tostring(inflight), '0'}
       end
       g[4] = math.min(x[13], conc - inflight)
     end
@@ -182,8 +194,8 @@ local function grant(K, L)
     local x, k, g = L[i], K[i], got[i]
     -- The buckets (one per scope, a few per tenant) need no expiry: a bucket left alone is
     -- full when read again.
-    if g[1] > 0 then redis.call('HSET', k .. ':rpm', 'level', g[5] - g[1], 'at', clock) end
-    if g[2] > 0 then redis.call('HSET', k .. ':tpm', 'level', g[6] - g[2], 'at', clock) end
+    if g[1] > 0 then redis.call('HSET', k .. ':rpm', 'level', exact(g[5] - g[1]), 'at', exact(clock)) end
+    if g[2] > 0 then redis.call('HSET', k .. ':tpm', 'level', exact(g[6] - g[2] - (x[16] or 0)), 'at', exact(clock)) end
     if g[4] > 0 then hold(k .. ':inflight', g[4]) end
     if g[3] > 0 then hold(k .. ':budget:' .. x[5], g[3]) end
     out[i] = {g[1], g[2], g[3], g[4], g[7], g[8]}
@@ -196,10 +208,12 @@ local function give_back(K, L)
     local x, k = L[i], K[i]
     local rpm, tpm, period = x[1], x[2], x[3]
     if rpm > 0 and x[4] ~= 0 then
-      redis.call('HSET', k .. ':rpm', 'level', math.min(rpm, bucket(k .. ':rpm', rpm) + x[4]), 'at', clock)
+      local level = math.min(rpm, bucket(k .. ':rpm', rpm) + x[4])
+      redis.call('HSET', k .. ':rpm', 'level', exact(level), 'at', exact(clock))
     end
     if tpm > 0 and x[5] ~= 0 then
-      redis.call('HSET', k .. ':tpm', 'level', math.min(tpm, bucket(k .. ':tpm', tpm) + x[5]), 'at', clock)
+      local level = math.min(tpm, bucket(k .. ':tpm', tpm) + x[5])
+      redis.call('HSET', k .. ':tpm', 'level', exact(level), 'at', exact(clock))
     end
     -- A negative part is a debt (taken beyond the allowance when grants fell behind): held more.
     if x[6] + x[8] ~= 0 then hold(k .. ':budget:' .. period, -(x[6] + x[8])) end

@@ -63,7 +63,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from llmgw.redact import redact
 from llmgw.tenancy.memory import Limiter, ScopedLimits, Ticket
@@ -98,6 +98,17 @@ ERROR_LOG_EVERY = 60.0  # seconds between tracebacks of the same kind of failed 
 # refusal said to wait, and for limits above CHUNK_SHARE never longer than this (allowances other
 # routers give back may free them sooner); a budget spent to the last token, a minute at a time.
 REFUSAL_MEMORY = 1.0
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+Timer = Callable[[float, Callable[[], None]], Cancellable]  # (delay in seconds, callback) -> a handle
+
+
+def _call_later(delay: float, callback: Callable[[], None]) -> Cancellable:
+    return asyncio.get_running_loop().call_later(delay, callback)
 
 
 class LimitsBroken(Exception):
@@ -186,6 +197,15 @@ class Allowance:
     recent: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
     earlier: deque[Counts] = field(default_factory=deque)
     window: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    heir: Allowance | None = None  # the next budget period's, which took the counts not kept by period
+    overdrawn: bool = False  # a request used beyond what was held: the budget is asked of Redis until it grants
+
+    @property
+    def exact(self) -> bool:
+        """Whether this scope's buckets are asked of Redis request by request (each a chunk of 1:
+        limits under twice CHUNK_SHARE), so nothing of them is held here."""
+        lim = self.scope.limits
+        return chunk(lim.requests_per_minute) == 1 and chunk(lim.tokens_per_minute) == 1
 
     def request(self, reserve: int) -> Counts:
         """What one request of ``reserve`` tokens takes of each limit: requests, tokens, budget, slots.
@@ -252,18 +272,30 @@ class Allowance:
         if tpm and reserve > tpm:
             self.tokens -= reserve - tpm
 
-    def end(self, reserved: int, used: int) -> None:
-        """A request admitted from here ended having used ``used`` of its ``reserved`` tokens."""
+    def end(self, reserved: int, used: int) -> Allowance:
+        """A request admitted from here ended having used ``used`` of its ``reserved`` tokens; the
+        allowance its tokens and slot went back to (this one, or a later period's)."""
         lim = self.scope.limits
-        if lim.tokens_per_minute:
-            self.tokens += reserved - used
         if lim.budget:
             self.budget += reserved - used
             self.used += used
             self.out -= reserved
+        heir = self
+        while heir.heir is not None:
+            heir = heir.heir
+        if lim.tokens_per_minute:
+            heir.tokens += reserved - used
         if lim.concurrent:
-            self.slots += 1
-            self.out_slots -= 1
+            heir.slots += 1
+            heir.out_slots -= 1
+        return heir
+
+    def hand_over(self, new: Allowance) -> None:
+        """A new budget period's allowance of the same scope takes what is not counted by period:
+        the requests, tokens and slots held, and the slots of requests in flight (they end into it)."""
+        new.requests, new.tokens, new.slots, new.out_slots = self.requests, self.tokens, self.slots, self.out_slots
+        self.requests = self.tokens = self.slots = self.out_slots = 0
+        self.heir = new
 
     def pace(self) -> list[int]:
         """What requests take of each count in KEEP seconds, at the pace they took it in the last
@@ -372,9 +404,21 @@ class SharedTicket:
         self._released = True
         used = self._floor if self._used is None else self._used
         reserved = self._reserved
-        for a in self._allowances:
-            a.end(reserved, used)
         owner = self._owner
+        for a in self._allowances:
+            heir = a.end(reserved, used)
+            # A limit asked of Redis request by request holds nothing of its buckets here: what
+            # the request did not use (or used beyond its reservation) goes to Redis now, whose
+            # bucket refills meanwhile as the in-memory one would with it (held until a sync, the
+            # two made the sum overflow the bucket or fall short of it: the differential test).
+            if heir.exact and heir.tokens:
+                owner.give_back_now(heir)
+            if a.budget < 0 or (a.overdrawn and a.budget):
+                # Used beyond what it held of the budget: counted before the next grant, and what
+                # it holds of the budget goes back too until a grant finds room again (held, it
+                # admitted a request the in-memory limits refused, the budget spent: 50 of 43).
+                a.overdrawn = True
+                owner.give_back_now(a)
         owner.in_flight -= 1
         if owner._sync is None or owner._beat is None:  # noqa: SLF001 - SharedLimits.ended, written out
             owner.schedule_sync()
@@ -384,7 +428,13 @@ class SharedLimits(ScopedLimits):
     """The limits of a :class:`Limiter` (its tenants and scopes), counted in Redis at ``url``."""
 
     def __init__(self, url: str, *, limiter: Limiter | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, on_error: Callable[[str], None] | None = None) -> None:
+                 wall: Callable[[], float] = time.time, on_error: Callable[[str], None] | None = None,
+                 server_clock: Callable[[], float] | None = None, timer: Timer | None = None) -> None:
+        """``clock``: this router's own, for how long Redis is left alone and refusals remembered;
+        ``wall``: the time of day, for naming budget periods; ``server_clock``: what the script runs
+        by instead of the Redis server's own time (None in every router: one clock for all of them);
+        ``timer``: how syncs and heartbeats are scheduled (the event loop's ``call_later``). A test
+        passes all four to drive this limiter and the in-memory one by one clock it moves itself."""
         import redis.asyncio as redis  # only routers configured with Redis load the client
         import redis.exceptions as errors
 
@@ -410,6 +460,8 @@ class SharedLimits(ScopedLimits):
         self._redis = redis.from_url(url, socket_timeout=TIMEOUT, socket_connect_timeout=TIMEOUT)
         self._clock = clock
         self._wall = wall
+        self._server_clock = server_clock
+        self._timer: Timer = timer or _call_later
         self._down_until = 0.0
         self.degraded = False
         # Redis answered this process at least once (a ping at start, then any call): a router that
@@ -428,8 +480,8 @@ class SharedLimits(ScopedLimits):
         self._queue: list[Pending] = []
         self._calls: set[asyncio.Task[None]] = set()
         self._kick_scheduled = False
-        self._sync: asyncio.TimerHandle | None = None
-        self._beat: asyncio.TimerHandle | None = None
+        self._sync: Cancellable | None = None
+        self._beat: Cancellable | None = None
         self._retired: list[Allowance] = []  # of an ended period or old limits, to give back
         # Scope name -> budget tokens taken from allowances since Redis last answered, of those dropped.
         self._taken_alone: dict[str, int] = {}
@@ -558,13 +610,21 @@ class SharedLimits(ScopedLimits):
         period = str(int(period_start(b, now))) if b else "0"
         a = self._allowances.get((s.name, period))
         if a is None or a.scope is not s:
-            # A new period (the old one's allowance is given back once unused, to its own key)
-            # or new limits from a new catalog: start from nothing.
+            # A new period, or new limits from a new catalog: start from nothing. What the old
+            # allowance holds goes back at the next sync, to its own keys, and what its requests
+            # in flight give back later goes too (it stays retired until they end). Of a period's
+            # turn, what is not the budget's (requests, tokens, slots: not counted by period) is
+            # the new allowance's at once: given back later, a slot the old one held unused
+            # refused a request the in-memory limits admitted (the differential test).
             new = Allowance(f"llmgw:limits:{s.name}", s, period)
             if b is not None:
                 new.period_from, new.period_end = float(period), next_period(b, now)
-            if a is not None:
-                self._retired.append(a)
+            old = a if a is not None else self._current.get(s.name)
+            if old is not None:
+                if old.scope is s:
+                    old.hand_over(new)
+                self._allowances.pop((s.name, old.period), None)
+                self._retired.append(old)
             self._allowances[(s.name, period)] = a = new
         self._current[s.name] = a
         return a
@@ -575,7 +635,13 @@ class SharedLimits(ScopedLimits):
         else can take it meanwhile), the rest asked of Redis together with a top-up of each
         allowance (:meth:`Allowance.wants`); the answer's part for this request is its own,
         whoever runs first."""
-        haves, needs, parts = [], [], []
+        haves, needs, parts, owes = [], [], [], []
+        for a in allowances:
+            if a.tokens < 0 or a.budget < 0:
+                # A request bigger than the tokens bucket left a debt here: Redis's bucket takes it
+                # before this grant is checked (the same call), as the in-memory bucket went below
+                # zero at once (else the grant was checked against a bucket that did not know of it).
+                self.give_back_now(a)
         for a in allowances:
             # One grant under way per scope tops up; the others ask only for their own request.
             top_up = a.scope.name not in self._grants
@@ -587,9 +653,13 @@ class SharedLimits(ScopedLimits):
             lim = a.scope.limits
             want = [max(n, w - left) if n and top_up else n for n, w, left in zip(
                 need, a.wants(), (a.requests, a.tokens, a.budget, a.slots), strict=True)]
+            # A request bigger than the tokens bucket: Redis's bucket goes into debt by the rest at
+            # once, as the in-memory one does (owed here until a sync, Redis's bucket refilled to
+            # the full meanwhile and forgot part of it: the differential test).
+            owes.append(reserve - whole[1] if need[1] and reserve > whole[1] else 0)
             parts.append(grant_part(lim, period=a.period, need=need, want=want,
                                     floor=a.scope.ledger_used(float(a.period)),
-                                    period_end=a.period_end if lim.budget else 0))
+                                    period_end=a.period_end if lim.budget else 0, owe=owes[-1]))
         if not any(any(n) for n in needs):  # all of it was here after all
             for a, have in zip(allowances, haves, strict=True):
                 a.took(have)
@@ -637,16 +707,19 @@ class SharedLimits(ScopedLimits):
             return PeriodMoved(self._wall() + self.offset)
         if int(result[0]) != 0:
             unclaim(False)
-            scope = allowances[int(result[1]) - 1].scope
+            a = allowances[int(result[1]) - 1]
+            scope = a.scope
             if result[2] == "budget":
-                self._known[scope.name] = (float(allowances[int(result[1]) - 1].period),
-                                           int(result[6]) + int(result[7]))
-            refused = _refusal(scope, [str(x) for x in result], reserve, now)
+                self._known[scope.name] = (float(a.period), int(result[6]) + int(result[7]))
+            refused = _refusal(a, [str(x) for x in result], reserve, now)
             self._remember(scope, refused, str(result[2]), int(result[6]), reserve)
             return refused
-        for a, have, need in zip(allowances, haves, needs, strict=True):
+        for a, have, need, owed in zip(allowances, haves, needs, owes, strict=True):
             a.took((have[0] + need[0], have[1] + need[1], have[2] + need[2], have[3] + need[3]))
-            a.owe(reserve)
+            if need[2]:
+                a.overdrawn = False  # Redis found room in the budget
+            if not owed:
+                a.owe(reserve)
         return SharedTicket(self, allowances, reserve)
 
     def _granted(self, pending: Pending, result: list[Any]) -> None:
@@ -662,6 +735,22 @@ class SharedLimits(ScopedLimits):
                 self._known[a.scope.name] = (float(a.period), got[4] + got[5])
         self.schedule_sync()  # the requests it was for may be gone: it goes back unused
 
+    def give_back_now(self, a: Allowance) -> None:
+        """What ``a`` holds of its tokens bucket (all of it when ``a`` is exact, else only a debt),
+        and a budget debt with what its requests used, go to Redis with the next call, not the
+        next sync: what a request took beyond its reservation must be counted before the next
+        grant is checked (seen: a budget spent to 50 of 43 granted again, its overuse unreported)."""
+        tokens = a.tokens if a.exact or a.tokens < 0 else 0
+        debt = a.budget if (a.budget < 0 or a.overdrawn) and a.scope.limits.budget else 0
+        used = a.used if debt else 0
+        if not (tokens or debt):
+            return
+        a.tokens -= tokens
+        a.budget -= debt
+        a.used -= used
+        part = give_back_part(a.scope.limits, period=a.period, given=(0, tokens, debt, 0), used=used)
+        self._enqueue(Pending(["y", [a.key], [part]]))
+
     def ended(self) -> None:
         """A request admitted from the allowances ended: what it did not use goes back to them, and to
         Redis with the syncs that follow once unused (:meth:`Allowance.give_back`)."""
@@ -670,9 +759,9 @@ class SharedLimits(ScopedLimits):
 
     def schedule_sync(self) -> None:
         if self._sync is None:
-            self._sync = asyncio.get_running_loop().call_later(SYNC_EVERY, self._send_sync)
+            self._sync = self._timer(SYNC_EVERY, self._send_sync)
         if self._beat is None:
-            self._beat = asyncio.get_running_loop().call_later(HEARTBEAT, self._heartbeat)
+            self._beat = self._timer(HEARTBEAT, self._heartbeat)
 
     def _heartbeat(self) -> None:
         """While its requests are in flight, a router renews its lease even when it has nothing to say."""
@@ -680,7 +769,7 @@ class SharedLimits(ScopedLimits):
         if self.in_flight > 0:
             if not self._queue and not self._calls:
                 self._enqueue(Pending(["y", [], []]))
-            self._beat = asyncio.get_running_loop().call_later(HEARTBEAT, self._heartbeat)
+            self._beat = self._timer(HEARTBEAT, self._heartbeat)
 
     def _send_sync(self, everything: bool = False) -> None:
         """Give back what the allowances will not need (``everything``: all of it) and report
@@ -690,7 +779,9 @@ class SharedLimits(ScopedLimits):
         for a in self._retired:
             if (part := a.give_back(True)) is not None:
                 by_key.setdefault(a.key, []).append(part)
-        self._retired = []
+        # A retired allowance is dropped once nothing it admitted is in flight: until then what
+        # those requests give back and used is its to report (it was never reported, seen by a review).
+        self._retired = [a for a in self._retired if a.out or a.out_slots]
         self._syncs += 1
         report = everything or self._syncs % max(1, round(REPORT_EVERY / SYNC_EVERY)) == 0
         kept = False
@@ -741,13 +832,14 @@ class SharedLimits(ScopedLimits):
         try:
             # The epoch only while something is held: with nothing to lose, any epoch will do.
             epoch = self._epoch if self._allowances or self._retired else ""
+            at = [] if self._server_clock is None else [repr(self._server_clock())]
             async with asyncio.timeout(TIMEOUT):
-                reply = await self._steps(args=[payload, self.instance, LEASE, epoch])
+                reply = await self._steps(args=[payload, self.instance, LEASE, epoch, *at])
             lost = self._lost_epoch(reply)
             if lost is not None:  # Redis lost its data: what this router holds is declared, then the steps
                 again = json.dumps([self._hold_again(steps), *(p.step for p in steps)], separators=(",", ":"))
                 async with asyncio.timeout(TIMEOUT):
-                    reply = await self._steps(args=[again, self.instance, LEASE, lost])
+                    reply = await self._steps(args=[again, self.instance, LEASE, lost, *at])
                 if self._lost_epoch(reply) is not None:
                     raise ValueError("Redis lost its data twice in one call")
             results = self._read(reply, grants)
@@ -896,25 +988,47 @@ class SharedLimits(ScopedLimits):
         if self._sync is not None:
             self._sync.cancel()
             self._sync = None
-        deadline = asyncio.get_running_loop().time() + 1.0
-        while (self._calls or self._queue) and asyncio.get_running_loop().time() < deadline:
+        await self.idle(1.0)
+        await self._redis.aclose()
+
+    async def idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every step queued to be answered by Redis (or
+        failed); whether it is. What a close waits for, and what a test moving the clock waits on."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (self._calls or self._queue) and loop.time() < deadline:
             if self._queue and not self._calls:
                 self._kick()
-            await asyncio.wait(set(self._calls), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
-        await self._redis.aclose()
+            await asyncio.wait(set(self._calls), timeout=max(0.0, deadline - loop.time()))
+        return not (self._calls or self._queue)
 
 
 _KINDS: dict[str, Kind] = {"concurrent": "concurrent", "requests": "requests", "tokens": "tokens", "budget": "budget"}
 
 
-def _refusal(s: Scope, r: list[str], reserve: int, now: float) -> Refusal:
+def _refusal(a: Allowance, r: list[str], reserve: int, now: float) -> Refusal:
     """The refusal the Lua script described (which scope, which limit, what is left), worded by
-    the rules as the in-memory limiter words its own."""
+    the rules as the in-memory limiter words its own, with what this router holds of the scope
+    counted as the in-memory limiter would count it: what its allowance has left of a bucket is
+    left to the tenant, the slots it holds unused are not in flight, and of the budget it holds,
+    what its finished requests used is used and the rest not reserved by anyone. (Seen: a refusal
+    said 37 tokens remained, and reset in 45 s, when 50 did and 39 s; the differential test.)"""
     kind = _KINDS[r[2]]  # one of them: checked when the reply was read
+    s = a.scope
 
-    def left(v: str) -> float | None:  # "nil": that bucket was not read (the script stopped before it)
-        return None if v == "nil" else float(v)
+    def left(v: str, held: int, cap: int | None) -> float | None:  # "nil": that bucket was not read
+        return None if v == "nil" else min(float(cap or 0), float(v) + held)
     b = s.limits.budget
-    return refused(s, kind, reserve=reserve, wait=float(r[3]), inflight=int(r[6]), used=int(r[6]),
-                   reserved=int(r[7]), resets=next_period(b, now) if b is not None else 0.0, now=now,
-                   held=True, requests_left=left(r[4]), tokens_left=left(r[5]))
+    if kind == "concurrent":
+        inflight = int(r[6]) - max(0, a.slots)
+        used = reserved = 0
+        others = False
+    else:
+        inflight = 0
+        used = int(r[6]) + a.used
+        reserved = int(r[7]) - a.budget - a.used  # a debt (a request used more than it reserved) too
+        others = reserved > a.out  # another router holds some of it
+    return refused(s, kind, reserve=reserve, wait=float(r[3]), inflight=inflight, used=used,
+                   reserved=reserved, resets=next_period(b, now) if b is not None else 0.0, now=now,
+                   held=others, requests_left=left(r[4], a.requests, s.limits.requests_per_minute),
+                   tokens_left=left(r[5], a.tokens, s.limits.tokens_per_minute))

@@ -146,7 +146,3 @@ class UsageBook:
             entry = self.totals[(key, model)] = Usage()
         entry.add(delta)
         self.outbox.add(minute, tenant, key, model, delta)
-
-    def snapshot(self) -> dict[tuple[str, str], Usage]:
-        """Copies of the totals: the live ones go on moving."""
-        return {k: Usage(**u.to_json()) for k, u in self.totals.items()}

@@ -7,7 +7,6 @@ event loop on a background thread and the tests talk to it over HTTP like anyone
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.admin.app import build_admin_app
+from llmgw.catalog import cache_name
 from llmgw.control import Controller
 from llmgw.control.feed import FeedHub
 from llmgw.serving import listen
@@ -53,7 +53,7 @@ class Running:
 
 def put_cache_entry(cache_dir: Path, source: str, payload: bytes = b"x" * 1024) -> Path:
     """A complete cache entry as the agent would leave it (for a source no model uses)."""
-    name = "llmgw-" + hashlib.sha256(source.encode()).hexdigest()
+    name = cache_name(source)
     entry = cache_dir / name
     entry.mkdir(parents=True)
     (entry / "weights.bin").write_bytes(payload)

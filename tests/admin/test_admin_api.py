@@ -114,33 +114,12 @@ def test_dashboard_in_headless_chromium(running: Running, tmp_path: Path) -> Non
 @pytest.mark.skipif(not shutil.which("chromium"), reason="chromium is not installed (apt-get install chromium)")
 def test_the_browser_ends_on_a_url_without_the_token(running: Running, tmp_path: Path) -> None:
     """What the address bar shows once the page is up: asked of the browser itself (DevTools)."""
-    import os
-    import signal
-    import time
+    from tests.fixtures.browser import chromium
 
-    profile = tmp_path / "profile"
-    proc = subprocess.Popen(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                             f"--user-data-dir={profile}", "--remote-debugging-port=0",
-                             f"{running.url}/?token={TOKEN}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline, pages = time.monotonic() + 45, []
-        while time.monotonic() < deadline:
-            time.sleep(0.2)
-            port_file = profile / "DevToolsActivePort"
-            if not port_file.exists() or not port_file.read_text().split():
-                continue
-            with urllib.request.urlopen(f"http://127.0.0.1:{port_file.read_text().split()[0]}/json/list",
-                                        timeout=5) as r:
-                pages = [t for t in json.load(r) if t["type"] == "page"]
-            if any(t["title"].startswith("llmgw — ") for t in pages):
-                break
-        # The page rendered (its title is the sync state), at the bare URL, and no tab holds the token.
-        assert [(t["url"], t["title"][:8]) for t in pages] == [(running.url + "/", "llmgw — ")], pages
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
+    with chromium(tmp_path, f"{running.url}/?token={TOKEN}") as page:
+        # The page rendered (its title is the sync state), at the bare URL: the token is in no tab.
+        page.wait("document.title.startsWith('llmgw — ')")
+        assert page.url() == running.url + "/"
 
 
 @pytest.mark.skipif(not shutil.which("chromium"), reason="chromium is not installed (apt-get install chromium)")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import http.server
 import importlib.util
 import json
 import os
+import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +17,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.agent.helpers import AGENT, ECHO_ENGINE, Node, confined_settings
+from tests.agent.helpers import AGENT, ECHO_ENGINE, FileServer, Node, confined_settings
 
 
 def _port_block(size: int = 12) -> tuple[int, int]:
@@ -69,3 +72,49 @@ def agent_module() -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def file_server() -> Iterator[FileServer]:
+    served = FileServer(files={})
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+            served.requests.append((self.path, self.headers.get("Range")))
+            body = served.files.get(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            start = 0
+            match = re.match(r"bytes=(\d+)-$", self.headers.get("Range") or "")
+            if match and int(match.group(1)) < len(body):
+                start = int(match.group(1))
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+            else:
+                self.send_response(200)
+            self.send_header("Content-Length", str(len(body) - start))
+            self.end_headers()
+            rest = body[start:]
+            gate = served.hold.get(self.path)
+            if gate is not None:
+                self.wfile.write(rest[: len(rest) // 2])
+                self.wfile.flush()
+                gate.wait(300)  # a test sets it; teardown sets every one
+                rest = rest[len(rest) // 2:]
+            self.wfile.write(rest)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002, ARG002 - silence
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    served.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield served
+    for gate in served.hold.values():
+        gate.set()
+    server.shutdown()
+    server.server_close()
+    thread.join(5)

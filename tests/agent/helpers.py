@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from llmgw.catalog import cache_name  # noqa: F401 - the agent's one rule, as the tests name it
 from tests.fixtures.confinement import confined_settings  # noqa: F401 - re-exported for the agent tests
 
 AGENT = Path(__file__).resolve().parents[2] / "llmgw" / "agent" / "llmgw_agent.py"
@@ -34,10 +36,6 @@ ECHO_ENGINE = (
     "import json, os, sys; print(json.dumps({'argv': sys.argv[1:], "
     "'cuda': os.environ.get('CUDA_VISIBLE_DEVICES'), 'value': os.environ.get('LLMGW_TEST_VALUE')}), flush=True)"
 )
-
-
-def cache_name(source: str) -> str:
-    return "llmgw-" + hashlib.sha256(source.encode("utf-8")).hexdigest()
 
 
 def make_entry(cache: Path, source: str, *, manifest_source: str | None = None, name: str | None = None) -> Path:
@@ -73,7 +71,7 @@ def own_start_time() -> int:
     return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
 
 
-def wait_for(check: Callable[[], Any], *, timeout: float = 10.0, interval: float = 0.05) -> Any:
+def wait_for(check: Callable[[], Any], *, timeout: float = 60.0, interval: float = 0.05) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = check()
@@ -136,6 +134,23 @@ class Node:
         assert set(answer) in ({"error"}, {"error", "refused"}), answer
         return code, answer["error"]
 
+    def fetch_settled(self, request: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+        """Fetch, and the fetch's final state (done or failed) as the agent records it: asking again
+        would start a failed fetch over."""
+        answer = self.ok("fetch", request)
+        if answer["state"] != "running":
+            return answer
+        state_file = self.state / "fetches" / f"{cache_name(request['source'])}.json"
+
+        def settled() -> dict[str, Any] | None:
+            try:
+                state = json.loads(state_file.read_text())
+            except (OSError, ValueError):
+                return None
+            return state if state["state"] != "running" else None
+
+        return wait_for(settled, timeout=timeout)
+
     def fetch_until_done(self, source: str, timeout: float = 10.0) -> dict[str, Any]:
         """Fetch, wait for the worker by watching its state file (cheaper than asking), ask again."""
         answer = self.ok("fetch", {"source": source})
@@ -186,3 +201,27 @@ def unsandboxed_node(node: Node, engines: dict[str, list[str]], *, prefix: str) 
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
         shutil.rmtree(base, ignore_errors=True)
+
+
+@dataclass
+class FileServer:
+    """A local HTTP server with Range support (http.server has none) and a log of requests."""
+
+    files: dict[str, bytes]
+    url: str = ""
+    requests: list[tuple[str, str | None]] = field(default_factory=list)
+    hold: dict[str, threading.Event] = field(default_factory=dict)  # path -> sent half, wait for this
+
+
+def fetch_workers(node: Node) -> list[int]:
+    """The pids of ``node``'s running fetch workers (what a test kills mid-fetch)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"_fetch-worker" in cmd and str(node.config).encode() in cmd:
+                out.append(int(d.name))
+    return out

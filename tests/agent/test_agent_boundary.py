@@ -234,6 +234,16 @@ def test_llama_server_flags_that_reach_outside_are_refused_before_the_engine_run
     assert not (node.state / "engines" / "l.json").exists() and not marker.exists()
 
 
+@pytest.mark.parametrize("args", [
+    ["--distributed-executor-backend", "mp"], ["--distributed-executor-backend=uni"], ["-dpb", "mp"],
+    ["--load-format", "safetensors"], ["--load-format=gguf"], ["-O", '{"backend": "inductor", "level": 3}'],
+    ["--compilation-config", '{"backend": "eager"}'], ["-O3"], ["--compilation-config.backend", "inductor"],
+])
+def test_the_values_that_stay_on_the_node_are_allowed(agent_module: ModuleType, node: Node, args: list) -> None:
+    area, weights = str(node.state / "run" / "x"), str(node.cache / ("llmgw-" + "a" * 64))
+    agent_module.check_args("vllm", args, area=area, read_roots=(weights,))
+
+
 def test_paths_inside_the_engine_area_and_its_weights_are_allowed(node: Node) -> None:
     entry = make_entry(node.cache, "hf://x/ok")
     node.write_config(engines={**node.settings["engines"], "llama.cpp": [sys.executable, "-c", "print('ran')"]})
@@ -290,6 +300,25 @@ ARG_VECTORS = [
     ("vllm", ["--middleware", "mod.app"]),
     ("vllm", ["--model-class-overrides", '{"A": "mod:cls"}']),
     ("vllm", ["--kv-offloading-backend", "lmcache"]),  # every prompt's KV to an LMCache server
+    # Values that run the engine elsewhere, load from elsewhere or import code (issue 40's leftovers).
+    ("vllm", ["--distributed-executor-backend", "ray"]),  # workers on a Ray cluster
+    ("vllm", ["--distributed-executor-backend=evil.module.Executor"]),  # a class to import
+    ("vllm", ["--distributed_executor_backend", "ray"]),
+    ("vllm", ["--distributed-executor", "ray"]),  # an abbreviation argparse takes
+    ("vllm", ["-dpb", "ray"]),
+    ("vllm", ["-dpbray"]),
+    ("vllm", ["--data-parallel-backend", "ray"]),
+    ("vllm", ["--load-format", "runai_streamer"]),  # streams from object storage
+    ("vllm", ["--load-format=tensorizer"]),
+    ("vllm", ["--load-format", "modelexpress"]),
+    ("vllm", ["--load-format", "ipc_cache"]),
+    ("vllm", ["--compilation-config", '{"backend": "evil.compile"}']),  # a function to import
+    ("vllm", ["-O", '{"backend": "os.system"}']),
+    ('vllm', ['-O{"backend": "x.y"}']),
+    ("vllm", ["--compilation-config.backend", "evil.compile"]),
+    ("vllm", ["--compilation-c", '{"backend": "evil.compile"}']),
+    ("vllm", ["s3://bucket/model"]),  # a positional model tag the engine would load itself
+    ("sglang", ["gs://bucket/model"]),
     ("sglang", ["--model-path", "/root/.ssh"]),
     ("sglang", ["--file-storage-path", "../../.."]),
     ("sglang", ["--delete-ckpt-after-loading"]),

@@ -3,75 +3,15 @@ resumes; and the inventory of what ends up on disk."""
 
 from __future__ import annotations
 
-import http.server
 import importlib.util
 import json
 import os
-import re
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from types import ModuleType
 
 import pytest
 
-from tests.agent.helpers import Node, cache_name, make_entry, wait_for
-
-
-@dataclass
-class FileServer:
-    """A local HTTP server with Range support (http.server has none) and a log of requests."""
-
-    files: dict[str, bytes]
-    url: str = ""
-    requests: list[tuple[str, str | None]] = field(default_factory=list)
-    hold: dict[str, threading.Event] = field(default_factory=dict)  # path -> sent half, wait for this
-
-
-@pytest.fixture
-def file_server() -> Iterator[FileServer]:
-    served = FileServer(files={})
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
-            served.requests.append((self.path, self.headers.get("Range")))
-            body = served.files.get(self.path)
-            if body is None:
-                self.send_error(404)
-                return
-            start = 0
-            match = re.match(r"bytes=(\d+)-$", self.headers.get("Range") or "")
-            if match and int(match.group(1)) < len(body):
-                start = int(match.group(1))
-                self.send_response(206)
-                self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
-            else:
-                self.send_response(200)
-            self.send_header("Content-Length", str(len(body) - start))
-            self.end_headers()
-            rest = body[start:]
-            gate = served.hold.get(self.path)
-            if gate is not None:
-                self.wfile.write(rest[: len(rest) // 2])
-                self.wfile.flush()
-                gate.wait(15)
-                rest = rest[len(rest) // 2:]
-            self.wfile.write(rest)
-
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002, ARG002 - silence
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    served.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield served
-    for gate in served.hold.values():
-        gate.set()
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
+from tests.agent.helpers import FileServer, Node, cache_name, make_entry, wait_for
 
 
 def fetch_state(node: Node, name: str) -> dict | None:
@@ -108,8 +48,11 @@ def test_fetch_of_a_directory_copies_the_tree_and_dereferences_file_links(node: 
     source = str(src)  # a plain absolute path outside model_dirs is fetched like file://
     node.fetch_until_done(source)
     entry = node.cache / cache_name(source)
-    assert sorted(str(p.relative_to(entry)) for p in entry.rglob("*")) == [
-        "config.json", "linked.bin", "llmgw-manifest.json", "sub", "sub/shard-1.bin"]
+    assert sorted(str(p.relative_to(entry)) for p in entry.rglob("*")) == [  # with the chunk list other nodes check
+        "config.json", "linked.bin", "llmgw-chunks.json", "llmgw-manifest.json", "sub", "sub/shard-1.bin"]
+    chunks = json.loads((entry / "llmgw-chunks.json").read_text())
+    assert [(f["path"], f["size"]) for f in chunks["files"]] == [
+        ("config.json", 2), ("linked.bin", 10), ("sub/shard-1.bin", 1000)]
     assert not (entry / "linked.bin").is_symlink()
     assert (entry / "linked.bin").read_bytes() == b"2" * 10
 

@@ -6,7 +6,6 @@ window between the check and the copy (a file swapped for a link during the fetc
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import stat
@@ -18,7 +17,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.agent.helpers import Node, cache_name, wait_for
+from tests.agent.helpers import Node, cache_name
 
 ROOT = os.geteuid() == 0
 SECRET = b"ROOT-ONLY-SECRET-" + os.urandom(8).hex().encode()
@@ -27,17 +26,7 @@ NOBODY = 65534
 
 def settle(node: Node, source: str, *, timeout: float = 20.0) -> dict:
     """Ask for the fetch and wait until its worker has finished, whatever the outcome."""
-    node.ok("fetch", {"source": source})
-    state_file = node.state / "fetches" / f"{cache_name(source)}.json"
-
-    def finished() -> dict | None:
-        try:
-            state = json.loads(state_file.read_text())
-        except (OSError, ValueError):
-            return None
-        return state if state["state"] != "running" else None
-
-    return wait_for(finished, timeout=timeout)
+    return node.fetch_settled({"source": source}, timeout=timeout)
 
 
 def cache_holding_secret(node: Node) -> list[str]:

@@ -45,9 +45,10 @@ def test_worker_listens_on_the_fabric_address_only_and_is_reported_listening(rpc
     low, high = rpc_node.ports
     assert low <= port <= high
     assert started["endpoint"] == f"tcp://127.0.0.1:{port}"  # not HTTP: the head's --rpc peer
-    wait_for(lambda: engine(rpc_node, "m-g1.r1")["listening"])
-    view = engine(rpc_node, "m-g1.r1")
-    assert any(f"listening 127.0.0.1 {port}" in line for line in view["log_tail"]), view["log_tail"]
+    # Both in one look: the worker listens before it prints so.
+    view = wait_for(lambda: (v := engine(rpc_node, "m-g1.r1"))["listening"]
+                    and any(f"listening 127.0.0.1 {port}" in line for line in v["log_tail"]) and v)
+    assert view["listening"] is True
     rpc_node.ok("stop", {"replica_id": "m-g1.r1", "grace_seconds": 2})
     assert engine(rpc_node, "m-g1.r1")["listening"] is False
 

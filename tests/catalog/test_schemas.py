@@ -189,7 +189,8 @@ def test_rejects_bad_duration_with_a_readable_message() -> None:
 
 @pytest.mark.parametrize(
     "source",
-    ["hf://org/repo; rm -rf /", "/models/x; rm -rf /", "https://host/x$(id)", "s3://bucket/x", "models/x"],
+    ["hf://org/repo; rm -rf /", "/models/x; rm -rf /", "https://host/x$(id)", "s3://Bucket/x", "s3://bucket/",
+     "gs://bucket/x", "models/x"],
 )
 def test_rejects_bad_source(source: str) -> None:
     model = _valid_model()

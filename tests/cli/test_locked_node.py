@@ -52,7 +52,8 @@ def test_a_locked_node_is_shown_locked_and_an_open_one_not(sshd_fleet, tmp_path:
     proc = start(["controller", "--config", str(config)], log)
     try:
         wait_for(lambda: {n["state"] for n in nodes_json(admin).values()} == {"ready"}, 60, "both nodes ready", proc)
-        assert "locked: locked node, agent version" in log.read_text()
+        # Logged before the node is ready, but written to the file by the output thread: waited for.
+        wait_for(lambda: "locked: locked node, agent version" in log.read_text(), 30, "the locked node's line", proc)
         assert {k: n["locked"] for k, n in nodes_json(admin).items()} == {"locked": True, "open": False}
     finally:
         stop(proc, signal.SIGTERM)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.control import server
+from llmgw.compose import server
 from llmgw.control.datadir import release_data_dir
 
 

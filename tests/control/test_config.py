@@ -136,6 +136,42 @@ def test_commit_statuses_are_configured_whole_and_their_token_kept_out_of_sight(
                         ("commit_status: {provider: github, repo: a/b, tokn: x}\n", "unknown key(s): tokn")):
         with pytest.raises(ConfigError, match=re.escape(words)):
             load_config(write(tmp_path, text))
+    behind_tls = load_config(write(tmp_path, "listen: {admin: '0.0.0.0:8081'}\noidc:\n  issuer: https://l.example\n"
+                                             "  client_id: x\n  roles: {a: admin}\n"
+                                             "  redirect_url: https://llmgw.example/auth/callback\n"))
+    assert behind_tls.oidc is not None and behind_tls.oidc.redirect_url == "https://llmgw.example/auth/callback"
     monkeypatch.delenv("LLMGW_COMMIT_STATUS_TOKEN")
     with pytest.raises(ConfigError, match="no token"):
         load_config(write(tmp_path, "commit_status: {provider: github, repo: a/b}\n"))
+
+
+def test_the_identity_provider_is_configured_whole_and_its_secret_kept_out_of_sight(tmp_path: Path) -> None:
+    from llmgw.access.roles import Role
+
+    (tmp_path / "oidc.secret").write_text("s3cr3t-client\n")
+    cfg = load_config(write(tmp_path, "oidc:\n  issuer: https://login.example.com/realms/gpu\n  client_id: llmgw\n"
+                                      "  client_secret_file: oidc.secret\n"
+                                      "  roles: {gpu-ops: operator, fleet-admins: admin}\n"))
+    assert cfg.oidc is not None and cfg.oidc.client_secret == "s3cr3t-client"
+    assert dict(cfg.oidc.roles) == {"gpu-ops": Role.OPERATOR, "fleet-admins": Role.ADMIN}
+    assert cfg.oidc.expected_audience == "llmgw" and "s3cr3t" not in repr(cfg) + repr(cfg.oidc)
+    for text, words in (
+        ("oidc:\n  issuer: http://login.example.com\n  client_id: x\n  roles: {a: admin}\n", "is not https"),
+        ("oidc:\n  issuer: https://login.example.com\n  roles: {a: admin}\n", "issuer and client_id are required"),
+        ("oidc:\n  issuer: https://l.example\n  client_id: x\n  roles: {a: root}\n", "oidc.roles.a: unknown role"),
+        ("oidc:\n  issuer: https://l.example\n  client_id: x\n", "map at least one"),
+        ("oidc:\n  issuer: https://l.example\n  client_id: x\n  roles: {a: admin}\n  scope: x\n", "scope"),
+        # Off this machine the callback is configured, never built from a request's Host header.
+        ("listen: {admin: '0.0.0.0:8081'}\noidc:\n  issuer: https://l.example\n  client_id: x\n  roles: {a: admin}\n",
+         "oidc.redirect_url is required when the admin API listens on 0.0.0.0"),
+        ("oidc:\n  issuer: https://l.example\n  client_id: x\n  roles: {a: admin}\n"
+         "  redirect_url: http://llmgw.example/auth/callback\n", "oidc.redirect_url http://llmgw.example"),
+        ("oidc:\n  issuer: https://l.example\n  client_id: x\n  roles: {a: admin}\n"
+         "  redirect_url: https://llmgw.example/elsewhere\n", "must end in /auth/callback"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            load_config(write(tmp_path, text))
+    behind_tls = load_config(write(tmp_path, "listen: {admin: '0.0.0.0:8081'}\noidc:\n  issuer: https://l.example\n"
+                                             "  client_id: x\n  roles: {a: admin}\n"
+                                             "  redirect_url: https://llmgw.example/auth/callback\n"))
+    assert behind_tls.oidc is not None and behind_tls.oidc.redirect_url == "https://llmgw.example/auth/callback"

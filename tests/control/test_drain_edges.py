@@ -40,12 +40,13 @@ async def test_a_router_that_stopped_does_not_hold_up_the_next_withdrawal() -> N
             try:
                 await until(lambda: standalone.table.has("chat"))
                 hub.set_endpoints([a, b])  # "c" withdrawn: wait until the router says it serves without it
-                await until(lambda: "r1" in hub.routers() and hub.in_flight() == {})
+                await until(lambda: "r1" in hub.routers() and hub.in_flight_by_replica() == {})
             finally:
                 await feed.close()  # the router's orderly stop (its FeedClient first, as router.main does)
         # The router process is gone: nothing can send "a" a request any more.
         hub.set_endpoints([b])
-        assert hub.in_flight() == {}, "a stopped router still counts as one that may send the withdrawn replica"
+        assert hub.in_flight_by_replica() == {}, (
+            "a stopped router still counts as one that may send the withdrawn replica")
 
 
 class ScriptedMetrics:
@@ -77,15 +78,15 @@ async def test_an_engine_whose_metrics_cannot_be_read_has_no_queue_figure() -> N
         router.set_catalog(Catalog(models=(model("chat"),)))
         router.set_endpoints([endpoint("chat", url, "chat-g1")])
         async with serving(router):
-            await until(lambda: router.engine_queue() == {"chat-g1": (2, 5)})
+            await until(lambda: router.usage.engine_queue() == {"chat-g1": (2, 5)})
             engine.failing = True
             # Two reads refused: the first one's outcome has been applied (reads are one round at a time).
             await until(lambda: engine.asked_while_failing >= 2)
-            assert "chat-g1" not in router.engine_queue(), router.engine_queue()
+            assert "chat-g1" not in router.usage.engine_queue(), router.usage.engine_queue()
 
 
 async def test_a_replica_withdrawn_twice_counts_the_streams_of_both_times() -> None:
-    """Router._leaving is keyed by replica id: a replica withdrawn with a stream on it, listed
+    """RouterUsage._leaving is keyed by replica id: a replica withdrawn with a stream on it, listed
     again (same id: an adopted replica after a controller restart is withdrawn until probed, a
     replica failed and restarted), given another stream, and withdrawn again loses the first
     upstream's count. The controller then stops the engine under the first stream."""
@@ -104,7 +105,7 @@ async def test_a_replica_withdrawn_twice_counts_the_streams_of_both_times() -> N
             await anext(aiter(second))
             router.set_endpoints([])  # withdrawn again: the drain starts
             try:
-                assert router.in_flight() == {"chat-g1": 2}, router.in_flight()
+                assert router.usage.in_flight_by_replica() == {"chat-g1": 2}, router.usage.in_flight_by_replica()
             finally:
                 await asyncio.gather(first.close(), second.close())
 
@@ -140,7 +141,7 @@ async def test_a_restarted_controller_hears_what_a_router_has_in_flight_without_
                 second = FeedHub(keepalive=0.2)
                 runner = await controller(second)  # ...and comes back, knowing nothing
                 try:
-                    await until(lambda: second.in_flight() == {"chat-g1": 1}, timeout=10)
+                    await until(lambda: second.in_flight_by_replica() == {"chat-g1": 1}, timeout=10)
                 finally:
                     await stream.close()
                     await runner.cleanup()

@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from llmgw.catalog.model import Catalog
-from llmgw.contract import REPORT_PATH, PromptCache, ReplicaStats
+from llmgw.contract import REPORT_PATH, WATCH_PATH, PromptCache, ReplicaStats
 from llmgw.control.feed import MAX_REPORTED_REPLICAS, FeedHub, MergedUsage
 from llmgw.engines.testing import SimProcess, free_port
 from llmgw.router import FeedClient, Router
@@ -35,8 +35,9 @@ class Clock:
 
 
 @asynccontextmanager
-async def hub_served(hub: FeedHub) -> AsyncIterator[str]:
-    runner = web.AppRunner(make_app(hub, TOKEN), access_log=None, shutdown_timeout=0.1)
+async def hub_served(hub: FeedHub, app: web.Application | None = None) -> AsyncIterator[str]:
+    """``hub`` on a real port, behind the admin token (or as ``app`` serves it)."""
+    runner = web.AppRunner(app or make_app(hub, TOKEN), access_log=None, shutdown_timeout=0.1)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -153,16 +154,16 @@ async def test_a_standalone_routers_measurements_reach_the_controller_merged_wit
                         assert (await c.chat.completions.create(model="chat", messages=HELLO)).choices
                 async with client(local_base) as c:
                     assert (await c.chat.completions.create(model="chat", messages=HELLO)).choices
-                await until(lambda: hub.replica_stats().get(standalone.instance_id, {}).get(
+                await until(lambda: hub.replica_stats().get(standalone.usage.instance_id, {}).get(
                     "chat-g1", ReplicaStats()).requests == 3)
             finally:
                 await feed.close()
-        merged = MergedUsage(local, hub, OldSource()).replica_stats()
-        assert set(merged) == {local.instance_id, standalone.instance_id}
-        assert merged[standalone.instance_id] == standalone.replica_stats()[standalone.instance_id]
-        assert merged[local.instance_id]["chat-g1"].requests == 1
+        merged = MergedUsage(local.usage, hub, OldSource()).replica_stats()
+        assert set(merged) == {local.usage.instance_id, standalone.usage.instance_id}
+        assert merged[standalone.usage.instance_id] == standalone.usage.replica_stats()[standalone.usage.instance_id]
+        assert merged[local.usage.instance_id]["chat-g1"].requests == 1
         # Histograms survive the wire: whole answers, each its time per output token.
-        assert sum(merged[standalone.instance_id]["chat-g1"].tpot) == 3
+        assert sum(merged[standalone.usage.instance_id]["chat-g1"].tpot) == 3
 
 
 async def test_reports_are_bounded_in_routers_and_entries_and_what_is_refused_is_counted() -> None:
@@ -194,3 +195,45 @@ async def test_reports_are_bounded_in_routers_and_entries_and_what_is_refused_is
     assert 'llmgw_controller_router_reports_refused_total{reason="too_many_routers"} 1.0' in text
     assert 'llmgw_controller_router_reports_refused_total{reason="malformed"} 2.0' in text
     assert "llmgw_controller_router_readings_forgotten_total 7.0" in text
+
+
+@asynccontextmanager
+async def hub_served_to_routers(hub: FeedHub, credentials: dict[str, str]) -> AsyncIterator[str]:
+    """The hub behind router credentials (``{credential: router name}``), as the admin listener
+    puts them: the request carries the router the credential names (llmgw.control.router_credentials)."""
+    from llmgw.access.roles import Principal
+    from llmgw.access.web import PRINCIPAL
+
+    @web.middleware
+    async def who(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        name = credentials.get(request.headers.get("Authorization", "").removeprefix("Bearer "))
+        if name is None:
+            return web.json_response({"error": "not a router credential"}, status=401)
+        request[PRINCIPAL] = Principal(f"router:{name}", None, via="router", router=name, credential=f"sha-{name}")
+        return await handler(request)
+
+    app = web.Application(middlewares=[who])
+    app.router.add_post(REPORT_PATH, hub.report)
+    app.router.add_get(WATCH_PATH, hub.watch)
+    async with hub_served(hub, app) as url:
+        yield url
+
+
+async def test_a_routers_measurements_are_filed_under_its_credential_whatever_process_it_names() -> None:
+    """Issue 41: a canary is judged on each router's figures alone too, and a rollback names the
+    router whose figures failed it; a router holding credential A that names router B's process
+    must not write into B's figures nor be named as B."""
+    hub = FeedHub()
+    async with hub_served_to_routers(hub, {"cred-a": "edge-a", "cred-b": "edge-b"}) as url:
+        async def send(credential: str, body: dict[str, Any]) -> int:
+            async with aiohttp.ClientSession() as s, s.post(
+                    url + REPORT_PATH, json=body, headers={"Authorization": f"Bearer {credential}"},
+                    timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                return resp.status
+
+        assert await send("cred-b", report("edge-b", "9d1e", {"canary": stats(5, errors=1).to_json()})) == 200
+        # edge-a claims to be edge-b, and edge-b's process, with a thousand good canary requests.
+        assert await send("cred-a", report("edge-b", "edge-b/9d1e", {"canary": stats(1000).to_json()})) == 200
+    assert hub.replica_stats() == {"edge-b/9d1e": {"canary": stats(5, errors=1)},
+                                   "edge-a/edge-b/9d1e": {"canary": stats(1000)}}
+    assert set(hub.routers()) == {"edge-a", "edge-b"}

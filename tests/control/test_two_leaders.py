@@ -40,7 +40,10 @@ CATALOG = {
     "models/m.yaml": "name: m\nsource: hf://org/m\nsize_gb: 0.1\nscaling:\n  min: 1\n  max: 1\n"
                      "profiles:\n  - name: sim\n    engine: sim\n    gpus: 1\n    gpu_class: [sim]\n",
 }
-FAST = LeadershipConfig(ttl=2.0, renew=0.3, retry=0.1, margin=0.7)
+# Nothing here lapses: a lease of 30 s that a stall of the shared event loop (two controllers, their
+# reconcilers, the admin app and PostgreSQL on a busy machine) cannot lose, so the handover after
+# close (well under 30 s) is the release, not a lapse.
+STEADY = LeadershipConfig(ttl=30.0, renew=0.3, retry=0.1, margin=5.0)
 
 
 def _catalog_repo(tmp_path: Path) -> Path:
@@ -91,7 +94,7 @@ async def test_only_the_leader_drives_nodes_and_the_standby_names_it(tmp_path: P
         config = ControllerConfig(repo=str(repo), data_dir=tmp_path / f"data-{name}", fetch_interval=60, watch=False,
                                   store=postgres_url, reconciler=ReconcilerConfig(tick_interval=0.2))
         nodes = RecordingDispatcher({"n1": FakeNode(hostname="n1", filesystems=[DISK])})
-        return Controller(config, dispatcher=nodes, advertise=f"http://ctl-{name}:8081", lease=FAST), nodes
+        return Controller(config, dispatcher=nodes, advertise=f"http://ctl-{name}:8081", lease=STEADY), nodes
 
     a, nodes_a = controller("a")
     b, nodes_b = controller("b")
@@ -100,7 +103,9 @@ async def test_only_the_leader_drives_nodes_and_the_standby_names_it(tmp_path: P
         await until(lambda: a.leading)
         await b.start()
         await until(lambda: nodes_a.calls_of("start"))  # the leader starts engines
-        assert not b.leading and b.standing_by() == (True, "http://ctl-a:8081")
+        # b learns the leader from the store on its own task, after start returned.
+        await until(lambda: b.standing_by() == (True, "http://ctl-a:8081"))
+        assert not b.leading
         view = b.leadership_view()
         assert (view["role"], view["leader_url"], view["epoch"], view["shared"]) == \
             ("standby", "http://ctl-a:8081", 1, True)
@@ -135,8 +140,8 @@ async def test_only_the_leader_drives_nodes_and_the_standby_names_it(tmp_path: P
     finally:
         await a.close()
     try:
-        await until(lambda: b.leading, within=FAST.ttl)  # released: at once, not after the TTL
-        assert time.monotonic() - handed < FAST.ttl + 5
+        await until(lambda: b.leading, within=15)  # released: at once, not after the TTL
+        assert time.monotonic() - handed < STEADY.ttl
         await until(lambda: nodes_b.calls_of("start"))  # the new leader reconciles
         assert b.leadership_view()["epoch"] == 2 and b.standing_by() == (False, "http://ctl-b:8081")
         async with admin_served(b) as url:

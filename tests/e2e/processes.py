@@ -123,7 +123,7 @@ class LocalController:
 
 
 def local_controller(tmp: Path, *, model_yaml: str, token: str, llmgw_yaml: str = "pools:\n  - name: local\n",
-                     reconciler: dict[str, Any] | None = None, **extra: Any) -> LocalController:
+                     reconciler: dict[str, Any] | None = None, gpus: int = 1, **extra: Any) -> LocalController:
     """A catalog of one local node and ``model_yaml`` (as models/sim-chat.yaml), seeded by `llmgw
     up`'s own preparation, and a controller config for it; start it with ``start(["controller",
     "--config", str(c.config)], ...)``."""
@@ -132,7 +132,7 @@ def local_controller(tmp: Path, *, model_yaml: str, token: str, llmgw_yaml: str 
     source = tmp / "catalog-src"
     (source / "models").mkdir(parents=True)
     (source / "llmgw.yaml").write_text(llmgw_yaml)
-    (source / "nodes.yaml").write_text(local_node_yaml(1))
+    (source / "nodes.yaml").write_text(local_node_yaml(gpus))
     (source / "models" / "sim-chat.yaml").write_text(model_yaml)
     data = tmp / "state"
     router_port, admin_port = free_port(), free_port()

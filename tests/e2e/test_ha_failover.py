@@ -285,6 +285,15 @@ def test_a_standby_takes_over_adopts_the_engines_and_no_request_fails(cluster: d
     for p in cluster["router_procs"]:  # SIGTERM: each sends its last usage batch before it exits
         stop(p, signal.SIGTERM)
     lead3 = admins[third]
-    total = api(lead3, "/api/v1/usage?since=1000000000&by=model")["total"]
-    assert (total["prompt_tokens"], total["completion_tokens"]) == (clients.prompt_tokens, clients.completion_tokens)
-    assert total["requests"] == clients.answered
+    # A last batch can come before the controller's router read the tokens it counts: the usage
+    # gate holds it until the next reading (issue 41), so the ledger is waited for, not read once.
+    wanted = (clients.prompt_tokens, clients.completion_tokens, clients.answered)
+
+    def ledger() -> tuple[int, int, int]:
+        total = api(lead3, "/api/v1/usage?since=1000000000&by=model")["total"]
+        return total["prompt_tokens"], total["completion_tokens"], total["requests"]
+
+    try:
+        wait_for(lambda: ledger() == wanted, 60, "the ledger equal to what the clients received")
+    except AssertionError:
+        assert ledger() == wanted  # says both

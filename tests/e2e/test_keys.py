@@ -77,7 +77,9 @@ def test_keys_made_and_revoked_on_a_running_up_take_effect_without_a_restart(tmp
                           "status names the missing key", up)
         assert 'tenant "search" names key "ghost", which no API key has' in status
         assert "team-a" not in status.split("warning", 1)[1]
-        assert "tenant-key-missing" in cli("events", "-o", "json", "--data-dir", str(data)).stdout
+        # The event is written by a catalog subscriber, after the catalog status reads is in place.
+        wait_for(lambda: "tenant-key-missing" in cli("events", "-o", "json", "--data-dir", str(data)).stdout, 30,
+                 "the tenant-key-missing event", up)
 
         # The tenant's budget: its size, what it used (per the ledger), what is left, when it resets.
         assert answer(url, key) == 200
@@ -165,6 +167,9 @@ def test_keys_made_and_revoked_on_a_running_up_take_effect_without_a_restart(tmp
         assert stop(up, timeout=60) == 0
 
 
+WELCOME_END = "Ctrl-C stops everything"
+
+
 def test_up_makes_a_key_at_start_and_keeps_it_out_of_its_log(tmp_path: Path) -> None:
     """`llmgw up --key NAME`: the router takes keys from the start; writing to a log (not a
     terminal), the key goes to a file only the user reads and the welcome's examples read it there."""
@@ -175,7 +180,8 @@ def test_up_makes_a_key_at_start_and_keeps_it_out_of_its_log(tmp_path: Path) -> 
             "--key", "demo", "--tenant", "lab"]
     up = start(args, tmp_path / "up.log")
     try:
-        wait_for(lambda: "llmgw is up" in (tmp_path / "up.log").read_text(), 60, "the welcome", up)
+        # The welcome's last line: it is written line by line, and a read at its first missed the rest.
+        wait_for(lambda: WELCOME_END in (tmp_path / "up.log").read_text(), 60, "the welcome", up)
         key_file = data / "demo.key"
         key = key_file.read_text().strip()
         assert key.startswith("llmgw-") and key_file.stat().st_mode & 0o777 == 0o600
@@ -191,7 +197,7 @@ def test_up_makes_a_key_at_start_and_keeps_it_out_of_its_log(tmp_path: Path) -> 
     key_file.unlink()
     up = start(args, tmp_path / "up2.log")  # again: the key made before is kept, not made twice
     try:
-        wait_for(lambda: "llmgw is up" in (tmp_path / "up2.log").read_text(), 60, "the welcome", up)
+        wait_for(lambda: WELCOME_END in (tmp_path / "up2.log").read_text(), 60, "the welcome", up)
         assert "API key demo exists (made earlier" in (tmp_path / "up2.log").read_text()
         assert not key_file.exists() and answer(url, key) == 200
     finally:

@@ -22,7 +22,7 @@ exactly the text it got, so no token was held back and merged into another event
 
 vLLM (scripts/build-vllm-cpu's build) is checked the same way with less around it: the engine
 started directly, the router in this process, its books read where the ledger gets them
-(``Router.usage()``; the controller's part is the same for every engine and checked above). Its
+(its usage outbox, ``ledger_usage``; the controller's part is the same for every engine and checked above). Its
 counters are ``vllm:prompt_tokens_total`` and ``vllm:generation_tokens_total``; a stream's running
 count is its ``usage`` (``continuous_usage_stats``); a client counts what it got by the token
 ids of its logprobs, or by ``usage`` it asked for itself.
@@ -57,8 +57,9 @@ from tests.e2e.processes import LLMGW, free_port, start, stop, wait_for
 from tests.e2e.test_llamacpp_fleet import BINARY, GGUF, _pids_of, requires_engine
 from tests.fixtures.confinement import confined_settings
 from tests.fixtures.streams import Received, stream_raw
-from tests.fixtures.vllm import BUILD, requires_vllm
+from tests.fixtures.vllm import BUILD, one_vllm_at_a_time, requires_vllm
 from tests.reconciler.fleet_e2e import nodes_yaml
+from tests.router.conftest import ledger_usage
 from tests.router.fake_controller import model as fake_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -340,6 +341,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subpro
 
 
 @requires_vllm
+@one_vllm_at_a_time
 def test_the_routers_books_are_what_each_client_was_handed_and_what_vllm_counted(vllm) -> None:  # noqa: ANN001
     url, proc = vllm
     runner = RouterThread(Endpoint(replica_id="v-1", model="smol", names=("smol",), url=url, engine="vllm",
@@ -424,7 +426,7 @@ class RouterThread:
 
     def usage(self) -> dict[str, int]:
         async def read() -> dict[str, int]:
-            u = self.router.usage().get(("", "smol"))
+            u = ledger_usage(self.router).get(("", "smol"))
             if u is None:
                 return {"requests": 0, "errors": 0, "prompt_tokens": 0, "completion_tokens": 0,
                         "counted_from_stream": 0}

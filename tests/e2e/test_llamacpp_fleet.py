@@ -24,7 +24,7 @@ import pytest
 
 from llmgw.catalog import cache_name
 from llmgw.contract import Endpoint
-from llmgw.router.load import read_queue
+from llmgw.router.load import read_engine
 from llmgw.router.table import Upstream
 from tests.conftest import git
 from tests.e2e.processes import LLMGW, free_port, start, stop, wait_for
@@ -187,7 +187,8 @@ def test_llama_cpp_replica_through_fetch_start_probe_router_removal_and_collecti
             async def go() -> None:
                 async with aiohttp.ClientSession() as session:
                     for _ in range(1200):  # a bound on a hang (a minute), not the stream's length
-                        load.append(await read_queue(session, up))
+                        reading = await read_engine(session, up)
+                        load.append(None if reading is None else (reading.running, reading.waiting))
                         if load[-1] and load[-1][0] >= 1:
                             seen_running.set()
                             return

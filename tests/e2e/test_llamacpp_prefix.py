@@ -21,7 +21,7 @@ from llmgw.contract import Endpoint
 from llmgw.engines.testing import LlamaServers
 from llmgw.router import Router, RouterConfig
 from tests.e2e.test_llamacpp_fleet import BINARY, GGUF, requires_engine
-from tests.router.conftest import serving
+from tests.router.conftest import ledger_usage, serving
 from tests.router.fake_controller import model
 
 pytestmark = [pytest.mark.slow, requires_engine, pytest.mark.timeout(240)]  # real inference: ~12 s on a busy box
@@ -85,12 +85,12 @@ async def test_a_tenants_next_request_reaches_the_replica_that_caches_its_prompt
     ups = router.table.upstreams
     assert ups["a"].prefixes is not None and ups["b"].prefixes is not None
     # The router's engine-reported counts are the engines' own, summed.
-    pc = router.prompt_cache()["smol"]
+    pc = router.usage.prompt_cache()["smol"]
     assert pc.cached_tokens == sum(c for _, c, _ in cached)
     assert pc.prompt_tokens == sum(c + p for _, c, p in cached)
     assert pc.matched > 0 and pc.estimated_hit_ratio is not None and pc.estimated_hit_ratio > 0.5
     # Usage counted from the engine's own numbers, streamed answers included (llama.cpp's timings:
     # asking it for a usage event would move them out of the event the client reads).
-    used = router.usage()[("", "smol")]
+    used = ledger_usage(router)[("", "smol")]
     assert (used.requests, used.errors, used.counted_from_stream) == (6, 0, 0)
     assert used.prompt_tokens == pc.prompt_tokens and used.completion_tokens == 6 * 2

@@ -19,9 +19,9 @@ import pytest
 from tests.conftest import REPO_ROOT
 from tests.e2e.processes import LLMGW, free_port, stop, wait_for
 from tests.e2e.test_llamacpp_fleet import BINARY, GGUF, requires_engine
-from tests.fixtures.vllm import BUILD, requires_vllm
+from tests.fixtures.vllm import BUILD, one_vllm_at_a_time, requires_vllm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), one_vllm_at_a_time]
 
 
 def section() -> list[str]:

@@ -98,5 +98,5 @@ async def test_each_turn_of_a_conversation_reaches_the_replica_that_caches_it(tw
             assert cache_n >= previous and cache_n > 4 * prompt_n, (c, turn, seen[c])
     # New conversations were spread over both replicas (the one remembering least takes a new one).
     assert {served[c][0] for c in range(4)} == {0, 1}, served
-    pc = router.prompt_cache()["smol"]
+    pc = router.usage.prompt_cache()["smol"]
     assert pc.cached_tokens == sum(n for turns in seen.values() for n, _ in turns)

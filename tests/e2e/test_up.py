@@ -104,7 +104,8 @@ def test_up_serves_applies_commits_and_stops_clean(tmp_path: Path) -> None:
         code = stop(proc, signal.SIGINT, timeout=60)
     assert code == 0, log.read_text()[-3000:]
     assert "stopped;" in log.read_text()
-    assert processes_under(data) == []
+    # An engine's monitor writes the exit record the stop waits for, then ends: waited for too.
+    wait_for(lambda: processes_under(data) == [], 30, "nothing left under the data dir")
 
     # Starting again comes back on the same state: the commit made above is still applied.
     log2 = tmp_path / "up2.log"
@@ -125,7 +126,8 @@ def test_up_serves_applies_commits_and_stops_clean(tmp_path: Path) -> None:
         wait_for(extra, 60, "sim-extra served after restart")
     finally:
         assert stop(proc, signal.SIGINT, timeout=60) == 0
-    assert processes_under(data) == []
+    # An engine's monitor writes the exit record the stop waits for, then ends: waited for too.
+    wait_for(lambda: processes_under(data) == [], 30, "nothing left under the data dir")
 
 
 @pytest.mark.slow

@@ -128,7 +128,8 @@ def test_a_client_that_leaves_cancels_the_engine_and_sighup_stops_everything(tmp
     # The drain (5 s) and the stop grace (5 s), not the request's end (its engine needs 40 s more,
     # its client never leaves) nor a hang to the kill.
     assert took < 30, f"stopping took {took:.1f} s"
-    assert processes_under(data) == [], log.read_text()[-2000:]
+    # An engine's monitor writes the exit record the stop waits for, then ends: waited for too.
+    wait_for(lambda: processes_under(data) == [], 30, "nothing left under the data dir")
 
 
 WELCOME = b"Ctrl-C stops everything"

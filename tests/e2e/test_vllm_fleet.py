@@ -32,11 +32,11 @@ from llmgw.engines.health import read_load, scan_samples
 from tests.conftest import git
 from tests.e2e.processes import LLMGW, free_port, start, stop, wait_for
 from tests.fixtures.sshd_fleet import MARKER_ENV, agent_config
-from tests.fixtures.vllm import BUILD, requires_vllm
+from tests.fixtures.vllm import BUILD, one_vllm_at_a_time, requires_vllm
 from tests.reconciler.fleet_e2e import nodes_yaml
 
 # Loading vLLM takes ~45 s on an idle 2-core machine, minutes on a busy one.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), one_vllm_at_a_time]
 
 TOKEN = "vllm-admin-token"
 STOP_GRACE = 10  # seconds the agent waits after SIGTERM before SIGKILL (the reconciler default)
@@ -220,22 +220,13 @@ def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_cle
 
         # Queue depth: while a long stream runs, vLLM's /metrics counts it, and so do `llmgw models`
         # (the router's reading of those metrics, what it weighs replicas by) and the router's gauge.
-        loads: list[Any] = []
-
-        def read_load_during_stream() -> None:
-            async def go() -> None:
+        # Each surface is waited for on its own: a busy machine may answer one reading late, and
+        # the three need not line up in one instant, only each show the stream while it runs.
+        def engine_load() -> Any:
+            async def go() -> Any:
                 async with aiohttp.ClientSession() as session:
-                    for _ in range(200):
-                        [m] = cli(admin_url, "models")
-                        load = await read_load(session, endpoint, "vllm")
-                        gauge = _router_gauge(router, "running")
-                        loads.append((m["engine_queue"], load, gauge))
-                        if m["engine_queue"] and m["engine_queue"]["running"] >= 1 and load and load.running >= 1 \
-                                and gauge is not None and gauge >= 1:
-                            return
-                        await asyncio.sleep(0.05)
-
-            asyncio.run(go())
+                    return await read_load(session, endpoint, "vllm", timeout=30)
+            return asyncio.run(go())
 
         # Stopped with two streams in flight: the model removed in git, the replica withdrawn from
         # the router at once and its engine kept while they run (the drain), up to drain_timeout.
@@ -258,7 +249,6 @@ def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_cle
         stream = client.chat.completions.create(
             model="smolv", messages=[{"role": "user", "content": "Tell a very long story."}],
             max_tokens=LONG, stream=True, extra_body={"ignore_eos": True})
-        reader = threading.Thread(target=read_load_during_stream)
         received: list[Any] = []
         ended = threading.Event()
 
@@ -266,18 +256,31 @@ def test_vllm_replica_confined_streams_usage_queue_prefix_cache_ledger_and_a_cle
             try:
                 for chunk in stream:
                     received.append(chunk)
-                    if len(received) == 3:
-                        reader.start()
             except openai.APIError as exc:
                 received.append(exc)
             ended.set()
 
         consumer = threading.Thread(target=consume, daemon=True)
         consumer.start()
-        wait_for(lambda: len(received) >= 3 and not reader.is_alive() and reader.ident is not None, 120,
-                 "the queue read during the stream", proc)
-        assert any(q and q["running"] >= 1 and q["replicas"] == 1 and load and load.running >= 1 and g and g >= 1
-                   for q, load, g in loads), loads
+        wait_for(lambda: len(received) >= 3, 120, "the long stream under way", proc)
+        seen: dict[str, Any] = {}
+
+        def while_streaming(name: str, read: Any, running: Any) -> Any:
+            def check() -> Any:
+                assert not ended.is_set(), f"the long stream ended before {name} counted it: {received[-1]!r:.300}"
+                seen[name] = read()
+                return seen[name] if running(seen[name]) else None
+            try:
+                return wait_for(check, 120, f"{name} counting the stream", proc)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; last read: {seen.get(name)!r}") from None
+
+        while_streaming("vLLM's /metrics", engine_load, lambda load: load is not None and load.running >= 1)
+        queue = while_streaming("llmgw models", lambda: cli(admin_url, "models")[0]["engine_queue"],
+                                lambda q: q is not None and q["running"] >= 1)
+        assert queue["replicas"] == 1, queue
+        while_streaming("the router's gauge", lambda: _router_gauge(router, "running"),
+                        lambda g: g is not None and g >= 1)
         assert not ended.is_set()
 
         short_consumer = threading.Thread(target=consume_short, daemon=True)

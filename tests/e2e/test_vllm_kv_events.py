@@ -17,9 +17,9 @@ import pytest
 
 from tests.agent.conftest import node  # noqa: F401 - the agent's local node fixture, used as a parameter
 from tests.agent.helpers import Node
-from tests.fixtures.vllm import BUILD, requires_vllm
+from tests.fixtures.vllm import BUILD, one_vllm_at_a_time, requires_vllm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), requires_vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), requires_vllm, one_vllm_at_a_time]
 
 
 SUB = """\

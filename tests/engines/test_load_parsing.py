@@ -67,7 +67,8 @@ llamacpp:requests_deferred 5
 
 
 def test_vllm_sums_label_sets_and_reports_the_fullest_cache() -> None:
-    assert parse_load(VLLM, "vllm") == Load(running=5, waiting=5, kv_cache_usage=0.75)
+    # Its prompt counter too (every prompt token: what bounds the prompts routers report).
+    assert parse_load(VLLM, "vllm") == Load(running=5, waiting=5, kv_cache_usage=0.75, prompted=1234.0)
 
 
 def test_vllm_old_cache_spelling() -> None:
@@ -84,6 +85,7 @@ def test_sglang() -> None:
 
 
 def test_llamacpp_has_no_cache_gauge() -> None:
+    # Nor a prompt counter of every prompt token: its prompt_tokens_total leaves out what its cache held.
     assert parse_load(LLAMACPP, "llama.cpp") == Load(running=2, waiting=5, kv_cache_usage=None)
 
 
@@ -98,3 +100,11 @@ def test_no_load_metrics_is_unknown_not_idle() -> None:
 
 def test_a_malformed_sample_is_no_reading_not_idle() -> None:
     assert parse_load("vllm:num_requests_running{model_name=\"m\" 1\n", "vllm") is None
+
+
+def test_a_gauge_that_is_not_a_count_is_no_reading_not_an_exception() -> None:
+    # vLLM's running gauge as NaN once ended the router's load readings of every replica.
+    assert parse_load("vllm:num_requests_running NaN\nvllm:num_requests_waiting +Inf\n", "vllm") is None
+    load = parse_load("vllm:num_requests_running NaN\nvllm:num_requests_waiting 3\n"
+                      "vllm:gpu_cache_usage_perc NaN\n", "vllm")
+    assert load is not None and (load.running, load.waiting, load.kv_cache_usage) == (0, 3, None)

@@ -32,8 +32,9 @@ vllm:request_prompt_tokens_sum{engine="0",model_name="smol"} 68.0
 
 def test_real_vllm_metrics_give_queue_depth_cache_use_and_prefix_counters() -> None:
     # Waiting is the gauge itself, not its per-reason breakdown (which would count 16 more).
+    # And the tokens it generated: what bounds the usage routers report (issue 41).
     assert parse_load(REAL, "vllm") == Load(running=1, waiting=2, kv_cache_usage=0.006, prefix_queries=68.0,
-                                            prefix_hits=0.0)
+                                            prefix_hits=0.0, generated=17.0, prompted=68.0)
 
 
 def test_real_vllm_token_counters_are_read_without_their_neighbours() -> None:

@@ -24,10 +24,14 @@ def test_a_router_that_fails_keeps_the_reconciler_on_the_catalog_before_and_it_i
     first = Catalog()
     desired.set(first)
     assert told == [("other router view", first)]  # its own order still told; the reconciler not
-    assert desired.failures == 1 and desired.problem is not None
+    assert desired.problem is not None
+    health = desired.health.health
+    assert health.failures == health.consecutive_failures == 1 and health.state == "degraded"
+    assert "RuntimeError: bad view" in (health.last_error or "")
     assert "RuntimeError: bad view" in desired.problem and "were not told" in desired.problem
     broken[0] = False
     second = Catalog()
     desired.set(second)
     assert told[1:] == [("router", second), ("other router view", second), ("reconciler", second)]
     assert desired.problem is None
+    assert desired.health.health.consecutive_failures == 0 and desired.health.health.state == "ok"

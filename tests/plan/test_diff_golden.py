@@ -102,7 +102,7 @@ def test_every_scenario_changes_what_it_says(run_cli, repo: Path, snapshot: Path
     p = plan(by["add-model"])
     assert [(x["action"], x["model"], x["shards"]) for x in p["plan"]["steps"]] == [
         ("start", "qwen", [{"node": "n2", "gpus": [1]}])]
-    assert p["plan"]["fetches"] == [{"node": "n2", "model": "qwen", "gb": 20}]
+    assert p["plan"]["fetches"] == [{"node": "n2", "model": "qwen", "gb": 20, "source": "hf://org/qwen@v2"}]
     assert p["summary"] == "Plan: 1 to start, 0 to stop, 0 unplaceable."
     p = plan(by["remove-model"])
     assert [(x["action"], x["replica"]) for x in p["plan"]["steps"]] == [("stop", "old-g3")]

@@ -23,7 +23,7 @@ def test_diff_shows_the_shards_by_rank_and_fetches_on_the_head_only() -> None:
            "      rank 0 (head) on b: no GPU, 2 GB RAM, the weights of smol (0.5 GB)\n" \
            "      rank 1 (worker) on a: no GPU, 2 GB RAM, no weights (the head sends its layers)\n" \
            "      rank 2 (worker) on c: no GPU, 2 GB RAM, no weights (the head sends its layers)\n" in text, text
-    assert plan.fetches == (("b", "smol", 0.5),)
+    assert plan.fetches == (("b", "smol", 0.5, "https://example.com/smol.gguf"),)  # read from the origin
     assert "fetch   b: weights of smol (0.5 GB)" in text and "fetch   a" not in text
 
     md = html.unescape(render_markdown(report))  # as its reader sees it (catalog text is escaped)

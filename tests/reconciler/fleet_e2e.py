@@ -70,7 +70,7 @@ class Recorder:
     def engine_queue(self) -> Mapping[str, tuple[int, int]]:
         return {}
 
-    def in_flight(self) -> Mapping[str, int]:
+    def in_flight_by_replica(self) -> Mapping[str, int]:
         return {}
 
 

@@ -55,6 +55,9 @@ def test_a_node_config_change_retries_a_failed_replica_once_per_failure_and_neve
             self.kinds.append(kind)
             assert subject and message
 
+        def weight_digests(self) -> dict[str, str]:
+            return {}  # no entry was read from the origin yet
+
     def fleet(digest: str) -> Inventory:
         n = node("a")
         return Inventory({"a": replace(n, report=replace(n.report, settings=digest))}, 0.0)
@@ -69,3 +72,43 @@ def test_a_node_config_change_retries_a_failed_replica_once_per_failure_and_neve
     for i, digest in enumerate(("d3", "d4", "d5")):
         assert life._retry_if_settings_changed(looping, fleet(digest), 310.0 + i) == looping  # noqa: SLF001
     assert events.kinds == ["replica-retry"]
+
+
+def test_a_replica_whose_port_another_process_listens_on_is_started_again() -> None:
+    """Two agents of one machine picked one port before either engine bound it, and both engines
+    bound it (SO_REUSEPORT): the kernel shared the connections, and a vLLM model was answered by
+    llama.cpp. A replica whose engine's port has another listener is started again elsewhere."""
+    from llmgw.inventory import EngineRecord, Inventory
+    from llmgw.reconciler.config import ReconcilerConfig
+    from llmgw.reconciler.lifecycle import Lifecycle
+    from tests.placement.fleet import node
+
+    class Events:
+        def __init__(self) -> None:
+            self.said: list[tuple[str, str, str]] = []
+
+        def add_event(self, kind: str, subject: str, message: str) -> None:
+            self.said.append((kind, subject, message))
+
+        def weight_digests(self) -> dict[str, str]:
+            return {}
+
+    from llmgw.decide.replica import ShardStatus
+
+    shard = ShardStatus("a", 0, (0,), "m-g1", pid=4242, port=39001, endpoint="http://127.0.0.1:39001", state="started")
+    ready = replica("m-g1", state=ReplicaState.READY, shards=(shard,))
+
+    def fleet(shared: int | None) -> Inventory:
+        n = node("a")
+        engine = EngineRecord(replica_id=shard.agent_id, pid=4242, port=39001, endpoint="http://127.0.0.1:39001",
+                              engine="vllm", alive=True, port_shared_with=shared)
+        return Inventory({"a": replace(n, report=replace(n.report, engines=(engine,)))}, 0.0)
+
+    events = Events()
+    life = Lifecycle(None, None, events, ReconcilerConfig(), clock=lambda: 0.0)  # type: ignore[arg-type]
+    assert life.observe(ready, fleet(0), 10.0) == ready
+    assert life.observe(ready, fleet(None), 10.0) == ready  # not told (the agent could not read its processes)
+    failed = life.observe(ready, fleet(1), 10.0)
+    assert failed.state == ReplicaState.FAILED
+    assert "port 39001 on a is shared with 1 socket(s) of another process" in (failed.error or "")
+    assert [(k, s) for k, s, _m in events.said] == [("replica-failed", "m-g1")]

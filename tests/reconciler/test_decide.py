@@ -124,3 +124,29 @@ def test_unplaceable_model_is_reported_with_reasons() -> None:
     d = run(Catalog(models=(big,)), inventory(node("a")), [])
     assert d.unplaced == {"big": 1}
     assert [str(r) for r in d.rejections] == ["big/gpu on a: node has 8 GPUs in all, needs 16: never fits on this node"]
+
+
+def test_scaling_for_load_acts_on_what_the_engines_count_not_on_what_a_router_says() -> None:
+    """A router's report of 50 in flight against an engine that counts 1 running and 1 waiting:
+    the model scales as for 2, and the other 48 are said to be unconfirmed."""
+    from llmgw.decide.demand import believed_demand
+
+    cat = Catalog(models=(scaled(M, min=1, max=3, target_inflight=1),))
+    reps = [replica("r1-g1"), replica("r2-g1", gpu=1, state=ReplicaState.STARTING)]
+    said = {M.name: Demand(held=0, inflight=50)}
+    believed = believed_demand(said, {"r1-g1": (1, 1)}, reps)
+    assert believed.demand[M.name] == Demand(held=0, inflight=2) and believed.unconfirmed == {M.name: 48}
+    # One ready replica not read among others that are: it counts none.
+    reps3 = [replica("r1-g1"), replica("r2-g1", gpu=1)]
+    assert believed_demand(said, {"r1-g1": (3, 0)}, reps3).demand[M.name].inflight == 3
+    # No reading of any engine at all: the routers' word stands (a source that reads none).
+    assert believed_demand(said, {}, reps).demand == said and believed_demand(said, {}, reps).unconfirmed == {}
+    # Held requests with nothing ready: believed (no engine to ask); they take a model to one.
+    held = {M.name: Demand(held=9, inflight=0)}
+    assert believed_demand(held, {"x": (0, 0)}, []).demand == held
+    # What decide makes of it: 50 said would add a replica; the 2 counted on one ready replica too,
+    # and 1 counted on it would not.
+    one = [replica("r1-g1")]
+    inv = inventory(node("a"))
+    assert run(cat, inv, one, demand=believed_demand(said, {"r1-g1": (1, 1)}, one).demand).create
+    assert not run(cat, inv, one, demand=believed_demand(said, {"r1-g1": (1, 0)}, one).demand).create

@@ -241,7 +241,9 @@ async def test_node_loss_moves_replicas_and_stale_engines_stop_on_return(fleet, 
         assert all(pid_alive(p) for p in stale_pids)
         fleet.restart(fleet[0])
         await until(lambda: not any(pid_alive(p) for p in stale_pids), timeout=40, what="stale engines stopped")
-        assert "stale-engine-stopped" in [e.kind for e in c.store.events()]
+        # The event is written once the agent's stop answers, after the engines are gone.
+        await until(lambda: "stale-engine-stopped" in [e.kind for e in c.store.events()], timeout=40,
+                    what="the stale-engine-stopped event")
         await stop_all(c, repo)
     finally:
         await c.close()

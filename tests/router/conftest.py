@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ from aiohttp import web
 from llmgw.contract import Endpoint
 from llmgw.engines.testing import PACKAGE_ROOT, SimProcess, free_port
 from llmgw.router import Router
+from llmgw.tenancy.usage import Usage, UsageOutbox
 from tests.conftest import REPO_ROOT
 
 TOKEN = "admin-secret"
@@ -56,6 +58,29 @@ async def serving(router: Router) -> AsyncIterator[str]:
 
 def client(base: str, key: str = "unused") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=15)
+
+
+def router_metric(router: Router, name: str, **labels: str) -> float:
+    """One series of ``router``'s /metrics as a scrape would read it (0 when absent)."""
+    return router.registry.get_sample_value(name, labels) or 0.0
+
+
+# Rows a batch taken and acknowledged leaves the outbox: what ledger_usage read so far, per outbox.
+_handed: weakref.WeakKeyDictionary[UsageOutbox, dict[tuple[str, str], Usage]] = weakref.WeakKeyDictionary()
+
+
+def ledger_usage(router: Router) -> dict[tuple[str, str], Usage]:
+    """What ``router`` has handed the controller's usage ledger, summed per (API key, model) as the
+    ledger sums it: its outbox's batches taken and acknowledged as a controller does (so only for
+    a router no controller reads)."""
+    outbox = router.usage.outbox
+    totals = _handed.setdefault(outbox, {})
+    while (batch := outbox.take()) is not None:
+        for row in batch.rows:
+            counts = {k: v for k, v in row.to_json().items() if k not in ("minute", "tenant", "key", "model")}
+            totals.setdefault((row.key, row.model), Usage()).add(Usage(**counts))
+        outbox.acked(batch.seq)
+    return {k: Usage(**u.to_json()) for k, u in totals.items()}
 
 
 def sim_metric(endpoint_url: str, name: str) -> float:

@@ -13,7 +13,7 @@ import pytest
 
 import llmgw.serving as serving_module
 from llmgw.engines.testing import SimProcess
-from tests.router.conftest import endpoint, serving, sim_metric
+from tests.router.conftest import endpoint, router_metric, serving, sim_metric
 from tests.router.test_serving import make_router
 
 
@@ -208,7 +208,7 @@ async def test_a_body_that_does_not_arrive_in_time_is_408(chat_sim: SimProcess) 
         assert head.startswith(b"HTTP/1.1 408"), head
         assert b"connection: close" in head.lower()
         assert json.loads(body)["error"]["code"] == "request_timeout"
-        assert router._buffered == 0
+        assert router_metric(router, "llmgw_router_request_body_bytes") == 0
 
 
 @pytest.mark.parametrize("data", [gzip.compress(b'{"model": "chat", "messages": []}', mtime=0), b"not gzip at all"],
@@ -225,4 +225,4 @@ async def test_a_compressed_body_is_a_415_before_it_is_read(chat_sim: SimProcess
     assert status == 415, answer
     assert answer["error"]["code"] == "unsupported_content_encoding"
     assert "Content-Encoding `gzip` are not accepted here; send the body uncompressed" in answer["error"]["message"]
-    assert router._buffered == 0
+    assert router_metric(router, "llmgw_router_request_body_bytes") == 0

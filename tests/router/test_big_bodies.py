@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmgw.catalog.model import Budget, Catalog, Limits, Settings, Tenant
 from llmgw.engines.testing import SimProcess
 from llmgw.router import KeyRing, Router, RouterConfig, hash_key
-from tests.router.conftest import endpoint, serving
+from tests.router.conftest import endpoint, router_metric, serving
 from tests.router.fake_controller import model
 from tests.router.test_deliveries import engine, write_completion
 from tests.router.test_serving import make_router
@@ -235,7 +235,7 @@ async def answer_of(reader: asyncio.StreamReader) -> tuple[int, dict]:
 
 
 async def held(router: Router, size: int) -> bool:
-    return router._buffered >= size  # noqa: SLF001
+    return router_metric(router, "llmgw_router_request_body_bytes") >= size
 
 
 MB = 1024 * 1024
@@ -263,7 +263,7 @@ async def test_bodies_count_against_the_buffered_limit_as_they_are_read(chat_sim
 
 
 async def held_none(router: Router) -> bool:
-    return router._buffered == 0  # noqa: SLF001
+    return router_metric(router, "llmgw_router_request_body_bytes") == 0
 
 
 async def test_one_key_holds_at_most_its_share_of_the_buffers() -> None:

@@ -25,7 +25,7 @@ from llmgw.router import KeyRing, Router, RouterConfig, hash_key
 from llmgw.state import Store
 from llmgw.tenancy.memory import Limiter, Ticket
 from llmgw.tenancy.rules import Refusal
-from tests.router.conftest import TOKEN, endpoint, serving
+from tests.router.conftest import TOKEN, endpoint, router_metric, serving
 from tests.router.fake_controller import make_app, model
 from tests.router.test_feed import following, until
 from tests.router.test_usage_ledger import serve
@@ -122,7 +122,7 @@ async def test_a_router_stamps_its_usage_on_the_shared_limits_clock(chat_sim: Si
         async with serving(r) as base, openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-team",
                                                           max_retries=0, timeout=15) as c:
             await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=5)
-        batch = r.usage_outbox.take()
+        batch = r.usage.outbox.take()
         assert batch is not None and batch.rows
         now = time.time()
         assert all(abs(x.minute - now) < 3_600 for x in batch.rows), [x.minute - now for x in batch.rows]
@@ -260,7 +260,7 @@ async def test_a_redis_restarted_without_its_data_starts_from_the_ledger(chat_si
             assert served + sum(after) <= DAY.tokens, (served, after)
             assert sum(after) < 100  # at most one request (a reservation: 50 + its prompt)
             for r in routers:
-                assert r._limits.url and not r._limits.degraded  # noqa: SLF001 - Redis answered
+                assert router_metric(r, "llmgw_router_limits_degraded") == 0  # Redis answered
             # The router that had not used Redis before it went away asked the new one: it says so too.
             import redis as redis_client
 
@@ -307,7 +307,7 @@ async def test_with_redis_away_three_routers_grant_no_more_than_what_was_left(ch
             redis.wait(5)
             served = [await spend(base, max_tokens=20) for base in bases]
             for r in routers:
-                assert r._limits.url and r._limits.degraded  # noqa: SLF001
+                assert router_metric(r, "llmgw_router_limits_degraded") == 1
         left = budget.tokens - used
         assert sum(served) <= left and all(s <= left // 3 for s in served), (served, left)
         assert sum(served) > left // 2  # and the routers did grant their shares

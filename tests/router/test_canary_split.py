@@ -210,9 +210,9 @@ async def test_two_engines_split_by_the_share_and_the_router_measures_each() -> 
             assert on_stable + on_canary == n
             assert 20 <= on_canary <= 80, (on_stable, on_canary)
 
-            stats = router.replica_stats()
-            assert list(stats) == [router.instance_id]
-            mine = stats[router.instance_id]
+            stats = router.usage.replica_stats()
+            assert list(stats) == [router.usage.instance_id]
+            mine = stats[router.usage.instance_id]
             assert (mine["stable"].requests, mine["canary"].requests) == (on_stable, on_canary)
             assert mine["stable"].errors == mine["canary"].errors == 0
             for s in mine.values():
@@ -229,12 +229,12 @@ async def test_a_failing_canary_costs_clients_nothing_and_its_errors_are_counted
         router = split_router(stable, new, percent=50.0)
         async with serving(router) as base, client(base) as cl:
             assert all(await send_load(cl, 20))
-            before = router.replica_stats()[router.instance_id]
+            before = router.usage.replica_stats()[router.usage.instance_id]
             new.stop()  # the canary's engine is gone: every attempt on it fails before the first byte
             n = 60
             answers = await send_load(cl, n)
             assert all(answers)  # the stable replica served every request the canary could not
-            after = router.replica_stats()[router.instance_id]
+            after = router.usage.replica_stats()[router.usage.instance_id]
             canary_delta = after["canary"] - before["canary"]
             stable_delta = after["stable"] - before["stable"]
             # Binomial(60, 0.5) draws the canary at least 10 times far beyond any doubt.
@@ -270,7 +270,7 @@ async def test_a_canary_failing_half_its_requests_is_counted_and_clients_see_onl
             served = await asyncio.gather(*(one(i) for i in range(n)))
             failed_by_engine = int(sim_metric(new.endpoint, "llmgw_sim_requests_failed_total"))
             on_canary = served_by(new)
-            mine = router.replica_stats()[router.instance_id]
+            mine = router.usage.replica_stats()[router.usage.instance_id]
             assert served.count(False) == failed_by_engine
             assert 20 <= on_canary <= 80, on_canary  # the canary's share of the load, as above
             # Its first request is served, then every second one fails (the simulator's exact count).
@@ -295,27 +295,27 @@ async def test_a_client_that_goes_away_mid_stream_costs_the_replica_nothing() ->
                                     timeout=aiohttp.ClientTimeout(total=15)) as resp:
                 assert resp.status == 200
                 await resp.content.readline()  # the stream began; then the client hangs up
-            while router.inflight() or not sim_metric(sim.endpoint, "llmgw_sim_requests_cancelled_total"):
+            while router.requests_in_flight() or not sim_metric(sim.endpoint, "llmgw_sim_requests_cancelled_total"):
                 await asyncio.sleep(0.02)  # the router saw the client go and cut the engine's request
-            assert router.replica_stats()[router.instance_id]["r"] == ReplicaStats()
+            assert router.usage.replica_stats()[router.usage.instance_id]["r"] == ReplicaStats()
 
 
 async def test_stats_of_a_replica_that_leaves_the_table_are_dropped() -> None:
     router = Router()
     router.set_endpoints([endpoint("m", "http://a", "a"), endpoint("m", "http://b", "b")])
-    assert set(router.replica_stats()[router.instance_id]) == {"a", "b"}
+    assert set(router.usage.replica_stats()[router.usage.instance_id]) == {"a", "b"}
     router.set_endpoints([endpoint("m", "http://b", "b")])
-    assert set(router.replica_stats()[router.instance_id]) == {"b"}
+    assert set(router.usage.replica_stats()[router.usage.instance_id]) == {"b"}
     # A new router process is a new instance: the controller never differences across a restart.
-    assert Router().instance_id != router.instance_id
+    assert Router().usage.instance_id != router.usage.instance_id
 
 
 def test_replica_stats_are_copies() -> None:
     router = Router()
     router.set_endpoints([endpoint("m", "http://a", "a")])
-    read = router.replica_stats()[router.instance_id]["a"]
+    read = router.usage.replica_stats()[router.usage.instance_id]["a"]
     read.observe(error=True, ttft=0.1)
-    assert router.replica_stats()[router.instance_id]["a"] == ReplicaStats()
+    assert router.usage.replica_stats()[router.usage.instance_id]["a"] == ReplicaStats()
 
 
 

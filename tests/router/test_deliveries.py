@@ -152,11 +152,13 @@ def test_next_step_never_delivers_three_times_and_never_retries_a_timeout() -> N
 
 async def test_bodies_in_flight_have_a_total_cap_not_only_a_cap_each() -> None:
     async with engine(read_then_hang) as (a, seen_a):
-        router = router_for([a], first_byte_timeout=3.0, buffered_limit=1500)
+        router = router_for([a], first_byte_timeout=60.0, buffered_limit=1500)
         async with serving(router) as base, client(base) as cl:
             big = [{"role": "user", "content": "x" * 900}]
             first = asyncio.ensure_future(cl.chat.completions.create(model="chat", messages=big))
-            await asyncio.sleep(0.3)  # the first body is held while its engine thinks
+            async with asyncio.timeout(30):  # the first body is held while its engine thinks
+                while not seen_a:
+                    await asyncio.sleep(0.02)
             with pytest.raises(openai.APIStatusError) as err:
                 await cl.chat.completions.create(model="chat", messages=big)
             assert err.value.status_code == 503 and "request bodies in flight" in err.value.message

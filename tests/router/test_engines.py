@@ -11,6 +11,8 @@ real HTTP server that answers as each engine does and records what it was sent.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,7 +26,7 @@ from llmgw.contract import PromptCache
 from llmgw.router import Router
 from llmgw.router.engines import engine_profile
 from llmgw.router.table import Upstream
-from tests.router.conftest import client, endpoint, serving, serving_app
+from tests.router.conftest import client, endpoint, ledger_usage, serving, serving_app
 from tests.router.fake_controller import model
 
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -106,11 +108,67 @@ async def test_each_engine_is_asked_for_its_running_counts_its_own_way_and_the_c
     # The client asked for no usage, and got none, from either engine; llama.cpp's last event has
     # its timings, as it writes them unasked, and only that one; the answer is whole.
     assert seen == {"l": ("Hello", [], [False, True]), "v": ("Hello", [], [False, False])}
-    usage = router.usage()
+    usage = ledger_usage(router)
     assert (usage[("", "l")].prompt_tokens, usage[("", "l")].completion_tokens) == (5, 2)
     assert (usage[("", "v")].prompt_tokens, usage[("", "v")].completion_tokens) == (7, 2)
     assert usage[("", "l")].counted_from_stream == usage[("", "v")].counted_from_stream == 0
     # Prompt-cache hits from llama.cpp's timings; an engine without them adds none per answer.
-    cache = router.prompt_cache()
+    cache = router.usage.prompt_cache()
     assert cache["l"] == PromptCache(prompt_tokens=5, cached_tokens=3)
     assert "v" not in cache
+
+
+async def test_a_reading_that_cannot_be_applied_is_counted_each_time_and_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A replica whose readings keep failing is a metric per poll and one log line, until it
+    reads well again (it was a traceback per replica per second)."""
+    import aiohttp
+
+    from llmgw.contract import Endpoint
+    from llmgw.router.load import poll_loads
+    from llmgw.router.table import EndpointTable
+
+    served = [0]
+
+    async def metrics(_request: web.Request) -> web.Response:
+        served[0] += 1
+        return web.Response(text=f"vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"
+                                 f"vllm:prefix_cache_queries_total {served[0] * 10}\n"
+                                 f"vllm:prefix_cache_hits_total {served[0] * 5}\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    up = Upstream(Endpoint("r1", "m", ("m",), f"http://127.0.0.1:{port}", "vllm", "p", 0))
+    table = EndpointTable({}, {"r1": up}, version=1)
+    broken, odd = [True], []
+
+    def prefix_counts(_u: Upstream, _queries: float, _hits: float) -> None:
+        if broken[0]:
+            raise RuntimeError("a bug in what a reading feeds")
+
+    caplog.set_level("ERROR", logger="llmgw.router.load")
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(poll_loads(lambda: table, session, 0.01, prefix_counts, odd=odd.append))
+        try:
+            while len(odd) < 5:
+                await asyncio.sleep(0.01)
+            assert [r.message for r in caplog.records].count(
+                f"ignoring the load read from {up.url} (said once until it reads well again)") == 1
+            broken[0] = False
+            seen = served[0]
+            while served[0] < seen + 3:  # good readings again
+                await asyncio.sleep(0.01)
+            broken[0] = True
+            while len([r for r in caplog.records if "ignoring the load" in r.message]) < 2:
+                await asyncio.sleep(0.01)  # failing anew is said anew
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await runner.cleanup()
+    assert all(u is up for u in odd) and up.engine_load == (1, 0)

@@ -204,7 +204,7 @@ async def test_the_leader_dies_mid_stream_and_the_router_follows_the_next_one(ch
             await until(lambda: b.applied and b.applied[-1] == b.hub.version, HANG)
             assert set(b.applied) <= {0, b.hub.version} and a.hub.version > b.hub.version
             # The usage of the requests served meanwhile reaches the new leader's store, once.
-            await until(lambda: router.usage_outbox.pending == 0, HANG)
+            await until(lambda: router.usage.outbox.pending == 0, HANG)
             assert store.usage(0, 2 ** 40, by=())[0]["requests"] == 3
             m = await metrics(base)
             assert m["llmgw_router_controller_following"][(("controller", "2"),)] == 1.0
@@ -254,11 +254,11 @@ async def test_a_batch_the_dead_leader_recorded_but_never_acknowledged_is_counte
             answer = await c.chat.completions.create(model="chat", messages=HELLO)
             assert answer.usage is not None
             await until(lambda: a.batches and a.runner is None, HANG)  # recorded, then died unanswered
-            assert router.usage_outbox.pending > 0  # kept: no answer said the store has it
+            assert router.usage.outbox.pending > 0  # kept: no answer said the store has it
             sent = a.batches[0]
             await until(lambda: b.batches, HANG)  # sent to b while it stands by: kept again
             b.lead()
-            await until(lambda: router.usage_outbox.pending == 0, HANG)
+            await until(lambda: router.usage.outbox.pending == 0, HANG)
             assert b.batches[-1] == sent  # the same router instance and batch number
             await until(lambda: feed.connected, HANG)  # the report may have reached b before the watch
             assert feed.controller == b.url and feed.leader_switches == 1
@@ -284,11 +284,11 @@ async def test_a_router_stopping_while_its_leader_is_away_hands_its_usage_to_the
                 async with client(base) as c:
                     assert (await c.chat.completions.create(model="chat", messages=HELLO)).choices
                 await router.drain()
-                assert router.usage_outbox.pending > 0 and not b.batches
+                assert router.usage.outbox.pending > 0 and not b.batches
             finally:
                 b.lead()  # leads now; with no await before the stop, the router has not found out
                 await feed.close()
-        assert router.usage_outbox.pending == 0 and len(b.batches) == 1
+        assert router.usage.outbox.pending == 0 and len(b.batches) == 1
         assert store.usage(0, 2 ** 40, by=())[0]["requests"] == 1
 
 

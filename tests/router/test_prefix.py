@@ -8,6 +8,7 @@ import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import replace
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -19,9 +20,14 @@ from llmgw.control.feed import FeedHub, MergedUsage
 from llmgw.engines.health import parse_load
 from llmgw.engines.testing import SimProcess
 from llmgw.router import Router, RouterConfig, catalog_from_view
+from llmgw.router.account import Accounting
 from llmgw.router.answer import llama_timings
+from llmgw.router.changes import Changes
+from llmgw.router.current import Current
+from llmgw.router.demand import DemandBook
 from llmgw.router.prefix import PrefixIndex, prompt_key, render_chat, render_prompt
 from llmgw.router.routes import RouteModel
+from llmgw.router.source import RouterUsage
 from llmgw.router.table import EMPTY, build_table, choose, pick_prefix
 from tests.router.conftest import client, endpoint, serving, sim_metric
 from tests.router.fake_controller import model
@@ -340,7 +346,7 @@ async def test_through_the_router_each_tenant_stays_on_one_engine(two_sims) -> N
     engine_prompt = _samples(metrics, "llmgw_router_engine_prompt_tokens_total")["m"]
     engine_cached = _samples(metrics, "llmgw_router_engine_cached_prompt_tokens_total")["m"]
     assert engine_prompt > 0 and engine_cached / engine_prompt > 0.5
-    pc = router.prompt_cache()["m"]
+    pc = router.usage.prompt_cache()["m"]
     assert (pc.blocks, pc.matched) == (blocks, matched)
 
 
@@ -358,7 +364,7 @@ async def test_least_outstanding_scatters_the_same_tenants(two_sims) -> None:  #
     on_a, on_b = a_log.read_text().split(), b_log.read_text().split()
     split = sum(1 for n in range(6) if f"tenant-{n}" in on_a and f"tenant-{n}" in on_b)
     assert split >= 3, (on_a, on_b)
-    assert router.prompt_cache().get("m", PromptCache()).blocks == 0  # no index kept for this policy
+    assert router.usage.prompt_cache().get("m", PromptCache()).blocks == 0  # no index kept for this policy
 
 
 def test_a_routing_change_is_one_field_in_the_diff_and_restarts_nothing() -> None:
@@ -434,12 +440,11 @@ def test_rendering_stops_after_what_is_hashed() -> None:
 
 
 def test_engine_wide_counters_stay_out_of_the_reports_routers_sum() -> None:
-    router = Router()
-    router.set_endpoints([endpoint("m", "http://a", "a")])
-    up = router.table.upstreams["a"]
-    router._engine_counts(up, 1000.0, 700.0)  # what the load poller adds for a vLLM engine
-    assert router.prompt_cache()["m"] == PromptCache(0, 0, 1000, 700)  # this router's own view
-    assert "m" not in router.prompt_cache(polled=False)  # its report: the controller reads the engine too
+    books = Accounting(SimpleNamespace(limits=None), wall=lambda: 0.0)  # type: ignore[arg-type]
+    usage = RouterUsage(Current(), books, DemandBook(Changes(), clock=lambda: 0.0, linger=15.0))
+    books.engine_counts("m", 1000.0, 700.0)  # what the load poller adds for a vLLM engine
+    assert usage.prompt_cache()["m"] == PromptCache(0, 0, 1000, 700)  # this router's own view
+    assert "m" not in usage.prompt_cache(polled=False)  # its report: the controller reads the engine too
 
 
 def test_a_conversation_draws_one_number_over_its_turns_and_conversations_spread() -> None:

@@ -127,9 +127,9 @@ async def _run(mode: str, n: int = 10) -> tuple[int, int, int, int]:
                     continue
                 if finish is None:  # no finish_reason: the answer was cut short
                     bad += 1
-            while router.inflight():  # the last attempt is recorded once the client has it all
+            while router.requests_in_flight():  # the last attempt is recorded once the client has it all
                 await asyncio.sleep(0.01)
-            s = router.replica_stats()[router.instance_id]["canary"]
+            s = router.usage.replica_stats()[router.usage.instance_id]["canary"]
             return bad, s.requests, s.errors, sum(s.ttft)
 
 
@@ -208,7 +208,7 @@ async def test_a_canary_that_answers_429_to_every_request_fails_its_analysis() -
                             {"role": "user", "content": f"Hello from conversation {i}"}])
                     except openai.RateLimitError:
                         refused += 1
-                mine = router.replica_stats()[router.instance_id]
+                mine = router.usage.replica_stats()[router.usage.instance_id]
     assert refused == mine["canary"].requests > 0  # every canary request refused to the user
     assert mine["canary"].errors == refused and sum(mine["canary"].ttft) == 0
     assert (mine["stable"].requests, mine["stable"].errors) == (60 - refused, 0)
@@ -233,7 +233,7 @@ async def test_a_429_the_router_makes_for_a_tenant_is_no_replicas_doing() -> Non
                     answered += 1
                 except openai.RateLimitError:
                     refused += 1
-            mine = router.replica_stats()[router.instance_id]["r"]
+            mine = router.usage.replica_stats()[router.usage.instance_id]["r"]
     assert (answered, refused) == (2, 3)
     assert (mine.requests, mine.errors) == (2, 0)
 
@@ -261,9 +261,9 @@ async def test_a_real_llama_cpp_servers_streams_are_whole(tmp_path: Path) -> Non
                 text = await cl.completions.create(model="smol", prompt="Hello", stream=True, max_tokens=4,
                                                    **options)  # type: ignore[call-overload]
                 finishes += [c.choices[0].finish_reason async for c in text if c.choices and c.choices[0].finish_reason]
-            while router.inflight():
+            while router.requests_in_flight():
                 await asyncio.sleep(0.01)
-            mine = router.replica_stats()[router.instance_id]["r"]
+            mine = router.usage.replica_stats()[router.usage.instance_id]["r"]
     finally:
         servers.close()
     assert len(finishes) == 4  # each answer ended as the engine says

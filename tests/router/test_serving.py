@@ -120,8 +120,8 @@ async def test_fallback_serves_and_wakes_the_primary(chat_sim: SimProcess) -> No
         assert raw.status_code == 200 and raw.headers["x-llmgw-model"] == "chat"
         assert raw.parse().model == "chat"
     assert woken == ["big"]
-    assert router.demand()["big"].held == 1  # demand for the primary, so the control plane starts one
-    assert router.demand()["big"].inflight == 0
+    assert router.usage.demand()["big"].held == 1  # demand for the primary, so the control plane starts one
+    assert router.usage.demand()["big"].inflight == 0
 
 
 @pytest.mark.parametrize("dead", ["closed port", "killed engine"])
@@ -143,7 +143,7 @@ async def test_retry_on_another_replica_when_one_is_dead(chat_sim: SimProcess, d
     dead_one = router.table.upstreams["dead"]
     assert dead_one.failures == 1  # tried once, then cooled down: the next requests skip it
     assert dead_one.cooldown_until > time.monotonic()
-    assert router.inflight() == 0
+    assert router.requests_in_flight() == 0
 
 
 async def test_a_dead_primary_fails_over_to_its_fallback_and_is_then_skipped(chat_sim: SimProcess) -> None:
@@ -153,7 +153,7 @@ async def test_a_dead_primary_fails_over_to_its_fallback_and_is_then_skipped(cha
             raw = await c.chat.completions.with_raw_response.create(model="big", messages=HELLO)
             assert raw.headers["x-llmgw-model"] == "chat"
     assert router.table.upstreams["big-dead"].failures == 1  # cooling: the next requests went straight on
-    assert "big" not in router.demand()  # it has a replica (a sick one): no wake for it
+    assert "big" not in router.usage.demand()  # it has a replica (a sick one): no wake for it
 
 
 async def test_every_replica_dead_is_a_clear_502() -> None:
@@ -252,13 +252,13 @@ async def test_client_disconnect_cancels_upstream(chat_sim: SimProcess, stream_s
                                 json={"model": "stream", "messages": HELLO, "stream": True})
             first = await resp.content.readany()
             assert first.startswith(b"data: ")
-            assert router.inflight() == 1
+            assert router.requests_in_flight() == 1
             resp.close()  # the client goes away mid-stream
         deadline = time.monotonic() + 3
         while sim_metric(stream_sim.endpoint, "llmgw_sim_requests_cancelled_total") == before:
             assert time.monotonic() < deadline, "the engine never saw the request cancelled"
             await asyncio.sleep(0.05)
-        assert router.inflight() == 0
+        assert router.requests_in_flight() == 0
 
 
 async def test_scale_from_zero_holds_until_a_replica_is_ready(chat_sim: SimProcess) -> None:
@@ -267,9 +267,9 @@ async def test_scale_from_zero_holds_until_a_replica_is_ready(chat_sim: SimProce
     router.wake = woken.append
     async with serving(router) as base, client(base) as c:
         task = asyncio.create_task(c.chat.completions.with_raw_response.create(model="cold", messages=HELLO))
-        while not router.demand().get("cold"):
+        while not router.usage.demand().get("cold"):
             await asyncio.sleep(0.01)
-        assert woken == ["cold"] and router.demand()["cold"].held == 1
+        assert woken == ["cold"] and router.usage.demand()["cold"].held == 1
         await asyncio.sleep(0.2)
         assert not task.done()
         # The control plane publishes the new replica: the held request goes to it.
@@ -277,7 +277,7 @@ async def test_scale_from_zero_holds_until_a_replica_is_ready(chat_sim: SimProce
                               endpoint("cold", chat_sim.endpoint)])
         raw = await asyncio.wait_for(task, 5)
         assert raw.headers["x-llmgw-model"] == "cold" and raw.parse().choices[0].message.content
-    assert "cold" not in router.demand()
+    assert "cold" not in router.usage.demand()
 
 
 async def test_hold_times_out_with_retry_after(chat_sim: SimProcess) -> None:

@@ -22,6 +22,7 @@ from llmgw.router import KeyRing, Router, RouterConfig, hash_key
 from llmgw.tenancy.memory import Limiter, Ticket
 from llmgw.tenancy.rules import Refusal, period_start
 from llmgw.tenancy.shared import SharedLimits, SharedTicket, redacted
+from tests.fixtures.clock import ManualClock
 from tests.router.conftest import endpoint, serving, sim_metric
 from tests.router.fake_controller import model
 from tests.router.test_deliveries import engine, write_completion
@@ -251,13 +252,13 @@ async def test_two_routers_under_load_stay_within_the_limits_and_hold_nothing_on
     assert (reserved, inflight, held) == (0, 0, [])
 
 
-async def test_what_a_dead_router_held_goes_back_when_its_lease_runs_out(redis_url, monkeypatch) -> None:  # noqa: ANN001
+async def test_what_a_dead_router_held_goes_back_when_its_lease_runs_out(redis_url) -> None:  # noqa: ANN001
     """A router that stops calling Redis (killed, or cut off) with an allowance and a request in
     flight: once its lease has run out, the next call of another router gives back what it held;
-    if it comes back, its own give-back takes nothing from the other's holdings."""
-    from llmgw.tenancy import shared as shared_limits
+    if it comes back, its own give-back takes nothing from the other's holdings. On a clock the
+    test moves (the script runs by it): a's timers never fire, so a says nothing more."""
+    from llmgw.tenancy.shared import LEASE
 
-    monkeypatch.setattr(shared_limits, "LEASE", 0.5)
     url, _ = redis_url
     budget = Budget(tokens=1000, per="day")
     limiter = Limiter((Tenant("team", ("team-key",), Limits(budget=budget, concurrent=100)),))
@@ -268,27 +269,23 @@ async def test_what_a_dead_router_held_goes_back_when_its_lease_runs_out(redis_u
     def counts() -> tuple[int, int]:
         return int(db.hget(budget_key(budget), "reserved") or 0), int(db.get("llmgw:limits:team:inflight") or 0)
 
-    a, b = SharedLimits(url, limiter=limiter), SharedLimits(url, limiter=limiter)
-    ticket_a = await a.admit("team-key", ("chat",), 10, time.time())
+    clock = ManualClock(time.time())
+    a, b = (SharedLimits(url, limiter=limiter, clock=clock, wall=clock, server_clock=clock, timer=clock.later)
+            for _ in range(2))
+    ticket_a = await a.admit("team-key", ("chat",), 10, clock())
     assert isinstance(ticket_a, SharedTicket)
     assert counts() == (50, 5)  # a twentieth of each limit, held by a
-    if a._sync is not None:  # a says nothing more: no sync, no heartbeat
-        a._sync.cancel()
-        a._sync = None
-    if a._beat is not None:
-        a._beat.cancel()
-        a._beat = None
-    await asyncio.sleep(0.7)
-    ticket_b = await b.admit("team-key", ("chat",), 10, time.time())
-    assert isinstance(ticket_b, SharedTicket)
+    clock.now += LEASE + 1  # a's lease runs out; its timers never fired
+    again = await b.admit("team-key", ("chat",), 10, clock())
+    assert isinstance(again, SharedTicket)
     assert counts() == (50, 5)  # a's given back, b's taken
     ticket_a.settle(7)
     ticket_a.release()  # a comes back: its request ended, it gives back what it no longer holds
     await a.close()
     assert counts() == (50, 5)
     assert int(db.hget(budget_key(budget), "used") or 0) == 7  # what was used is used all the same
-    ticket_b.settle(4)
-    ticket_b.release()
+    again.settle(4)
+    again.release()
     await b.close()
     assert counts() == (0, 0)
     assert int(db.hget(budget_key(budget), "used") or 0) == 11
@@ -305,20 +302,23 @@ async def test_a_grant_redis_ran_after_the_router_gave_up_on_it_is_not_held_for_
 
     from llmgw.tenancy import shared as shared_limits
 
-    monkeypatch.setattr(shared_limits, "LEASE", 1.0)
-    monkeypatch.setattr(shared_limits, "RETRY_AFTER", 0.3)
     # The router's call gives up after 1 s; Redis stays busy 4 s from before that call is sent.
+    # Leases and retries run by a clock the test moves (the script and both routers run by it).
     monkeypatch.setattr(shared_limits, "TIMEOUT", 1.0)
     url, _ = redis_url
     limiter = Limiter((Tenant("team", ("team-key",), Limits(concurrent=1)),))
-    a, b = SharedLimits(url, limiter=limiter), SharedLimits(url, limiter=limiter)
-    first = await a.admit("team-key", ("chat",), 10, time.time())  # the script is loaded
+    clock = ManualClock(time.time())
+    a, b = (SharedLimits(url, limiter=limiter, clock=clock, wall=clock, server_clock=clock, timer=clock.later)
+            for _ in range(2))
+    first = await a.admit("team-key", ("chat",), 10, clock())  # the script is loaded
     assert isinstance(first, SharedTicket)
     first.release()
+    for _ in range(int(shared_limits.KEEP / shared_limits.SYNC_EVERY) + 2):
+        clock.now += shared_limits.SYNC_EVERY  # a's syncs, as its loop would run them: unused, the slot goes back
+        for callback in clock.due():
+            callback()
+        assert await a.idle(30)
     with redis.Redis.from_url(url) as db:
-        deadline = time.monotonic() + 30  # given back (within SYNC_EVERY): seen in Redis, not timed
-        while int(db.get("llmgw:limits:team:inflight") or 0) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
         assert int(db.get("llmgw:limits:team:inflight") or 0) == 0
 
     script = ("local t0 = redis.call('TIME') local s = t0[1] + t0[2] / 1e6 while true do "
@@ -346,20 +346,18 @@ async def test_a_grant_redis_ran_after_the_router_gave_up_on_it_is_not_held_for_
     slow = threading.Thread(target=busy)
     slow.start()
     assert await asyncio.to_thread(sent.wait, 30)
-    alone = await a.admit("team-key", ("chat",), 10, time.time())
+    alone = await a.admit("team-key", ("chat",), 10, clock())
     assert a.degraded and isinstance(alone, Ticket)  # admitted in memory
     alone.release()
     slow.join()
     assert replies == [b"+PONG\r\n", b":1\r\n"], replies
     with redis.Redis.from_url(url) as db:
         assert int(db.get("llmgw:limits:team:inflight") or 0) == 1  # run by Redis, unknown to the router
-        for _ in range(8):  # a goes on asking Redis, past the lease of the instance that asked
-            await asyncio.sleep(0.2)
-            ticket = await a.admit("team-key", ("chat",), 10, time.time())
-            if not isinstance(ticket, Refusal):
-                ticket.release()
-        await asyncio.sleep(0.6)
-        again = await b.admit("team-key", ("chat",), 10, time.time())
+        clock.now += shared_limits.RETRY_AFTER  # a asks Redis again, as a new instance
+        ticket = await a.admit("team-key", ("chat",), 10, clock())
+        assert isinstance(ticket, Refusal) and not a.degraded  # the lost grant's slot, held still
+        clock.now += shared_limits.LEASE + 1  # past the lease of the instance that asked
+        again = await b.admit("team-key", ("chat",), 10, clock())
         assert isinstance(again, SharedTicket), again
         again.release()
         await b.close()

@@ -6,6 +6,7 @@ import json
 import random
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,9 +15,14 @@ from llmgw.contract import Demand, catalog_view, endpoint_from_json
 from llmgw.control.feed import Fanout, FeedHub, MergedUsage, Report
 from llmgw.engines.health import LOAD_METRICS, parse_load
 from llmgw.errors import ConfigError
-from llmgw.router import KeyRing, Router, catalog_from_view, hash_key
+from llmgw.router import KeyRing, Router, RouterConfig, catalog_from_view, hash_key
+from llmgw.router.account import Accounting
+from llmgw.router.changes import Changes
+from llmgw.router.current import Current
+from llmgw.router.demand import DemandBook
 from llmgw.router.proxy import BadBody, parse_body, rewrite_model
 from llmgw.router.routes import RouteModel
+from llmgw.router.source import RouterUsage
 from llmgw.router.table import EMPTY, build_table, choose, pick
 from tests.router.conftest import endpoint
 from tests.router.fake_controller import model
@@ -233,23 +239,25 @@ class Clock:
 def test_demand_for_a_primary_lingers_until_it_has_a_replica() -> None:
     clock = Clock()
     woken: list[str] = []
-    router = Router(wake=woken.append, clock=clock)
-    router.set_catalog(Catalog(models=(model("big", fallbacks=("small",)), model("small"))))
-    router._demand.want("big")
-    router._demand.want("big")
+    book = DemandBook(Changes(), clock=clock, linger=RouterConfig().wake_linger)
+    book.wake = woken.append
+    current = Current()
+    usage = RouterUsage(current, Accounting(SimpleNamespace(limits=None), wall=clock), book)  # type: ignore[arg-type]
+    book.want("big")
+    book.want("big")
     assert woken == ["big"]  # at most once a second per model
     clock.now += 1.5
-    router._demand.want("big")
+    book.want("big")
     assert woken == ["big", "big"]
-    assert router.demand() == {"big": Demand(held=1, inflight=0)}
+    assert usage.demand() == {"big": Demand(held=1, inflight=0)}
     clock.now += 10
-    assert router.demand() == {"big": Demand(held=1, inflight=0)}
-    router.set_endpoints([endpoint("big", "http://a")])
-    assert router.demand() == {}  # a replica exists: the control plane has done its part
-    router.set_endpoints([])
-    router._demand.want("big")
+    assert usage.demand() == {"big": Demand(held=1, inflight=0)}
+    current.table = build_table([endpoint("big", "http://a")], current.table)
+    assert usage.demand() == {}  # a replica exists: the control plane has done its part
+    current.table = build_table([], current.table)
+    book.want("big")
     clock.now += 16
-    assert router.demand() == {}  # nobody asked again for wake_linger seconds
+    assert usage.demand() == {}  # nobody asked again for wake_linger seconds
 
 
 def test_hub_merges_reports_and_forgets_silent_routers() -> None:
@@ -284,7 +292,7 @@ def test_hub_publishes_only_changes_and_only_once_primed() -> None:
 
 
 def test_in_process_wiring_hears_the_catalog_first_and_fans_out() -> None:
-    from llmgw.control.server import attach_router
+    from llmgw.compose.server import attach_router
     from llmgw.gitops.desired import RECONCILER, DesiredState
 
     desired = DesiredState(Catalog(models=(model("a"),)))
@@ -293,7 +301,7 @@ def test_in_process_wiring_hears_the_catalog_first_and_fans_out() -> None:
     router, hub = Router(), FeedHub()
     woken: list[str] = []
     attach_router(router, desired, wake=woken.append)
-    assert router.routes.resolve("a") is not None and router.has_catalog
+    assert router.routes.resolve("a") is not None and router.wake == woken.append
     desired.subscribe(lambda _c: seen.append("router saw b: " + str(router.routes.resolve("b") is not None)),
                       order=RECONCILER)
     desired.set(Catalog(models=(model("b"),)))
@@ -302,8 +310,6 @@ def test_in_process_wiring_hears_the_catalog_first_and_fans_out() -> None:
     fan.set_catalog(Catalog(models=(model("c"),)))
     fan.set_endpoints([endpoint("c", "http://c")])
     assert router.table.has("c") and hub.snapshot()["endpoints"][0]["model"] == "c"
-    router._demand.want("c")
-    assert woken == ["c"]
 
 
 def test_a_cooling_replica_is_skipped_when_asked() -> None:

@@ -11,21 +11,17 @@ request that could fit."""
 
 from __future__ import annotations
 
-import shutil
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
 from llmgw.catalog.model import Budget, Limits, Tenant
-from llmgw.engines.testing import free_port
 from llmgw.tenancy.admission import Admitted
 from llmgw.tenancy.admission import Limits as TenantLimits
 from llmgw.tenancy.memory import LocalLimits
 from llmgw.tenancy.rules import Refusal
 from llmgw.tenancy.shared import SharedLimits
-from tests.router.test_budget_ledger import redis_server
 
 
 @dataclass(frozen=True)
@@ -103,20 +99,9 @@ CASES: dict[str, tuple[Tenant, list[Admit | End | Precheck]]] = {
 
 
 @pytest.fixture(params=["memory", "redis"])
-def store(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Where the counts are kept: "" in memory, else a real redis-server's URL."""
-    if request.param == "memory":
-        yield ""
-        return
-    if not shutil.which("redis-server"):
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    port = free_port()
-    proc = redis_server(port)
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait(5)
+def store(request: pytest.FixtureRequest) -> str:
+    """Where the counts are kept: "" in memory, else a real redis-server's URL (tests/tenancy/conftest.py)."""
+    return "" if request.param == "memory" else request.getfixturevalue("redis_url")
 
 
 @pytest.mark.parametrize("case", list(CASES))

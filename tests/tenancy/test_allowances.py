@@ -12,19 +12,15 @@ The first tests drive one :class:`Allowance` by hand, sync by sync (pure); the l
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from llmgw.catalog.model import Budget, Limits, Tenant
-from llmgw.engines.testing import free_port
 from llmgw.tenancy import shared
 from llmgw.tenancy.memory import Limiter
 from llmgw.tenancy.rules import Scope
 from llmgw.tenancy.shared import Allowance, SharedLimits, SharedTicket, keep_syncs, kept, kept_slots
-from tests.router.test_budget_ledger import redis_server
 
 TEAM = Limits(requests_per_minute=900, tokens_per_minute=90_000, concurrent=20, budget=Budget(2_000_000, "day"))
 RESERVE, USED = 61, 40  # what each request reserves, and uses
@@ -108,19 +104,6 @@ def test_what_requests_used_is_reported_with_what_goes_back_or_when_asked() -> N
     assert a.give_back(False, report=False) is None  # nothing goes back: the use waits
     part = a.give_back(False, report=True)
     assert part is not None and part[-1] == USED and part[3:7] == [0, 0, 0, 0]
-
-
-@pytest.fixture
-def redis_url() -> Iterator[str]:
-    if not shutil.which("redis-server"):
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    port = free_port()
-    proc = redis_server(port)
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait(5)
 
 
 async def test_tenants_at_a_few_requests_a_second_do_not_go_to_redis_for_each(

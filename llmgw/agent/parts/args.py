@@ -175,6 +175,12 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
             value, i = _value_at(args, i, value)
             check_listen(flag, value, what, host=host, port=port)
             continue
+        choice = _table_flag(kind, arg, CHOICES)
+        if choice is not None:
+            flag, allowed, value = choice
+            value, i = _value_at(args, i, value)
+            check_choice(flag, value, allowed)
+            continue
         peer = _table_flag(kind, arg, PEER_FLAGS)
         if peer is not None:
             flag, form, value = peer
@@ -202,8 +208,15 @@ def check_args(kind: Optional[str], args: List[str], *, area: str, read_roots: T
                         break
                     i += 1
                     value = args[i]
+                if kind == "vllm" and _is_compilation_flag(_normal(name).partition(".")[0]):
+                    check_compilation_backend(_normal(name), value)
                 _check_value(name, value, mode, area=area, read_roots=read_roots, every=True)
         if mode is None:
+            if kind in ("vllm", "sglang") and not arg.startswith("-") and URL_RE.match(arg):
+                # A positional model tag as a URL (s3://, gs://, https://): the engine would load
+                # from there, past the agent's fetch and its checks.
+                raise Refused(f"start: {arg!r} is refused: {kind} would load a model from that address itself; "
+                              "a replica's weights come from the agent's fetch ({weights})", setting="args")
             # Any other argument (a positional model path, a flag this table does not know): its
             # absolute paths and its ".." escapes are checked all the same.
             _check_value("argument", arg, "r", area=area, read_roots=read_roots, every=False)
@@ -250,6 +263,55 @@ def _check_family(kind: Optional[str], flag: str, value: str, *, area: str, read
                           "backends' settings reach beyond this node)", setting="args")
         if isinstance(config.get("file_path"), str):
             _check_value(flag, config["file_path"], "w", area=area, read_roots=read_roots, every=True)
+
+
+# Flags whose value picks where the engine runs, loads from or what code it imports: only the
+# values that stay on this node and import nothing a request names. vLLM 0.32.0:
+# --distributed-executor-backend takes "ray" (workers on a Ray cluster, other machines) or a
+# class's qualname (code to import); --data-parallel-backend/-dpb "ray" likewise; --load-format
+# tensorizer, runai_streamer(_sharded), modelexpress and ipc_cache load from object stores or
+# other servers; CompilationConfig's backend is "", "inductor", "eager" or a function to import.
+CHOICES: Dict[str, Dict[str, str]] = {
+    "vllm": {
+        "--distributed-executor-backend": "mp uni",
+        "--data-parallel-backend": "mp",
+        "-dpb": "mp",
+        "--load-format": "auto pt safetensors npcache dummy sharded_state gguf bitsandbytes mistral fastsafetensors",
+    },
+}
+COMPILATION_FLAGS = ("--compilation-config", "-cc", "-O")
+COMPILATION_BACKENDS = ("", "inductor", "eager")
+
+
+def check_choice(flag: str, value: str, allowed: str) -> None:
+    if value not in allowed.split():
+        raise Refused(f"start: {flag} {value!r} is refused: only {', '.join(allowed.split())} keep the engine on "
+                      "this node, loading what the agent fetched and importing nothing else", setting="args")
+
+
+def check_compilation_backend(flag: str, value: str) -> None:
+    """vLLM's compilation backend, set as a JSON key (-O '{"backend": ...}') or a dotted flag
+    (--compilation-config.backend=...): a name of vLLM's own, never a function to import."""
+    head, dot, key = flag.partition(".")
+    backend: Any = None
+    if dot:
+        if key.replace("_", "-") != "backend":
+            return
+        backend = value
+    elif value[:1] == "{":
+        try:
+            parsed = json.loads(value)
+        except (ValueError, RecursionError):
+            return  # not JSON: the path checks have it
+        if not isinstance(parsed, dict) or "backend" not in parsed:
+            return
+        backend = parsed["backend"]
+    else:
+        return
+    if backend not in COMPILATION_BACKENDS:
+        raise Refused(f"start: {head} backend {backend!r} is refused: only vLLM's own backends "
+                      f"({', '.join(repr(b) for b in COMPILATION_BACKENDS)}) are; another names code to import",
+                      setting="args")
 
 
 # Where an HTTP engine listens: the node's bind_address ({host}) and the port the agent chose
@@ -384,6 +446,17 @@ def check_rpc_server_args(cfg: NodeConfig, args: List[str], *, port: int) -> Non
     if not {"host", "port"} <= seen:
         raise Refused("start: rpc-server needs --host {host} and --port {port} (without them it would "
                       "listen where its defaults say)", setting="args")
+
+
+def _is_compilation_flag(head: str) -> bool:
+    # argparse takes an unambiguous abbreviation (--compilation-c) as the whole flag.
+    return head in COMPILATION_FLAGS or (head.startswith("--") and len(head) >= 4
+                                         and "--compilation-config".startswith(head))
+
+
+def _normal(name: str) -> str:
+    """--flag_name as --flag-name (argparse takes both); short flags as they are."""
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
 
 
 def _flag_and_value(flags: Dict[str, str], kind: Optional[str], arg: str) -> Tuple[str, Optional[str]]:

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import stat
 from typing import Optional, Tuple
 
-from llmgw.agent.parts.protocol import CACHE_NAME_RE, MANIFEST_NAME, MAX_MANIFEST_BYTES, JsonDict
+from llmgw.agent.parts.protocol import CACHE_NAME_RE, MANIFEST_NAME, MAX_MANIFEST_BYTES, JsonDict, cache_name
 
 # ----------------------------------------------------------------------------------------------
 # Cache entries
-
-
-def source_name(source: str) -> str:
-    """The cache name of a source: the one fact that ties a directory on disk to the catalog."""
-    return "llmgw-" + hashlib.sha256(source.encode("utf-8")).hexdigest()
 
 
 def _open_dir_nofollow(name: str, dir_fd: Optional[int] = None) -> int:
@@ -90,7 +84,7 @@ def inspect_entry(cache_dir: str, name: str) -> Tuple[Optional[JsonDict], Option
         manifest, problem = read_manifest_at(cache_fd, name)
     finally:
         os.close(cache_fd)
-    if manifest is not None and source_name(manifest["source"]) != name:
+    if manifest is not None and cache_name(manifest["source"]) != name:
         return None, "manifest source does not hash to the entry name"
     return manifest, problem
 

@@ -18,6 +18,23 @@ from llmgw.agent.parts.protocol import DEFAULT_ENV_ALLOW, ENV_NAME_RE, SANDBOX_M
 
 
 @dataclass(frozen=True)
+class S3Config:
+    """Where this node's s3:// sources are read: the node's own settings, never the catalog's (a
+    catalog naming an endpoint would send the node's signed requests where it likes). Unset values
+    come from the environment (AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, AWS_REGION or
+    AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN); no
+    credentials at all: unsigned requests (a public bucket)."""
+
+    endpoint: str = ""  # "": AWS's own, https://s3.<region>.amazonaws.com
+    region: str = ""
+    path_style: Optional[bool] = None  # None: path-style for a named endpoint, virtual-host on AWS
+    access_key_id: str = ""
+    # Read when an s3:// fetch needs them (a file unreadable fails that fetch, not every verb).
+    secret_access_key_file: str = ""
+    session_token_file: str = ""
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     path: str
     cache_dir: str
@@ -48,6 +65,10 @@ class NodeConfig:
     fabric_address: str = ""
     fabric_interface: Optional[str] = None
     rpc_peers: Tuple[Any, ...] = ()  # ipaddress networks
+    s3: S3Config = S3Config()
+    # The port this node serves its complete cache entries to other fleet nodes on, at its
+    # fabric_address (None: it serves none; nodes then read their weights from the origin).
+    peer_port: Optional[int] = None
 
 
 def load_config(path: str) -> NodeConfig:
@@ -62,12 +83,15 @@ def load_config(path: str) -> NodeConfig:
     if not isinstance(raw, dict):
         raise AgentError(f"node config {path} must be a JSON object")
     advertise = _config_str(path, raw, "advertise_address")
+    ports, peer_port = _config_ports(path, raw.get("port_range")), _config_port(path, raw, "peer_port")
+    if peer_port is not None and ports[0] <= peer_port <= ports[1]:
+        raise AgentError(f"node config {path}: peer_port {peer_port} is inside port_range (engines take those)")
     return NodeConfig(
         path=os.path.abspath(path),
         cache_dir=_config_abs(path, raw.get("cache_dir"), "cache_dir"),
         state_dir=_config_abs(path, raw.get("state_dir"), "state_dir"),
         model_dirs=tuple(_config_abs(path, d, "model_dirs[]") for d in _config_list(path, raw, "model_dirs")),
-        port_range=_config_ports(path, raw.get("port_range")),
+        port_range=ports,
         advertise_address=advertise,
         # Not in the brief's list: lets an operator bind engines to another address than the one
         # advertised (e.g. 0.0.0.0 behind NAT). {host} in engine args expands to it.
@@ -88,7 +112,47 @@ def load_config(path: str) -> NodeConfig:
         fabric_address=_config_fabric(path, raw, advertise),
         fabric_interface=_config_str(path, raw, "fabric_interface") if "fabric_interface" in raw else None,
         rpc_peers=tuple(_config_network(path, n) for n in _config_list(path, raw, "rpc_peers")),
+        s3=_config_s3(path, raw.get("s3")),
+        peer_port=peer_port,
     )
+
+
+def _config_port(path: str, raw: JsonDict, key: str) -> Optional[int]:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not _is_int(value) or not 1 <= value <= 65535:
+        raise AgentError(f"node config {path}: {key} must be a port number (1-65535)")
+    return int(value)
+
+
+def _config_s3(path: str, value: Any) -> S3Config:
+    """The ``s3`` section: endpoint, region, path_style, access_key_id and the secret's files
+    (secret_access_key_file, session_token_file: never the secret itself in this file)."""
+    if value is None:
+        return S3Config()
+    if not isinstance(value, dict):
+        raise AgentError(f"node config {path}: s3 must be an object")
+    known = ("endpoint", "region", "path_style", "access_key_id", "secret_access_key_file", "session_token_file")
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise AgentError(f"node config {path}: s3.{unknown[0]} is not a setting (known: {', '.join(known)}; a "
+                         "secret goes in a file named by secret_access_key_file)")
+    endpoint = _config_str(path, value, "endpoint") if "endpoint" in value else ""
+    if endpoint and not endpoint.startswith(("https://", "http://")):
+        raise AgentError(f"node config {path}: s3.endpoint must be an http(s) URL")
+    path_style = value.get("path_style")
+    if path_style is not None and not isinstance(path_style, bool):
+        raise AgentError(f"node config {path}: s3.path_style must be true or false")
+
+    files = {k: _config_abs(path, value[k], f"s3.{k}") for k in ("secret_access_key_file", "session_token_file")
+             if k in value}
+    return S3Config(endpoint=endpoint.rstrip("/"),
+                    region=_config_str(path, value, "region") if "region" in value else "",
+                    path_style=path_style,
+                    access_key_id=_config_str(path, value, "access_key_id") if "access_key_id" in value else "",
+                    secret_access_key_file=files.get("secret_access_key_file", ""),
+                    session_token_file=files.get("session_token_file", ""))
 
 
 WILDCARDS = frozenset({"*", "localhost", "[::]"})

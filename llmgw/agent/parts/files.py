@@ -50,6 +50,27 @@ def read_json(path: str) -> Optional[JsonDict]:
     return data if isinstance(data, dict) else None
 
 
+def fetch_paths(state_dir: str, name: str) -> Tuple[str, str, str]:
+    """(state file, lock file, log file) of the fetch of cache entry `name`."""
+    base = os.path.join(state_dir, "fetches", name)
+    return base + ".json", base + ".lock", os.path.join(state_dir, "logs", "fetches", name + ".log")
+
+
+def lock_is_held(path: str) -> bool:
+    """Whether a process holds an flock on path (a fetch worker holds its lock while it runs)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing also drops the shared lock if we got it
+    return False
+
+
 def _remove_file(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)

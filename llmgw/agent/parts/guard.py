@@ -9,13 +9,13 @@ import secrets
 import stat
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from llmgw.agent.parts.cache import MISSING, _open_dir_nofollow, read_entry_at, rmtree_at, source_name
+from llmgw.agent.parts.cache import MISSING, _open_dir_nofollow, read_entry_at, rmtree_at
 from llmgw.agent.parts.config import NodeConfig
 from llmgw.agent.parts.fetch import _fetch_paths
 from llmgw.agent.parts.files import _inside, _locked, _remove_file, read_json
 from llmgw.agent.parts.inventory import read_mounts
 from llmgw.agent.parts.lease import fenced
-from llmgw.agent.parts.protocol import CACHE_NAME_RE, TRASH_PREFIX, AgentError, JsonDict, _field
+from llmgw.agent.parts.protocol import CACHE_NAME_RE, TRASH_PREFIX, AgentError, JsonDict, _field, cache_name
 from llmgw.agent.parts.records import _engines_lock, _orphans, all_records, record_alive
 
 # ----------------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def check_removable(raw: Any, *, cfg: NodeConfig, cache_fd: int, in_use: Dict[An
         # Another directory was swapped in for the manifest read: what vouched is not what was
         # looked at, and the rename's identity check would only compare against the latter.
         return "changed while being checked (swapped for something else); left alone", None
-    if source_name(manifest["source"]) != name:
+    if cache_name(manifest["source"]) != name:
         return "manifest source does not hash to the entry name", None
     entry_path = os.path.join(cfg.cache_dir, name)
     mount = next((point for point, _ in mounts if _inside(point, entry_path)), None)

@@ -74,6 +74,8 @@ def verb_inventory(cfg: NodeConfig, request: JsonDict) -> JsonDict:
         "env_allow": sorted(cfg.env_allow),
         # Where this node's shards of a replica across nodes meet the others (rpc-server, vLLM's master).
         "fabric_address": cfg.fabric_address,
+        # Where it serves its complete cache entries to other fleet nodes (null: it does not).
+        "peer_port": cfg.peer_port,
         # What this node's owner lets engines use: the controller plans within it (a start outside
         # it would be refused here after the plan had promised it).
         # Each root as configured and as resolved: a catalog may name it either way.

@@ -16,6 +16,7 @@ from llmgw.agent.parts.fetch import verb_fetch, verb_fetch_worker
 from llmgw.agent.parts.guard import verb_remove_weights
 from llmgw.agent.parts.inventory import verb_hello, verb_inventory
 from llmgw.agent.parts.lease import verb_lease
+from llmgw.agent.parts.peer import verb_peer_server, verb_seed
 from llmgw.agent.parts.protocol import (
     CHUNK,
     DEFAULT_CONFIG,
@@ -42,12 +43,14 @@ HANDLERS: Dict[str, Callable[[NodeConfig, JsonDict], JsonDict]] = {
     "inventory": verb_inventory,
     "lease": verb_lease,
     "fetch": verb_fetch,
+    "seed": verb_seed,
     "start": verb_start,
     "stop": verb_stop,
     "status": verb_status,
     "remove-weights": verb_remove_weights,
     "_fetch-worker": verb_fetch_worker,
     "_engine-monitor": verb_engine_monitor,
+    "_peer-server": verb_peer_server,
 }
 
 

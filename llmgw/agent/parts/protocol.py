@@ -38,6 +38,7 @@ SSH_ORIGINAL_COMMAND or `serve`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from typing import Any, Dict
@@ -49,7 +50,18 @@ DEFAULT_CONFIG = "/etc/llmgw/agent.json"
 
 MANIFEST_NAME = "llmgw-manifest.json"
 # \Z, not $: "$" also matches before a trailing newline, and "llmgw-<hex>\n" is not a cache name.
+CACHE_PREFIX = "llmgw-"
 CACHE_NAME_RE = re.compile(r"^llmgw-[0-9a-f]{64}\Z")
+
+
+def cache_name(source: str) -> str:
+    """The cache entry name of a source on every node: ``llmgw-`` + the sha256 hex of its text.
+
+    The one definition: the agent (built from these parts) and the controller (llmgw.catalog
+    imports this module) both call it, so the entries a catalog wants are known exactly and an
+    entry whose name matches no source is an orphan, never a guess.
+    """
+    return CACHE_PREFIX + hashlib.sha256(source.encode("utf-8")).hexdigest()
 TMP_PREFIX = ".tmp-"  # .tmp-llmgw-<hex>: a download in progress
 TRASH_PREFIX = ".trash-"  # .trash-llmgw-<hex>-<random>: an entry being deleted
 # Not starting with ".": "." and ".." are names every path join takes for a directory (a replica
@@ -61,6 +73,12 @@ ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 SOURCE_FORBIDDEN_RE = re.compile(r"[\s;&|`$<>'\"\\(){}*?!#\x00-\x1f\x7f]")
 HF_SOURCE_RE = re.compile(r"^hf://([A-Za-z0-9._-]+/[A-Za-z0-9._-]+)(?:@([A-Za-z0-9._/-]+))?$")
 HF_MISSING = "hf:// sources need the huggingface_hub package on the node: pip install huggingface_hub"
+# s3://bucket/key-prefix: a bucket name as S3 allows it (3-63 of a-z 0-9 . -) and a key prefix (an
+# object, or the "directory" of objects under it). Endpoint, region and credentials are the node's.
+# Not a bucket S3 refuses ("a..b", an IPv4 address), and no trailing "/": s3://b/k and s3://b/k/
+# would be two cache entries of the same weights.
+S3_SOURCE_RE = re.compile(r"^s3://((?!\d+\.\d+\.\d+\.\d+/)(?![^/]*\.\.)[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])"
+                          r"/([^/](?:.*[^/])?)$")
 SHARED_FSTYPES = frozenset({"nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "ceph", "glusterfs", "beegfs"})
 
 # Request env is an allow-list the node owns (DESIGN §4, "The node boundary"): a deny-list of the
@@ -100,6 +118,10 @@ PROBE_TIMEOUT = 10.0
 NVIDIA_SMI_QUERY = "index,name,uuid,memory.total,memory.used,ecc.errors.uncorrected.volatile.total"
 NVIDIA_SMI_TIMEOUT = 15.0
 HTTP_TIMEOUT = 30.0
+# Nodes fetching from each other (llmgw.agent.parts.peer): the unit a chunk is checked in, and the
+# entry's list of them, kept beside its files (the manifest stays a few hundred bytes).
+PEER_CHUNK = 32 << 20
+CHUNKS_NAME = "llmgw-chunks.json"
 HTTP_ATTEMPTS = 3
 SPAWN_TIMEOUT = 30.0
 CHUNK = 1 << 20
@@ -118,8 +140,8 @@ MAX_MANIFEST_BYTES = 1 << 20
 # does not grow with every replica the fleet ever ran.
 ENGINE_RECORD_TTL = 24 * 3600.0
 
-PUBLIC_VERBS = ("hello", "inventory", "lease", "fetch", "start", "stop", "status", "remove-weights", "serve")
-INTERNAL_VERBS = ("_fetch-worker", "_engine-monitor")
+PUBLIC_VERBS = ("hello", "inventory", "lease", "fetch", "seed", "start", "stop", "status", "remove-weights", "serve")
+INTERNAL_VERBS = ("_fetch-worker", "_engine-monitor", "_peer-server")
 USAGE = "usage: llmgw_agent.py [--config CONFIG] {" + ",".join(PUBLIC_VERBS) + "}"
 
 JsonDict = Dict[str, Any]

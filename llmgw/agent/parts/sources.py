@@ -10,15 +10,23 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from llmgw.agent.parts.files import write_json_atomic
-from llmgw.agent.parts.protocol import HF_SOURCE_RE, PROGRESS_EVERY, SOURCE_FORBIDDEN_RE, AgentError, JsonDict
+from llmgw.agent.parts.protocol import (
+    HF_SOURCE_RE,
+    PROGRESS_EVERY,
+    S3_SOURCE_RE,
+    SOURCE_FORBIDDEN_RE,
+    AgentError,
+    JsonDict,
+)
 
 
 @dataclass(frozen=True)
 class Source:
     text: str
-    kind: str  # "file", "http" or "hf"
-    location: str  # a local path, a URL or a Hugging Face repo id
-    revision: Optional[str] = None
+    kind: str  # "file", "http", "hf" or "s3"
+    location: str  # a local path, a URL, a Hugging Face repo id or an S3 bucket
+    revision: Optional[str] = None  # hf://: the revision asked for
+    key: Optional[str] = None  # s3://: the key prefix under the bucket
 
 
 def parse_source(text: Any) -> Source:
@@ -35,6 +43,12 @@ def parse_source(text: Any) -> Source:
         if not match:
             raise AgentError("fetch: hf:// sources look like hf://org/repo[@revision]")
         return Source(text, "hf", match.group(1), match.group(2))
+    if text.startswith("s3://"):
+        match = S3_SOURCE_RE.match(text)
+        if not match or "//" in match.group(2) or any(p in (".", "..") for p in match.group(2).split("/")):
+            raise AgentError("fetch: s3:// sources look like s3://bucket/key-prefix (a bucket name of 3 to 63 "
+                             "characters a-z, 0-9, '.' and '-', then a key without '.', '..' or '//' segments)")
+        return Source(text, "s3", match.group(1), key=match.group(2))
     if text.startswith(("http://", "https://")):
         if not urllib.parse.urlsplit(text).netloc:
             raise AgentError("fetch: the URL has no host")
@@ -47,7 +61,7 @@ def parse_source(text: Any) -> Source:
     elif text.startswith("/"):
         path = text
     else:
-        raise AgentError("fetch: unsupported source; use hf://, http(s)://, file:/// or an absolute path")
+        raise AgentError("fetch: unsupported source; use hf://, s3://, http(s)://, file:/// or an absolute path")
     if not path.startswith("/") or "\0" in path or ".." in path.split("/"):
         raise AgentError("fetch: a local source must be an absolute path without '..'")
     return Source(text, "file", os.path.normpath(path))

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import time
-from typing import Any, List
+from typing import Any, List, Optional, Tuple
 
 from llmgw.agent.parts.args import RPC_SERVER, engine_kind
 from llmgw.agent.parts.config import NodeConfig, _is_int
 from llmgw.agent.parts.fetch import fetch_views
 from llmgw.agent.parts.files import (
+    group_members,
     tail_lines,
 )
 from llmgw.agent.parts.protocol import (
@@ -25,10 +27,12 @@ def verb_status(cfg: NodeConfig, _request: JsonDict) -> JsonDict:
 
 def engine_views(cfg: NodeConfig) -> List[JsonDict]:
     prune_engine_records(cfg, time.time())
-    return [engine_view(cfg, r) for r in all_records(cfg)]
+    records = all_records(cfg)
+    sockets = listen_sockets() if records else []  # the kernel's tables read once for every engine
+    return [engine_view(cfg, r, sockets) for r in records]
 
 
-def engine_view(cfg: NodeConfig, record: JsonDict) -> JsonDict:
+def engine_view(cfg: NodeConfig, record: JsonDict, sockets: List[Tuple[Any, int, str]]) -> JsonDict:
     alive = record_alive(record)
     info = None if alive else exit_info(cfg, record)
     return {
@@ -42,20 +46,19 @@ def engine_view(cfg: NodeConfig, record: JsonDict) -> JsonDict:
         "log_tail": tail_lines(record.get("log") or ""),
         # A worker answers once its port accepts connections: the head is started only then.
         "listening": alive and engine_kind(str(record.get("engine")), cfg.engines.get(str(record.get("engine")), ()))
-        == RPC_SERVER and _is_int(record.get("port")) and listening(cfg.fabric_address, record["port"]),
+        == RPC_SERVER and _is_int(record.get("port")) and listening(cfg.fabric_address, record["port"], sockets),
+        "port_shared_with": foreign_listeners(record["pid"], record["port"], sockets)
+        if alive and _is_int(record.get("pid")) and _is_int(record.get("port")) else None,
     }
 
 
 TCP_LISTEN = "0A"
 
 
-def listening(address: str, port: int) -> bool:
-    """Whether a socket of this node listens on ``address``:``port``, from the kernel's tables (a
-    connect would be taken by an rpc-server as a client, and it serves one client at a time)."""
-    try:
-        wanted = ipaddress.ip_address(address)
-    except ValueError:
-        return False
+def listen_sockets() -> List[Tuple[Any, int, str]]:
+    """Every listening TCP socket of this node as (address, port, inode), from the kernel's tables
+    (a connect would be taken by an rpc-server as a client, and it serves one client at a time)."""
+    out = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table, encoding="ascii") as fh:
@@ -64,12 +67,44 @@ def listening(address: str, port: int) -> bool:
             continue
         for row in rows:
             fields = row.split()
-            if len(fields) <= 3 or fields[3] != TCP_LISTEN:
+            if len(fields) > 9 and fields[3] == TCP_LISTEN:
+                local, _, hexport = fields[1].rpartition(":")
+                out.append((_proc_address(local), int(hexport, 16), fields[9]))
+    return out
+
+
+def listening(address: str, port: int, sockets: Optional[List[Tuple[Any, int, str]]] = None) -> bool:
+    """Whether a socket of this node listens on ``address``:``port``."""
+    try:
+        wanted = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(p == port and a == wanted for a, p, _inode in (listen_sockets() if sockets is None else sockets))
+
+
+def foreign_listeners(pgid: int, port: int, sockets: List[Tuple[Any, int, str]]) -> Optional[int]:
+    """How many sockets listen on ``port`` that the engine's processes (group ``pgid``) do not hold,
+    or None when that cannot be told (its processes' descriptors are not ours to read). Engines bind
+    with SO_REUSEPORT (vLLM does, llama.cpp's server too): another one started on the same port by
+    another agent of this machine shares it, and the kernel hands it half the connections (seen: a
+    vLLM model answered by llama.cpp)."""
+    inodes = {inode for _a, p, inode in sockets if p == port}
+    if not inodes:
+        return 0
+    held = set()
+    for pid in group_members(pgid):
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            return None
+        for name in names:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{name}")
+            except OSError:
                 continue
-            local, _, hexport = fields[1].rpartition(":")
-            if int(hexport, 16) == port and _proc_address(local) == wanted:
-                return True
-    return False
+            if target.startswith("socket:["):
+                held.add(target[8:-1])
+    return len(inodes - held)
 
 
 def _proc_address(hexaddr: str) -> Any:

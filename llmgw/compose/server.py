@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from llmgw.access.oidc import OidcVerifier
 from llmgw.admin.app import build_admin_app
 from llmgw.control.config import Listen, ServerConfig
 from llmgw.control.controller import Controller
-from llmgw.control.usage import BookedLedger, BudgetBook, UsageFlusher
+from llmgw.control.usage import BookedLedger, BudgetBook, GatedLedger, UsageFlusher, UsageGateCollector
 from llmgw.errors import ConfigError, StoreError
 from llmgw.gitops.desired import ROUTER, DesiredState
 from llmgw.serving import connection_cap, listen, raise_fd_limit, throttle_loop_errors
@@ -35,7 +36,7 @@ def attach_router(router: Router, desired: DesiredState, *, wake: Callable[[str]
     """In-process wiring of the data plane to the control plane: the router hears of every catalog
     before the reconciler does (``order=ROUTER``, so a removed model stops taking traffic before
     its replicas stop) and wakes the control plane through ``wake``. The router is also the
-    reconciler's endpoint sink and usage source (through Fanout and MergedUsage)."""
+    reconciler's endpoint sink, and its ``usage`` the usage source (through Fanout and MergedUsage)."""
     router.wake = wake
     desired.subscribe(router.set_catalog, order=ROUTER)
 
@@ -69,7 +70,7 @@ class Running:
         until the end."""
         t0 = time.monotonic()
         try:
-            log.info("stopping: %d requests in flight", self.router.inflight())
+            log.info("stopping: %d requests in flight", self.router.requests_in_flight())
             await self.router.drain()
             log.info("router drained in %.1f s", time.monotonic() - t0)
             if self.usage is not None:
@@ -102,6 +103,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     throttle_loop_errors()
     from llmgw.control.feed import Fanout, FeedHub, MergedUsage, ReportsCollector
     from llmgw.control.keys import KeyBook
+    from llmgw.control.router_credentials import RouterCredentials
     from llmgw.router.app import Router
     from llmgw.router.config import RouterConfig
     from llmgw.router.exposure import open_warning
@@ -119,7 +121,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     hub.set_api_keys(cfg.api_keys)
     hub.set_limits_redis(str(cfg.router.get("limits_redis", "")))
     hub.configured_routers = int(cfg.router.get("limits_routers", 0) or 0)
-    controller = Controller(cfg.controller, sink=Fanout(router, hub), usage=MergedUsage(router, hub),
+    controller = Controller(cfg.controller, sink=Fanout(router, hub), usage=MergedUsage(router.usage, hub),
                             advertise=f"http://{cfg.admin_listen.host}:{cfg.admin_listen.port}")
     hub.standby = controller.standing_by  # a standby (shared store, another leads) sends routers on
     controller.role_listeners.append(hub.leadership_changed)
@@ -127,6 +129,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     # router's client port serves only its own series (llmgw.router.metrics).
     controller.registry.register(router.metrics.usage)
     controller.registry.register(ReportsCollector(hub, lambda: controller.reconciler.rollouts.meter.forgotten))
+    controller.registry.register(UsageGateCollector(lambda: gated.gate))
     wake = lambda _model: controller.reconciler.notify()  # noqa: E731 - one-line adapter
     attach_router(router, controller.desired, wake=wake)
     hub.wake = wake
@@ -135,7 +138,15 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     await router.start()
     await controller.start()
     store = controller.store
-    hub.ledger = ledger = BookedLedger(store, book)
+    # Standalone routers' usage behind the gate (issue 41): no more tokens than the engines counted,
+    # as this process's router reads them; its own router's taken as it comes.
+    def catalog_models() -> set[str] | None:
+        catalog = controller.desired.catalog
+        return None if catalog is None else {m.name for m in catalog.models}
+
+    hub.ledger = gated = GatedLedger(BookedLedger(store, book), router.usage.engine_tokens, models=catalog_models,
+                                     state=(store.usage_gate_state, store.set_usage_gate_state))
+    controller.role_listeners.append(gated.reload)  # a new leader goes on from the figures its predecessor kept
     # A restarted controller's own router starts from what the ledger says budgets used, before
     # it admits anything: without it, a restart handed every tenant a fresh budget.
     await book.load(store)
@@ -164,6 +175,12 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
         tenant_keys()
 
     controller.budgets = book
+    credentials = RouterCredentials(store, on_revoke=hub.forget_router)
+    credentials.reload()
+    hub.credential_live = credentials.live_credential
+    controller.router_credentials = credentials
+    controller.router_reports = hub.router_reports
+    controller.warners.append(hub.credential_warnings)
     controller.keys = keys_book = KeyBook(cfg.api_keys, store, on_change=keys_changed)
     keys_book.reload()
     controller.desired.subscribe(tenant_keys, order=ROUTER)
@@ -171,16 +188,20 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
 
     def after_flush() -> None:
         budgets()
-        try:  # a key made through another controller on the same store
+        try:  # a key made (or a router credential revoked) through another controller on the same store
             keys_book.reload()
+            credentials.reload()
         except StoreError as exc:
             log.warning("API keys not read from the store: %s", exc)
 
-    usage = UsageFlusher(router.usage_outbox, ledger, compact=store.compact_usage, after=after_flush)
+    usage = UsageFlusher(router.usage.outbox, gated.trusted, compact=store.compact_usage, after=after_flush)
+    controller.watch(usage.health)
     usage.start()
     runners: list[web.AppRunner] = []
     try:
         admin_app = build_admin_app(controller, token=cfg.admin_token, webhook_secret=cfg.webhook_secret, hub=hub,
+                                    oidc=OidcVerifier(cfg.oidc) if cfg.oidc is not None else None,
+                                    routers=credentials.who,
                                     warnings=(exposed,) if exposed else ())
         runners.append(await listen(admin_app, cfg.admin_listen.host, cfg.admin_listen.port, drain_timeout=5.0,
                                     max_connections=connection_cap(0.1), openai_errors=False))
