@@ -147,6 +147,7 @@ async def start(cfg: ServerConfig, *, router_flag: str = "router listener",
     hub.ledger = gated = GatedLedger(BookedLedger(store, book), router.usage.engine_tokens, models=catalog_models,
                                      state=(store.usage_gate_state, store.set_usage_gate_state))
     controller.role_listeners.append(gated.reload)  # a new leader goes on from the figures its predecessor kept
+    hub.read_engines = router.usage.engine_tokens_now
     # A restarted controller's own router starts from what the ledger says budgets used, before
     # it admits anything: without it, a restart handed every tenant a fresh budget.
     await book.load(store)

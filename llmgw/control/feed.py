@@ -32,7 +32,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +127,9 @@ class FeedHub:
         # every router serves from that version, one may still send them a request.
         self._withdrawn: dict[str, int] = {}
         self.ledger: UsageLedger | None = None  # the controller's store; without it no batch is acknowledged
+        # Reads the engines of some models now: a batch the last reading does not cover is tried
+        # once more on a fresh one before it waits (llmgw.control.usage.GatedLedger).
+        self.read_engines: Callable[[Collection[str]], Awaitable[None]] | None = None
         self.budgets: BudgetBook | None = None  # what budgets used this period, for the routers
         self.local_routers = local_routers  # routers in the controller's own process
         self.configured_routers = 0  # router.limits_routers: the count every router is told (0: learned)
@@ -528,14 +531,29 @@ class FeedHub:
                     log.warning("usage ledger: router %s's batches %d to %d are not in the store (restored from "
                                 "an older copy?); asked for them again", router_id, known + 1, batch.seq - 1)
                 else:
-                    self.ledger.record_usage(batch)
+                    await self._record(batch)
                     answer["usage_acked"] = batch.seq
             except UsageDeferred:
-                pass  # not acknowledged: the router sends it again with its next report
+                # Not acknowledged: the router sends it again with its next report (and, leaving,
+                # waits a little for this answer to change rather than drop it).
+                answer["usage_waiting"] = batch.seq
             except StoreError as exc:
                 log.warning("usage ledger: could not record a batch from %s (%s)", router_id, exc)
         answer.update(self.spent())  # with its own batch in them
         return web.json_response(answer)
+
+
+    async def _record(self, batch: UsageBatch) -> None:
+        """Record ``batch`` in the ledger, or :class:`UsageDeferred` when it waits for the engines'
+        counts even after one fresh reading of them."""
+        assert self.ledger is not None
+        try:
+            self.ledger.record_usage(batch)
+        except UsageDeferred as waiting:
+            if self.read_engines is None:
+                raise
+            await self.read_engines(waiting.models)
+            self.ledger.record_usage(batch)
 
 
 def _in_flight(d: Any) -> dict[str, int]:

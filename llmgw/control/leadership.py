@@ -118,12 +118,16 @@ class Leadership:
         """The leader's advertised admin URL, as last known (this controller's own when leading)."""
         if self.leading:
             return self.url
-        return advertised_url(self.seen.leader) if self.seen is not None else None
+        # Its own lease, lapsed (a stalled leader resumed): naming itself would send routers back
+        # to a controller that refuses them, until the store is read again.
+        if self.seen is None or self.seen.leader == self.holder:
+            return None
+        return advertised_url(self.seen.leader)
 
     def summary(self) -> dict[str, object]:
         seen = self.seen
         return {"role": self.role, "holder": self.holder,
-                "leader": self.holder if self.leading else (seen.leader if seen else None),
+                "leader": self.holder if self.leading else (seen.leader if seen and self.leader_url else None),
                 "leader_url": self.leader_url,
                 "epoch": self.epoch if self.leading else (seen.epoch if seen else None),
                 "last_takeover": seen.taken if seen else None}

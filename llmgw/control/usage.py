@@ -239,7 +239,12 @@ class BookedLedger:
 
 
 class UsageDeferred(Exception):
-    """A router's usage batch waits for the engines' counts: not recorded, not acknowledged."""
+    """A router's usage batch waits for the engines' counts: not recorded, not acknowledged.
+    ``models``: those whose engines' counts it waits for."""
+
+    def __init__(self, message: str, models: frozenset[str] = frozenset()) -> None:
+        super().__init__(message)
+        self.models = models
 
 
 SAVE_EVERY = 10.0  # seconds between writes of the gate's figures to the store
@@ -295,7 +300,8 @@ class GatedLedger:
             if batch.seq <= self.inner.usage_seq(batch.instance):
                 self.gate.waiting.pop((batch.instance, batch.seq), None)
                 return False  # recorded before (its answer was lost): acknowledged again, not held up
-            raise UsageDeferred(f"batch {batch.seq} of {batch.instance} waits for the engines' counts")
+            raise UsageDeferred(f"batch {batch.seq} of {batch.instance} waits for the engines' counts of "
+                                f"{', '.join(sorted(verdict.waits_for))}", verdict.waits_for)
         recorded = self.inner.record_usage(replace(batch, rows=tuple(verdict.rows)))
         if recorded:  # (a batch recorded before: nothing of it is dropped or counted twice)
             self.gate.taken(verdict, router=router, instance=batch.instance, seq=batch.seq)

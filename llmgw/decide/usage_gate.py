@@ -121,6 +121,7 @@ class Verdict:
     rows: list[UsageRow]
     dropped: dict[str, int]  # per model, tokens taken for none
     wait: bool = False
+    waits_for: frozenset[str] = frozenset()  # with ``wait``: the models whose engines' counts it waits for
 
 
 @dataclass
@@ -172,7 +173,7 @@ class UsageGate:
             self.waiting[key] = Waiting(now, router, over)
             for old in list(self.waiting)[:max(0, len(self.waiting) - MAX_WAITING)]:
                 del self.waiting[old]  # it waits HOLD again when it comes back
-        return Verdict([], {}, wait=True)
+        return Verdict([], {}, wait=True, waits_for=frozenset(over))
 
     def taken(self, verdict: Verdict, *, router: str, instance: str, seq: int) -> None:
         """Note a verdict the ledger recorded."""

@@ -47,7 +47,7 @@ from llmgw.router.hold import Holder
 from llmgw.router.intake import READS as READS  # where callers have found it
 from llmgw.router.intake import Intake
 from llmgw.router.keys import ApiKey, KeyRing
-from llmgw.router.load import poll_loads
+from llmgw.router.load import LoadReader
 from llmgw.router.metrics import UNKNOWN, GaugeSnapshot, RouterMetrics, gauges
 from llmgw.router.parse import Parsed
 from llmgw.router.paths import CHAT, COMPLETIONS, EMBEDDINGS
@@ -214,8 +214,10 @@ class Router:
             books.engine_counts(up.model, queries, hits)
 
         odd = self.metrics.odd_loads
-        poller = asyncio.create_task(poll_loads(lambda: self.table, self._load_session, self.config.load_interval,
-                                                engine_counts, odd=lambda u: odd.labels(u.model).inc()))
+        loads = LoadReader(lambda: self.table, self._load_session, engine_counts,
+                           odd=lambda u: odd.labels(u.model).inc())
+        self.usage.read_engines_now = loads.read_now
+        poller = asyncio.create_task(loads.run(self.config.load_interval))
         try:
             while True:
                 await asyncio.sleep(self.config.keepalive_timeout)
@@ -223,6 +225,7 @@ class Router:
                 for origin in (*retired, *(u.origin for u in self.table.upstreams.values())):
                     self._pool.sweep(origin)
         finally:
+            self.usage.read_engines_now = None
             poller.cancel()
             await asyncio.gather(poller, return_exceptions=True)
 

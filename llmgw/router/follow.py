@@ -57,6 +57,12 @@ from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
+# Leaving, a batch the controller holds for its engines' counts is sent again every LEAVE_RETRY
+# seconds for up to LEAVE_WAIT (a stop waits that much longer at worst), LEAVE_REPORTS reports in all.
+LEAVE_WAIT = 10.0
+LEAVE_RETRY = 0.25
+LEAVE_REPORTS = 60
+
 
 class WatchRefused(LlmgwError):
     """The controller answered, but not with a stream or a 200 (a wrong token, a wrong URL)."""
@@ -154,30 +160,41 @@ class FeedClient:
         if self._session is not None:
             outbox = self.router.usage.outbox
             took = None
-            for _ in range(2):  # the batch in flight, then what was counted since
-                if not outbox.pending:
+            # The batch in flight, then what was counted since; a batch the controller holds for
+            # its engines' counts (``usage_waiting``: a reading comes about every second) is sent
+            # again for up to LEAVE_WAIT rather than lost with this process.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + LEAVE_WAIT
+            sent: tuple[str, bool] | None = None
+            for _ in range(LEAVE_REPORTS):
+                if not outbox.pending or loop.time() >= deadline:
                     break
-                took = await self._report_anywhere()
-                if took is None:
+                sent = await self._report_anywhere()
+                if sent is None:
                     break
+                took, waits = sent
+                if waits:
+                    await asyncio.sleep(LEAVE_RETRY)
             # Gone, said once: the controller stops waiting on this router for drains (else it
             # would count it as "may still send a withdrawn replica one" until its report aged).
             try:
                 await self._report_once(took or self.controller, leaving=True, timeout=2.0)
             except (aiohttp.ClientError, TimeoutError, OSError, WatchRefused):
                 pass  # a controller away: its drains end at drain_timeout, or when the report ages
+            if outbox.pending and sent is not None:  # (none took it: said by _report_anywhere)
+                log.warning("usage of %d (minute, key, model) rows not acknowledged at stop: lost to the ledger",
+                            outbox.pending)
             await self._session.close()
             self._session = None
 
-    async def _report_anywhere(self) -> str | None:
-        """One report to the controller followed, else to each other in turn; the URL that
-        took it, or None (logged) when none did."""
+    async def _report_anywhere(self) -> tuple[str, bool] | None:
+        """One report to the controller followed, else to each other in turn: the URL that took
+        it and whether the batch it carried waits there, or None (logged) when none did."""
         first = self.controller
         problems = []
         for url in (first, *(u for u in self.controllers if u != first)):
             try:
-                await self._report_once(url)
-                return url
+                return url, await self._report_once(url)
             except (aiohttp.ClientError, TimeoutError, OSError, WatchRefused) as exc:
                 problems.append(str(exc) if isinstance(exc, WatchRefused) else f"{url}: {type(exc).__name__}: {exc}")
         log.warning("usage of %d (minute, key, model) rows not reported at stop (%s)",
@@ -323,9 +340,10 @@ class FeedClient:
                 failing = True
                 await asyncio.sleep(min(self.report_interval, 1.0))  # no tight loop while it is away
 
-    async def _report_once(self, url: str | None = None, *, leaving: bool = False, timeout: float = 5.0) -> None:
+    async def _report_once(self, url: str | None = None, *, leaving: bool = False, timeout: float = 5.0) -> bool:
         """One report to ``url`` (default: the controller followed). The usage batch it carries
-        stays in the outbox unless the answer acknowledges (or refuses) its number."""
+        stays in the outbox unless the answer acknowledges (or refuses) its number; True when the
+        controller said it holds that batch for its engines' counts."""
         assert self._session is not None
         url = url or self.controller
         usage = self.router.usage
@@ -390,6 +408,8 @@ class FeedClient:
                 log.error("usage batch %d (%d rows) was refused by the controller and is dropped",
                           batch.seq, len(batch.rows))
                 outbox.acked(batch.seq)
+            return isinstance(answer, dict) and answer.get("usage_waiting") == batch.seq
+        return False
 
 
 def _spent(d: dict[str, Any]) -> tuple[SpentFigures, int] | None:

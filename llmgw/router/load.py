@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import aiohttp
 
@@ -56,32 +56,67 @@ def apply_load(u: Upstream, mine: int, load: Load, prefix_counts: PrefixCounts |
         prefix_counts(u, totals[0] - last[0], max(0.0, totals[1] - last[1]))
 
 
-async def poll_loads(table: Callable[[], EndpointTable], session: aiohttp.ClientSession, interval: float,
-                     prefix_counts: PrefixCounts | None = None,
-                     odd: Callable[[Upstream], None] | None = None) -> None:
-    """Refresh every replica's outside load forever (cancel to stop). A reading that cannot be
-    applied calls ``odd`` (the router counts it in a metric) and is logged once per replica until
-    that replica reads well again: every poll of every replica used to log its traceback."""
-    odd_now: set[str] = set()
-    while True:
-        ups = list(table().upstreams.values())
+class LoadReader:
+    """Reads every replica's engine into its :class:`Upstream`: every ``interval`` seconds
+    (:meth:`run`), and at once for the replicas of some models (:meth:`read_now`: the usage gate's
+    fresh look before it holds a router's batch). A reading that cannot be applied calls ``odd``
+    (the router counts it in a metric) and is logged once per replica until that replica reads well
+    again: every poll of every replica used to log its traceback."""
+
+    def __init__(self, table: Callable[[], EndpointTable], session: aiohttp.ClientSession,
+                 prefix_counts: PrefixCounts | None = None, odd: Callable[[Upstream], None] | None = None) -> None:
+        self.table = table
+        self.session = session
+        self.prefix_counts = prefix_counts
+        self.odd = odd
+        self._odd_now: set[str] = set()
+        self._asked: dict[str, float] = {}  # per model, when read_now last read it (loop time)
+
+    async def read(self, ups: list[Upstream]) -> None:
+        """One reading of each of ``ups``, together."""
+        before = [u.inflight for u in ups]
+        results = await asyncio.gather(*(read_engine(self.session, u) for u in ups))
+        for u, mine, load in zip(ups, before, results, strict=True):
+            if load is None:
+                # Its outside load stays (routing keeps the last figure), but the queue an
+                # operator sees is the engine's word now or nothing: never a hung engine's old one.
+                u.engine_load = None
+                continue
+            try:
+                apply_load(u, mine, load, self.prefix_counts)
+            except Exception:  # noqa: BLE001 - one odd reading must not stop the readings of every replica
+                if self.odd is not None:
+                    self.odd(u)
+                if u.replica_id not in self._odd_now:
+                    self._odd_now.add(u.replica_id)
+                    log.exception("ignoring the load read from %s (said once until it reads well again)", u.url)
+            else:
+                self._odd_now.discard(u.replica_id)
+
+    async def read_now(self, models: Collection[str]) -> None:
+        """Read the engines of ``models`` now, each model at most once per READ_NOW_EVERY seconds
+        (a router sending batches that never fit makes no more than that)."""
+        now = asyncio.get_running_loop().time()
+        due = {m for m in models if now - self._asked.get(m, -READ_NOW_EVERY) >= READ_NOW_EVERY}
+        if not due:
+            return
+        for m in due:
+            self._asked.pop(m, None)
+            self._asked[m] = now
+        for old in list(self._asked)[:max(0, len(self._asked) - MAX_ASKED)]:
+            del self._asked[old]
+        ups = [u for u in self.table().upstreams.values() if u.model in due]
         if ups:
-            before = [u.inflight for u in ups]
-            results = await asyncio.gather(*(read_engine(session, u) for u in ups))
-            for u, mine, load in zip(ups, before, results, strict=True):
-                if load is None:
-                    # Its outside load stays (routing keeps the last figure), but the queue an
-                    # operator sees is the engine's word now or nothing: never a hung engine's old one.
-                    u.engine_load = None
-                    continue
-                try:
-                    apply_load(u, mine, load, prefix_counts)
-                except Exception:  # noqa: BLE001 - one odd reading must not stop the readings of every replica
-                    if odd is not None:
-                        odd(u)
-                    if u.replica_id not in odd_now:
-                        odd_now.add(u.replica_id)
-                        log.exception("ignoring the load read from %s (said once until it reads well again)", u.url)
-                else:
-                    odd_now.discard(u.replica_id)
-        await asyncio.sleep(interval)
+            await self.read(ups)
+
+    async def run(self, interval: float) -> None:
+        """Read every replica in the table forever (cancel to stop); nothing while it is empty."""
+        while True:
+            if ups := list(self.table().upstreams.values()):
+                await self.read(ups)
+            await asyncio.sleep(interval)
+
+
+READ_NOW_EVERY = 0.25  # seconds
+MAX_ASKED = 4096  # models whose last on-demand reading is remembered
+

@@ -14,7 +14,7 @@ caller that only reads usage holds this object, not the server.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 
 from llmgw.contract import Demand, PromptCache, ReplicaStats
 from llmgw.router.account import Accounting
@@ -40,6 +40,8 @@ class RouterUsage:
         self.instance_id = accounting.instance_id
         # The counts by minute, until the controller's ledger has them (llmgw.contract).
         self.outbox: UsageOutbox = accounting.usage.outbox
+        # Reads the engines of some models now (set while the router runs: llmgw.router.load).
+        self.read_engines_now: Callable[[Collection[str]], Awaitable[None]] | None = None
 
     def withdrawn(self, upstreams: Iterable[Upstream]) -> None:
         """Replicas just taken out of the table: those with requests in flight go on counting
@@ -71,6 +73,12 @@ class RouterUsage:
         started, as last read: what bounds the usage routers report (llmgw.decide.usage_gate)."""
         return {rid: (u.model, *u.engine_tokens) for rid, u in self._current.table.upstreams.items()
                 if u.engine_tokens is not None}
+
+    async def engine_tokens_now(self, models: Collection[str]) -> None:
+        """Read the engines of ``models`` now, so :meth:`engine_tokens` says what they counted by
+        this moment (the usage gate, before it holds a batch the last reading does not cover)."""
+        if self.read_engines_now is not None:
+            await self.read_engines_now(models)
 
     def demand(self) -> dict[str, Demand]:
         """Held and in-flight requests per model (see :mod:`llmgw.router.demand`)."""

@@ -122,6 +122,9 @@ async def test_a_leader_cut_off_from_the_store_stops_before_its_lease_can_be_tak
     stood_down, took = la.events[1][2], lb.events[0][2]
     assert stood_down < took, "the cut-off leader still acted when the other took the lease"
     assert not a.leading and b.epoch == 2
+    # Its own lapsed lease is the last it read: it names no leader rather than itself (routers it
+    # sent back to itself were refused again until it read the store).
+    assert a.leader_url is None and a.summary()["leader"] is None
     cut.healed.set()
     await until(lambda: a.seen is not None and a.seen.leader == b.holder)
     assert a.role == STANDBY and a.leader_url == "http://b"

@@ -125,7 +125,7 @@ async def test_a_reading_that_cannot_be_applied_is_counted_each_time_and_logged_
     import aiohttp
 
     from llmgw.contract import Endpoint
-    from llmgw.router.load import poll_loads
+    from llmgw.router.load import LoadReader
     from llmgw.router.table import EndpointTable
 
     served = [0]
@@ -153,7 +153,7 @@ async def test_a_reading_that_cannot_be_applied_is_counted_each_time_and_logged_
 
     caplog.set_level("ERROR", logger="llmgw.router.load")
     async with aiohttp.ClientSession() as session:
-        task = asyncio.create_task(poll_loads(lambda: table, session, 0.01, prefix_counts, odd=odd.append))
+        task = asyncio.create_task(LoadReader(lambda: table, session, prefix_counts, odd=odd.append).run(0.01))
         try:
             while len(odd) < 5:
                 await asyncio.sleep(0.01)
@@ -172,3 +172,49 @@ async def test_a_reading_that_cannot_be_applied_is_counted_each_time_and_logged_
                 await task
             await runner.cleanup()
     assert all(u is up for u in odd) and up.engine_load == (1, 0)
+
+
+async def test_an_engine_read_at_once_is_read_for_its_model_alone_and_not_more_than_a_few_times_a_second() -> None:
+    """The usage gate asks for a fresh reading of a model's engines before it holds a router's batch:
+    only that model's replicas are read, and a router whose batches never fit cannot make the
+    controller read an engine on every report (READ_NOW_EVERY apart at most)."""
+    import aiohttp
+
+    from llmgw.contract import Endpoint
+    from llmgw.router.load import READ_NOW_EVERY, LoadReader
+    from llmgw.router.table import EndpointTable
+
+    served: list[str] = []
+
+    def engine(name: str) -> web.Application:
+        async def metrics(_request: web.Request) -> web.Response:
+            served.append(name)
+            return web.Response(text=f"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+                                     f"vllm:generation_tokens_total {10 * served.count(name)}\n")
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        return app
+
+    runners, ups = [], {}
+    for name in ("a", "b"):
+        runner = web.AppRunner(engine(name))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        ups[name] = Upstream(Endpoint(f"{name}-r1", name, (name,), f"http://127.0.0.1:{runner.addresses[0][1]}",
+                                      "sim", "p", 0))
+    table = EndpointTable({}, {u.replica_id: u for u in ups.values()}, version=1)
+    try:
+        async with aiohttp.ClientSession() as session:
+            reader = LoadReader(lambda: table, session)
+            await reader.read_now({"a"})
+            assert served == ["a"] and ups["a"].engine_tokens is not None and ups["b"].engine_tokens is None
+            for _ in range(20):
+                await reader.read_now({"a"})
+            assert served == ["a"]  # asked again at once: the reading just made stands
+            await asyncio.sleep(READ_NOW_EVERY)
+            await reader.read_now({"a", "b"})
+            assert sorted(served) == ["a", "a", "b"]
+    finally:
+        for runner in runners:
+            await runner.cleanup()

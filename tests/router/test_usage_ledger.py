@@ -15,6 +15,8 @@ from aiohttp import web
 from llmgw.catalog.model import Catalog, Limits, Settings, Tenant
 from llmgw.contract import MAX_USAGE_ROWS, REPORT_PATH, UsageBatch, UsageRow
 from llmgw.control.feed import FeedHub
+from llmgw.control.usage import GatedLedger
+from llmgw.decide.usage_gate import FLOOR
 from llmgw.engines.testing import SimProcess, free_port
 from llmgw.router import KeyRing, Router, RouterConfig, hash_key
 from llmgw.state import Store
@@ -398,3 +400,55 @@ async def test_a_controller_restored_from_an_older_copy_gets_the_batches_it_lost
     restored.close()
     store.close()
     assert (got["requests"], got["prompt_tokens"], got["completion_tokens"]) == tuple(sent)
+
+
+@pytest.mark.parametrize("reads_now", [True, False], ids=["read-at-once", "held-until-the-next-reading"])
+async def test_a_batch_past_the_last_engine_reading_is_recorded_even_as_its_router_stops(
+        chat_sim: SimProcess, tmp_path: Path, reads_now: bool) -> None:
+    """Behind the usage gate (issue 41) a standalone router's batch may come before the controller's
+    own router read the tokens it counts. The controller reads the model's engines at once rather
+    than hold the batch (here its router reads on its own only once an hour); where it cannot (no
+    reader), the batch waits for the next reading and a stopping router keeps sending it meanwhile.
+    Either way a router that stops right after its last answers loses none of them: the ledger
+    equals what the clients were told. A CI run lost a quarter of a failover test's usage this way:
+    held batches, and routers that stopped after two tries."""
+    store = Store(tmp_path / "llmgw.db").open()
+    # The controller's own router, which reads the engines.
+    ctl_router = Router(keys=KEYS, config=RouterConfig(load_interval=3600 if reads_now else 2.0))
+    ctl_router.set_catalog(CATALOG)
+    ctl_router.set_endpoints([endpoint("chat", chat_sim.endpoint)])
+    hub = FeedHub(keepalive=0.2)
+    hub.set_catalog(CATALOG)
+    hub.set_endpoints([endpoint("chat", chat_sim.endpoint)])
+    gated = GatedLedger(store, ctl_router.usage.engine_tokens, models=lambda: {"chat"})
+    hub.ledger = gated
+    hub.read_engines = ctl_router.usage.engine_tokens_now if reads_now else None
+    router = Router(keys=KEYS, config=RouterConfig())
+    port = free_port()
+    runner = await serve(make_app(hub, TOKEN), port)
+    sent = [0, 0]
+    try:
+        async with serving(ctl_router):
+            await until(lambda: ctl_router.usage.engine_tokens())  # a reading before any answer
+            # The controller's own router's answers, taken as they come, leave no room for more
+            # than what the engine will count from now on (the engine may have served before).
+            _model, prompted, generated = ctl_router.usage.engine_tokens()["chat-g1"]
+            assert prompted is not None and generated is not None
+            before = (int(prompted) + FLOOR, int(generated) + FLOOR)
+            own = UsageBatch("own/1", 1, (UsageRow(600, "search", "web", "chat", requests=1, prompt_tokens=before[0],
+                                                   completion_tokens=before[1]),))
+            assert gated.trusted.record_usage(own)
+            async with serving(router) as base, client(base, "sk-web") as c:
+                async with following(router, f"http://127.0.0.1:{port}"):
+                    await until(lambda: router.table.has("chat"))
+                    for i in range(4):
+                        p, n = await ask(c, stream=i % 2 == 0)
+                        sent[0], sent[1] = sent[0] + p, sent[1] + n
+                # stopped: whatever its reports had not delivered went with the follower's close
+        got = totals(store, key="web")
+        assert (got["requests"], got["prompt_tokens"], got["completion_tokens"]) == (5, before[0] + sent[0],
+                                                                                     before[1] + sent[1])
+        assert gated.gate.dropped == {} and gated.gate.held_tokens(0) == {}
+    finally:
+        await runner.cleanup()
+        store.close()
