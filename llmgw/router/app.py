@@ -59,7 +59,6 @@ from llmgw.router.table import EndpointTable, Upstream, build_table
 from llmgw.router.upstream import Origin, UpstreamPool
 from llmgw.serving import connection_cap, listen
 from llmgw.tasks import cancel_and_wait
-from llmgw.tenancy.admission import Limits
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "READS", "Router"]
 
@@ -121,14 +120,6 @@ class Router:
     def routes(self) -> RouteCatalog:
         return self._current.routes
 
-    @property
-    def _limits(self) -> Limits:
-        """For tests alone, and kept for them: what a request was charged against its tenant
-        (reservations, settlements, a shared store's allowances) shows in no answer or metric by
-        amount, only as a 429 once a budget is spent, which cannot tell 1,000 tokens from 1,100."""
-        return self._admission.limits
-
-    # --- the control plane's side --------------------------------------------------------
     def set_catalog(self, catalog: Catalog) -> None:
         """Catalog subscriber: the control plane subscribes it before the reconciler, so names
         change before replicas do (`llmgw.compose.server.attach_router`)."""

@@ -362,7 +362,7 @@ async def test_allowances_of_a_redis_that_lost_its_data_are_not_admitted_from_ag
                     for c in cs:
                         r = await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=100)
                         used += r.usage.total_tokens
-            held = [sum(a.budget for a in r._limits._allowances.values()) for r in routers]  # noqa: SLF001
+            held = [sum(a.budget for a in r._admission.limits._allowances.values()) for r in routers]  # noqa: SLF001
             assert all(h > 0 for h in held), held  # what the lost Redis will have granted them
             figures = {("team", ""): (period_start(budget, time.time()), used)}  # the ledger, as reported
             for r in routers:
@@ -373,7 +373,7 @@ async def test_allowances_of_a_redis_that_lost_its_data_are_not_admitted_from_ag
             after = [await spend(base, max_tokens=100) for base in bases]
             reservation = 100 + 20  # max_tokens and the prompt's estimate
             assert used + sum(after) <= budget.tokens + 2 * reservation, (used, after, held)
-            assert sum(getattr(r._limits, "lost_data", 0) for r in routers) >= 1  # noqa: SLF001 - and said
+            assert sum(getattr(r._admission.limits, "lost_data", 0) for r in routers) >= 1  # noqa: SLF001 - and said
     finally:
         redis.kill()
         redis.wait(5)

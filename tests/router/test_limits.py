@@ -570,7 +570,7 @@ async def test_a_spent_budget_or_full_concurrency_is_refused_before_the_body(cha
         with pytest.raises(openai.RateLimitError):
             for _ in range(20):
                 await c.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=200)
-        scope = router._limits.limiter.tenant_scope("team-key")  # noqa: SLF001
+        scope = router._admission.limits.limiter.tenant_scope("team-key")  # noqa: SLF001
         assert scope is not None
         left = 1_000 - scope.spent()  # less than one more request's reservation
         assert left < 250
@@ -580,7 +580,7 @@ async def test_a_spent_budget_or_full_concurrency_is_refused_before_the_body(cha
         await c.close()
     router = keyed_router(chat_sim, Limits(concurrent=1))
     async with serving(router) as base:
-        running = router._limits.limiter.admit("team-key", ("chat",), 1, 0.0)  # noqa: SLF001 - a request in flight
+        running = router._admission.limits.limiter.admit("team-key", ("chat",), 1, 0.0)  # noqa: SLF001 - a request in flight
         assert isinstance(running, Ticket)
         assert await half_a_body(base, "sk-team", 2_000, wait=10) == (True, 429)
         running.release()
@@ -605,7 +605,7 @@ async def test_a_stream_dropped_before_its_first_token_is_charged_its_reservatio
         raw = json.dumps(body).encode()
         async with serving(router) as base:
             port = int(base.rsplit(":", 1)[1])
-            scope = router._limits.limiter.tenant_scope("team-key")  # noqa: SLF001
+            scope = router._admission.limits.limiter.tenant_scope("team-key")  # noqa: SLF001
             assert scope is not None
             for i in range(2):
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -643,7 +643,7 @@ async def test_an_engine_error_after_the_prompt_was_sent_is_charged_its_prompt()
                 with pytest.raises(openai.BadRequestError):
                     await team.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=5, stream=stream)
             await team.close()
-        scope = router._limits.limiter.tenant_scope("team-key")  # noqa: SLF001
+        scope = router._admission.limits.limiter.tenant_scope("team-key")  # noqa: SLF001
         assert scope is not None and scope.inflight == 0
         assert scope.used >= 2 * prompt_estimate(60)
 
