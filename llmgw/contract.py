@@ -527,8 +527,17 @@ class UsageSource(Protocol):
         (every client's requests, not only a router's); replicas whose engine says nothing are
         absent (llama.cpp without --metrics, an unreadable endpoint)."""
 
+    @property
+    def reads_engines(self) -> bool:
+        """Whether :meth:`engine_queue` is read from the engines at all. False: it is always empty,
+        and the routers' word on demand is all there is; True: a replica absent from it was not
+        read, which confirms none of the demand said of it (a reading that timed out once let a
+        forged report scale a model up)."""
+
 
 class NoUsage:
+    reads_engines = False
+
     def last_used(self) -> Mapping[str, float]:
         return {}
 

@@ -321,6 +321,8 @@ class FeedHub:
         replica's engine (the engine counts every client's requests, so one reading is the figure)."""
         return {}
 
+    reads_engines = False
+
     def routers(self) -> dict[str, float]:
         """Routers heard from within ``report_ttl``, with the time of their last report."""
         self._live_reports()
@@ -653,6 +655,10 @@ class MergedUsage:
             for rid, q in s.engine_queue().items():
                 out.setdefault(rid, q)
         return out
+
+    @property
+    def reads_engines(self) -> bool:
+        return any(s.reads_engines for s in self.sources)
 
     def in_flight_by_replica(self) -> dict[str, int]:
         """Summed over the sources (each router counts its own requests)."""

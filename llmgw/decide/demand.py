@@ -24,13 +24,15 @@ class Believed:
     unconfirmed: dict[str, int]
 
 
-def believed_demand(said: Mapping[str, Demand], engine_queue: Mapping[str, tuple[int, int]],
+def believed_demand(said: Mapping[str, Demand], engine_queue: Mapping[str, tuple[int, int]] | None,
                     replicas: Iterable[Replica]) -> Believed:
     """In flight at most what the model's ready engines count running and waiting; a ready replica
     not read (not yet, or its engine did not answer in time) counts none: every engine llmgw starts
-    serves the count. With no reading of any engine at all (a usage source that reads none) the
-    routers' word stands, as before. Requests held for want of a replica are believed as said: with
-    none ready there is no engine to ask, and they take a model at zero to one replica, never more."""
+    serves the count. ``engine_queue`` None (a usage source that reads no engine): the routers'
+    word stands, as before. An empty reading is not that: every read of every engine failing at
+    once (a loaded machine, all timed out) once let a forged report scale a model up. Requests
+    held for want of a replica are believed as said: with none ready there is no engine to ask,
+    and they take a model at zero to one replica, never more."""
     ready: dict[str, list[str]] = {}
     for r in replicas:
         if r.state == ReplicaState.READY and not r.canary:
@@ -39,7 +41,7 @@ def believed_demand(said: Mapping[str, Demand], engine_queue: Mapping[str, tuple
     unconfirmed: dict[str, int] = {}
     for model, d in said.items():
         ids = ready.get(model, [])
-        if ids and engine_queue:
+        if ids and engine_queue is not None:
             counted = sum(sum(engine_queue.get(rid, (0, 0))) for rid in ids)
             if d.inflight > counted:
                 unconfirmed[model] = d.inflight - counted

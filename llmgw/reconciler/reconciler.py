@@ -166,7 +166,8 @@ class Reconciler:
             self._settle_canaries(plan)
             # Before decide(): adopted replicas count toward the model's, so none is placed beside them.
             self._adopt(plan, inventory, now)
-            believed = believed_demand(self.usage.demand(), self.usage.engine_queue(), self.replicas.values())
+            queue = self.usage.engine_queue() if self.usage.reads_engines else None
+            believed = believed_demand(self.usage.demand(), queue, self.replicas.values())
             self.unconfirmed_demand = believed.unconfirmed
             decisions = decide(
                 plan.catalog, inventory, list(self.replicas.values()),

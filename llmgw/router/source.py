@@ -27,6 +27,8 @@ from llmgw.tenancy.usage import UsageOutbox
 class RouterUsage:
     """One router's readings; every call returns copies the caller may keep."""
 
+    reads_engines = True  # every replica in its table, every load_interval (llmgw.router.load)
+
     def __init__(self, current: Current, accounting: Accounting, demand: DemandBook) -> None:
         self._current = current
         self._accounting = accounting

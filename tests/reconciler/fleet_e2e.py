@@ -70,6 +70,8 @@ class Recorder:
     def engine_queue(self) -> Mapping[str, tuple[int, int]]:
         return {}
 
+    reads_engines = False  # the routers' word on demand stands
+
     def in_flight_by_replica(self) -> Mapping[str, int]:
         return {}
 

@@ -139,8 +139,12 @@ def test_scaling_for_load_acts_on_what_the_engines_count_not_on_what_a_router_sa
     # One ready replica not read among others that are: it counts none.
     reps3 = [replica("r1-g1"), replica("r2-g1", gpu=1)]
     assert believed_demand(said, {"r1-g1": (3, 0)}, reps3).demand[M.name].inflight == 3
-    # No reading of any engine at all: the routers' word stands (a source that reads none).
-    assert believed_demand(said, {}, reps).demand == said and believed_demand(said, {}, reps).unconfirmed == {}
+    # A source that reads no engine: the routers' word stands.
+    assert believed_demand(said, None, reps).demand == said and believed_demand(said, None, reps).unconfirmed == {}
+    # One that reads them, every reading failed at once (all timed out on a loaded machine): none
+    # of it is confirmed (CI saw a forged report scale a model up through such a moment).
+    assert believed_demand(said, {}, reps).demand[M.name].inflight == 0
+    assert believed_demand(said, {}, reps).unconfirmed == {M.name: 50}
     # Held requests with nothing ready: believed (no engine to ask); they take a model to one.
     held = {M.name: Demand(held=9, inflight=0)}
     assert believed_demand(held, {"x": (0, 0)}, []).demand == held
