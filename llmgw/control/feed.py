@@ -40,6 +40,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from llmgw import jsonbody
+from llmgw.access.roles import Principal
 from llmgw.access.web import PRINCIPAL
 from llmgw.catalog import Catalog
 from llmgw.contract import (
@@ -78,6 +79,8 @@ MAX_ROUTERS = 256
 # router applies a snapshot as it reads it; one that says otherwise for seconds is lying or broken.
 BEHIND_GRACE = 10.0
 MAX_RESEND_ASKED = 4096  # router processes whose gap in the ledger was asked for
+MAX_USED_BEFORE = 65_536  # replicas whose last use is kept after the routers that said it went quiet
+READ_FOR_EVERY = 1.0  # seconds: how often one router's held batches may have engines read at once
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class FeedHub:
         self._line: bytes | None = None
         self._changes = Changes()
         self._reports: dict[str, Report] = {}
+        self._used_before: dict[str, float] = {}  # per replica, last use said by routers no longer heard from
         # Per router instance: the store's last batch when this controller asked for the ones after it.
         self._resend_asked: dict[str, int] = {}
         # Replicas taken out of the endpoint list, with the version that took them out: until
@@ -130,6 +134,7 @@ class FeedHub:
         # Reads the engines of some models now: a batch the last reading does not cover is tried
         # once more on a fresh one before it waits (llmgw.control.usage.GatedLedger).
         self.read_engines: Callable[[Collection[str]], Awaitable[None]] | None = None
+        self._read_for: dict[str, float] = {}  # per router, when a batch of its last had engines read for it
         self.budgets: BudgetBook | None = None  # what budgets used this period, for the routers
         self.local_routers = local_routers  # routers in the controller's own process
         self.configured_routers = 0  # router.limits_routers: the count every router is told (0: learned)
@@ -234,8 +239,12 @@ class FeedHub:
 
     # --- usage: the reconciler's side ---------------------------------------------------
     def last_used(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for r in self._live_reports():
+        """When each replica was last used, per every router heard from: those whose reports aged
+        out included (their times stay true; forgotten, a replica serving through routers cut off
+        from this controller for report_ttl read as never used since it was ready, and was idled)."""
+        live = self._live_reports()
+        out = dict(self._used_before)
+        for r in live:
             for rid, t in r.last_used.items():
                 if t > out.get(rid, 0.0):
                     out[rid] = t
@@ -331,7 +340,13 @@ class FeedHub:
     def _live_reports(self) -> list[Report]:
         cutoff = self.clock() - self.report_ttl
         for rid in [rid for rid, r in self._reports.items() if r.at < cutoff]:
-            del self._reports[rid]  # a router that stopped reporting is gone: its demand with it
+            gone = self._reports.pop(rid)  # a router that stopped reporting is gone: its demand with it
+            for replica, t in gone.last_used.items():
+                if t > self._used_before.get(replica, 0.0):
+                    self._used_before.pop(replica, None)
+                    self._used_before[replica] = t  # most recently used last: the oldest are forgotten first
+            for old in list(self._used_before)[:max(0, len(self._used_before) - MAX_USED_BEFORE)]:
+                del self._used_before[old]
         return list(self._reports.values())
 
     # --- leading or standing by (DESIGN §5) ------------------------------------------------
@@ -533,7 +548,7 @@ class FeedHub:
                     log.warning("usage ledger: router %s's batches %d to %d are not in the store (restored from "
                                 "an older copy?); asked for them again", router_id, known + 1, batch.seq - 1)
                 else:
-                    await self._record(batch)
+                    await self._record(batch, router_id, principal)
                     answer["usage_acked"] = batch.seq
             except UsageDeferred:
                 # Not acknowledged: the router sends it again with its next report (and, leaving,
@@ -545,16 +560,30 @@ class FeedHub:
         return web.json_response(answer)
 
 
-    async def _record(self, batch: UsageBatch) -> None:
+    async def _record(self, batch: UsageBatch, router_id: str, principal: Principal | None) -> None:
         """Record ``batch`` in the ledger, or :class:`UsageDeferred` when it waits for the engines'
-        counts even after one fresh reading of them."""
+        counts. A batch that starts to wait has its models' engines read at once and is tried
+        again (an honest router's batch often comes before the next reading); once per batch, and
+        for one router at most once a READ_FOR_EVERY, so a router whose batches never fit cannot
+        make the controller read engines on every report."""
         assert self.ledger is not None
         try:
             self.ledger.record_usage(batch)
         except UsageDeferred as waiting:
-            if self.read_engines is None:
+            now = self.clock()
+            if (self.read_engines is None or not waiting.first
+                    or now - self._read_for.get(router_id, -READ_FOR_EVERY) < READ_FOR_EVERY):
                 raise
+            self._read_for.pop(router_id, None)
+            self._read_for[router_id] = now
+            for old in list(self._read_for)[:max(0, len(self._read_for) - MAX_ROUTERS)]:
+                del self._read_for[old]
             await self.read_engines(waiting.models)
+            # Read again after the wait: a controller that stopped leading meanwhile, or a credential
+            # revoked meanwhile, records nothing (the router sends it to whoever leads).
+            if self._standing_by()[0] or (principal is not None and principal.router is not None
+                                          and not self.credential_live(principal.credential)):
+                raise
             self.ledger.record_usage(batch)
 
 

@@ -118,16 +118,19 @@ class Leadership:
         """The leader's advertised admin URL, as last known (this controller's own when leading)."""
         if self.leading:
             return self.url
-        # Its own lease, lapsed (a stalled leader resumed): naming itself would send routers back
-        # to a controller that refuses them, until the store is read again.
-        if self.seen is None or self.seen.leader == self.holder:
-            return None
-        return advertised_url(self.seen.leader)
+        seen = self._seen_other()
+        return advertised_url(seen.leader) if seen is not None else None
+
+    def _seen_other(self) -> LeaseState | None:
+        """The leadership last read, unless it is this controller's own lease, lapsed (a stalled
+        leader resumed): naming itself would send routers back to a controller that refuses them
+        until it reads the store again."""
+        return self.seen if self.seen is not None and self.seen.leader != self.holder else None
 
     def summary(self) -> dict[str, object]:
-        seen = self.seen
+        seen = self.seen if self.leading else self._seen_other()
         return {"role": self.role, "holder": self.holder,
-                "leader": self.holder if self.leading else (seen.leader if seen and self.leader_url else None),
+                "leader": self.holder if self.leading else (seen.leader if seen else None),
                 "leader_url": self.leader_url,
                 "epoch": self.epoch if self.leading else (seen.epoch if seen else None),
                 "last_takeover": seen.taken if seen else None}

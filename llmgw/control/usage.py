@@ -240,11 +240,12 @@ class BookedLedger:
 
 class UsageDeferred(Exception):
     """A router's usage batch waits for the engines' counts: not recorded, not acknowledged.
-    ``models``: those whose engines' counts it waits for."""
+    ``models``: those whose engines' counts it waits for; ``first``: it did not wait before."""
 
-    def __init__(self, message: str, models: frozenset[str] = frozenset()) -> None:
+    def __init__(self, message: str, models: frozenset[str] = frozenset(), *, first: bool = False) -> None:
         super().__init__(message)
         self.models = models
+        self.first = first
 
 
 SAVE_EVERY = 10.0  # seconds between writes of the gate's figures to the store
@@ -274,6 +275,10 @@ class GatedLedger:
         self.counts = EngineCounts()
         self.trusted = _Counted(self)
         self._saved_at = 0.0
+        # The kept figures could not be read: routers' batches wait, and nothing is written over
+        # the kept figures, until they are. Started anew instead, the engines' whole past was room
+        # for routers' rows, and the next save lost the kept figures for good.
+        self._unread = False
         self.reload()
 
     def reload(self) -> None:
@@ -283,8 +288,12 @@ class GatedLedger:
         try:
             kept = self.state[0]()
         except StoreError as exc:
-            log.warning("usage gate: its figures were not read from the store (%s): engines' counts start anew", exc)
+            if not self._unread:
+                log.warning("usage gate: its figures were not read from the store (%s): routers' usage waits "
+                            "until they are", exc)
+            self._unread = True
             return
+        self._unread = False
         if isinstance(kept, dict):
             self.counts = EngineCounts.from_json(kept.get("counts"))
             self.gate.restore_reported(kept.get("reported"))
@@ -292,16 +301,26 @@ class GatedLedger:
     def record_usage(self, batch: UsageBatch) -> bool:
         """As the ledger's, or :class:`UsageDeferred`: the batch waits for the engines' counts (not
         acknowledged, so its router sends it again; nothing of it is lost if this controller dies)."""
+        if self._unread:
+            self.reload()
+            if self._unread:
+                raise UsageDeferred("the usage gate's figures are not read from the store yet")
+        known = self.models() if self.models is not None else None
+        if self.models is not None and known is None:
+            # No catalog yet (a git restore not done): which models are served is not known, and
+            # past HOLD a made-up model's rows would be believed. The batch waits for a catalog.
+            raise UsageDeferred("no catalog yet: usage waits for one")
         self._read()
         router = batch.instance.split("/")[0]
+        first = (batch.instance, batch.seq) not in self.gate.waiting
         verdict = self.gate.admit(batch.rows, self.counts, router=router, instance=batch.instance, seq=batch.seq,
-                                  now=self.clock(), known=self.models() if self.models is not None else None)
+                                  now=self.clock(), known=known)
         if verdict.wait:
             if batch.seq <= self.inner.usage_seq(batch.instance):
                 self.gate.waiting.pop((batch.instance, batch.seq), None)
                 return False  # recorded before (its answer was lost): acknowledged again, not held up
             raise UsageDeferred(f"batch {batch.seq} of {batch.instance} waits for the engines' counts of "
-                                f"{', '.join(sorted(verdict.waits_for))}", verdict.waits_for)
+                                f"{', '.join(sorted(verdict.waits_for))}", verdict.waits_for, first=first)
         recorded = self.inner.record_usage(replace(batch, rows=tuple(verdict.rows)))
         if recorded:  # (a batch recorded before: nothing of it is dropped or counted twice)
             self.gate.taken(verdict, router=router, instance=batch.instance, seq=batch.seq)
@@ -316,7 +335,7 @@ class GatedLedger:
 
     def save(self, *, now: bool = False) -> None:
         """Keep the figures (every SAVE_EVERY seconds; ``now``: at once)."""
-        if self.state is None or (not now and self.clock() - self._saved_at < SAVE_EVERY):
+        if self.state is None or self._unread or (not now and self.clock() - self._saved_at < SAVE_EVERY):
             return
         self._saved_at = self.clock()
         try:

@@ -94,8 +94,12 @@ class Lifecycle:
                 continue
             record = _engine(inventory, shard)
             node = inventory.node(shard.node)
-            if record is None and node is not None and node.report is not None and (
-                    inventory.taken_at is None or inventory.taken_at > r.state_since):
+            # When the node's report was asked for: a node whose last poll failed keeps its older
+            # report, from before this engine started perhaps (the poll's own time said fresh, and
+            # a loading engine was taken for gone when one SSH call timed out).
+            asked = node.last_seen if node is not None and node.last_seen is not None else inventory.taken_at
+            if record is None and node is not None and node.report is not None and node.unreachable_since is None \
+                    and (asked is None or asked > r.state_since):
                 # The node answers but knows no such engine: its state was wiped (a reboot,
                 # a reinstalled agent) or it was stopped behind our back. Start it again.
                 return self._failed(r, now, f"engine on {shard.node} is gone (pid {shard.pid})")

@@ -50,6 +50,10 @@ GIVEN_UP_KEPT = 4096
 # Seconds a replica drains on the routers' word alone; after that, only while its engine counts
 # requests (requests sent before it was withdrawn reach the engine well within this).
 DRAIN_CONFIRM_AFTER = 5.0
+# Seconds after this reconciler starts (a restart, a new leader) in which routers may not have
+# reported to it yet: a drain it finds is held while its engine counts requests, not ended because
+# no router said any (a new leader's first tick cut the streams of drains its predecessor began).
+REPORTS_SETTLE = 10.0
 
 
 class Reconciler:
@@ -97,6 +101,7 @@ class Reconciler:
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._tick_lock = asyncio.Lock()
+        self._started_at = float("-inf")  # when start() ran: routers' reports settle after it
         self.lifecycle: Lifecycle | None = None
         self._nodes_for: Catalog | None = None
         self._saved: tuple[Replica, ...] | None = None
@@ -114,10 +119,14 @@ class Reconciler:
         self.lifecycle = Lifecycle(self.dispatcher, self._session, self.store, self.config, self.clock)
         self.rollouts.load()
         self._issued = self._past = self.store.generation()
+        self._started_at = self.clock()
         for r in self.store.replicas():
             if r.state == ReplicaState.READY:
-                # Adopted from a previous life: probed once before it serves again, never restarted.
-                r = replace(r, state=ReplicaState.STARTING, adopted=True)
+                # Adopted from a previous life: probed before it serves again, never restarted. Its
+                # start_timeout counts from now: from its old state_since (hours ago, often), one
+                # probe a busy engine answered late failed it, and every loaded replica was
+                # stopped at a controller's restart.
+                r = replace(r, state=ReplicaState.STARTING, adopted=True, state_since=self.clock())
             self.replicas[r.id] = r
         if loop:
             self._task = asyncio.create_task(self._run(), name="reconciler")
@@ -379,6 +388,9 @@ class Reconciler:
         for r in stopping:
             n = in_flight.get(r.id, 0)
             if n <= 0:
+                if (now - self._started_at < REPORTS_SETTLE and now - r.state_since < self.config.drain_timeout
+                        and not await self._engine_idle(r, catalog)):
+                    out.add(r.id)  # routers may not have found this controller yet; its engine is busy
                 continue
             if now - r.state_since >= self.config.drain_timeout:
                 self.store.add_event("replica-drain-timeout", r.id,

@@ -149,9 +149,10 @@ class FeedClient:
                        asyncio.create_task(self._report_forever(), name="router-report")]
 
     async def close(self) -> None:
-        """Stop following; usage not yet acknowledged is sent once more first (drain the router
-        before, so its last answers are in it), to the controller followed and, if it does not
-        take it, to each other one once (one of them may lead by now). What none takes is logged."""
+        """Stop following; usage not yet acknowledged is sent first (drain the router before, so
+        its last answers are in it), to the controller followed and, if it does not take it, to
+        each other one in turn (one of them may lead by now); a batch a controller holds for its
+        engines' counts is sent again for up to LEAVE_WAIT. What none takes is logged."""
         await cancel_and_wait(*self._tasks)
         self._tasks = []
         if self._collector is not None:
@@ -169,12 +170,15 @@ class FeedClient:
             for _ in range(LEAVE_REPORTS):
                 if not outbox.pending or loop.time() >= deadline:
                     break
-                sent = await self._report_anywhere()
+                carried = outbox.take()
+                sent = await self._report_anywhere(took, deadline)
                 if sent is None:
                     break
                 took, waits = sent
                 if waits:
                     await asyncio.sleep(LEAVE_RETRY)
+                elif outbox.take() is carried:
+                    break  # neither taken nor held (an older controller, its store away): no more tries
             # Gone, said once: the controller stops waiting on this router for drains (else it
             # would count it as "may still send a withdrawn replica one" until its report aged).
             try:
@@ -187,14 +191,19 @@ class FeedClient:
             await self._session.close()
             self._session = None
 
-    async def _report_anywhere(self) -> tuple[str, bool] | None:
-        """One report to the controller followed, else to each other in turn: the URL that took
-        it and whether the batch it carried waits there, or None (logged) when none did."""
-        first = self.controller
+    async def _report_anywhere(self, first: str | None, deadline: float) -> tuple[str, bool] | None:
+        """One report to ``first`` (the controller followed when None), else to each other in
+        turn, each given what is left until ``deadline`` (loop time, at most 5 s each): the URL
+        that took it and whether the batch it carried waits there, or None (logged) when none did."""
+        first = first or self.controller
         problems = []
+        loop = asyncio.get_running_loop()
         for url in (first, *(u for u in self.controllers if u != first)):
+            if (left := deadline - loop.time()) <= 0:
+                problems.append("no time left")
+                break
             try:
-                return url, await self._report_once(url)
+                return url, await self._report_once(url, timeout=min(5.0, left))
             except (aiohttp.ClientError, TimeoutError, OSError, WatchRefused) as exc:
                 problems.append(str(exc) if isinstance(exc, WatchRefused) else f"{url}: {type(exc).__name__}: {exc}")
         log.warning("usage of %d (minute, key, model) rows not reported at stop (%s)",

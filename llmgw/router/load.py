@@ -14,6 +14,7 @@ the text for their names instead of parsing every family: this runs on the route
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable, Collection
 
@@ -59,9 +60,12 @@ def apply_load(u: Upstream, mine: int, load: Load, prefix_counts: PrefixCounts |
 class LoadReader:
     """Reads every replica's engine into its :class:`Upstream`: every ``interval`` seconds
     (:meth:`run`), and at once for the replicas of some models (:meth:`read_now`: the usage gate's
-    fresh look before it holds a router's batch). A reading that cannot be applied calls ``odd``
-    (the router counts it in a metric) and is logged once per replica until that replica reads well
-    again: every poll of every replica used to log its traceback."""
+    fresh look before it holds a router's batch). Readings may overlap (the poll and a read at
+    once); each is stamped when it begins, and one that answers after a later-begun one was
+    applied is dropped: applied over it, counters would go backwards, which reads as an engine
+    restarted, and the usage gate would count the engine's whole past again. A reading that cannot
+    be applied calls ``odd`` (the router counts it in a metric) and is logged once per replica
+    until that replica reads well again: every poll of every replica used to log its traceback."""
 
     def __init__(self, table: Callable[[], EndpointTable], session: aiohttp.ClientSession,
                  prefix_counts: PrefixCounts | None = None, odd: Callable[[Upstream], None] | None = None) -> None:
@@ -70,13 +74,19 @@ class LoadReader:
         self.prefix_counts = prefix_counts
         self.odd = odd
         self._odd_now: set[str] = set()
-        self._asked: dict[str, float] = {}  # per model, when read_now last read it (loop time)
+        self._stamps = itertools.count(1)
+        self._asked: dict[str, float] = {}  # per model, when read_now last began reading it (loop time)
+        self._reading: dict[str, asyncio.Task[None]] = {}  # per model, read_now's reading under way
 
     async def read(self, ups: list[Upstream]) -> None:
         """One reading of each of ``ups``, together."""
+        stamps = [next(self._stamps) for _ in ups]
         before = [u.inflight for u in ups]
         results = await asyncio.gather(*(read_engine(self.session, u) for u in ups))
-        for u, mine, load in zip(ups, before, results, strict=True):
+        for u, stamp, mine, load in zip(ups, stamps, before, results, strict=True):
+            if stamp < u.read_stamp:
+                continue  # a reading begun after this one was applied already
+            u.read_stamp = stamp
             if load is None:
                 # Its outside load stays (routing keeps the last figure), but the queue an
                 # operator sees is the engine's word now or nothing: never a hung engine's old one.
@@ -94,12 +104,14 @@ class LoadReader:
                 self._odd_now.discard(u.replica_id)
 
     async def read_now(self, models: Collection[str]) -> None:
-        """Read the engines of ``models`` now, each model at most once per READ_NOW_EVERY seconds
-        (a router sending batches that never fit makes no more than that)."""
-        now = asyncio.get_running_loop().time()
-        due = {m for m in models if now - self._asked.get(m, -READ_NOW_EVERY) >= READ_NOW_EVERY}
-        if not due:
-            return
+        """Read the engines of ``models`` now and return once read. A model read at once less than
+        READ_NOW_EVERY ago is not read again (a router sending batches that never fit costs the
+        engines one more reading a second at most, whoever sends them); one being read is waited for."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        under_way = {t for m in models if (t := self._reading.get(m)) is not None and not t.done()}
+        due = {m for m in models
+               if m not in self._reading and now - self._asked.get(m, -READ_NOW_EVERY) >= READ_NOW_EVERY}
         for m in due:
             self._asked.pop(m, None)
             self._asked[m] = now
@@ -107,7 +119,18 @@ class LoadReader:
             del self._asked[old]
         ups = [u for u in self.table().upstreams.values() if u.model in due]
         if ups:
-            await self.read(ups)
+            task = loop.create_task(self.read(ups), name="engine-read-now")
+            for m in due:
+                self._reading[m] = task
+            task.add_done_callback(lambda t: self._read(due, t))
+            under_way.add(task)
+        if under_way:  # shielded: one caller cancelled does not cancel the reading the others wait for
+            await asyncio.gather(*(asyncio.shield(t) for t in under_way), return_exceptions=True)
+
+    def _read(self, models: set[str], task: asyncio.Task[None]) -> None:
+        for m in models:
+            if self._reading.get(m) is task:
+                del self._reading[m]
 
     async def run(self, interval: float) -> None:
         """Read every replica in the table forever (cancel to stop); nothing while it is empty."""
@@ -117,6 +140,5 @@ class LoadReader:
             await asyncio.sleep(interval)
 
 
-READ_NOW_EVERY = 0.25  # seconds
+READ_NOW_EVERY = 1.0  # seconds: as often again as the poll, at most
 MAX_ASKED = 4096  # models whose last on-demand reading is remembered
-

@@ -46,7 +46,7 @@ class Upstream:
 
     __slots__ = ("endpoint", "replica_id", "model", "url", "origin", "heads", "weight", "inflight", "external",
                  "engine_load", "cooldown_until", "failures", "prefixes", "prefix_totals", "engine",
-                 "engine_tokens")
+                 "engine_tokens", "read_stamp")
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.replica_id = endpoint.replica_id
@@ -60,6 +60,9 @@ class Upstream:
         self.engine_load: tuple[int, int] | None = None  # (running, waiting) as the engine last said
         # (prompt, generated) tokens its engine counted since it started, as last read (None: not read)
         self.engine_tokens: tuple[float | None, float | None] | None = None
+        # Which reading of its engine was applied last (llmgw.router.load): one begun earlier that
+        # answers later is not applied over it (counters read going backwards look like a restart).
+        self.read_stamp = 0
         self.cooldown_until = 0.0  # monotonic time; skipped until then when anything else is left
         self.failures = 0
         self.prefixes: PrefixIndex | None = None  # prompts sent here, for models routed by prefix

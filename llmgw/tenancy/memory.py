@@ -111,8 +111,13 @@ class Limiter:
 
     def set_spent(self, figures: Mapping[tuple[str, str], tuple[float, int]], *, routers: int) -> None:
         """The ledger's figures (tenant, model or "" → period start, tokens used) and how many
-        routers share the limits, as the controller last said."""
-        self._ledger = dict(figures)
+        routers share the limits, as the controller last said. A scope the figures leave out keeps
+        the figure it had: the controller leaves out a budget it has not read yet (a new leader,
+        a store slow to answer), and taking that for "nothing spent" let every router grant the
+        budget again meanwhile."""
+        kept = {k: v for k, v in self._ledger.items() if k in self._scopes}
+        kept.update(figures)
+        self._ledger = kept
         more = max(1, routers) > self.routers
         self.routers = max(1, routers)
         for k, s in self._scopes.items():

@@ -198,3 +198,44 @@ def test_a_forgers_waiting_batches_take_nothing_from_an_honest_one(tmp_path: Pat
         except UsageDeferred:
             pass
     assert charged(store, "web") == 5000 and charged(store, "victim-0") == 0
+
+
+def test_figures_the_store_could_not_give_hold_routers_usage_and_are_not_written_over(tmp_path: Path) -> None:
+    """A controller that could not read the kept figures (the store away at its start or takeover)
+    used to start anew: every engine's whole past was room for routers' rows, and its next save
+    wrote over the kept figures. Routers' batches now wait until the figures are read."""
+    from llmgw.errors import StoreError
+
+    store, ledger, engines, clock = gated(tmp_path)
+    engines["chat-r1"] = ("chat", None, 10_000_000.0)
+    assert ledger.record_usage(UsageBatch("edge-1/p1", 1, (row("web", 9_990_000),)))
+    ledger.save(now=True)
+    away = [True]
+
+    def kept() -> object:
+        if away[0]:
+            raise StoreError("the store does not answer")
+        return store.usage_gate_state()
+
+    writes: list[object] = []
+    again = GatedLedger(store, lambda: dict(engines), models=lambda: MODELS,
+                        state=(kept, lambda figures: writes.append(figures)), clock=clock)
+    forged = UsageBatch("edge-2/p1", 1, (row("victim", 9_000_000),))
+    assert deferred(again, forged) and charged(store, "victim") == 0
+    again.save(now=True)
+    assert writes == []  # the kept figures are not written over with nothing
+    away[0] = False
+    assert deferred(again, forged)  # read now: the forger's rows still find no room
+    assert charged(store, "victim") == 0
+
+
+def test_without_a_catalog_routers_usage_waits_rather_than_being_believed(tmp_path: Path) -> None:
+    """Before a catalog is known (a git restore not done), which models are served is not known:
+    past HOLD a made-up model's rows were believed. They wait for a catalog, however long."""
+    store = Store(tmp_path / "llmgw.db").open()
+    clock = Clock()
+    ledger = GatedLedger(store, lambda: {}, models=lambda: None, clock=clock)
+    made_up = UsageBatch("edge-1/p1", 1, (row("victim", 50_000, model="made-up"),))
+    assert deferred(ledger, made_up)
+    clock.now += 10 * HOLD
+    assert deferred(ledger, made_up) and charged(store, "victim") == 0

@@ -313,3 +313,58 @@ def test_a_controller_that_no_longer_leads_writes_no_record(tmp_path) -> None:
         store.close()
 
     asyncio.run(main())
+
+
+def test_a_restarted_controller_gives_its_ready_replicas_their_start_timeout_from_the_restart(tmp_path) -> None:
+    """Ready replicas kept in the store are probed again after a restart. Their start_timeout
+    counted from when they first became ready (hours before, often), so one probe a busy engine
+    answered late failed them, and every loaded replica was stopped at a controller's restart."""
+    async def main() -> None:
+        from dataclasses import replace
+
+        d, clock = LeasedNodes("ctl-a"), Clock()
+        cat = catalog(sim("chat", min_=1, max_=1))
+        await first_life(d, tmp_path, cat, clock)
+        store = Store(tmp_path / "a.db").open()
+        store.save_replicas(tuple(replace(r, state=ReplicaState.READY) for r in store.replicas()))
+        clock.now += 10 * ReconcilerConfig().start_timeout  # restarted much later
+        rec = controller(d, store, cat, "ctl-a", clock)
+        await rec.start(loop=False)
+        await ticks(rec, clock)  # each probe refused (nothing listens on the fake's ports): not ready yet
+        assert [(r.state, r.adopted) for r in rec.replicas.values()] == [(ReplicaState.STARTING, True)], \
+            kinds(store, "replica-failed")
+        await rec.close()
+        store.close()
+
+    asyncio.run(main())
+
+
+def test_a_drain_found_at_a_restart_is_not_ended_before_routers_could_report(tmp_path) -> None:
+    """A new leader (or a restarted controller) finds a replica draining. Its first tick comes
+    before any router has reported to it: no report is not no requests. While its engine cannot be
+    read idle, the drain is held until the routers had time to report (REPORTS_SETTLE); it used to
+    be stopped at once, cutting its clients' streams."""
+    async def main() -> None:
+        from dataclasses import replace
+
+        from llmgw.reconciler.reconciler import REPORTS_SETTLE
+
+        d, clock = LeasedNodes("ctl-a"), Clock()
+        cat = catalog(sim("chat", min_=1, max_=1))
+        before = await first_life(d, tmp_path, cat, clock)
+        store = Store(tmp_path / "a.db").open()
+        store.save_replicas(tuple(replace(r, state=ReplicaState.STOPPING, state_since=clock.now)
+                                  for r in store.replicas()))
+        rec = controller(d, store, cat, "ctl-a", clock)
+        await rec.start(loop=False)
+        started = clock.now
+        await ticks(rec, clock)  # its engine cannot be read (nothing listens on the fake's port): not idle
+        assert [r.state for r in rec.replicas.values() if r.id == "chat-g1"] == [ReplicaState.STOPPING]
+        assert d.pids()["chat-g1.r0"] == before["chat-g1.r0"]  # its engine still runs (a new one beside it)
+        clock.now = started + REPORTS_SETTLE + 1  # no router said it has requests there: drained
+        await ticks(rec, clock, 2)
+        assert "chat-g1" not in rec.replicas and "chat-g1.r0" not in d.pids()
+        await rec.close()
+        store.close()
+
+    asyncio.run(main())

@@ -112,3 +112,35 @@ def test_a_replica_whose_port_another_process_listens_on_is_started_again() -> N
     assert failed.state == ReplicaState.FAILED
     assert "port 39001 on a is shared with 1 socket(s) of another process" in (failed.error or "")
     assert [(k, s) for k, s, _m in events.said] == [("replica-failed", "m-g1")]
+
+
+def test_an_engine_is_not_taken_for_gone_on_a_report_from_before_it_started() -> None:
+    """A node whose poll failed keeps its last report, which may be from before the engine
+    started: the poll's own time said fresh, and a loading engine was failed as gone (its node
+    answered again, and it was stopped) because one SSH call timed out. Gone means the node said
+    so in an answer asked for after the engine started."""
+    from llmgw.inventory import Inventory
+    from llmgw.reconciler.config import ReconcilerConfig
+    from llmgw.reconciler.lifecycle import Lifecycle
+    from tests.placement.fleet import node
+
+    class Events:
+        def add_event(self, kind: str, subject: str, message: str) -> None:
+            pass
+
+        def weight_digests(self) -> dict[str, str]:
+            return {}
+
+    from llmgw.decide.replica import ShardStatus
+
+    shard = ShardStatus("a", 0, (0,), "m-g1", pid=4242, port=39001, endpoint="http://127.0.0.1:39001", state="started")
+    starting = replace(replica("m-g1", state=ReplicaState.STARTING, shards=(shard,)), state_since=100.0)
+    before = node("a")  # its report lists no engine: asked at 50, before the start at 100
+    life = Lifecycle(None, None, Events(), ReconcilerConfig(), clock=lambda: 0.0)  # type: ignore[arg-type]
+    timed_out = replace(before, last_seen=50.0, unreachable_since=120.0)
+    assert life.observe(starting, Inventory({"a": timed_out}, 130.0), 130.0) == starting
+    # Answered (and asked) before the start, polled since without an answer recorded yet: not gone.
+    assert life.observe(starting, Inventory({"a": replace(before, last_seen=50.0)}, 130.0), 130.0) == starting
+    # Asked after the start, and it knows no such engine: gone.
+    gone = life.observe(starting, Inventory({"a": replace(before, last_seen=110.0)}, 130.0), 130.0)
+    assert gone.state == ReplicaState.FAILED and "is gone (pid 4242)" in (gone.error or "")

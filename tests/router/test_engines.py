@@ -218,3 +218,54 @@ async def test_an_engine_read_at_once_is_read_for_its_model_alone_and_not_more_t
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+async def test_a_reading_that_answers_after_a_later_one_is_not_applied_over_it() -> None:
+    """The poll reads every replica together and applies their answers when the slowest has come;
+    a read at once of one model meanwhile is newer. Applied after it, the poll's older counter
+    would go backwards, which reads as an engine restarted: the usage gate counted the engine's
+    whole past again (a review found an allowance doubled this way)."""
+    import aiohttp
+
+    from llmgw.contract import Endpoint
+    from llmgw.router.load import LoadReader
+    from llmgw.router.table import EndpointTable
+
+    served = {"fast": 0, "slow": 0}
+    slow_gate = asyncio.Event()
+
+    def engine(name: str) -> web.Application:
+        async def metrics(_request: web.Request) -> web.Response:
+            served[name] += 1
+            if name == "slow":
+                await slow_gate.wait()
+            return web.Response(text=f"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+                                     f"vllm:generation_tokens_total {1000 * served[name]}\n")
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        return app
+
+    runners, ups = [], {}
+    for name in ("fast", "slow"):
+        runner = web.AppRunner(engine(name))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        ups[name] = Upstream(Endpoint(f"{name}-r1", name, (name,), f"http://127.0.0.1:{runner.addresses[0][1]}",
+                                      "sim", "p", 0))
+    table = EndpointTable({}, {u.replica_id: u for u in ups.values()}, version=1)
+    try:
+        async with aiohttp.ClientSession() as session:
+            reader = LoadReader(lambda: table, session)
+            poll = asyncio.create_task(reader.read(list(ups.values())))  # fast answers 1000, slow hangs
+            while served["fast"] < 1 or served["slow"] < 1:
+                await asyncio.sleep(0.01)
+            await reader.read_now({"fast"})  # 2000, applied at once
+            assert ups["fast"].engine_tokens == (None, 2000.0)
+            slow_gate.set()
+            await poll
+            assert ups["fast"].engine_tokens == (None, 2000.0)  # the poll's 1000 came later: not applied
+            assert ups["slow"].engine_tokens == (None, 1000.0)
+    finally:
+        for runner in runners:
+            await runner.cleanup()

@@ -270,10 +270,12 @@ def test_hub_merges_reports_and_forgets_silent_routers() -> None:
     assert hub.last_used() == {"a": 7.0, "b": 9.0}
     assert hub.demand() == {"m": Demand(held=1, inflight=5), "n": Demand(held=0, inflight=1)}
     clock.now += 15
-    assert hub.last_used() == {"a": 7.0} and set(hub.routers()) == {"r2"}
+    # r1 is gone, its demand with it; the last use it said stays true (b was used at 9): forgotten,
+    # replicas served through routers cut off from the controller read as unused, and were idled.
+    assert hub.last_used() == {"a": 7.0, "b": 9.0} and set(hub.routers()) == {"r2"}
     merged = MergedUsage(hub, hub)
     assert merged.demand() == {"m": Demand(held=0, inflight=6), "n": Demand(held=0, inflight=2)}
-    assert merged.last_used() == {"a": 7.0}
+    assert merged.last_used() == {"a": 7.0, "b": 9.0}
 
 
 def test_hub_publishes_only_changes_and_only_once_primed() -> None:

@@ -452,3 +452,54 @@ async def test_a_batch_past_the_last_engine_reading_is_recorded_even_as_its_rout
     finally:
         await runner.cleanup()
         store.close()
+
+
+async def test_a_router_whose_batches_never_fit_gets_the_engines_read_once_per_batch_and_second_at_most(
+        tmp_path: Path) -> None:
+    """Reading the engines at once for a held batch is what spares honest routers' batches a wait;
+    a router sending batch after batch the engines never counted must not turn it into an engine
+    reading per report: once per batch (sent again, it waits for the poll), and for one router
+    at most once per second of the controller's clock (held still here)."""
+    import aiohttp
+
+    from tests.control.test_feed_replica_stats import Clock
+
+    store = Store(tmp_path / "llmgw.db").open()
+    clock = Clock()
+    hub = FeedHub(keepalive=0.2, clock=clock)
+    hub.set_catalog(CATALOG)
+    reads: list[list[str]] = []
+
+    async def read_engines(models: object) -> None:
+        reads.append(sorted(models))  # type: ignore[call-overload]
+
+    hub.ledger = GatedLedger(store, lambda: {"chat-g1": ("chat", 0.0, 0.0)}, models=lambda: {"chat"}, clock=clock)
+    hub.read_engines = read_engines
+    port = free_port()
+    runner = await serve(make_app(hub, TOKEN), port)
+
+    async def report(s: aiohttp.ClientSession, process: int) -> bool:
+        """A batch as a new process of the router would send it; whether it waits."""
+        row = {"minute": 60, "tenant": "search", "key": "web", "model": "chat", "requests": 1,
+               "completion_tokens": 10 ** 6}
+        batch = {"instance": f"forger/p{process}", "seq": 1, "rows": [row]}
+        async with s.post(f"http://127.0.0.1:{port}{REPORT_PATH}", json={"router_id": "forger", "usage": batch}) as r:
+            assert r.status == 200
+            return (await r.json()).get("usage_waiting") == 1
+
+    try:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as s:
+            assert await report(s, 1) and reads == [["chat"]]
+            for _ in range(5):
+                assert await report(s, 1)  # the same batch again: no reading
+            assert len(reads) == 1
+            clock.now += 0.5
+            assert await report(s, 2)  # another batch (a new process) within the second: none
+            assert len(reads) == 1
+            clock.now += 0.6
+            assert await report(s, 3) and len(reads) == 2
+            assert await report(s, 3) and len(reads) == 2
+    finally:
+        await runner.cleanup()
+    assert not totals(store).get("requests")
+    store.close()
