@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
@@ -174,50 +174,62 @@ async def test_a_reading_that_cannot_be_applied_is_counted_each_time_and_logged_
     assert all(u is up for u in odd) and up.engine_load == (1, 0)
 
 
-async def test_an_engine_read_at_once_is_read_for_its_model_alone_and_not_more_than_a_few_times_a_second() -> None:
-    """The usage gate asks for a fresh reading of a model's engines before it holds a router's batch:
-    only that model's replicas are read, and a router whose batches never fit cannot make the
-    controller read an engine on every report (READ_NOW_EVERY apart at most)."""
-    import aiohttp
-
+@asynccontextmanager
+async def metrics_engines(answer: Callable[[str], Awaitable[str]], names: tuple[str, ...]
+                          ) -> AsyncIterator[dict[str, Upstream]]:
+    """One real HTTP engine per name whose ``/metrics`` is ``answer(name)``, and an Upstream of
+    model ``name`` for each (the table's replicas)."""
     from llmgw.contract import Endpoint
-    from llmgw.router.load import READ_NOW_EVERY, LoadReader
-    from llmgw.router.table import EndpointTable
-
-    served: list[str] = []
 
     def engine(name: str) -> web.Application:
         async def metrics(_request: web.Request) -> web.Response:
-            served.append(name)
-            return web.Response(text=f"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
-                                     f"vllm:generation_tokens_total {10 * served.count(name)}\n")
+            return web.Response(text=await answer(name))
         app = web.Application()
         app.router.add_get("/metrics", metrics)
         return app
 
     runners, ups = [], {}
-    for name in ("a", "b"):
-        runner = web.AppRunner(engine(name))
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        ups[name] = Upstream(Endpoint(f"{name}-r1", name, (name,), f"http://127.0.0.1:{runner.addresses[0][1]}",
-                                      "sim", "p", 0))
-    table = EndpointTable({}, {u.replica_id: u for u in ups.values()}, version=1)
     try:
-        async with aiohttp.ClientSession() as session:
-            reader = LoadReader(lambda: table, session)
-            await reader.read_now({"a"})
-            assert served == ["a"] and ups["a"].engine_tokens is not None and ups["b"].engine_tokens is None
-            for _ in range(20):
-                await reader.read_now({"a"})
-            assert served == ["a"]  # asked again at once: the reading just made stands
-            await asyncio.sleep(READ_NOW_EVERY)
-            await reader.read_now({"a", "b"})
-            assert sorted(served) == ["a", "a", "b"]
+        for name in names:
+            runner = web.AppRunner(engine(name))
+            runners.append(runner)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            ups[name] = Upstream(Endpoint(f"{name}-r1", name, (name,), f"http://127.0.0.1:{runner.addresses[0][1]}",
+                                          "sim", "p", 0))
+        yield ups
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+async def test_an_engine_read_at_once_is_read_for_its_model_alone_and_not_more_than_once_a_second() -> None:
+    """The usage gate asks for a fresh reading of a model's engines before it holds a router's batch:
+    only that model's replicas are read, and a router whose batches never fit cannot make the
+    controller read an engine on every report (READ_NOW_EVERY apart at most)."""
+    import aiohttp
+
+    from llmgw.router.load import READ_NOW_EVERY, LoadReader
+    from llmgw.router.table import EndpointTable
+
+    served: list[str] = []
+
+    async def answer(name: str) -> str:
+        served.append(name)
+        return (f"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+                f"vllm:generation_tokens_total {10 * served.count(name)}\n")
+
+    async with metrics_engines(answer, ("a", "b")) as ups, aiohttp.ClientSession() as session:
+        table = EndpointTable({}, {u.replica_id: u for u in ups.values()}, version=1)
+        reader = LoadReader(lambda: table, session)
+        await reader.read_now({"a"})
+        assert served == ["a"] and ups["a"].engine_tokens is not None and ups["b"].engine_tokens is None
+        for _ in range(20):
+            await reader.read_now({"a"})
+        assert served == ["a"]  # asked again at once: the reading just made stands
+        await asyncio.sleep(READ_NOW_EVERY)
+        await reader.read_now({"a", "b"})
+        assert sorted(served) == ["a", "a", "b"]
 
 
 async def test_a_reading_that_answers_after_a_later_one_is_not_applied_over_it() -> None:
@@ -227,45 +239,29 @@ async def test_a_reading_that_answers_after_a_later_one_is_not_applied_over_it()
     whole past again (a review found an allowance doubled this way)."""
     import aiohttp
 
-    from llmgw.contract import Endpoint
     from llmgw.router.load import LoadReader
     from llmgw.router.table import EndpointTable
 
     served = {"fast": 0, "slow": 0}
     slow_gate = asyncio.Event()
 
-    def engine(name: str) -> web.Application:
-        async def metrics(_request: web.Request) -> web.Response:
-            served[name] += 1
-            if name == "slow":
-                await slow_gate.wait()
-            return web.Response(text=f"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
-                                     f"vllm:generation_tokens_total {1000 * served[name]}\n")
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        return app
+    async def answer(name: str) -> str:
+        served[name] += 1
+        count = served[name]
+        if name == "slow":
+            await slow_gate.wait()
+        return (f"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+                f"vllm:generation_tokens_total {1000 * count}\n")
 
-    runners, ups = [], {}
-    for name in ("fast", "slow"):
-        runner = web.AppRunner(engine(name))
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        ups[name] = Upstream(Endpoint(f"{name}-r1", name, (name,), f"http://127.0.0.1:{runner.addresses[0][1]}",
-                                      "sim", "p", 0))
-    table = EndpointTable({}, {u.replica_id: u for u in ups.values()}, version=1)
-    try:
-        async with aiohttp.ClientSession() as session:
-            reader = LoadReader(lambda: table, session)
-            poll = asyncio.create_task(reader.read(list(ups.values())))  # fast answers 1000, slow hangs
-            while served["fast"] < 1 or served["slow"] < 1:
-                await asyncio.sleep(0.01)
-            await reader.read_now({"fast"})  # 2000, applied at once
-            assert ups["fast"].engine_tokens == (None, 2000.0)
-            slow_gate.set()
-            await poll
-            assert ups["fast"].engine_tokens == (None, 2000.0)  # the poll's 1000 came later: not applied
-            assert ups["slow"].engine_tokens == (None, 1000.0)
-    finally:
-        for runner in runners:
-            await runner.cleanup()
+    async with metrics_engines(answer, ("fast", "slow")) as ups, aiohttp.ClientSession() as session:
+        table = EndpointTable({}, {u.replica_id: u for u in ups.values()}, version=1)
+        reader = LoadReader(lambda: table, session)
+        poll = asyncio.create_task(reader.read(list(ups.values())))  # fast answers 1000, slow hangs
+        while served["fast"] < 1 or served["slow"] < 1:
+            await asyncio.sleep(0.01)
+        await reader.read_now({"fast"})  # 2000, applied at once
+        assert ups["fast"].engine_tokens == (None, 2000.0)
+        slow_gate.set()
+        await poll
+        assert ups["fast"].engine_tokens == (None, 2000.0)  # the poll's 1000 came later: not applied
+        assert ups["slow"].engine_tokens == (None, 1000.0)
