@@ -310,8 +310,10 @@ class _Judge:
         # Not heard from yet, or its silent holder's lease lapses (llmgw.inventory.becomes_ours).
         return node.state == NodeState.UNKNOWN or becomes_ours(node)
 
-    def _unlike(self, node: Node, e: EngineRecord, rank: int, profile: Profile) -> str | None:
-        """Why the shard is not what its profile runs on what its node reports, or None."""
+    def _unlike(self, node: Node, e: EngineRecord, rank: int, profile: Profile) -> _Wait | str | None:
+        """Why the shard is not what its profile runs on what its node reports, or None; a wait
+        while the node could not read its GPUs (an nvidia-smi that timed out reads as no GPU at all,
+        and its engines were stopped as holding GPUs the node does not have)."""
         if not e.alive:
             return f"rank {rank} on {node.id} has ended (exit code {e.exit_code})"
         if e.engine != shard_engine(profile, rank):
@@ -321,6 +323,8 @@ class _Judge:
         report = node.report
         reported = {gpu.index: gpu for gpu in report.gpus} if report is not None else {}
         unknown = [i for i in e.gpus if i not in reported]
+        if unknown and report is not None and report.gpu_error:
+            return _Wait(f"rank {rank} on {node.id}: its GPUs could not be read ({report.gpu_error})")
         if unknown:
             return f"rank {rank} on {node.id} holds GPUs {unknown} the node does not report"
         if profile.gpu_class and any(reported[i].gpu_class not in profile.gpu_class for i in e.gpus):

@@ -230,6 +230,7 @@ class NodeReport:
     offers: Offers | None = None  # None: an agent older than this report (nothing is checked)
     settings: str | None = None  # a digest of the node's config: it changes when its owner edits it
     peer_port: int | None = None  # where it serves its cache entries to other nodes (None: it does not)
+    gpu_error: str | None = None  # its GPUs could not be read (nvidia-smi failed or timed out): ``gpus`` says nothing
 
     @property
     def cache_fs(self) -> Filesystem | None:
@@ -390,6 +391,7 @@ def _node_from_json(raw: Mapping[str, Any]) -> Node:
             offers=parse_offers(r.get("offers")),
             settings=r.get("settings"),
             peer_port=r.get("peer_port"),
+            gpu_error=r.get("gpu_error"),
         )
     return Node(
         spec=spec, state=NodeState(raw.get("state", "unknown")), report=report,
@@ -473,6 +475,7 @@ def parse_report(raw: Mapping[str, Any]) -> NodeReport:
         offers=parse_offers(raw.get("offers")),
         settings=raw["settings"] if isinstance(raw.get("settings"), str) else None,
         peer_port=raw["peer_port"] if type(raw.get("peer_port")) is int else None,
+        gpu_error=str(raw["gpu_error"])[:500] if raw.get("gpu_error") else None,
     )
 
 

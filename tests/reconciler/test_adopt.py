@@ -221,6 +221,18 @@ def test_a_shard_unlike_its_profile_on_its_node_is_stopped() -> None:
         "chat-g3.r0": "rank 0 on a runs on GPUs of a class its profile does not allow"}
 
 
+def test_an_engine_on_a_node_whose_gpus_could_not_be_read_waits_rather_than_being_stopped() -> None:
+    """nvidia-smi that timed out reads as no GPU at all: the engine was stopped as holding GPUs the
+    node does not have. While the node says it could not read them, adoption waits."""
+    blind = held("a", engine("chat-g3", gpus=(0,)))
+    assert blind.report is not None
+    blind = replace(blind, report=replace(blind.report, gpus=(), gpu_error="nvidia-smi did not answer within 15s"))
+    result = run(inv(blind))
+    assert result.stop == () and result.adopt == ()
+    ((rid, why),) = result.waiting
+    assert rid == "chat-g3" and "its GPUs could not be read (nvidia-smi did not answer within 15s)" in why
+
+
 def test_gpus_another_replica_holds_are_not_adopted_twice() -> None:
     result = run(inv(held("a", engine("chat-g3", gpus=(0,)))), [record("chat-g1", "a", gpu=0)])
     assert reasons(result) == {"chat-g3.r0": "rank 0 on a holds GPUs [0] that another replica holds"}
