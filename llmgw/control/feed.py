@@ -341,7 +341,10 @@ class FeedHub:
         cutoff = self.clock() - self.report_ttl
         for rid in [rid for rid, r in self._reports.items() if r.at < cutoff]:
             gone = self._reports.pop(rid)  # a router that stopped reporting is gone: its demand with it
-            for replica, t in gone.last_used.items():
+            for replica, said in gone.last_used.items():
+                # Not past its report's time: a time ahead (a forged one, a skewed clock) kept here
+                # would hold the replica "used" long after its router went quiet.
+                t = min(said, gone.at)
                 if t > self._used_before.get(replica, 0.0):
                     self._used_before.pop(replica, None)
                     self._used_before[replica] = t  # most recently used last: the oldest are forgotten first

@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 LEAVE_WAIT = 10.0
 LEAVE_RETRY = 0.25
 LEAVE_REPORTS = 60
+LEAVE_UNMOVED = 4  # reports in a row neither taken nor held after which a stopping router gives up
 
 
 class WatchRefused(LlmgwError):
@@ -167,6 +168,7 @@ class FeedClient:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + LEAVE_WAIT
             sent: tuple[str, bool] | None = None
+            unmoved = 0  # reports in a row that neither took nor held the batch
             for _ in range(LEAVE_REPORTS):
                 if not outbox.pending or loop.time() >= deadline:
                     break
@@ -175,10 +177,11 @@ class FeedClient:
                 if sent is None:
                     break
                 took, waits = sent
-                if waits:
-                    await asyncio.sleep(LEAVE_RETRY)
-                elif outbox.take() is carried:
-                    break  # neither taken nor held (an older controller, its store away): no more tries
+                unmoved = 0 if waits or outbox.take() is not carried else unmoved + 1
+                if unmoved >= LEAVE_UNMOVED:
+                    break  # an older controller that never says, or a store that stays away
+                if waits or unmoved:
+                    await asyncio.sleep(LEAVE_RETRY)  # held, or its store failed once (a locked database)
             # Gone, said once: the controller stops waiting on this router for drains (else it
             # would count it as "may still send a withdrawn replica one" until its report aged).
             try:

@@ -276,6 +276,12 @@ def test_hub_merges_reports_and_forgets_silent_routers() -> None:
     merged = MergedUsage(hub, hub)
     assert merged.demand() == {"m": Demand(held=0, inflight=6), "n": Demand(held=0, inflight=2)}
     assert merged.last_used() == {"a": 7.0, "b": 9.0}
+    # A time ahead of its report (forged, or a skewed clock) is kept only as far as the report's own
+    # time: it would hold the replica "used" long after its router went quiet.
+    hub._reports["r3"] = Report(clock.now, {"c": clock.now + 10 ** 9}, {}, {}, {}, {}, None)
+    said_at = clock.now
+    clock.now += 31
+    assert hub.last_used()["c"] == said_at
 
 
 def test_hub_publishes_only_changes_and_only_once_primed() -> None:

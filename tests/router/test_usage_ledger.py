@@ -503,3 +503,46 @@ async def test_a_router_whose_batches_never_fit_gets_the_engines_read_once_per_b
         await runner.cleanup()
     assert not totals(store).get("requests")
     store.close()
+
+
+async def test_a_stopping_router_sends_its_last_batch_again_past_a_store_error_or_two(
+        chat_sim: SimProcess, tmp_path: Path) -> None:
+    """A store that fails once (a locked database on a busy machine) answers a report without
+    taking its batch; a router stopping right then tries again a few times instead of losing it."""
+    from llmgw.router.follow import FeedClient
+
+    store = Store(tmp_path / "llmgw.db").open()
+
+    class FailsTwice(StoreAway):
+        def record_usage(self, batch: UsageBatch) -> None:
+            if self.failed >= 2:
+                self.back.set()
+            super().record_usage(batch)
+
+    flaky = FailsTwice(store)
+    hub = FeedHub(keepalive=0.2)
+    hub.ledger = flaky  # type: ignore[assignment]
+    hub.set_catalog(CATALOG)
+    hub.set_endpoints([endpoint("chat", chat_sim.endpoint)])
+    router = Router(keys=KEYS, config=RouterConfig())
+    port = free_port()
+    runner = await serve(make_app(hub, TOKEN), port)
+    sent = [0, 0]
+    try:
+        async with serving(router) as base, client(base, "sk-web") as c:
+            # Reports an hour apart: the stop is what sends the usage.
+            feed = FeedClient(router, f"http://127.0.0.1:{port}", TOKEN, router_id="r1", report_interval=3600)
+            await feed.start()
+            try:
+                await until(lambda: router.table.has("chat"))
+                for i in range(3):
+                    p, n = await ask(c, stream=i % 2 == 0)
+                    sent[0], sent[1] = sent[0] + p, sent[1] + n
+            finally:
+                await feed.close()
+        got = totals(store)
+        assert flaky.failed == 2
+        assert (got["requests"], got["prompt_tokens"], got["completion_tokens"]) == (3, *sent)
+    finally:
+        await runner.cleanup()
+        store.close()
