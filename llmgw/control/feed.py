@@ -42,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from llmgw import jsonbody
 from llmgw.access.roles import Principal
 from llmgw.access.web import PRINCIPAL
+from llmgw.bounded import remember
 from llmgw.catalog import Catalog
 from llmgw.contract import (
     KEEPALIVE,
@@ -346,10 +347,7 @@ class FeedHub:
                 # would hold the replica "used" long after its router went quiet.
                 t = min(said, gone.at)
                 if t > self._used_before.get(replica, 0.0):
-                    self._used_before.pop(replica, None)
-                    self._used_before[replica] = t  # most recently used last: the oldest are forgotten first
-            for old in list(self._used_before)[:max(0, len(self._used_before) - MAX_USED_BEFORE)]:
-                del self._used_before[old]
+                    remember(self._used_before, replica, t, MAX_USED_BEFORE)  # most recently used last
         return list(self._reports.values())
 
     # --- leading or standing by (DESIGN §5) ------------------------------------------------
@@ -562,7 +560,6 @@ class FeedHub:
         answer.update(self.spent())  # with its own batch in them
         return web.json_response(answer)
 
-
     async def _record(self, batch: UsageBatch, router_id: str, principal: Principal | None) -> None:
         """Record ``batch`` in the ledger, or :class:`UsageDeferred` when it waits for the engines'
         counts. A batch that starts to wait has its models' engines read at once and is tried
@@ -577,10 +574,7 @@ class FeedHub:
             if (self.read_engines is None or not waiting.first
                     or now - self._read_for.get(router_id, -READ_FOR_EVERY) < READ_FOR_EVERY):
                 raise
-            self._read_for.pop(router_id, None)
-            self._read_for[router_id] = now
-            for old in list(self._read_for)[:max(0, len(self._read_for) - MAX_ROUTERS)]:
-                del self._read_for[old]
+            remember(self._read_for, router_id, now, MAX_ROUTERS)
             await self.read_engines(waiting.models)
             # Read again after the wait: a controller that stopped leading meanwhile, or a credential
             # revoked meanwhile, records nothing (the router sends it to whoever leads).

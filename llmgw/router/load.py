@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection
 
 import aiohttp
 
+from llmgw.bounded import remember
 from llmgw.engines.health import LOAD_METRICS, Load, read_load
 from llmgw.router.table import EndpointTable, Upstream
 
@@ -113,10 +114,7 @@ class LoadReader:
         due = {m for m in models
                if m not in self._reading and now - self._asked.get(m, -READ_NOW_EVERY) >= READ_NOW_EVERY}
         for m in due:
-            self._asked.pop(m, None)
-            self._asked[m] = now
-        for old in list(self._asked)[:max(0, len(self._asked) - MAX_ASKED)]:
-            del self._asked[old]
+            remember(self._asked, m, now, MAX_ASKED)
         ups = [u for u in self.table().upstreams.values() if u.model in due]
         if ups:
             task = loop.create_task(self.read(ups), name="engine-read-now")
